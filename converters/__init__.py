@@ -1,0 +1,1 @@
+"""Weight mappings from role-keyed MTP weights into drafter formats (EAGLE, EAGLE-3, Medusa)."""

@@ -1,0 +1,1 @@
+"""Frozen-target self-distillation of converted drafters."""

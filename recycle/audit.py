@@ -1,0 +1,277 @@
+"""Audit of a checkpoint's MTP weights: layout, shapes, dtypes, FP8 scales and (optionally) health.
+
+Everything but `--stats` works on safetensors headers alone, so auditing a 690 GB checkpoint reads a
+few megabytes. Findings carry a severity and a stable code that scripts can match on:
+
+  mtp_declared_missing  config declares MTP modules that are not stored (MiniMax-M2, merged fine-tunes)
+  mtp_undeclared        MTP modules are stored but the config does not declare them
+  role_missing          a module lacks a tensor its family requires
+  shared_copy_absent    the module stores no embedding/head copy (it must come from the trunk, or is missing)
+  shape_mismatch        a tensor's shape disagrees with config (hidden size, vocab, experts)
+  fp8_scale_shape       an FP8 weight has no `weight_scale_inv`, or one of the wrong shape
+  nan_or_inf            (--stats) a tensor holds NaN or ±inf
+  all_zero              (--stats) a weight is entirely zero
+  unknown_layout        MTP-looking tensors that fit no role of the family
+  already_drafter       the checkpoint is a drafter already (Gemma 4 assistant), nothing to extract
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from recycle.checkpoint import Checkpoint, expected_scale_shape
+from recycle.families import SHARED_ROLES, MTPMatch, MTPModule, eval_shape, match
+
+SEVERITIES = ("error", "warning", "info")
+NORM_ROLES = ("embed_norm", "hidden_norm", "final_norm")
+MTP_LOOKING = re.compile(r"(^|\.)(mtp|nextn|eh_proj|enorm|hnorm|shared_head|extra_heads)")
+
+
+@dataclass
+class Finding:
+    severity: str  # "error" | "warning" | "info"
+    code: str
+    message: str
+    tensor: str | None = None
+
+
+@dataclass
+class TensorStats:
+    """Health of one tensor, on dequantized values for FP8."""
+
+    name: str
+    role: str
+    dtype: str
+    shape: list[int]
+    finite: bool
+    all_zero: bool
+    rms: float
+    norm: dict | None = None  # norm weights: mean/std/min/max of the effective scale
+
+
+@dataclass
+class Report:
+    path: str
+    family: str | None
+    family_title: str | None
+    kind: str | None
+    architecture: str | None
+    model_type: str | None
+    declared: int
+    modules: list[dict]
+    params_total: int
+    params_mtp: int
+    bytes_mtp: int
+    shards_count: int
+    shards_bytes_total: int
+    tensors_total: int
+    fp8_tensors: int
+    findings: list[Finding] = field(default_factory=list)
+    stats: list[TensorStats] | None = None
+
+    def add(self, severity: str, code: str, message: str, tensor: str | None = None) -> None:
+        self.findings.append(Finding(severity, code, message, tensor))
+
+    @property
+    def worst(self) -> str | None:
+        levels = {f.severity for f in self.findings}
+        return next((s for s in SEVERITIES if s in levels), None)
+
+    def to_json(self) -> dict:
+        """The `recycle inspect --json` object (schema documented in README.md)."""
+        return {
+            "path": self.path,
+            "family": self.family,
+            "family_title": self.family_title,
+            "kind": self.kind,
+            "architecture": self.architecture,
+            "model_type": self.model_type,
+            "mtp": {"declared": self.declared, "found": len(self.modules), "modules": self.modules},
+            "params": {"total": self.params_total, "mtp": self.params_mtp},
+            "bytes": {"mtp": self.bytes_mtp},
+            "tensors": {"total": self.tensors_total, "fp8": self.fp8_tensors},
+            "shards": {"count": self.shards_count, "bytes_total": self.shards_bytes_total},
+            "findings": [asdict(f) for f in self.findings],
+            "stats": None if self.stats is None else [asdict(s) for s in self.stats],
+        }
+
+
+def _role_of(module: MTPModule, name: str) -> str:
+    return next((r for r, ns in module.roles.items() if name in ns), "block")
+
+
+def _module_summary(ckpt: Checkpoint, m: MTPMatch, mod: MTPModule) -> dict:
+    names = mod.names
+    return {
+        "index": mod.index,
+        "prefix": mod.prefix,
+        "roles": {r: list(ns) for r, ns in mod.roles.items()},
+        "shared": dict(mod.shared),
+        "tensors": len(names),
+        "params": ckpt.params(names),
+        "bytes": ckpt.nbytes(names),
+        "dtypes": dict(Counter(ckpt.tensors[n].dtype for n in names)),
+        "fp8": sum(ckpt.tensors[n].is_fp8 for n in names),
+        "concat_order": m.family.concat_order,
+        "norm": m.family.norm,
+    }
+
+
+def _check_modules(ckpt: Checkpoint, m: MTPMatch, rep: Report) -> None:
+    fam = m.family
+    dims = m.dims()
+    found = len(m.modules)
+    if m.declared and not found:
+        rep.add("error", "mtp_declared_missing",
+                f"config declares {m.declared} MTP module(s) but no MTP tensors are stored")
+    elif found < m.declared:
+        rep.add("warning", "mtp_declared_missing", f"config declares {m.declared} MTP module(s), {found} stored")
+    elif found > m.declared and fam.kind != "drafter":
+        rep.add("warning", "mtp_undeclared",
+                f"{found} MTP module(s) stored but config declares {m.declared} "
+                f"({'/'.join(fam.depth_keys) or 'no depth key'}); engines will ignore them")
+    if fam.kind == "drafter":
+        rep.add("info", "already_drafter", f"{fam.title}: already a drafter; convert has nothing to extract")
+
+    # A role is required when the family names it and the trunk cannot stand in for it.
+    required = [r for r in fam.roles if not fam.trunk.get(r)] + ["block"]
+    for mod in m.modules:
+        for role in required:
+            if role not in mod.roles:
+                rep.add("error", "role_missing", f"module {mod.index} has no '{role}' tensor")
+        for role in SHARED_ROLES:
+            if role in mod.roles or not fam.trunk.get(role):
+                continue
+            trunk = mod.shared.get(role)
+            if trunk is None:
+                rep.add("error", "shared_copy_absent",
+                        f"module {mod.index} stores no {role} and the trunk has none either "
+                        f"(looked for {', '.join(fam.trunk[role])})")
+            elif role in fam.stores_copies:
+                rep.add("warning", "shared_copy_absent",
+                        f"module {mod.index} stores no {role} copy; engines must take the trunk's {trunk}")
+        # role shapes
+        for role, spec in fam.shapes.items():
+            name = mod.tensor(role)
+            if name is None or name not in ckpt.tensors:
+                continue
+            want = eval_shape(spec, dims)
+            got = ckpt.tensors[name].shape
+            if want is not None and tuple(got) != want:
+                rep.add("error", "shape_mismatch",
+                        f"{name}: shape {list(got)}, expected {list(want)} ({role}: {' x '.join(spec)} from config)", name)
+        # block shapes and expert count
+        block = mod.block_names()
+        for rel, name in block.items():
+            for suffix, spec in fam.block_shapes.items():
+                if rel == suffix or rel.endswith("." + suffix):
+                    want = eval_shape(spec, dims)
+                    got = ckpt.tensors[name].shape
+                    if want is not None and tuple(got) != want:
+                        rep.add("error", "shape_mismatch",
+                                f"{name}: shape {list(got)}, expected {list(want)} from config", name)
+        experts = {int(x) for rel in block for x in re.findall(r"experts\.(\d+)\.", rel)}
+        if experts and "E" in dims and len(experts) != dims["E"]:
+            rep.add("error", "shape_mismatch",
+                    f"module {mod.index} stores {len(experts)} routed experts, config says {dims['E']}")
+        # FP8 scales
+        block_size = ckpt.block_size()
+        for name in mod.names:
+            info = ckpt.tensors[name]
+            if not info.is_fp8:
+                continue
+            scale = ckpt.scale_for(name)
+            if scale is None:
+                rep.add("error", "fp8_scale_shape", f"{name}: FP8 weight without {name}_scale_inv", name)
+            elif len(info.shape) >= 2 and tuple(scale.shape) != expected_scale_shape(info.shape, block_size):
+                rep.add("error", "fp8_scale_shape",
+                        f"{scale.name}: shape {list(scale.shape)}, expected "
+                        f"{list(expected_scale_shape(info.shape, block_size))} for {list(info.shape)} "
+                        f"in {block_size[0]}x{block_size[1]} blocks", scale.name)
+
+    claimed = set(m.mtp_names)
+    stray = [n for n in ckpt.tensors if n not in claimed and MTP_LOOKING.search(n)]
+    if stray:
+        rep.add("warning", "unknown_layout",
+                f"{len(stray)} MTP-looking tensor(s) fit no role of {fam.name}: {', '.join(stray[:3])}"
+                + (" ..." if len(stray) > 3 else ""), stray[0])
+
+
+def _tensor_stats(ckpt: Checkpoint, name: str, role: str, norm_style: str) -> TensorStats:
+    info = ckpt.tensors[name]
+    n = 0
+    sq = 0.0
+    finite = True
+    zero = True
+    mn = mx = None
+    s1 = s2 = 0.0
+    is_norm = role in NORM_ROLES or (len(info.shape) == 1 and name.endswith("norm.weight"))
+    for chunk in ckpt.iter_chunks(name):
+        chunk = chunk.float()
+        ok = chunk.isfinite()
+        finite = finite and bool(ok.all())
+        zero = zero and bool((chunk == 0).all())
+        vals = chunk[ok].double()
+        n += vals.numel()
+        sq += float((vals * vals).sum())
+        if is_norm and vals.numel():
+            eff = vals + 1 if norm_style == "1+w" else vals
+            s1 += float(eff.sum())
+            s2 += float((eff * eff).sum())
+            mn = float(eff.min()) if mn is None else min(mn, float(eff.min()))
+            mx = float(eff.max()) if mx is None else max(mx, float(eff.max()))
+    rms = math.sqrt(sq / n) if n else float("nan")
+    norm = None
+    if is_norm and n:
+        mean = s1 / n
+        norm = {"mean": mean, "std": math.sqrt(max(0.0, s2 / n - mean * mean)), "min": mn, "max": mx,
+                "convention": norm_style}
+    return TensorStats(name, role, info.dtype, list(info.shape), finite, zero, rms, norm)
+
+
+def inspect_checkpoint(
+    path: str | Path, stats: bool = False, progress: Callable[[int, int], None] | None = None
+) -> Report:
+    """Audit a checkpoint directory. Reads headers only unless `stats` is set (then only MTP tensors)."""
+    ckpt = Checkpoint(path)
+    m = match(ckpt)
+    archs = ckpt.config.get("architectures") or []
+    rep = Report(
+        path=str(ckpt.path),
+        family=m.family.name,
+        family_title=m.family.title,
+        kind=m.family.kind,
+        architecture=archs[0] if archs else None,
+        model_type=ckpt.config.get("model_type"),
+        declared=m.declared,
+        modules=[_module_summary(ckpt, m, mod) for mod in m.modules],
+        params_total=ckpt.params(),
+        params_mtp=ckpt.params(m.mtp_names),
+        bytes_mtp=ckpt.nbytes(m.mtp_names),
+        shards_count=len(ckpt.files),
+        shards_bytes_total=ckpt.bytes_total,
+        tensors_total=len(ckpt.tensors),
+        fp8_tensors=sum(i.is_fp8 for i in ckpt.tensors.values()),
+    )
+    _check_modules(ckpt, m, rep)
+    if stats:
+        rep.stats = []
+        todo = [(mod, n) for mod in m.modules for n in mod.names if not ckpt.tensors[n].is_scale]
+        seen: set[str] = set()
+        todo = [(mod, n) for mod, n in todo if not (n in seen or seen.add(n))]
+        for i, (mod, name) in enumerate(todo):
+            role = _role_of(mod, name)
+            st = _tensor_stats(ckpt, name, role, m.family.norm)
+            rep.stats.append(st)
+            if not st.finite:
+                rep.add("error", "nan_or_inf", f"{name} holds NaN or inf values", name)
+            elif st.all_zero and not name.endswith("bias") and not (st.norm and m.family.norm == "1+w"):
+                rep.add("warning", "all_zero", f"{name} is all zeros (untrained or wiped weights?)", name)
+            if progress:
+                progress(i + 1, len(todo))
+    return rep

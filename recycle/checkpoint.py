@@ -1,0 +1,286 @@
+"""Lazy reader over a checkpoint directory of safetensors shards.
+
+Opening a checkpoint reads `config.json` and every shard's header (through the safetensors
+library), never tensor data; tensors are read one at a time on demand. FP8 block-scaled weights
+(DeepSeek's convention: `W` float8_e4m3fn and `W_scale_inv` float32 of shape
+[ceil(M/b0), ceil(N/b1)], a *multiplier*) are dequantized on request, wherever the scale is stored.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from recycle.errors import RecycleError
+
+# safetensors dtype string → (bytes per element, torch dtype or None when torch has none).
+DTYPES: dict[str, tuple[float, torch.dtype | None]] = {
+    "F64": (8, torch.float64),
+    "F32": (4, torch.float32),
+    "F16": (2, torch.float16),
+    "BF16": (2, torch.bfloat16),
+    "F8_E4M3": (1, torch.float8_e4m3fn),
+    "F8_E5M2": (1, torch.float8_e5m2),
+    "I64": (8, torch.int64),
+    "I32": (4, torch.int32),
+    "I16": (2, torch.int16),
+    "I8": (1, torch.int8),
+    "U8": (1, torch.uint8),
+    "BOOL": (1, torch.bool),
+    "U16": (2, None),
+    "U32": (4, None),
+    "U64": (8, None),
+    "F8_E8M0": (1, None),
+    "F4": (0.5, None),
+    "F6_E2M3": (0.75, None),
+    "F6_E3M2": (0.75, None),
+    "F8_E4M3FNUZ": (1, torch.float8_e4m3fnuz),
+    "F8_E5M2FNUZ": (1, torch.float8_e5m2fnuz),
+    "C64": (8, torch.complex64),
+}
+FP8_DTYPES = frozenset({"F8_E4M3", "F8_E5M2"})
+SCALE_SUFFIX = "_scale_inv"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Header facts about one stored tensor."""
+
+    name: str
+    file: str  # shard file name, relative to the checkpoint directory
+    dtype: str  # safetensors dtype string, e.g. "BF16", "F8_E4M3"
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return math.ceil(self.numel * DTYPES[self.dtype][0])
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.dtype in FP8_DTYPES
+
+    @property
+    def is_scale(self) -> bool:
+        return self.name.endswith(SCALE_SUFFIX)
+
+
+def _load_json(path: Path, what: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        raise RecycleError(f"{path}: no {what} found") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise RecycleError(f"{path}: cannot read {what}: {e}") from None
+    if not isinstance(data, dict):
+        raise RecycleError(f"{path}: {what} is not a JSON object")
+    return data
+
+
+class Checkpoint:
+    """A checkpoint directory: config, shard headers, and tensors on demand.
+
+    Example:
+        ckpt = Checkpoint("fixtures/deepseek_v3_tiny")
+        ckpt.tensors["model.layers.2.eh_proj.weight"].shape
+        w = ckpt.get("model.layers.2.self_attn.o_proj.weight")  # dequantized if FP8
+    """
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        if not self.path.exists():
+            raise RecycleError(f"{self.path}: no such checkpoint directory")
+        if not self.path.is_dir():
+            raise RecycleError(f"{self.path}: not a directory (pass the checkpoint directory)")
+        self.config: dict = _load_json(self.path / "config.json", "config.json")
+        self.index: dict | None = None
+        self.tensors: dict[str, TensorInfo] = {}
+        self._handles: dict[str, object] = {}
+        self.files = self._shard_files()
+        for file in self.files:
+            self._read_header(file)
+        if self.index is not None:
+            self._check_index()
+
+    # -- layout -------------------------------------------------------------------------------
+
+    def _shard_files(self) -> list[str]:
+        index_path = self.path / INDEX_FILE
+        files: set[str] = set()
+        if index_path.exists():
+            self.index = _load_json(index_path, "safetensors index")
+            weight_map = self.index.get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise RecycleError(f"{index_path}: no 'weight_map' object")
+            files = set(weight_map.values())
+            for f in sorted(files):
+                if not (self.path / f).is_file():
+                    raise RecycleError(f"{index_path}: names shard '{f}', which is missing")
+        # Files the index does not list still count (GLM-4.6 ships its MTP in mtp.safetensors).
+        files |= {p.name for p in self.path.glob("*.safetensors")}
+        if not files:
+            raise RecycleError(f"{self.path}: no *.safetensors files")
+        return sorted(files)
+
+    def _open(self, file: str):
+        handle = self._handles.get(file)
+        if handle is None:
+            try:
+                handle = safe_open(str(self.path / file), framework="pt")
+            except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+                msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+                if "unknown variant" in msg:
+                    msg = "unknown dtype " + msg.split("unknown variant")[1].split(",")[0].strip()
+                raise RecycleError(f"{self.path / file}: corrupt or unreadable safetensors ({msg})") from None
+            self._handles[file] = handle
+        return handle
+
+    def _read_header(self, file: str) -> None:
+        handle = self._open(file)  # safetensors itself rejects truncated files and unknown dtypes
+        for name in handle.keys():
+            sl = handle.get_slice(name)
+            dtype = sl.get_dtype()
+            if dtype not in DTYPES:
+                raise RecycleError(f"{self.path / file}: tensor {name} has unknown dtype {dtype}")
+            info = TensorInfo(name, file, dtype, tuple(int(d) for d in sl.get_shape()))
+            if name in self.tensors:
+                raise RecycleError(f"{self.path}: tensor {name} is stored in both {self.tensors[name].file} and {file}")
+            self.tensors[name] = info
+
+    def _check_index(self) -> None:
+        weight_map: dict = self.index["weight_map"]  # type: ignore[index]
+        for name, file in weight_map.items():
+            info = self.tensors.get(name)
+            if info is None:
+                raise RecycleError(f"{self.path / INDEX_FILE}: maps {name} to {file}, which does not hold it")
+            if info.file != file:
+                raise RecycleError(f"{self.path / INDEX_FILE}: maps {name} to {file}, but it is in {info.file}")
+
+    # -- facts --------------------------------------------------------------------------------
+
+    @property
+    def bytes_total(self) -> int:
+        """Bytes on disk over all shard files."""
+        return sum((self.path / f).stat().st_size for f in self.files)
+
+    def params(self, names: Iterable[str] | None = None) -> int:
+        """Parameter count (scale tensors excluded)."""
+        infos = self.tensors.values() if names is None else (self.tensors[n] for n in names)
+        return sum(i.numel for i in infos if not i.is_scale)
+
+    def nbytes(self, names: Iterable[str] | None = None) -> int:
+        infos = self.tensors.values() if names is None else (self.tensors[n] for n in names)
+        return sum(i.nbytes for i in infos)
+
+    def scale_for(self, name: str) -> TensorInfo | None:
+        """The block scale of an FP8 weight, whichever shard holds it."""
+        return self.tensors.get(name + SCALE_SUFFIX)
+
+    def block_size(self) -> tuple[int, int]:
+        q = self.config.get("quantization_config") or {}
+        b = q.get("weight_block_size") or [128, 128]
+        return int(b[0]), int(b[1])
+
+    # -- data ---------------------------------------------------------------------------------
+
+    def raw(self, name: str) -> torch.Tensor:
+        """The tensor exactly as stored."""
+        info = self.tensors.get(name)
+        if info is None:
+            raise RecycleError(f"{self.path}: no tensor named {name}")
+        if DTYPES[info.dtype][1] is None:
+            raise RecycleError(f"{self.path}: tensor {name} has dtype {info.dtype}, which torch cannot read")
+        try:
+            return self._open(info.file).get_tensor(name)
+        except (SafetensorError, OSError, RuntimeError) as e:
+            raise RecycleError(f"{self.path / info.file}: cannot read {name} ({str(e).splitlines()[0]})") from None
+
+    def get(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The tensor's values: FP8 weights dequantized block-wise with their `_scale_inv`."""
+        info = self.tensors.get(name)
+        if info is None:
+            raise RecycleError(f"{self.path}: no tensor named {name}")
+        t = self.raw(name)
+        if info.is_fp8:
+            scale = self.scale_for(name)
+            if scale is None:
+                raise RecycleError(f"{self.path}: FP8 tensor {name} has no {name}{SCALE_SUFFIX}")
+            t = dequantize_fp8(t, self.raw(scale.name), self.block_size())
+            return t.to(dtype or torch.bfloat16)
+        return t if dtype is None else t.to(dtype)
+
+
+    def iter_chunks(self, name: str, max_elements: int = 1 << 24) -> Iterable[torch.Tensor]:
+        """The tensor's float32 values in row chunks, so statistics over a 129k×7k embedding stay small.
+
+        FP8 chunks are aligned to the scale's row blocks and dequantized chunk by chunk.
+        """
+        info = self.tensors.get(name)
+        if info is None:
+            raise RecycleError(f"{self.path}: no tensor named {name}")
+        if len(info.shape) < 2 or info.numel <= max_elements:
+            yield self.get(name, torch.float32)
+            return
+        rows = info.shape[0]
+        step = max(1, max_elements // max(1, info.numel // rows))
+        scale = None
+        block = self.block_size()
+        if info.is_fp8:
+            step = max(block[0], step // block[0] * block[0])
+            scale_info = self.scale_for(name)
+            if scale_info is None:
+                raise RecycleError(f"{self.path}: FP8 tensor {name} has no {name}{SCALE_SUFFIX}")
+            scale = self.raw(scale_info.name)
+            if tuple(scale.shape) != expected_scale_shape(info.shape, block):
+                raise RecycleError(f"{self.path}: {scale_info.name} has shape {list(scale.shape)}, "
+                                   f"expected {list(expected_scale_shape(info.shape, block))}")
+        sl = self._open(info.file).get_slice(name)
+        for start in range(0, rows, step):
+            chunk = sl[start:start + step]
+            if scale is not None:
+                s = scale[start // block[0]:(start + chunk.shape[0] + block[0] - 1) // block[0]]
+                yield dequantize_fp8(chunk, s, block)
+            else:
+                yield chunk.float()
+
+
+def expected_scale_shape(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, int]:
+    """[ceil(M/b0), ceil(N/b1)] for a weight of shape [M, N]."""
+    m, n = shape[-2], shape[-1]
+    return math.ceil(m / block[0]), math.ceil(n / block[1])
+
+
+def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = (128, 128)) -> torch.Tensor:
+    """`W[i, j] * S[i // b0, j // b1]` in float32 (the scale multiplies, despite its name)."""
+    m, n = weight.shape
+    want = expected_scale_shape(weight.shape, block)
+    if tuple(scale_inv.shape) != want:
+        raise RecycleError(f"FP8 scale has shape {list(scale_inv.shape)}, expected {list(want)} for weight {[m, n]}")
+    s = scale_inv.float().repeat_interleave(block[0], 0)[:m].repeat_interleave(block[1], 1)[:, :n]
+    return weight.float() * s
+
+
+def quantize_fp8(weight: torch.Tensor, block: tuple[int, int] = (128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block-wise e4m3 quantization in DeepSeek's convention: returns (fp8 weight, float32 scale_inv)."""
+    w = weight.float()
+    m, n = w.shape
+    bm, bn = expected_scale_shape(w.shape, block)
+    padded = torch.zeros(bm * block[0], bn * block[1])
+    padded[:m, :n] = w
+    tiles = padded.view(bm, block[0], bn, block[1])
+    amax = tiles.abs().amax(dim=(1, 3)).clamp(min=1e-12)
+    scale = amax / torch.finfo(torch.float8_e4m3fn).max
+    q = (tiles / scale[:, None, :, None]).view(bm * block[0], bn * block[1])[:m, :n]
+    return q.to(torch.float8_e4m3fn), scale.float()

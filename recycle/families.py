@@ -1,0 +1,430 @@
+"""The MTP family table: every supported layout described as data, and the one matcher over it.
+
+A row says how to recognise a family (config `model_type`/`architectures`, and the tensors an MTP
+module must hold), where module k's tensors live (name templates per role), what the module shares
+with the trunk, how its input is concatenated ([e; h] or [h; e]), how its norms are parametrised
+(`w·x̂` or zero-centred `(1+w)·x̂`), and which transformers decoder-layer class runs its block.
+
+Name templates are `str.format` strings over:
+  {k}      module index, 0-based
+  {layer}  num_hidden_layers + k (DeepSeek/GLM put module k after the trunk layers)
+  {first}, {last}  the first and last sublayer index of module k (Nemotron-H: k·p .. k·p+p-1)
+  {s}      (block prefixes only) every sublayer index of module k
+Every row is exercised by a test against a fixture in that family's exact layout
+(`fixtures/families.py`).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from recycle.checkpoint import SCALE_SUFFIX, Checkpoint
+from recycle.errors import RecycleError
+
+ROLES = ("embed_norm", "hidden_norm", "proj", "block", "final_norm", "head", "embed")
+SHARED_ROLES = ("final_norm", "head", "embed")  # roles a module may borrow from the trunk
+
+COMMON_BLOCK_SHAPES: Mapping[str, tuple[str, ...]] = {
+    "input_layernorm.weight": ("H",),
+    "post_attention_layernorm.weight": ("H",),
+    "mlp.gate.weight": ("E", "H"),
+}
+
+
+@dataclass(frozen=True)
+class Family:
+    """One MTP layout, as data."""
+
+    name: str
+    title: str
+    model_types: tuple[str, ...]
+    architectures: tuple[str, ...]
+    roles: Mapping[str, tuple[str, ...]]  # role -> name templates inside the module (first match wins)
+    block: tuple[str, ...]  # block prefix templates; unclaimed tensors under them are the block
+    trunk: Mapping[str, tuple[str, ...]]  # role -> trunk tensor names used when the module stores none
+    anchor: str = "proj"  # the role whose presence says module k exists
+    stores_copies: tuple[str, ...] = ()  # roles the release is expected to store inside the module
+    concat_order: str | None = "eh"  # "eh": cat[embed, hidden]; "he": hidden first; None: no concat
+    norm: str = "w"  # "w": w·x̂ ; "1+w": zero-centred
+    depth_keys: tuple[str, ...] = ("num_nextn_predict_layers",)
+    depth_offset: int = 0  # added to the declared count (Meta counts the next-token head too)
+    switch_key: str | None = None  # a boolean config key that turns MTP off when false (MiniMax `use_mtp`)
+    sublayers: tuple[str, ...] = ()  # config keys giving sublayers per module (len of str/list, or int)
+    prefixes: tuple[str, ...] = ("",)  # optional outer prefixes (multimodal wrappers)
+    hidden_keys: tuple[str, ...] = ("hidden_size",)
+    vocab_keys: tuple[str, ...] = ("vocab_size",)
+    expert_keys: tuple[str, ...] = ("n_routed_experts", "num_experts", "moe_num_experts")
+    backbone_keys: tuple[str, ...] = ()  # Gemma 4 assistant: the target's hidden size
+    shapes: Mapping[str, tuple[str, ...]] = field(
+        default_factory=lambda: {
+            "embed_norm": ("H",),
+            "hidden_norm": ("H",),
+            "proj": ("H", "2H"),
+            "final_norm": ("H",),
+            "head": ("V", "H"),
+            "embed": ("V", "H"),
+        }
+    )
+    block_shapes: Mapping[str, tuple[str, ...]] = field(default_factory=lambda: COMMON_BLOCK_SHAPES)
+    kind: str = "mtp"  # "mtp" (sequential modules), "parallel_heads" (Meta), "drafter" (Gemma 4 assistant)
+    # Runtime semantics (what vLLM/SGLang compute), used by recycle.mtp:
+    block_class: str | None = None  # transformers decoder-layer class running the block
+    chained_state: str = "pre_norm"  # state fed to depth k+1: "pre_norm" (y+r) or "post_norm"
+    zero_embed_at_pos0: bool = False
+    notes: str = ""
+
+
+DEEPSEEK_ROLES = {
+    "embed_norm": ("model.layers.{layer}.enorm.weight",),
+    "hidden_norm": ("model.layers.{layer}.hnorm.weight",),
+    "proj": ("model.layers.{layer}.eh_proj.weight",),
+    "final_norm": ("model.layers.{layer}.shared_head.norm.weight",),
+    "head": ("model.layers.{layer}.shared_head.head.weight",),
+    "embed": ("model.layers.{layer}.embed_tokens.weight",),
+}
+LLAMA_TRUNK = {"head": ("lm_head.weight", "model.embed_tokens.weight"), "embed": ("model.embed_tokens.weight",)}
+
+FAMILIES: tuple[Family, ...] = (
+    Family(
+        name="deepseek_v3",
+        title="DeepSeek-V3 / R1 / V3.1 / V3.2 (and GLM-5, GLM-4.7-Flash: MLA trunks)",
+        model_types=("deepseek_v3", "deepseek_v32", "glm_moe_dsa", "glm4_moe_lite", "pangu_ultra_moe"),
+        architectures=("DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM"),
+        roles=DEEPSEEK_ROLES,
+        block=("model.layers.{layer}.",),
+        trunk=LLAMA_TRUNK,
+        stores_copies=("embed", "head"),
+        block_class="transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3DecoderLayer",
+        zero_embed_at_pos0=True,
+        notes="MTP module k at model.layers.{L+k}; embed/head copies stored in the release",
+    ),
+    Family(
+        name="glm4_moe",
+        title="GLM-4.5 / 4.6 / 4.7",
+        model_types=("glm4_moe",),
+        architectures=("Glm4MoeForCausalLM",),
+        roles=DEEPSEEK_ROLES,
+        block=("model.layers.{layer}.",),
+        trunk=LLAMA_TRUNK,
+        stores_copies=("embed", "head"),
+        block_class="transformers.models.glm4_moe.modeling_glm4_moe.Glm4MoeDecoderLayer",
+        zero_embed_at_pos0=True,
+        notes="GLM-4.6 ships the MTP layer in mtp.safetensors without the embed/head copies",
+    ),
+    Family(
+        name="qwen3_next",
+        title="Qwen3-Next / Qwen3.5 / Qwen3.6",
+        model_types=("qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text"),
+        architectures=("Qwen3NextForCausalLM", "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration"),
+        roles={
+            "embed_norm": ("mtp.pre_fc_norm_embedding.weight",),
+            "hidden_norm": ("mtp.pre_fc_norm_hidden.weight",),
+            "proj": ("mtp.fc.weight",),
+            "final_norm": ("mtp.norm.weight",),
+        },
+        block=("mtp.layers.{k}.",),
+        anchor="block",
+        trunk={
+            "head": ("lm_head.weight", "model.embed_tokens.weight", "model.language_model.embed_tokens.weight"),
+            "embed": ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight"),
+        },
+        norm="1+w",
+        depth_keys=("num_nextn_predict_layers", "mtp_num_hidden_layers"),
+        block_shapes={**COMMON_BLOCK_SHAPES, "mlp.shared_expert_gate.weight": ("1", "H")},
+        block_class="transformers.models.qwen3_next.modeling_qwen3_next.Qwen3NextDecoderLayer",
+        chained_state="post_norm",
+        notes="fc and the pre-fc/final norms are shared by every depth; norms are zero-centred (1+w)",
+    ),
+    Family(
+        name="mimo",
+        title="Xiaomi MiMo",
+        model_types=("mimo",),
+        architectures=("MiMoForCausalLM",),
+        roles={
+            "embed_norm": ("model.mtp_layers.{k}.token_layernorm.weight",),
+            "hidden_norm": ("model.mtp_layers.{k}.hidden_layernorm.weight",),
+            "proj": ("model.mtp_layers.{k}.input_proj.weight",),
+            "final_norm": ("model.mtp_layers.{k}.final_layernorm.weight",),
+        },
+        block=("model.mtp_layers.{k}.",),
+        trunk=LLAMA_TRUNK,
+        concat_order="he",
+        block_class="transformers.models.qwen2.modeling_qwen2.Qwen2DecoderLayer",
+        chained_state="post_norm",
+        zero_embed_at_pos0=True,
+        notes="hidden state first in the concat: input_proj(cat[hidden_layernorm(h), token_layernorm(e)])",
+    ),
+    Family(
+        name="ernie4_5",
+        title="Baidu ERNIE 4.5",
+        model_types=("ernie4_5_moe", "ernie4_5"),
+        architectures=("Ernie4_5_MoeForCausalLM", "Ernie4_5_ForCausalLM"),
+        roles={
+            "embed_norm": ("model.mtp_emb_norm.{k}.weight",),
+            "hidden_norm": ("model.mtp_hidden_norm.{k}.weight",),
+            "proj": ("model.mtp_linear_proj.{k}.weight",),
+        },
+        block=("model.mtp_block.{k}.",),
+        trunk={**LLAMA_TRUNK, "final_norm": ()},
+        block_class="transformers.models.llama.modeling_llama.LlamaDecoderLayer",
+        zero_embed_at_pos0=True,
+        notes="no final norm before the shared lm_head (vLLM's reading)",
+    ),
+    Family(
+        name="longcat_flash",
+        title="Meituan LongCat-Flash",
+        model_types=("longcat_flash",),
+        architectures=("LongcatFlashForCausalLM", "LongcatCausalLM"),
+        roles={
+            "embed_norm": ("model.mtp.layers.{k}.enorm.m.weight",),
+            "hidden_norm": ("model.mtp.layers.{k}.hnorm.m.weight",),
+            "proj": ("model.mtp.layers.{k}.eh_proj.weight",),
+            "final_norm": ("model.mtp.norm.weight",),
+            "embed": ("model.mtp.embed_tokens.weight",),
+        },
+        block=("model.mtp.layers.{k}.",),
+        trunk=LLAMA_TRUNK,
+        stores_copies=("embed",),
+        chained_state="post_norm",
+        notes="MLA attention with a dense MLP; note the extra '.m.' in enorm/hnorm",
+    ),
+    Family(
+        name="nemotron_h",
+        title="NVIDIA Nemotron-H (Nemotron 3 Super)",
+        model_types=("nemotron_h", "nemotron_h_puzzle"),
+        architectures=("NemotronHForCausalLM",),
+        roles={
+            "embed_norm": ("mtp.layers.{first}.enorm.weight",),
+            "hidden_norm": ("mtp.layers.{first}.hnorm.weight",),
+            "proj": ("mtp.layers.{first}.eh_proj.weight",),
+            "final_norm": ("mtp.layers.{last}.final_layernorm.weight",),
+        },
+        block=("mtp.layers.{s}.",),
+        trunk={"head": ("lm_head.weight",), "embed": ("backbone.embeddings.weight",)},
+        sublayers=("mtp_hybrid_override_pattern", "mtp_layers_block_type"),
+        prefixes=("", "language_model."),
+        expert_keys=("n_routed_experts", "mtp_n_routed_experts"),
+        block_shapes={"mixer.gate.weight": ("E", "H"), "norm.weight": ("H",)},
+        chained_state="post_norm",
+        notes="module k = sublayers k·p .. k·p+p-1 of the MTP pattern (e.g. '*E': attention then MoE)",
+    ),
+    Family(
+        name="minimax_m2",
+        title="MiniMax-M2 / M2.5 / M2.7",
+        model_types=("minimax_m2", "minimax"),
+        architectures=("MiniMaxM2ForCausalLM",),
+        roles=DEEPSEEK_ROLES,
+        block=("model.layers.{layer}.",),
+        trunk=LLAMA_TRUNK,
+        depth_keys=("num_mtp_modules",),
+        switch_key="use_mtp",
+        notes="config declares MTP (use_mtp, num_mtp_modules) but the public releases store none",
+    ),
+    Family(
+        name="meta_mtp",
+        title="Meta multi-token-prediction (parallel heads)",
+        model_types=("llama_mtp",),
+        architectures=(),
+        roles={},
+        block=("extra_heads.{k}.",),
+        anchor="block",
+        trunk={"final_norm": ("norm.weight",), "head": ("output.weight",), "embed": ("tok_embeddings.weight",)},
+        concat_order=None,
+        depth_keys=("n_future_tokens",),
+        depth_offset=-1,
+        hidden_keys=("dim", "hidden_size"),
+        block_shapes={"attention_norm.weight": ("H",), "ffn_norm.weight": ("H",)},
+        kind="parallel_heads",
+        notes="extra_heads.{k} are transformer blocks reading the trunk state in parallel; no embedding input",
+    ),
+    Family(
+        name="gemma4_assistant",
+        title="Gemma 4 assistant drafter",
+        model_types=("gemma4_assistant",),
+        architectures=("Gemma4AssistantForCausalLM",),
+        roles={
+            "proj": ("pre_projection.weight",),
+            "final_norm": ("model.norm.weight",),
+            "head": ("lm_head.weight",),
+            "embed": ("model.embed_tokens.weight",),
+        },
+        block=("model.layers.{s}.", "post_projection.", "masked_embedding."),
+        trunk={"head": ("model.embed_tokens.weight",)},
+        depth_keys=(),
+        sublayers=("num_hidden_layers",),
+        backbone_keys=("backbone_hidden_size",),
+        shapes={"proj": ("H", "2Hb"), "final_norm": ("H",), "head": ("V", "H"), "embed": ("V", "H")},
+        kind="drafter",
+        notes="already a drafter (Q-only layers attending the target's KV cache); nothing to extract",
+    ),
+)
+
+BY_NAME = {f.name: f for f in FAMILIES}
+
+
+@dataclass
+class MTPModule:
+    """Module k of a checkpoint: role → stored tensor names, and what it borrows from the trunk."""
+
+    index: int
+    prefix: str
+    roles: dict[str, list[str]]
+    shared: dict[str, str | None]  # role -> trunk tensor used instead of a stored copy (None: none found)
+    block_prefixes: list[str]
+
+    @property
+    def names(self) -> list[str]:
+        return [n for names in self.roles.values() for n in names]
+
+    def tensor(self, role: str) -> str | None:
+        """The weight (not scale) tensor that fills a single-tensor role, stored or shared."""
+        own = [n for n in self.roles.get(role, []) if not n.endswith(SCALE_SUFFIX)]
+        return own[0] if own else self.shared.get(role)
+
+    def block_names(self) -> dict[str, str]:
+        """Block tensors keyed by their name relative to the block prefix (as a decoder layer sees it)."""
+        out = {}
+        for name in self.roles.get("block", []):
+            for p in self.block_prefixes:
+                if name.startswith(p):
+                    out[name[len(p):]] = name
+                    break
+        return out
+
+
+@dataclass
+class MTPMatch:
+    """The result of matching a checkpoint against the family table."""
+
+    family: Family
+    outer_prefix: str
+    config: dict  # text config, merged over the top level
+    declared: int
+    modules: list[MTPModule]
+    config_match: bool
+
+    @property
+    def mtp_names(self) -> list[str]:
+        seen: dict[str, None] = {}
+        for m in self.modules:
+            seen.update(dict.fromkeys(m.names))
+        return list(seen)
+
+    def dims(self) -> dict[str, int]:
+        """Symbols the shape specs use: H, V, E, Hb (those the config gives)."""
+        fam, cfg = self.family, self.config
+        out = {}
+        for sym, keys in (("H", fam.hidden_keys), ("V", fam.vocab_keys), ("E", fam.expert_keys), ("Hb", fam.backbone_keys)):
+            v = first_value(cfg, keys)
+            if isinstance(v, int) and not isinstance(v, bool):
+                out[sym] = v
+        return out
+
+
+def first_value(cfg: Mapping, keys: tuple[str, ...]):
+    for k in keys:
+        if cfg.get(k) is not None:
+            return cfg[k]
+    return None
+
+
+def merged_config(config: Mapping) -> dict:
+    """Top-level config with `text_config` (Qwen3.5, Gemma 4) laid over it."""
+    text = config.get("text_config")
+    return {**config, **text} if isinstance(text, Mapping) else dict(config)
+
+
+def eval_shape(spec: tuple[str, ...], dims: Mapping[str, int]) -> tuple[int, ...] | None:
+    """("H", "2H") → (H, 2H); None when a symbol is unknown for this config."""
+    out = []
+    for term in spec:
+        m = re.fullmatch(r"(\d*)([A-Za-z]*)", term)
+        mult = int(m.group(1)) if m.group(1) else 1
+        sym = m.group(2)
+        if sym and sym not in dims:
+            return None
+        out.append(mult * (dims[sym] if sym else 1))
+    return tuple(out)
+
+
+def declared_depth(family: Family, cfg: Mapping) -> int:
+    if family.switch_key and cfg.get(family.switch_key) is False:
+        return 0
+    v = first_value(cfg, family.depth_keys)
+    return max(0, int(v) + family.depth_offset) if isinstance(v, int) else 0
+
+
+def _sublayers(family: Family, cfg: Mapping) -> int:
+    v = first_value(cfg, family.sublayers)
+    if isinstance(v, (str, list, tuple)):
+        return max(1, len(v))
+    return int(v) if isinstance(v, int) and v > 0 else 1
+
+
+def _modules(ckpt: Checkpoint, family: Family, outer: str, cfg: Mapping, limit: int) -> list[MTPModule]:
+    names = ckpt.tensors
+    trunk_layers = int(cfg.get("num_hidden_layers") or cfg.get("n_layers") or 0)
+    p = _sublayers(family, cfg)
+    modules = []
+    for k in range(limit):
+        ctx = {"k": k, "layer": trunk_layers + k, "first": k * p, "last": k * p + p - 1}
+        roles: dict[str, list[str]] = {}
+        for role, templates in family.roles.items():
+            for t in templates:
+                name = outer + t.format(**ctx)
+                if name in names:
+                    roles[role] = [name] + ([name + SCALE_SUFFIX] if name + SCALE_SUFFIX in names else [])
+                    break
+        prefixes = [outer + t.format(s=s, **ctx) for t in family.block for s in range(k * p, k * p + p)]
+        prefixes = list(dict.fromkeys(prefixes))
+        claimed = {n for ns in roles.values() for n in ns}
+        block = [n for n in names if n not in claimed and any(n.startswith(pf) for pf in prefixes)]
+        if block:
+            roles["block"] = block
+        if family.anchor not in roles:
+            break
+        shared = {}
+        for role in SHARED_ROLES:
+            if role not in roles and role in family.trunk:
+                shared[role] = next((outer + t for t in family.trunk[role] if outer + t in names), None)
+        first_name = next(iter(roles[family.anchor]))
+        prefix = next((pf for pf in prefixes if first_name.startswith(pf)), prefixes[0])
+        modules.append(MTPModule(k, prefix, roles, shared, prefixes))
+    return modules
+
+
+def match(ckpt: Checkpoint, family: str | None = None) -> MTPMatch:
+    """Find the family whose layout the checkpoint holds, and its MTP modules.
+
+    Detection is by the tensors present (a module exists when its anchor tensor is stored); the
+    config's `model_type`/`architectures` only break ties and name the family when no module is
+    stored. Raises RecycleError when nothing in the table fits.
+    """
+    cfg = merged_config(ckpt.config)
+    model_type = str(cfg.get("model_type", ckpt.config.get("model_type", "")))
+    archs = set(ckpt.config.get("architectures") or [])
+    candidates = [BY_NAME[family]] if family else list(FAMILIES)
+    if family and family not in BY_NAME:
+        raise RecycleError(f"unknown family '{family}' (known: {', '.join(BY_NAME)})")
+    best: MTPMatch | None = None
+    for fam in candidates:
+        config_match = model_type in fam.model_types or bool(archs & set(fam.architectures))
+        declared = declared_depth(fam, cfg)
+        for outer in fam.prefixes:
+            mods = _modules(ckpt, fam, outer, cfg, limit=max(declared, 0) + 64)
+            if not mods and not config_match:
+                continue
+            m = MTPMatch(fam, outer, cfg, declared, mods, config_match)
+            key = (bool(mods), config_match, len(mods))
+            if best is None or key > (bool(best.modules), best.config_match, len(best.modules)):
+                best = m
+            if mods:
+                break
+    if best is None:
+        what = model_type or ",".join(sorted(archs)) or "no model_type"
+        raise RecycleError(
+            f"{ckpt.path}: unknown layout ({what}): no MTP family in the table fits its config or tensor names"
+        )
+    return best
