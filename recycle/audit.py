@@ -264,6 +264,9 @@ def inspect_checkpoint(
         todo = [(mod, n) for mod in m.modules for n in mod.names if not ckpt.tensors[n].is_scale]
         seen: set[str] = set()
         todo = [(mod, n) for mod, n in todo if not (n in seen or seen.add(n))]
+        bad_scales = {f.tensor for f in rep.findings if f.code == "fp8_scale_shape"}
+        # an FP8 weight whose scale is missing or misshapen cannot be dequantized: already reported
+        todo = [(mod, n) for mod, n in todo if n not in bad_scales and n + "_scale_inv" not in bad_scales]
         for i, (mod, name) in enumerate(todo):
             role = _role_of(mod, name)
             st = _tensor_stats(ckpt, name, role, m.family.norm)

@@ -50,12 +50,13 @@ class Family:
     norm: str = "w"  # "w": w·x̂ ; "1+w": zero-centred
     depth_keys: tuple[str, ...] = ("num_nextn_predict_layers",)
     depth_offset: int = 0  # added to the declared count (Meta counts the next-token head too)
+    default_depth: int = 0  # what engines assume when no depth key is present (vLLM: 1 for Qwen3-Next)
     switch_key: str | None = None  # a boolean config key that turns MTP off when false (MiniMax `use_mtp`)
     sublayers: tuple[str, ...] = ()  # config keys giving sublayers per module (len of str/list, or int)
     prefixes: tuple[str, ...] = ("",)  # optional outer prefixes (multimodal wrappers)
     hidden_keys: tuple[str, ...] = ("hidden_size",)
     vocab_keys: tuple[str, ...] = ("vocab_size",)
-    expert_keys: tuple[str, ...] = ("n_routed_experts", "num_experts", "moe_num_experts")
+    expert_keys: tuple[str, ...] = ("n_routed_experts", "num_experts", "moe_num_experts", "num_local_experts")
     backbone_keys: tuple[str, ...] = ()  # Gemma 4 assistant: the target's hidden size
     shapes: Mapping[str, tuple[str, ...]] = field(
         default_factory=lambda: {
@@ -132,6 +133,7 @@ FAMILIES: tuple[Family, ...] = (
         },
         norm="1+w",
         depth_keys=("num_nextn_predict_layers", "mtp_num_hidden_layers"),
+        default_depth=1,
         block_shapes={**COMMON_BLOCK_SHAPES, "mlp.shared_expert_gate.weight": ("1", "H")},
         block_class="transformers.models.qwen3_next.modeling_qwen3_next.Qwen3NextDecoderLayer",
         chained_state="post_norm",
@@ -284,12 +286,18 @@ class MTPModule:
         return own[0] if own else self.shared.get(role)
 
     def block_names(self) -> dict[str, str]:
-        """Block tensors keyed by their name relative to the block prefix (as a decoder layer sees it)."""
+        """Block tensors keyed by their name relative to the block prefix (as a decoder layer sees it).
+
+        A module spanning several prefixes (Nemotron-H's sublayers, Gemma 4's layers) would repeat
+        relative names, so there the key is `{i}.{relative}`, i the prefix's position: the names an
+        nn.ModuleList of the sublayers sees.
+        """
+        several = len(self.block_prefixes) > 1
         out = {}
         for name in self.roles.get("block", []):
-            for p in self.block_prefixes:
+            for i, p in enumerate(self.block_prefixes):
                 if name.startswith(p):
-                    out[name[len(p):]] = name
+                    out[f"{i}.{name[len(p):]}" if several else name[len(p):]] = name
                     break
         return out
 
@@ -331,8 +339,9 @@ def first_value(cfg: Mapping, keys: tuple[str, ...]):
 
 
 def merged_config(config: Mapping) -> dict:
-    """Top-level config with `text_config` (Qwen3.5, Gemma 4) laid over it."""
-    text = config.get("text_config")
+    """Top-level config with the language model's config (`text_config`: Qwen3.5, Gemma 4;
+    `llm_config`: NVIDIA's VL wrappers) laid over it."""
+    text = config.get("text_config") or config.get("llm_config")
     return {**config, **text} if isinstance(text, Mapping) else dict(config)
 
 
@@ -353,7 +362,7 @@ def declared_depth(family: Family, cfg: Mapping) -> int:
     if family.switch_key and cfg.get(family.switch_key) is False:
         return 0
     v = first_value(cfg, family.depth_keys)
-    return max(0, int(v) + family.depth_offset) if isinstance(v, int) else 0
+    return max(0, int(v) + family.depth_offset) if isinstance(v, int) else family.default_depth
 
 
 def _sublayers(family: Family, cfg: Mapping) -> int:
@@ -368,6 +377,7 @@ def _modules(ckpt: Checkpoint, family: Family, outer: str, cfg: Mapping, limit: 
     trunk_layers = int(cfg.get("num_hidden_layers") or cfg.get("n_layers") or 0)
     p = _sublayers(family, cfg)
     modules = []
+    used: set[str] = set()  # anchor tensors of earlier modules
     for k in range(limit):
         ctx = {"k": k, "layer": trunk_layers + k, "first": k * p, "last": k * p + p - 1}
         roles: dict[str, list[str]] = {}
@@ -383,8 +393,12 @@ def _modules(ckpt: Checkpoint, family: Family, outer: str, cfg: Mapping, limit: 
         block = [n for n in names if n not in claimed and any(n.startswith(pf) for pf in prefixes)]
         if block:
             roles["block"] = block
-        if family.anchor not in roles:
+        # A module needs an anchor tensor of its own: templates without {k} (Gemma's pre_projection,
+        # Qwen's shared mtp.fc) match again at every k and must not conjure further modules.
+        anchor = set(roles.get(family.anchor, ()))
+        if not anchor - used:
             break
+        used |= anchor
         shared = {}
         for role in SHARED_ROLES:
             if role not in roles and role in family.trunk:

@@ -1,0 +1,165 @@
+"""Scale benchmark for `recycle inspect`: DeepSeek-V3's full tensor layout as sparse files.
+
+Lays out every tensor name, shape and dtype of DeepSeek-V3 (61 layers + the MTP layer 61, 256 routed
+experts, FP8 block-scaled weights with their `weight_scale_inv`) in 163 shards named as DeepSeek names
+them, with an index. Tensor data is left as holes (the files are truncated to size, never written),
+so the ~690 GB checkpoint costs a few MB of disk. Then runs `recycle inspect --json` in a subprocess
+and records wall time and peak RSS, for the full layout and for a 4-layer cut of it, to show that
+memory does not grow with checkpoint size.
+
+Usage:  python benchmarks/inspect_scale.py [--dir /tmp/dsv3_sparse] [--layers 61] [--keep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import resource
+import shutil
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+H, V, E = 7168, 129280, 256
+Q_LORA, KV_LORA, ROPE, NOPE, VDIM, HEADS = 1536, 512, 64, 128, 128, 128
+DENSE_I, MOE_I, FIRST_DENSE = 18432, 2048, 3
+SHARDS = 163
+BYTES = {"BF16": 2, "F32": 4, "F8_E4M3": 1}
+
+
+def fp8(name: str, shape: tuple[int, int]) -> list[tuple[str, str, tuple[int, ...]]]:
+    scale = (math.ceil(shape[0] / 128), math.ceil(shape[1] / 128))
+    return [(name, "F8_E4M3", shape), (name + "_scale_inv", "F32", scale)]
+
+
+def layer(i: int) -> list[tuple[str, str, tuple[int, ...]]]:
+    p = f"model.layers.{i}."
+    t = [(p + "input_layernorm.weight", "BF16", (H,)), (p + "post_attention_layernorm.weight", "BF16", (H,))]
+    a = p + "self_attn."
+    t += fp8(a + "q_a_proj.weight", (Q_LORA, H)) + [(a + "q_a_layernorm.weight", "BF16", (Q_LORA,))]
+    t += fp8(a + "q_b_proj.weight", (HEADS * (NOPE + ROPE), Q_LORA))
+    t += fp8(a + "kv_a_proj_with_mqa.weight", (KV_LORA + ROPE, H)) + [(a + "kv_a_layernorm.weight", "BF16", (KV_LORA,))]
+    t += fp8(a + "kv_b_proj.weight", (HEADS * (NOPE + VDIM), KV_LORA))
+    t += fp8(a + "o_proj.weight", (H, HEADS * VDIM))
+    m = p + "mlp."
+    if i < FIRST_DENSE:
+        t += fp8(m + "gate_proj.weight", (DENSE_I, H)) + fp8(m + "up_proj.weight", (DENSE_I, H))
+        t += fp8(m + "down_proj.weight", (H, DENSE_I))
+        return t
+    t += [(m + "gate.weight", "BF16", (E, H)), (m + "gate.e_score_correction_bias", "F32", (E,))]
+    for e in [f"experts.{j}." for j in range(E)] + ["shared_experts."]:
+        t += fp8(m + e + "gate_proj.weight", (MOE_I, H)) + fp8(m + e + "up_proj.weight", (MOE_I, H))
+        t += fp8(m + e + "down_proj.weight", (H, MOE_I))
+    return t
+
+
+def mtp_extras(L: int) -> list[tuple[str, str, tuple[int, ...]]]:
+    p = f"model.layers.{L}."
+    return [(p + "embed_tokens.weight", "BF16", (V, H)), (p + "enorm.weight", "BF16", (H,)),
+            (p + "hnorm.weight", "BF16", (H,)), (p + "eh_proj.weight", "BF16", (H, 2 * H)),
+            (p + "shared_head.norm.weight", "BF16", (H,)), (p + "shared_head.head.weight", "BF16", (V, H))]
+
+
+def write_sparse_shard(path: Path, tensors: list[tuple[str, str, tuple[int, ...]]]) -> int:
+    header: dict = {"__metadata__": {"format": "pt"}}
+    off = 0
+    for name, dtype, shape in tensors:
+        n = math.prod(shape) * BYTES[dtype]
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [off, off + n]}
+        off += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        f.truncate(8 + len(raw) + off)  # a hole: no data blocks are allocated
+    return off
+
+
+def build(out: Path, layers: int) -> dict:
+    """Write the sparse checkpoint; MTP non-expert tensors go in the last shard, as DeepSeek ships them."""
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    body = [("model.embed_tokens.weight", "BF16", (V, H))]
+    for i in range(layers):
+        body += layer(i)
+    mtp_block = layer(layers)
+    body += [("model.norm.weight", "BF16", (H,)), ("lm_head.weight", "BF16", (V, H))] + mtp_block
+    last = mtp_extras(layers)
+    total = sum(math.prod(s) * BYTES[d] for _, d, s in body + last)
+    shards = SHARDS if layers == 61 else max(2, math.ceil(total / 4.3e9))
+    per = total / (shards - 1)
+    groups: list[list] = [[]]
+    acc = 0
+    for t in body:
+        if acc >= per * len(groups) and len(groups) < shards - 1:
+            groups.append([])
+        groups[-1].append(t)
+        acc += math.prod(t[2]) * BYTES[t[1]]
+    groups += [[] for _ in range(shards - 1 - len(groups))]
+    groups.append(last)
+    weight_map = {}
+    for k, g in enumerate(groups):
+        fname = f"model-{k + 1:05d}-of-{shards:06d}.safetensors"
+        write_sparse_shard(out / fname, g)
+        weight_map.update({name: fname for name, _, _ in g})
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index))
+    config = {
+        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": H,
+        "vocab_size": V, "num_hidden_layers": layers, "num_nextn_predict_layers": 1, "n_routed_experts": E,
+        "n_shared_experts": 1, "num_experts_per_tok": 8, "moe_intermediate_size": MOE_I, "intermediate_size": DENSE_I,
+        "first_k_dense_replace": FIRST_DENSE, "q_lora_rank": Q_LORA, "kv_lora_rank": KV_LORA,
+        "qk_rope_head_dim": ROPE, "qk_nope_head_dim": NOPE, "v_head_dim": VDIM, "num_attention_heads": HEADS,
+        "num_key_value_heads": HEADS, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+        "topk_method": "noaux_tc", "scoring_func": "sigmoid",
+        "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                "weight_block_size": [128, 128]},
+    }
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return {"tensors": len(weight_map), "shards": shards, "apparent_bytes": total}
+
+
+def measure(ckpt: Path) -> dict:
+    """Run `recycle inspect --json` in a child process; wall time and the child's peak RSS."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "recycle.cli", "inspect", str(ckpt), "--json"],
+                          capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise SystemExit(f"inspect failed: {proc.stderr.strip()}")
+    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    report = json.loads(proc.stdout)
+    return {"wall_s": round(wall, 2), "peak_rss_mib": round(max(peak, before) / 1024, 1),
+            "family": report["family"], "mtp_found": report["mtp"]["found"],
+            "params_total": report["params"]["total"], "params_mtp": report["params"]["mtp"],
+            "findings": [f["code"] for f in report["findings"]]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dir", type=Path, default=Path("/tmp/recycle_dsv3_sparse"))
+    ap.add_argument("--layers", type=int, nargs="+", default=[4, 61])
+    ap.add_argument("--keep", action="store_true", help="keep the sparse checkpoints")
+    args = ap.parse_args()
+    rows = []
+    for n in args.layers:
+        d = args.dir / f"layers{n}"
+        t0 = time.perf_counter()
+        info = build(d, n)
+        disk = sum(os.stat(p).st_blocks * 512 for p in d.iterdir())
+        row = {"layers": n, **info, "disk_bytes": disk, "build_s": round(time.perf_counter() - t0, 1)}
+        row.update(measure(d))
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        if not args.keep:
+            shutil.rmtree(d)
+
+
+if __name__ == "__main__":
+    main()
