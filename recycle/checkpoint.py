@@ -263,13 +263,23 @@ def expected_scale_shape(shape: tuple[int, ...], block: tuple[int, int]) -> tupl
 
 
 def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = (128, 128)) -> torch.Tensor:
-    """`W[i, j] * S[i // b0, j // b1]` in float32 (the scale multiplies, despite its name)."""
+    """`W[i, j] * S[i // b0, j // b1]` in float32 (the scale multiplies, despite its name).
+
+    Broadcasts the scale over a [bm, b0, bn, b1] view of the (padded) weight: one multiply, no
+    scale tensor expanded to the weight's size.
+    """
+    if weight.dim() != 2:
+        raise RecycleError(f"FP8 block dequantization needs a 2-D weight, got shape {list(weight.shape)}")
     m, n = weight.shape
-    want = expected_scale_shape(weight.shape, block)
-    if tuple(scale_inv.shape) != want:
-        raise RecycleError(f"FP8 scale has shape {list(scale_inv.shape)}, expected {list(want)} for weight {[m, n]}")
-    s = scale_inv.float().repeat_interleave(block[0], 0)[:m].repeat_interleave(block[1], 1)[:, :n]
-    return weight.float() * s
+    bm, bn = expected_scale_shape(weight.shape, block)
+    if tuple(scale_inv.shape) != (bm, bn):
+        raise RecycleError(f"FP8 scale has shape {list(scale_inv.shape)}, expected {[bm, bn]} for weight {[m, n]}")
+    pm, pn = bm * block[0], bn * block[1]
+    w = weight.float()
+    if (pm, pn) != (m, n):
+        w = torch.nn.functional.pad(w, (0, pn - n, 0, pm - m))
+    w = w.view(bm, block[0], bn, block[1]).mul_(scale_inv.float()[:, None, :, None]).view(pm, pn)
+    return w if (pm, pn) == (m, n) else w[:m, :n].contiguous()
 
 
 def quantize_fp8(weight: torch.Tensor, block: tuple[int, int] = (128, 128)) -> tuple[torch.Tensor, torch.Tensor]:

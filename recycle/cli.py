@@ -176,5 +176,187 @@ def inspect(
         render_inspect(data)
 
 
+def render_convert(data: dict) -> None:
+    """Rich summary for people: where it went, what it holds, how much was exact."""
+    head = Table.grid(padding=(0, 2))
+    head.add_column(style="bold")
+    head.add_column()
+    head.add_row("format", f"{data['format']}  [dim]({data['dtype']})[/dim]")
+    head.add_row("source", f"{data['family']}, {data['modules']} MTP module(s)")
+    s = data["summary"]
+    head.add_row("tensors", f"{s['tensors']}: [green]{s['exact']} exact[/green], [yellow]{s['approx']} approx[/yellow], "
+                 f"[cyan]{s['fresh']} fresh[/cyan]  [dim](mapping in recycle.json)[/dim]")
+    head.add_row("written", f"{fmt_bytes(data['bytes'])} in {len(data['files'])} files, {data['seconds']:.2f} s")
+    out.print(Panel(head, title=f"recycle convert → {data['out']}", expand=False))
+    t = Table(title="files", title_justify="left")
+    t.add_column("file")
+    t.add_column("size", justify="right")
+    for name, size in data["files"].items():
+        t.add_row(name, fmt_bytes(size))
+    out.print(t)
+    for note in data["notes"]:
+        out.print(f"[yellow]note:[/yellow] {note}")
+
+
+def _with_progress(json_out: bool, label: str, fn: Callable) -> dict:
+    if json_out:
+        return fn(None)
+    with progress_bar() as bar:
+        task = bar.add_task(label, total=None)
+        return fn(lambda i, n: bar.update(task, completed=i, total=n))
+
+
+@app.command()
+@user_errors
+def convert(
+    ckpt: Annotated[Path, typer.Argument(help="Checkpoint directory (config.json + *.safetensors).")],
+    to: Annotated[str, typer.Option("--to", help="Drafter format: eagle, eagle3 or medusa.")],
+    output: Annotated[Path, typer.Option("-o", "--output", help="Output directory (must not exist, see --overwrite).")],
+    heads: Annotated[int | None, typer.Option("--heads", help="Medusa heads (default 3).")] = None,
+    draft_vocab: Annotated[int | None, typer.Option("--draft-vocab", help="EAGLE-3 draft vocabulary size "
+                                                    "(top-N corpus tokens; default: the full vocabulary).")] = None,
+    vocab_corpus: Annotated[Path | None, typer.Option("--vocab-corpus", help="Text file to count tokens in "
+                                                      "(default: recycle's stdlib corpus).")] = None,
+    dtype: Annotated[str, typer.Option("--dtype", help="Output dtype: bf16, fp16 or fp32.")] = "bf16",
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing output directory.")] = False,
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON summary object.")] = False,
+) -> None:
+    """Turn a checkpoint's MTP modules into a speculative-decoding drafter directory.
+
+    Reads only the MTP tensors (and the trunk's embedding/head when a module stores none), writes
+    atomically (nothing appears unless everything was written), never touches the source.
+
+    Example: [bold]recycle convert fixtures/deepseek_v3_mtp --to eagle -o /tmp/ds-eagle[/bold]
+    """
+    from converters.api import convert_checkpoint
+
+    data = _with_progress(json_out, "writing tensors", lambda progress: convert_checkpoint(
+        ckpt, to, output, heads=heads, draft_vocab=draft_vocab, vocab_corpus=vocab_corpus, dtype=dtype,
+        overwrite=overwrite, progress=progress))
+    if json_out:
+        print_json(data)
+    else:
+        render_convert(data)
+
+
+@app.command()
+@user_errors
+def stitch(
+    overlay: Annotated[Path, typer.Argument(help="An MTP overlay directory (OUT/mtp_overlay from convert --to eagle).")],
+    target: Annotated[Path, typer.Argument(help="The target checkpoint directory the overlay came from.")],
+    output: Annotated[Path, typer.Option("-o", "--output", help="Directory for the stitched copy of the target.")],
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing output directory.")] = False,
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON summary object.")] = False,
+) -> None:
+    """Write a copy of TARGET whose MTP tensors are the overlay's (for vLLM method "mtp", llama.cpp draft-mtp).
+
+    Untouched shards are hard-linked, shards holding MTP tensors rewritten; the target is never modified.
+    """
+    from converters.api import stitch_overlay
+
+    data = _with_progress(json_out, "stitching", lambda progress: stitch_overlay(
+        overlay, target, output, overwrite=overwrite, progress=progress))
+    if json_out:
+        print_json(data)
+    else:
+        out.print(f"stitched {data['overlay_tensors']} MTP tensors into [bold]{data['out']}[/bold] "
+                  f"({len(data['linked'])} shard(s) linked, {len(data['rewritten'])} rewritten, +{data['file']})")
+
+
+def render_bench(data: dict) -> None:
+    """Rich report: configuration, per-prompt rows, the overall comparison and the HF peers."""
+    o = data["overall"]
+    ar, sp, pr = o["ar"], o["spec"], o["predicted"]
+    head = Table.grid(padding=(0, 2))
+    head.add_column(style="bold")
+    head.add_column()
+    head.add_row("target", data["target"])
+    head.add_row("drafter", f"{data['drafter'] or '(the target’s own MTP modules)'}  [dim]{data['tree']}[/dim]")
+    head.add_row("decoding", f"{'greedy' if data['temperature'] <= 0 else 'sampling T=' + str(data['temperature'])}, "
+                 f"≤{data['max_new_tokens']} new tokens, {len(data['prompts'])} prompts, {data['device']} "
+                 f"{data['dtype']}, {data['threads']} thread(s)")
+    out.print(Panel(head, title="recycle bench", expand=False))
+    t = Table(title="per prompt", title_justify="left")
+    for col in ("#", "set", "prompt tok", "new tok", "τ", "AR tok/s", "spec tok/s", "speedup", "= AR"):
+        t.add_column(col, justify="right" if col not in ("set", "= AR") else "left")
+    for i, r in enumerate(data["prompts"]):
+        a, s = r["ar"]["tokens_per_s"], r["spec"]["tokens_per_s"]
+        same = "" if r["greedy_match"] is None else ("yes" if r["greedy_match"] else "[red]NO[/red]")
+        t.add_row(str(i), r["set"], str(r["prompt_tokens"]), str(r["spec"]["new_tokens"]), f"{r['spec']['tau']:.2f}",
+                  f"{a:.1f}", f"{s:.1f}", f"{s / a:.2f}×" if a else "-", same)
+    out.print(t)
+    s = Table(title="overall", title_justify="left")
+    for col in ("decoder", "tok/s", "speedup", "τ", "target fwd", "accept rate by depth", "draft / verify s", "= ours"):
+        s.add_column(col, justify="left" if col in ("decoder", "accept rate by depth", "= ours") else "right")
+    bw = data.get("bandwidth")
+    extra = (lambda k: f" ({bw[k]:.0f}/{bw['peak_gbs']:.0f} GB/s)") if bw else (lambda k: "")
+    s.add_row("autoregressive (ours)", f"{ar['tokens_per_s']:.1f}{extra('ar_gbs')}", "1.00×", "1.00",
+              str(ar["target_forwards"]), "", f"- / {ar['verify_s']:.2f}", "")
+    s.add_row(data["tree"], f"{sp['tokens_per_s']:.1f}{extra('spec_gbs')}",
+              f"{o['speedup']:.2f}×", f"{sp['tau']:.2f}", str(sp["target_forwards"]),
+              " ".join(f"{a:.2f}" for a in sp["acceptance"]), f"{sp['draft_s']:.2f} / {sp['verify_s']:.2f}",
+              o["greedy_match"] or "")
+    s.add_row("[dim]cost model[/dim]", "", f"[dim]{pr['speedup']:.2f}×[/dim]", f"[dim]{pr['tau']:.2f}[/dim]", "",
+              "", f"[dim]c_draft {pr['c_draft']:.2f}, c_verify {pr['c_verify']:.2f}[/dim]", "")
+    for r in data.get("hf") or []:
+        if r["error"]:
+            s.add_row(r["method"], "[red]failed[/red]", "", "", "", r["error"][:60], "", "")
+        else:
+            s.add_row(r["method"], f"{r['tokens_per_s']:.1f}", f"{r['speedup_vs_our_ar']:.2f}×", "", "", "", "",
+                      r["greedy_match"] or "")
+    out.print(s)
+    out.print("[dim]speedup = tok/s ÷ our AR tok/s (same loop, same KV-cache code); cost model = τ_pred / "
+              "(c_draft + c_verify), costs per step in AR steps[/dim]")
+
+
+@app.command()
+@user_errors
+def bench(
+    drafter: Annotated[Path | None, typer.Argument(help="Drafter directory (from `recycle convert`), or the target "
+                                                   "directory itself to draft with its native MTP modules.")] = None,
+    target: Annotated[Path, typer.Option("--target", help="Target model directory (loaded with transformers).")] = ...,
+    prompts: Annotated[Path | None, typer.Option("--prompts", help='JSONL, one {"prompt": "..."} per line '
+                                                 "(default: held-out code + English prompts).")] = None,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", help="New tokens per prompt.")] = 128,
+    temperature: Annotated[float, typer.Option("--temperature", help="0: greedy; > 0: lossless speculative sampling.")] = 0.0,
+    tree: Annotated[str | None, typer.Option("--tree", help="chain[:N], dynamic[:DEPTH,TOPK,TOTAL], or a JSON list of "
+                                             "Medusa-style paths (or a file holding one).")] = None,
+    device: Annotated[str | None, typer.Option("--device", help="cpu or cuda (default: cuda when available).")] = None,
+    dtype: Annotated[str, typer.Option("--dtype", help="fp32, bf16 or fp16.")] = "fp32",
+    native_mtp: Annotated[bool, typer.Option("--native-mtp", help="Draft with the target's own MTP modules.")] = False,
+    compare_hf: Annotated[bool, typer.Option("--compare-hf", help="Also time transformers' generate: plain, "
+                                             "use_mtp (where supported) and prompt lookup.")] = False,
+    seed: Annotated[int, typer.Option("--seed", help="Seed for sampling.")] = 0,
+    threads: Annotated[int | None, typer.Option("--threads", help="torch CPU threads (default: torch's choice).")] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object (schema in README.md).")] = False,
+) -> None:
+    """Measure speculative decoding with a drafter against plain autoregressive decoding of the target.
+
+    Greedy output is checked token for token against AR decoding; τ, acceptance by depth, target
+    forwards, draft/verify time, tokens/s, measured and cost-model speedup are reported.
+
+    Example: [bold]recycle bench /tmp/ds-eagle --target fixtures/deepseek_v3_mtp[/bold]
+    """
+    from recycle.bench import BenchOptions, check_options, run_bench, set_threads
+    from recycle.prompts import read_jsonl
+
+    set_threads(threads)
+    opts = BenchOptions(
+        drafter=str(drafter) if drafter is not None else None, target=str(target),
+        prompts=read_jsonl(prompts) if prompts is not None else None, max_new_tokens=max_new_tokens,
+        temperature=temperature, tree=tree, device=device, dtype=dtype, native=native_mtp, compare_hf=compare_hf,
+        seed=seed,
+    )
+    check_options(opts)
+    if json_out:
+        data = run_bench(opts)
+        print_json(data)
+        return
+    with progress_bar() as bar:
+        task = bar.add_task("loading", total=None)
+        data = run_bench(opts, progress=lambda i, n, label: bar.update(task, completed=i, total=n, description=label))
+    render_bench(data)
+
+
 if __name__ == "__main__":
     app()

@@ -74,6 +74,9 @@ class Family:
     block_class: str | None = None  # transformers decoder-layer class running the block
     chained_state: str = "pre_norm"  # state fed to depth k+1: "pre_norm" (y+r) or "post_norm"
     zero_embed_at_pos0: bool = False
+    # SGLang's stand-alone NextN draft class for this family (its `export_*_nextn.py` layout:
+    # module 0 renamed to layer 0, `num_hidden_layers: 1`); None where SGLang has no such export.
+    nextn_architecture: str | None = None
     notes: str = ""
 
 
@@ -99,6 +102,7 @@ FAMILIES: tuple[Family, ...] = (
         stores_copies=("embed", "head"),
         block_class="transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3DecoderLayer",
         zero_embed_at_pos0=True,
+        nextn_architecture="DeepseekV3ForCausalLMNextN",
         notes="MTP module k at model.layers.{L+k}; embed/head copies stored in the release",
     ),
     Family(
@@ -112,6 +116,7 @@ FAMILIES: tuple[Family, ...] = (
         stores_copies=("embed", "head"),
         block_class="transformers.models.glm4_moe.modeling_glm4_moe.Glm4MoeDecoderLayer",
         zero_embed_at_pos0=True,
+        nextn_architecture="Glm4MoeForCausalLMNextN",
         notes="GLM-4.6 ships the MTP layer in mtp.safetensors without the embed/head copies",
     ),
     Family(

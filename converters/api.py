@@ -1,0 +1,135 @@
+"""`convert_checkpoint`: reader → role weights → one converter → the atomic writer → recycle.json.
+
+The CLI and the benchmarks call this; the converters themselves stay pure (weights in, plan out).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from datetime import datetime, timezone
+
+import torch
+
+from converters import eagle, eagle3, medusa
+from converters.roles import APPROX, EXACT, FRESH, Plan, RoleWeights, gather
+from converters.writer import OutputDir, Progress, ST_DTYPES
+from recycle import __version__
+from recycle.checkpoint import Checkpoint
+from recycle.errors import RecycleError
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+FORMATS = ("eagle", "eagle3", "medusa")
+LAYOUTS = {
+    "eagle": {
+        "model.safetensors": "recycle EAGLE drafter (recycle.drafters.load_drafter)",
+        "nextn/": "SGLang NextN export (module 0, layer 0, num_hidden_layers 1)",
+        "mtp_overlay/": "MTP tensors under their original names, stored bytes; `recycle stitch` puts them back",
+    },
+    "eagle3": {"model.safetensors": "EAGLE-3 official/SpecForge layout (midlayer.*), speculators keys in config.json"},
+    "medusa": {"model.safetensors": "vLLM Medusa layout (blocks.*, lm_heads.*)",
+               "medusa_lm_head.safetensors": "FasterDecoding Medusa v1 layout ({i}.{j}.linear.*, {i}.L.weight)"},
+}
+
+
+def plan_for(w: RoleWeights, to: str, *, dtype: str, heads: int | None, draft_ids: torch.Tensor | None) -> Plan:
+    name = DTYPE_NAMES[dtype]
+    if to == "eagle":
+        return eagle.convert(w, dtype_name=name)
+    if to == "eagle3":
+        return eagle3.convert(w, draft_ids=draft_ids, dtype_name=name)
+    return medusa.convert(w, heads=medusa.DEFAULT_HEADS if heads is None else heads, dtype_name=name)
+
+
+def mapping_rows(plan: Plan, dtype: torch.dtype) -> list[dict]:
+    rows = []
+    for file, tensors in plan.tensors.items():
+        for name, lazy in tensors.items():
+            dt = lazy.dtype or dtype
+            rows.append({"file": file, "tensor": name, "shape": list(lazy.shape), "dtype": ST_DTYPES[dt],
+                         "from": list(lazy.sources), "kind": lazy.kind, **({"note": lazy.note} if lazy.note else {})})
+    return rows
+
+
+def provenance(w: RoleWeights, to: str, dtype: str, options: dict, plan: Plan, rows: list[dict]) -> dict:
+    m = w.match
+    return {
+        "recycle_version": __version__,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "source": {
+            "path": str(w.ckpt.path.resolve()),
+            "family": w.family.name,
+            "family_title": w.family.title,
+            "model_type": w.ckpt.config.get("model_type"),
+            "architectures": w.ckpt.config.get("architectures"),
+            "modules": len(w.modules),
+            "declared": m.declared,
+            "module_prefixes": [mod.prefix for mod in w.modules],
+            "fp8": any(w.ckpt.tensors[n].is_fp8 for n in m.mtp_names),
+        },
+        "target": {"format": to, "dtype": DTYPE_NAMES[dtype], "options": options,
+                   "layouts": {k: v for k, v in LAYOUTS[to].items()
+                               if not k.endswith("/") or any(f.startswith(k) for f in plan.tensors)}},
+        "summary": {"tensors": len(rows), **{k: sum(r["kind"] == k for r in rows) for k in (EXACT, APPROX, FRESH)}},
+        "notes": plan.notes,
+        "mapping": rows,
+    }
+
+
+def convert_checkpoint(source: str | os.PathLike, to: str, out: str | os.PathLike, *, heads: int | None = None,
+                       draft_vocab: int | None = None, vocab_corpus: str | os.PathLike | None = None,
+                       dtype: str = "bf16", overwrite: bool = False, progress: Progress | None = None) -> dict:
+    """Convert the MTP modules of `source` into a drafter directory `out`; returns a summary dict."""
+    started = time.perf_counter()
+    if to not in FORMATS:
+        raise RecycleError(f"unknown format '{to}' (choose from {', '.join(FORMATS)})")
+    if dtype not in DTYPES:
+        raise RecycleError(f"unknown dtype '{dtype}' (choose from {', '.join(DTYPES)})")
+    if heads is not None and to != "medusa":
+        raise RecycleError("--heads applies to --to medusa only")
+    if (draft_vocab is not None or vocab_corpus is not None) and to != "eagle3":
+        raise RecycleError("--draft-vocab/--vocab-corpus apply to --to eagle3 only")
+    if vocab_corpus is not None and draft_vocab is None:
+        raise RecycleError("--vocab-corpus needs --draft-vocab N")
+    ckpt = Checkpoint(source)
+    writer = OutputDir(out, overwrite=overwrite, protect=(ckpt.path,))  # refuses a bad OUT before any reading
+    w = gather(ckpt)
+    draft_ids = None
+    if draft_vocab is not None:
+        from converters.vocab import draft_vocab as top_tokens
+
+        draft_ids = top_tokens(ckpt.path, draft_vocab, w.vocab_size, vocab_corpus)
+    plan = plan_for(w, to, dtype=dtype, heads=heads, draft_ids=draft_ids)
+    rows = mapping_rows(plan, DTYPES[dtype])
+    options = {"heads": heads, "draft_vocab": draft_vocab, "vocab_corpus": str(vocab_corpus) if vocab_corpus else None}
+    record = provenance(w, to, dtype, options, plan, rows)
+    with writer as d:
+        d.write_safetensors(plan.tensors, DTYPES[dtype], progress=progress,
+                            metadata={"recycle_format": to, "recycle_source_family": w.family.name})
+        for rel, obj in plan.jsons.items():
+            d.write_json(rel, obj)
+        copied = [f for sub in plan.tokenizer_dirs for f in d.copy_tokenizer(ckpt.path, sub)]
+        d.write_json("recycle.json", record)
+        files = dict(sorted(d.files.items()))
+    return {
+        "out": str(writer.out),
+        "format": to,
+        "dtype": DTYPE_NAMES[dtype],
+        "family": w.family.name,
+        "modules": len(w.modules),
+        "files": files,
+        "bytes": sum(files.values()),
+        "tokenizer_files": copied,
+        "summary": record["summary"],
+        "notes": plan.notes,
+        "seconds": round(time.perf_counter() - started, 3),
+    }
+
+
+def stitch_overlay(overlay: str | os.PathLike, target: str | os.PathLike, out: str | os.PathLike, *,
+                   overwrite: bool = False, progress: Progress | None = None) -> dict:
+    from converters.overlay import stitch
+
+    return stitch(overlay, target, out, overwrite=overwrite, progress=progress)
+

@@ -1,0 +1,137 @@
+"""`--to eagle`: the MTP modules as a lossless EAGLE-style drafter, in three layouts.
+
+1. recycle's own layout (top of OUT, loaded by `recycle.drafters.load_drafter`): see
+   `recycle/drafters/eagle.py` for names. Every tensor is the source tensor itself, in canonical
+   form (norms as plain `w`, projection columns [e; h]); nothing is approximated or fresh.
+2. `nextn/`: module 0 as a stand-alone NextN checkpoint in SGLang's export layout
+   (`scripts/export_deepseek_nextn.py`): the family's own tensor names with the module renumbered
+   to layer 0, embedding and head left out (SGLang takes the target's), `num_hidden_layers: 1`,
+   `architectures: [family.nextn_architecture]`, weights in the output dtype (no FP8). Written only
+   for families whose table row names a NextN class.
+3. `mtp_overlay/`: every stored MTP tensor under its original name, byte for byte (FP8 weights
+   keep their `_scale_inv`; `--dtype` does not apply, so the tensors match the target's
+   quantization), the index fragment `mtp.safetensors.index.json` and the source's config.json
+   as stored; `converters.overlay.stitch` puts them back
+   into a copy of the target for vLLM `method: "mtp"` / llama.cpp `draft-mtp`.
+
+    mapping (per module k)                          kind
+    embed.weight          ← module 0 embed (copy or trunk's)   exact
+    head.weight           ← module 0 head  (copy or trunk's)   exact
+    layers.k.embed_norm   ← enorm / pre_fc_norm_embedding / …  exact (1+w written as 1 + w)
+    layers.k.hidden_norm  ← hnorm / pre_fc_norm_hidden / …     exact (1+w written as 1 + w)
+    layers.k.proj         ← eh_proj / fc / input_proj          exact ([h; e] halves swapped)
+    layers.k.final_norm   ← shared_head.norm / mtp.norm / …    exact (1+w written as 1 + w)
+    layers.k.block.*      ← the module's decoder block         exact (FP8 dequantized)
+"""
+
+from __future__ import annotations
+
+from converters.roles import Lazy, Plan, RoleWeights, raw, same_values
+from recycle.mtp import STORAGE_KEYS
+
+ARCHITECTURE = "RecycleEagleDrafter"
+WEIGHTS = "model.safetensors"
+NEXTN_WEIGHTS = "nextn_layer_parameters.safetensors"  # SGLang's export file name
+OVERLAY_WEIGHTS = "mtp.safetensors"
+OVERLAY_INDEX = "mtp.safetensors.index.json"
+DROP_KEYS = (*STORAGE_KEYS, "text_config", "vision_config")
+
+
+def model_config(w: RoleWeights) -> dict:
+    """The source's (text) model config without storage keys: what the block classes are built from."""
+    return {k: v for k, v in w.config.items() if k not in DROP_KEYS}
+
+
+def drafter_tensors(w: RoleWeights) -> dict[str, Lazy]:
+    m0 = w.modules[0]
+    out: dict[str, Lazy] = {"embed.weight": m0.leaves["embed"], "head.weight": m0.leaves["head"]}
+    for k, mod in enumerate(w.modules):
+        for role in ("embed_norm", "hidden_norm", "proj", "final_norm"):
+            if role in mod.leaves:
+                out[f"layers.{k}.{role}.weight"] = mod.leaves[role]
+        if k > 0:  # a module with its own, different head/embedding keeps it (fine-tuned copies)
+            for role in ("head", "embed"):
+                a, b = mod.leaves[role].sources[0], m0.leaves[role].sources[0]
+                if not same_values(w.ckpt, a, b):
+                    out[f"layers.{k}.{role}.weight"] = mod.leaves[role]
+        for rel, lazy in mod.block.items():
+            out[f"layers.{k}.block.{rel}"] = lazy
+    return out
+
+
+def drafter_config(w: RoleWeights, dtype_name: str) -> dict:
+    fam = w.family
+    return {
+        **model_config(w),
+        "architectures": [ARCHITECTURE],
+        "torch_dtype": dtype_name,
+        "recycle": {
+            "format": "eagle",
+            "family": fam.name,
+            "depth": len(w.modules),
+            "chained_state": fam.chained_state,
+            "zero_embed_at_pos0": fam.zero_embed_at_pos0,
+            "block_class": fam.block_class,
+            "norm": "w",
+            "concat_order": "eh",
+            "source_num_hidden_layers": w.num_hidden_layers,
+        },
+    }
+
+
+def nextn(w: RoleWeights, dtype_name: str) -> tuple[dict[str, Lazy], dict] | None:
+    """Module 0 in SGLang's NextN export layout, or None when the family has no NextN class."""
+    fam = w.family
+    if fam.nextn_architecture is None:
+        return None
+    ctx = {"k": 0, "layer": 0, "first": 0, "last": 0, "s": 0}
+    m0 = w.modules[0]
+    tensors: dict[str, Lazy] = {}
+    for role in ("embed_norm", "hidden_norm", "proj", "final_norm"):
+        if role in m0.stored_leaves and role in fam.roles:
+            tensors[fam.roles[role][0].format(**ctx)] = m0.stored_leaves[role]
+    prefix = fam.block[0].format(**ctx)
+    for rel, lazy in m0.block.items():
+        tensors[prefix + rel] = lazy
+    config = {**model_config(w), "architectures": [fam.nextn_architecture], "num_hidden_layers": 1,
+              "torch_dtype": dtype_name}
+    for key in fam.depth_keys[:1]:
+        config[key] = 1
+    return tensors, config
+
+
+def overlay(w: RoleWeights) -> tuple[dict[str, Lazy], dict]:
+    """Every stored MTP tensor under its original name, raw, and the index fragment naming them."""
+    names = sorted(w.match.mtp_names)
+    tensors = {n: raw(w.ckpt, n) for n in names}
+    total = sum(w.ckpt.tensors[n].nbytes for n in names)
+    index = {
+        "metadata": {"total_size": total, "format": "recycle-mtp-overlay", "family": w.family.name,
+                     "modules": len(w.modules), "depth_key": (w.family.depth_keys or (None,))[0],
+                     "source": str(w.ckpt.path)},
+        "weight_map": {n: OVERLAY_WEIGHTS for n in names},
+    }
+    return tensors, index
+
+
+def convert(w: RoleWeights, *, dtype_name: str = "bfloat16") -> Plan:
+    """Role weights → the three layouts above."""
+    plan = Plan(tensors={WEIGHTS: drafter_tensors(w)}, jsons={"config.json": drafter_config(w, dtype_name)})
+    nx = nextn(w, dtype_name)
+    if nx is not None:
+        tensors, config = nx
+        plan.tensors[f"nextn/{NEXTN_WEIGHTS}"] = tensors
+        plan.jsons["nextn/config.json"] = config
+        plan.jsons["nextn/model.safetensors.index.json"] = {
+            "metadata": {"total_size": 0}, "weight_map": {n: NEXTN_WEIGHTS for n in sorted(tensors)}}
+        plan.tokenizer_dirs = ("", "nextn/")
+        if len(w.modules) > 1:
+            plan.notes.append(f"nextn/ holds module 0 only (SGLang's NextN loader takes exactly one of the "
+                              f"{len(w.modules)} modules)")
+    else:
+        plan.notes.append(f"no nextn/: SGLang has no stand-alone NextN class for family '{w.family.name}'")
+    tensors, index = overlay(w)
+    plan.tensors[f"mtp_overlay/{OVERLAY_WEIGHTS}"] = tensors
+    plan.jsons[f"mtp_overlay/{OVERLAY_INDEX}"] = index
+    plan.jsons["mtp_overlay/config.json"] = dict(w.ckpt.config)  # the target's config, as stored
+    return plan

@@ -1,0 +1,294 @@
+"""`--to eagle3`: an EAGLE-3 drafter in the official/SpecForge layout, initialised from MTP module 0.
+
+The layout is the one vLLM, SGLang, TensorRT-LLM and llama.cpp load (formats-target §0, §2.2):
+`midlayer.*`, `fc.weight` [h, 3H], `norm.weight`, `lm_head.weight` [Vd, h], `d2t` int64 offsets
+(target = draft + d2t[draft]), `t2d` bool [V]; no `embed_tokens` (engines share the target's).
+config.json is a flat Llama config (`LlamaForCausalLMEagle3`) that also carries the speculators
+keys, so `vllm serve OUT` and `speculators` read it too; `norm_before_residual` is always written.
+
+EAGLE-3 is not MTP-shaped: it reads three *pre-norm residual streams* of the target (the inputs of
+layers `eagle_aux_hidden_state_layer_ids`) through `fc`, and its one Llama layer attends over
+[input_layernorm(emb); hidden_norm(fc(aux))]. MTP reads the final-normed last state through
+hnorm/eh_proj into a full decoder block. So only part of the mapping is exact:
+
+    EAGLE-3 tensor                    ← MTP module 0                                   kind
+    norm.weight                       ← final norm (shared_head.norm, mtp.norm, …)     exact
+    lm_head.weight                    ← head rows of the draft vocabulary (d2t order)   exact
+    midlayer.input_layernorm          ← enorm (embedding norm)                          exact
+    midlayer.post_attention_layernorm ← block post_attention_layernorm                  exact
+    midlayer.mlp.{gate,up,down}_proj  ← dense block MLP                                 exact
+                                      ← MoE: the shared expert (routed experts dropped)  approx
+                                      ← MoE without a shared expert: expert 0            approx
+    midlayer.hidden_norm              ← block input_layernorm (it normalises the fused   approx
+                                        feature before attention, as hidden_norm does)
+    fc.weight [h, 3H]                 ← slot 3 (the deepest aux layer, N-1): eh_proj's   approx
+                                        hidden half · diag(hnorm); slots 1-2 zero. Aux
+                                        states are pre-norm residual streams entering
+                                        layer N-1, MTP read the final-normed output.
+    midlayer.self_attn.{q,k,v}_proj   ← [W·diag(ln1)·eh_proj_e , W] where W is the       approx
+                                        block's q/k/v (GQA: q_proj/k_proj/v_proj, gated
+                                        q: the query half; MLA: q_b·diag(q_a_ln)·q_a,
+                                        kv_b·diag(kv_a_ln)·kv_a with the shared rope key
+                                        copied to every head, v zero-padded to the qk
+                                        head size). Inner RMS scales, attention biases,
+                                        q/k norms and MLA's partial interleaved RoPE are
+                                        not representable and are dropped.
+    midlayer.self_attn.o_proj         ← block o_proj (MLA: zero columns for padded v)   approx
+    anything the block lacks          ← N(0, 0.02²) (down_proj: zeros)                   fresh
+    d2t / t2d                         ← full vocabulary: zeros / all true               exact
+                                      ← --draft-vocab N: top-N corpus tokens            approx
+"""
+
+from __future__ import annotations
+
+import torch
+
+from converters.roles import APPROX, EXACT, Lazy, Plan, RoleWeights, block_norm, normal, ones, zeros
+from recycle.errors import RecycleError
+
+WEIGHTS = "model.safetensors"
+SPECULATORS_VERSION = "0.9.0"  # the speculators release the output is validated against
+DEFAULT_SPEC_TOKENS = 3
+
+
+def aux_layer_ids(n: int) -> list[int]:
+    """Three distinct capture layers like the engine default [2, N//2, N-3], but ending at N-1
+    (the deepest state vLLM captures), since MTP modules were trained on the last state.
+    Trunks of fewer than 3 layers use [0, 1, 2] (2 = N: the final state, which speculators
+    accepts but vLLM does not capture)."""
+    if n < 3:
+        return [0, 1, 2]
+    last = n - 1
+    mid = n // 2 if n // 2 < last else last - 1
+    first = 2 if 2 < mid else mid - 1
+    return [first, mid, last]
+
+
+def _get(block: dict[str, Lazy], *names: str) -> Lazy | None:
+    for n in names:
+        if n in block:
+            return block[n]
+    return None
+
+
+def _attention(w: RoleWeights, block: dict[str, Lazy]) -> tuple[dict, dict[str, Lazy]]:
+    """(dims, {q, k, v, o} as [out, H] / [H, in] effective Linear weights) from the block."""
+    cfg, h = w.config, w.hidden_size
+    heads = int(cfg.get("num_attention_heads") or max(1, h // 64))
+    a = "self_attn."
+    q, k, v, o = (_get(block, f"{a}{p}_proj.weight") for p in "qkvo")
+    if q is not None and k is not None and v is not None and o is not None:
+        hd = int(cfg.get("head_dim") or h // heads)
+        kv = k.shape[0] // hd
+        gated = q.shape[0] == 2 * heads * hd
+        if gated:  # Qwen3-Next: per head [query hd; gate hd]
+            q = q.derive((heads * hd, h), lambda t: t.view(heads, 2 * hd, h)[:, :hd].reshape(heads * hd, h),
+                         APPROX, "query half of the gated q_proj; output gate dropped")
+        note = "GQA projection" + ("; biases, q/k norms dropped" if _get(block, f"{a}q_proj.bias", f"{a}q_norm.weight")
+                                   else "")
+        return ({"heads": heads, "kv_heads": kv, "head_dim": hd},
+                {"q": q, "k": k, "v": v, "o": o.derive(o.shape, lambda t: t, APPROX, note)} | {"note": note})
+    kv_a = _get(block, f"{a}kv_a_proj_with_mqa.weight")
+    kv_b = _get(block, f"{a}kv_b_proj.weight")
+    if kv_a is not None and kv_b is not None and o is not None:
+        nope, rope = int(cfg["qk_nope_head_dim"]), int(cfg["qk_rope_head_dim"])
+        vd, kvl = int(cfg["v_head_dim"]), int(cfg["kv_lora_rank"])
+        qk = nope + rope
+        kv_ln = _get(block, f"{a}kv_a_layernorm.weight")
+        q_a, q_ln, q_b = (_get(block, f"{a}{n}.weight") for n in ("q_a_proj", "q_a_layernorm", "q_b_proj"))
+        sources = [x for x in (q_a, q_ln, q_b, q, kv_a, kv_ln, kv_b, o) if x is not None]
+        srcs = tuple(s for x in sources for s in x.sources)
+        note = "MLA folded into MHA: low-rank products, inner RMS scales and partial interleaved RoPE dropped"
+
+        def ln(x: Lazy | None, size: int) -> torch.Tensor:
+            return x.make().float() if x is not None else torch.ones(size)
+
+        def make_q() -> torch.Tensor:
+            if q_a is not None and q_b is not None:
+                ql = q_a.shape[0]
+                return q_b.make().float() @ (ln(q_ln, ql)[:, None] * q_a.make().float())
+            return q.make().float()
+
+        def latent() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            kva = kv_a.make().float()
+            c = ln(kv_ln, kvl)[:, None] * kva[:kvl]  # [kvl, H]
+            b = kv_b.make().float().view(heads, nope + vd, kvl)
+            return c, b, kva[kvl:]
+
+        def make_k() -> torch.Tensor:
+            c, b, pe = latent()
+            k_nope = torch.einsum("hnl,lH->hnH", b[:, :nope], c)
+            return torch.cat([k_nope, pe.unsqueeze(0).expand(heads, rope, h)], dim=1).reshape(heads * qk, h)
+
+        def make_v() -> torch.Tensor:
+            c, b, _ = latent()
+            out = torch.zeros(heads, qk, h)
+            out[:, :vd] = torch.einsum("hvl,lH->hvH", b[:, nope:], c)
+            return out.reshape(heads * qk, h)
+
+        def make_o() -> torch.Tensor:
+            out = torch.zeros(h, heads, qk)
+            out[:, :, :vd] = o.make().float().view(h, heads, vd)
+            return out.reshape(h, heads * qk)
+
+        mk = {"q": make_q, "k": make_k, "v": make_v}
+        eff = {n: Lazy((heads * qk, h), f, srcs, APPROX, note) for n, f in mk.items()}
+        eff["o"] = Lazy((h, heads * qk), make_o, o.sources, APPROX, "o_proj with zero columns for the padded v dims")
+        return {"heads": heads, "kv_heads": heads, "head_dim": qk}, eff | {"note": note}
+    hd = int(cfg.get("head_dim") or h // heads)
+    note = "no attention projections this mapping understands: fresh N(0, 0.02²)"
+    eff = {n: normal((heads * hd, h), i, note) for i, n in enumerate("qkv")}
+    eff["o"] = normal((h, heads * hd), 3, note)
+    return {"heads": heads, "kv_heads": heads, "head_dim": hd}, eff | {"note": note}
+
+
+def _mlp(block: dict[str, Lazy], h: int) -> tuple[int, dict[str, Lazy]]:
+    for prefix, kind, note in (("mlp.", EXACT, "dense MLP"),
+                               ("mlp.shared_experts.", APPROX, "MoE → dense MLP: the shared expert; routed experts dropped"),
+                               ("mlp.shared_expert.", APPROX, "MoE → dense MLP: the shared expert; routed experts and its gate dropped"),
+                               ("mlp.experts.0.", APPROX, "MoE without a shared expert → dense MLP: expert 0")):
+        parts = {p: block.get(f"{prefix}{p}_proj.weight") for p in ("gate", "up", "down")}
+        if all(parts.values()):
+            inter = parts["gate"].shape[0]
+            return inter, {p: t.derive(t.shape, lambda x: x, kind, note) for p, t in parts.items()}
+    inter = 4 * h
+    note = "no gated MLP in the block: fresh (down_proj zero, so the MLP starts as a no-op)"
+    return inter, {"gate": normal((inter, h), 10, note), "up": normal((inter, h), 11, note),
+                   "down": zeros((h, inter), note)}
+
+
+def _rope_theta(cfg: dict) -> float:
+    rp = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    return float(cfg.get("rope_theta") or (rp.get("rope_theta") if isinstance(rp, dict) else None) or 10000.0)
+
+
+def vocab_maps(draft_ids: torch.Tensor | None, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d2t offsets [Vd], t2d mask [V]) for ascending target ids; None means the full vocabulary."""
+    if draft_ids is None:
+        return torch.zeros(vocab, dtype=torch.long), torch.ones(vocab, dtype=torch.bool)
+    ids = draft_ids.to(torch.long)
+    if ids.numel() and (not bool((ids[1:] > ids[:-1]).all()) or int(ids[0]) < 0 or int(ids[-1]) >= vocab):
+        raise RecycleError("draft vocabulary ids must be distinct, ascending and inside the target vocabulary")
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[ids] = True
+    return ids - torch.arange(ids.numel()), t2d
+
+
+def convert(w: RoleWeights, *, draft_ids: torch.Tensor | None = None, dtype_name: str = "bfloat16",
+            verifier: str | None = None, speculative_tokens: int = DEFAULT_SPEC_TOKENS) -> Plan:
+    """Role weights (module 0) → the EAGLE-3 state dict and hybrid Llama/speculators config."""
+    m0 = w.modules[0]
+    h, vocab = w.hidden_size, w.vocab_size
+    leaves, block = m0.leaves, m0.block
+    dims, att = _attention(w, block)
+    inter, mlp = _mlp(block, h)
+    ln1 = _get(block, "input_layernorm.weight")
+    ln2 = _get(block, "post_attention_layernorm.weight")
+    ln1 = block_norm(w, ln1) if ln1 is not None else None
+    proj = leaves["proj"]
+    q_out = {n: att[n].shape[0] for n in "qkv"}
+
+    def two_h(name: str) -> Lazy:
+        lin = att[name]
+        srcs = lin.sources + proj.sources + (ln1.sources if ln1 is not None else ())
+
+        def make() -> torch.Tensor:
+            wt = lin.make().float()
+            p_e = proj.make().float()[:, :h]
+            g = ln1.make().float() if ln1 is not None else torch.ones(h)
+            return torch.cat([wt @ (g[:, None] * p_e), wt], dim=1)
+
+        return Lazy((q_out[name], 2 * h), make, srcs, APPROX,
+                    f"{att['note']}; embedding half = W·diag(input_layernorm)·eh_proj[:, :H]")
+
+    hnorm = leaves["hidden_norm"]
+    n_layers = w.num_hidden_layers
+    aux = aux_layer_ids(n_layers)
+
+    def make_fc() -> torch.Tensor:
+        fc = torch.zeros(h, 3 * h)
+        fc[:, 2 * h:] = proj.make().float()[:, h:] * hnorm.make().float()[None, :]
+        return fc
+
+    fc = Lazy((h, 3 * h), make_fc, proj.sources + hnorm.sources, APPROX,
+              f"slot 3 (aux layer {aux[2]}) = eh_proj[:, H:]·diag(hnorm); slots 1-2 zero")
+    d2t, t2d = vocab_maps(draft_ids, vocab)
+    vd = d2t.numel()
+    head = leaves["head"]
+    if draft_ids is None:
+        lm_head = head
+    else:
+        sel = draft_ids.clone()
+        lm_head = head.derive((vd, h), lambda t: t.index_select(0, sel), EXACT, f"rows of the {vd} draft-vocabulary ids")
+    vocab_kind = EXACT if draft_ids is None else APPROX
+    vocab_note = "full vocabulary" if draft_ids is None else f"top-{vd} tokens by corpus frequency"
+    final = leaves.get("final_norm")
+    tensors: dict[str, Lazy] = {
+        "fc.weight": fc,
+        "midlayer.hidden_norm.weight": (ln1.derive(ln1.shape, lambda x: x, APPROX,
+                                                   "block input_layernorm now normalises fc's output")
+                                        if ln1 is not None else hnorm.derive(hnorm.shape, lambda x: x, APPROX, "hnorm")),
+        "midlayer.input_layernorm.weight": leaves["embed_norm"],
+        "midlayer.self_attn.q_proj.weight": two_h("q"),
+        "midlayer.self_attn.k_proj.weight": two_h("k"),
+        "midlayer.self_attn.v_proj.weight": two_h("v"),
+        "midlayer.self_attn.o_proj.weight": att["o"],
+        "midlayer.post_attention_layernorm.weight": (block_norm(w, ln2) if ln2 is not None
+                                                     else ones((h,), "no post_attention_layernorm in the block")),
+        "midlayer.mlp.gate_proj.weight": mlp["gate"],
+        "midlayer.mlp.up_proj.weight": mlp["up"],
+        "midlayer.mlp.down_proj.weight": mlp["down"],
+        "norm.weight": final if final is not None else ones((h,), "the family has no final norm"),
+        "lm_head.weight": lm_head,
+        "d2t": Lazy((vd,), lambda: d2t, (), vocab_kind, f"{vocab_note}: int64 offsets", dtype=torch.long),
+        "t2d": Lazy((vocab,), lambda: t2d, (), vocab_kind, f"{vocab_note}: kept-token mask", dtype=torch.bool),
+    }
+    cfg = w.config
+    theta = _rope_theta(cfg)
+    layer = {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": h,
+        "intermediate_size": inter,
+        "num_attention_heads": dims["heads"],
+        "num_key_value_heads": dims["kv_heads"],
+        "head_dim": dims["head_dim"],
+        "num_hidden_layers": 1,
+        "vocab_size": vocab,
+        "rms_norm_eps": w.eps,
+        "hidden_act": "silu",
+        "max_position_embeddings": int(cfg.get("max_position_embeddings") or 4096),
+        "rope_theta": theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": theta},
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
+    }
+    config = {
+        **layer,
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "draft_vocab_size": vd,
+        "target_hidden_size": h,
+        "norm_before_residual": False,
+        "eagle_aux_hidden_state_layer_ids": aux,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": aux, "use_aux_hidden_state": True},
+        "torch_dtype": dtype_name,
+        "speculators_model_type": "eagle3",
+        "speculators_version": SPECULATORS_VERSION,
+        "transformer_layer_config": layer,
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": speculative_tokens,
+                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": verifier or str(w.ckpt.path.resolve()),
+                         "architectures": list(w.ckpt.config.get("architectures") or [])},
+        },
+    }
+    plan = Plan(tensors={WEIGHTS: tensors}, jsons={"config.json": config})
+    if len(w.modules) > 1:
+        plan.notes.append(f"initialised from MTP module 0 of {len(w.modules)}")
+    if n_layers < 3:
+        plan.notes.append(f"trunk has {n_layers} layers: aux layer ids {aux} include the final state, "
+                          "which vLLM does not capture")
+    return plan

@@ -1,0 +1,68 @@
+"""`--to medusa --heads K`: K Medusa heads whose LM heads come from the MTP head(s).
+
+Written twice from the same tensors (each made once):
+  * vLLM's layout at the top of OUT: `model.safetensors` with `blocks.{i}.layers.0.{weight,bias}`
+    and `lm_heads.{i}.weight`;
+  * FasterDecoding's (TGI, TensorRT-LLM) beside it: `medusa_lm_head.safetensors` with
+    `{i}.0.linear.{weight,bias}` and `{i}.1.weight` (v1: every head has its own LM head).
+One config.json carries both key sets (`model_type: medusa`, `MedusaModel`, `num_heads`,
+`num_hidden_layers`, `medusa_fc_bias: true` for vLLM; `medusa_num_heads`, `medusa_num_layers`,
+`base_model_name_or_path` for FasterDecoding/TGI).
+
+    tensor                          ← source                                kind
+    lm_heads.i / i.1.weight         ← head of MTP module min(i, n-1)         exact (shared head: the trunk's lm_head)
+    blocks.i.layers.0.weight / bias ← zeros: ResBlock = identity            fresh (Medusa's own init)
+
+The MTP block, norms and projection have no counterpart in a Medusa head (it reads only the
+target's last hidden state), so nothing else carries over; the heads need training to look ahead.
+"""
+
+from __future__ import annotations
+
+from converters.roles import Lazy, Plan, RoleWeights, zeros
+from recycle.errors import RecycleError
+
+WEIGHTS = "model.safetensors"
+FD_WEIGHTS = "medusa_lm_head.safetensors"
+DEFAULT_HEADS = 3
+LAYERS = 1
+
+
+def convert(w: RoleWeights, *, heads: int = DEFAULT_HEADS, dtype_name: str = "bfloat16",
+            base_model: str | None = None) -> Plan:
+    if heads < 1:
+        raise RecycleError(f"--heads must be at least 1, got {heads}")
+    h, vocab = w.hidden_size, w.vocab_size
+    note = "ResBlock zero-initialised (identity), as Medusa initialises it"
+    weight = zeros((h, h), note)
+    bias = zeros((h,), note)
+    vllm: dict[str, Lazy] = {}
+    fd: dict[str, Lazy] = {}
+    for i in range(heads):
+        head = w.modules[min(i, len(w.modules) - 1)].leaves["head"]
+        for j in range(LAYERS):
+            vllm[f"blocks.{i}.layers.{j}.weight"] = weight
+            vllm[f"blocks.{i}.layers.{j}.bias"] = bias
+            fd[f"{i}.{j}.linear.weight"] = weight
+            fd[f"{i}.{j}.linear.bias"] = bias
+        vllm[f"lm_heads.{i}.weight"] = head
+        fd[f"{i}.{LAYERS}.weight"] = head
+    config = {
+        "model_type": "medusa",
+        "architectures": ["MedusaModel"],
+        "hidden_size": h,
+        "vocab_size": vocab,
+        "num_heads": heads,
+        "num_hidden_layers": LAYERS,
+        "medusa_fc_bias": True,
+        "original_lm_head": False,
+        "medusa_num_heads": heads,
+        "medusa_num_layers": LAYERS,
+        "base_model_name_or_path": base_model or str(w.ckpt.path.resolve()),
+        "torch_dtype": dtype_name,
+    }
+    plan = Plan(tensors={WEIGHTS: vllm, FD_WEIGHTS: fd}, jsons={"config.json": config})
+    if heads > len(w.modules):
+        plan.notes.append(f"{heads} heads from {len(w.modules)} MTP module(s): heads past the stored depth "
+                          "reuse the last module's head")
+    return plan

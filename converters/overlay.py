@@ -1,0 +1,93 @@
+"""Stitch an MTP overlay back into a copy of its target checkpoint.
+
+vLLM (`method: "mtp"`) and llama.cpp (`--spec-type draft-mtp`, after its own GGUF conversion)
+run MTP modules only from inside the target checkpoint, under the target's own tensor names. An
+overlay (`OUT/mtp_overlay/` from `recycle convert --to eagle`, or a distilled drafter's) holds
+exactly those tensors, byte for byte in the target's storage dtypes (FP8 with `_scale_inv`).
+
+`stitch(overlay, target, out)` writes a new checkpoint directory:
+  * target shards holding none of the overlay's names are hard-linked (copied across filesystems);
+  * shards holding some are rewritten without them;
+  * the overlay's tensors go to `recycle-mtp.safetensors`;
+  * `model.safetensors.index.json` maps every tensor to its file; config.json's MTP depth key is
+    raised to the overlay's module count when it is lower; every other file is copied.
+The target is never modified. CLI: `recycle stitch OUT/mtp_overlay TARGET_DIR -o STITCHED_DIR`.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from converters.eagle import OVERLAY_INDEX
+from converters.roles import raw
+from converters.writer import OutputDir, Progress
+from recycle.checkpoint import INDEX_FILE, Checkpoint
+from recycle.errors import RecycleError
+from recycle.families import match
+
+STITCHED_FILE = "recycle-mtp.safetensors"
+
+
+def _read_index(overlay: Path) -> dict:
+    import json
+
+    try:
+        return json.loads((overlay / OVERLAY_INDEX).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise RecycleError(f"{overlay}: not an MTP overlay (no readable {OVERLAY_INDEX}: {e})") from None
+
+
+def _raise_depth(config: dict, key: str | None, modules: int) -> dict:
+    config = dict(config)
+    if not key:
+        return config
+    for scope in (config, config.get("text_config")):
+        if isinstance(scope, dict) and isinstance(scope.get(key), int) and scope[key] < modules:
+            scope[key] = modules
+    return config
+
+
+def stitch(overlay: str | os.PathLike, target: str | os.PathLike, out: str | os.PathLike, *,
+           overwrite: bool = False, progress: Progress | None = None) -> dict:
+    """Write `out` = target with the overlay's MTP tensors in place of its own; returns a summary."""
+    ov_dir, tgt_dir = Path(overlay), Path(target)
+    meta = _read_index(ov_dir).get("metadata", {})
+    ov, tgt = Checkpoint(ov_dir), Checkpoint(tgt_dir)
+    fam = match(tgt).family.name
+    if meta.get("family") not in (None, fam):
+        raise RecycleError(f"{ov_dir}: overlay of a '{meta.get('family')}' checkpoint, target is '{fam}'")
+    names = set(ov.tensors)
+    for n in names:
+        info = tgt.tensors.get(n)
+        if info is not None and info.shape != ov.tensors[n].shape:
+            raise RecycleError(f"{ov_dir}: {n} has shape {list(ov.tensors[n].shape)}, the target's is {list(info.shape)}")
+    writer = OutputDir(out, overwrite=overwrite, protect=(tgt_dir, ov_dir))
+    weight_map: dict[str, str] = {}
+    rewritten, linked = [], []
+    with writer as d:
+        rewrite: dict[str, dict] = {}
+        for file in tgt.files:
+            held = [n for n, i in tgt.tensors.items() if i.file == file]
+            keep = [n for n in held if n not in names]
+            weight_map.update(dict.fromkeys(keep, file))
+            if len(keep) == len(held):
+                d.copy_file(tgt.path / file, file, link=True)
+                linked.append(file)
+            elif keep:
+                rewrite[file] = {n: raw(tgt, n) for n in sorted(keep)}
+                rewritten.append(file)
+        rewrite[STITCHED_FILE] = {n: raw(ov, n) for n in sorted(names)}
+        d.write_safetensors(rewrite, dtype=torch.bfloat16, progress=progress)  # raw tensors keep their dtype
+        weight_map.update(dict.fromkeys(names, STITCHED_FILE))
+        total = sum(tgt.tensors[n].nbytes for n in weight_map if n in tgt.tensors and n not in names)
+        total += sum(ov.tensors[n].nbytes for n in names)
+        d.write_json(INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))})
+        d.write_json("config.json", _raise_depth(tgt.config, meta.get("depth_key"), int(meta.get("modules") or 0)))
+        for p in sorted(tgt.path.iterdir()):
+            if p.is_file() and not p.name.endswith(".safetensors") and p.name not in (INDEX_FILE, "config.json"):
+                d.copy_file(p, p.name)
+    return {"out": str(writer.out), "family": fam, "overlay_tensors": len(names), "linked": linked,
+            "rewritten": rewritten, "file": STITCHED_FILE}

@@ -1,0 +1,235 @@
+"""Role-keyed MTP weights in one canonical form: the single place converters read a checkpoint.
+
+Every converter starts from the same picture of module k, whatever the family stored:
+  proj        [H, 2H] with columns in [e; h] order (MiMo's [h; e] halves are swapped here),
+  norms       as the plain `w` of `w·x̂` (zero-centred `(1+w)` families get 1 + w, computed in fp32),
+  head/embed  the module's own copy, or the trunk's tensor when the module stores none,
+  block       the decoder block's tensors in checkpoint layout, FP8 dequantized block-wise.
+Tensors are *lazy*: a `Lazy` knows its shape and where it comes from and reads (and checks for
+NaN/Inf) only when the writer asks, so a converter stays a pure function from these weights to a
+plan of (name → Lazy, config) and nothing is held in memory longer than one tensor.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from recycle.checkpoint import DTYPES, SCALE_SUFFIX, Checkpoint
+from recycle.errors import RecycleError
+from recycle.families import Family, MTPMatch, MTPModule, first_value, match
+
+EXACT, APPROX, FRESH = "exact", "approx", "fresh"
+LEAF_SHAPES = {"embed_norm": ("H",), "hidden_norm": ("H",), "proj": ("H", "2H"), "final_norm": ("H",),
+               "head": ("V", "H"), "embed": ("V", "H")}
+REQUIRED = ("embed_norm", "hidden_norm", "proj", "head", "embed")
+FINITE_CHUNK = 1 << 24  # elements per NaN/Inf check slice (a bool mask of a 129k×7k head would be 0.9 GB)
+
+
+@dataclass(eq=False)
+class Lazy:
+    """An output tensor not read yet: shape, dtype, a maker, and its provenance for recycle.json.
+
+    `dtype` None means "the output's float dtype" (the writer casts); integer/bool tensors (d2t,
+    t2d) and raw copies set it. Identity matters: the writer makes each Lazy once, however many
+    files or names use it.
+    """
+
+    shape: tuple[int, ...]
+    make: Callable[[], torch.Tensor]
+    sources: tuple[str, ...]
+    kind: str  # EXACT | APPROX | FRESH
+    note: str = ""
+    dtype: torch.dtype | None = None
+    raw: bool = False  # written byte for byte in its stored dtype (the overlay)
+
+    def derive(self, shape: tuple[int, ...], fn: Callable[[torch.Tensor], torch.Tensor], kind: str | None = None,
+               note: str | None = None) -> Lazy:
+        """A tensor computed from this one (same sources); `kind` defaults to this one's."""
+        return Lazy(tuple(shape), lambda: fn(self.make()), self.sources, kind or self.kind,
+                    self.note if note is None else note)
+
+
+def check_finite(t: torch.Tensor, what: str) -> torch.Tensor:
+    """RecycleError on NaN/Inf, scanned in slices so the check never doubles memory."""
+    if t.is_floating_point():
+        flat = t.reshape(-1)
+        for start in range(0, flat.numel(), FINITE_CHUNK):
+            chunk = flat[start:start + FINITE_CHUNK]
+            # A float32 sum is one pass with no mask (2x faster than isfinite on bf16); NaN/Inf make
+            # it non-finite, and so can overflow of huge finite values, so confirm with the mask.
+            if not torch.isfinite(chunk.sum(dtype=torch.float32)) and not torch.isfinite(chunk).all():
+                raise RecycleError(f"{what} holds NaN or Inf values; refusing to convert corrupt weights")
+    return t
+
+
+def stored(ckpt: Checkpoint, name: str, kind: str = EXACT, note: str = "") -> Lazy:
+    """A checkpoint tensor's values (FP8 dequantized), checked for NaN/Inf when read."""
+    info = ckpt.tensors[name]
+    return Lazy(info.shape, lambda: check_finite(ckpt.get(name), f"{ckpt.path}: {name}"), (name,), kind, note)
+
+
+def raw(ckpt: Checkpoint, name: str) -> Lazy:
+    """A checkpoint tensor byte for byte in its stored dtype (FP8 stays FP8, scales included)."""
+    info = ckpt.tensors[name]
+    dtype = DTYPES[info.dtype][1]
+    if dtype is None:
+        raise RecycleError(f"{ckpt.path}: tensor {name} has dtype {info.dtype}, which torch cannot read")
+    return Lazy(info.shape, lambda: ckpt.raw(name), (name,), EXACT, "stored bytes", dtype=dtype, raw=True)
+
+
+@dataclass
+class ModuleWeights:
+    """Module k in canonical form."""
+
+    index: int
+    prefix: str
+    leaves: dict[str, Lazy]  # embed_norm, hidden_norm, proj, head, embed, and final_norm when the family has one
+    block: dict[str, Lazy]  # checkpoint-layout names relative to the block prefix
+    module: MTPModule
+    stored_leaves: dict[str, Lazy] = field(default_factory=dict)  # the same roles before canonicalisation
+
+
+@dataclass
+class RoleWeights:
+    """Everything a converter may read from one checkpoint."""
+
+    ckpt: Checkpoint
+    match: MTPMatch
+    modules: list[ModuleWeights]
+    hidden_size: int
+    vocab_size: int
+    eps: float
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def family(self) -> Family:
+        return self.match.family
+
+    @property
+    def config(self) -> dict:
+        return self.match.config
+
+    @property
+    def num_hidden_layers(self) -> int:
+        return int(self.config.get("num_hidden_layers") or 0)
+
+
+def _canonical_norm(lazy: Lazy, style: str) -> Lazy:
+    if style == "w":
+        return lazy
+    return lazy.derive(lazy.shape, lambda w: 1.0 + w.float(), note="stored zero-centred (1+w): written as 1 + w")
+
+
+def _canonical_proj(lazy: Lazy, order: str, h: int) -> Lazy:
+    if order == "eh":
+        return lazy
+    return lazy.derive(lazy.shape, lambda w: torch.cat([w[:, h:], w[:, :h]], dim=1),
+                       note="stored [h; e]: halves swapped to [e; h]")
+
+
+def gather(ckpt: Checkpoint, family: str | None = None) -> RoleWeights:
+    """Match the checkpoint against the family table and describe its MTP modules canonically.
+
+    Raises RecycleError for layouts recycle cannot convert: no family fits, no module stored
+    (MiniMax declares modules its releases do not ship), a non-sequential kind, missing roles or
+    shapes that disagree with config.json.
+    """
+    m = match(ckpt, family)
+    fam = m.family
+    if not m.modules:
+        declared = f"declares {m.declared} ({', '.join(fam.depth_keys) or 'config'})" if m.declared else "declares none"
+        raise RecycleError(f"{ckpt.path}: stores no MTP module ({fam.title} layout; config {declared}); "
+                           "there is nothing to convert")
+    if fam.kind != "mtp" or fam.concat_order is None:
+        raise RecycleError(f"{ckpt.path}: family '{fam.name}' is {fam.kind}, not sequential MTP modules; "
+                           "recycle convert handles sequential MTP modules only")
+    h = first_value(m.config, fam.hidden_keys)
+    v = first_value(m.config, fam.vocab_keys)
+    if not isinstance(h, int) or not isinstance(v, int):
+        raise RecycleError(f"{ckpt.path}: config.json lacks hidden_size/vocab_size")
+    dims = {"H": h, "2H": 2 * h, "V": v}
+    eps = float(m.config.get("rms_norm_eps") or m.config.get("layer_norm_epsilon") or 1e-6)
+    modules = []
+    cache: dict[tuple[str, str], Lazy] = {}  # one Lazy per (source tensor, form): shared tensors are read once
+
+    def once(name: str, form: str, build: Callable[[], Lazy]) -> Lazy:
+        if (name, form) not in cache:
+            cache[(name, form)] = build()
+        return cache[(name, form)]
+
+    for mod in m.modules:
+        missing = [r for r in REQUIRED if mod.tensor(r) is None]
+        if missing:
+            raise RecycleError(f"{ckpt.path}: MTP module {mod.index} has no tensor for {', '.join(missing)}")
+        leaves: dict[str, Lazy] = {}
+        plain: dict[str, Lazy] = {}
+        for role in LEAF_SHAPES:
+            name = mod.tensor(role)
+            if name is None:
+                continue
+            want = tuple(dims[s] for s in LEAF_SHAPES[role])
+            got = ckpt.tensors[name].shape
+            if got != want:
+                raise RecycleError(f"{ckpt.path}: {name} ({role}) has shape {list(got)}, config.json implies {list(want)}")
+            src = once(name, "stored", lambda: stored(ckpt, name))
+            plain[role] = src
+            if role.endswith("norm"):
+                leaves[role] = once(name, "norm", lambda: _canonical_norm(src, fam.norm))
+            elif role == "proj":
+                leaves[role] = once(name, "proj", lambda: _canonical_proj(src, fam.concat_order, h))
+            else:
+                leaves[role] = src
+        block = {rel: once(full, "stored", lambda: stored(ckpt, full))
+                 for rel, full in mod.block_names().items() if not rel.endswith(SCALE_SUFFIX)}
+        if not block:
+            raise RecycleError(f"{ckpt.path}: MTP module {mod.index} stores no decoder block under {mod.prefix}")
+        modules.append(ModuleWeights(mod.index, mod.prefix, leaves, block, mod, plain))
+    return RoleWeights(ckpt, m, modules, h, v, eps)
+
+
+def same_values(ckpt: Checkpoint, a: str, b: str) -> bool:
+    """Whether two stored tensors hold equal values, compared in row chunks (heads are large)."""
+    if a == b:
+        return True
+    ia, ib = ckpt.tensors[a], ckpt.tensors[b]
+    if ia.shape != ib.shape:
+        return False
+    return all(torch.equal(x, y) for x, y in zip(ckpt.iter_chunks(a), ckpt.iter_chunks(b)))
+
+
+def block_norm(weights: RoleWeights, lazy: Lazy) -> Lazy:
+    """A norm weight from inside the block, in plain-`w` form (for formats with their own layers)."""
+    return _canonical_norm(lazy, weights.family.norm)
+
+
+@dataclass
+class Plan:
+    """What a converter returns: tensors per output file, JSON files, and the mapping it documents."""
+
+    tensors: dict[str, dict[str, Lazy]]  # relative file -> tensor name -> Lazy
+    jsons: dict[str, dict]  # relative file -> object (config.json, index files)
+    tokenizer_dirs: tuple[str, ...] = ("",)  # subfolders that get the source's tokenizer files
+    notes: list[str] = field(default_factory=list)
+
+
+def zeros(shape: tuple[int, ...], note: str) -> Lazy:
+    """A fresh all-zero tensor (identity-preserving initialisations)."""
+    return Lazy(tuple(shape), lambda: torch.zeros(shape), (), FRESH, note)
+
+
+def ones(shape: tuple[int, ...], note: str) -> Lazy:
+    return Lazy(tuple(shape), lambda: torch.ones(shape), (), FRESH, note)
+
+
+def normal(shape: tuple[int, ...], seed: int, note: str, std: float = 0.02) -> Lazy:
+    """A fresh N(0, std²) tensor, deterministic per seed."""
+    return Lazy(tuple(shape), lambda: torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * std,
+                (), FRESH, note)
+
+
+def nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    return math.prod(shape) * torch.empty((), dtype=dtype).element_size()

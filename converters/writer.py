@@ -1,0 +1,192 @@
+"""The one atomic output-directory writer.
+
+Everything lands in a hidden temporary sibling of OUT and is renamed into place only when every
+file is complete, so a failure at any point (NaN found, disk full, Ctrl-C) leaves no OUT at all,
+and `--overwrite` swaps the old directory out only after the new one is whole.
+
+Safetensors files are streamed: headers are computed from the planned shapes up front, then each
+tensor is made once (even when several files or names use it), cast, written to every file that
+holds it, and dropped. Peak memory is about one tensor, not one file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+import uuid
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import torch
+
+from converters.roles import Lazy, nbytes
+from recycle.errors import RecycleError
+
+ST_DTYPES: dict[torch.dtype, str] = {
+    torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "generation_config.json")
+Progress = Callable[[int, int], None]
+
+
+def _inside(path: Path, root: Path) -> bool:
+    return path == root or root in path.parents
+
+
+class OutputDir:
+    """`with OutputDir(out, overwrite=..., protect=[src]) as d: d.write_json(...); ...` → OUT appears whole."""
+
+    def __init__(self, out: str | os.PathLike, *, overwrite: bool = False,
+                 protect: tuple[str | os.PathLike, ...] = ()) -> None:
+        self.out = Path(out).expanduser().resolve()
+        for p in protect:
+            src = Path(p).expanduser().resolve()
+            if _inside(self.out, src):
+                raise RecycleError(f"{self.out}: the output must not be the source directory or inside it ({src})")
+            if _inside(src, self.out):
+                raise RecycleError(f"{self.out}: the output contains the source directory {src}; choose another -o")
+        if self.out.exists() or self.out.is_symlink():
+            if not self.out.is_dir():
+                raise RecycleError(f"{self.out}: exists and is not a directory")
+            if not overwrite:
+                raise RecycleError(f"{self.out}: already exists (pass --overwrite to replace it)")
+        self.overwrite = overwrite
+        self.tmp: Path | None = None
+        self.files: dict[str, int] = {}  # relative path -> bytes written
+
+    def __enter__(self) -> OutputDir:
+        parent = self.out.parent
+        try:
+            parent.mkdir(parents=True, exist_ok=True)
+            self.tmp = parent / f".{self.out.name}.recycle-tmp-{uuid.uuid4().hex[:8]}"
+            self.tmp.mkdir()
+        except OSError as e:
+            raise RecycleError(f"{self.out}: cannot write here ({e.strerror or e})") from None
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            self._discard()
+            if isinstance(exc, OSError) and not isinstance(exc, RecycleError):
+                raise RecycleError(f"{self.out}: writing failed ({exc.strerror or exc}); nothing was written") from None
+            return
+        try:
+            self._commit()
+        except OSError as e:
+            self._discard()
+            raise RecycleError(f"{self.out}: cannot move the finished output into place ({e.strerror or e})") from None
+
+    # -- files ------------------------------------------------------------------------------------
+
+    def path(self, rel: str) -> Path:
+        assert self.tmp is not None, "use OutputDir as a context manager"
+        p = self.tmp / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        return p
+
+    def write_json(self, rel: str, obj: Mapping) -> None:
+        data = (json.dumps(obj, indent=2, ensure_ascii=False) + "\n").encode("utf-8")
+        self.path(rel).write_bytes(data)
+        self.files[rel] = len(data)
+
+    def copy_file(self, src: Path, rel: str, link: bool = False) -> None:
+        """Copy (or hard-link, where allowed and asked) one file into the output."""
+        dst = self.path(rel)
+        if link:
+            try:
+                os.link(src, dst)
+                self.files[rel] = dst.stat().st_size
+                return
+            except OSError:
+                pass
+        shutil.copyfile(src, dst)
+        self.files[rel] = dst.stat().st_size
+
+    def copy_tokenizer(self, src_dir: Path, sub: str = "") -> list[str]:
+        copied = []
+        for name in TOKENIZER_FILES:
+            if (src_dir / name).is_file():
+                self.copy_file(src_dir / name, f"{sub}{name}")
+                copied.append(f"{sub}{name}")
+        return copied
+
+    def write_safetensors(self, files: Mapping[str, Mapping[str, Lazy]], dtype: torch.dtype,
+                          progress: Progress | None = None, metadata: Mapping[str, str] | None = None) -> None:
+        """Stream several safetensors files at once, making each distinct Lazy exactly once."""
+        order: dict[int, Lazy] = {}  # id -> lazy, in first-use order
+        for tensors in files.values():
+            for lazy in tensors.values():
+                order.setdefault(id(lazy), lazy)
+        rank = {k: i for i, k in enumerate(order)}
+        out_dtype = {k: lz.dtype or dtype for k, lz in order.items()}
+        plans: dict[str, list[tuple[str, Lazy]]] = {}
+        handles = {}
+        try:
+            for rel, tensors in files.items():
+                plan = sorted(tensors.items(), key=lambda kv: rank[id(kv[1])])
+                plans[rel] = plan
+                handles[rel] = self._open_safetensors(rel, plan, out_dtype, metadata)
+            users: dict[int, list[tuple[str, str]]] = {k: [] for k in order}
+            for rel, plan in plans.items():
+                for name, lazy in plan:
+                    users[id(lazy)].append((rel, name))
+            for i, (k, lazy) in enumerate(order.items()):
+                t = lazy.make()
+                if tuple(t.shape) != lazy.shape:
+                    raise RecycleError(f"{', '.join(lazy.sources) or 'a tensor'}: made shape {list(t.shape)}, "
+                                       f"planned {list(lazy.shape)}")
+                if t.dtype != out_dtype[k]:
+                    t = t.to(out_dtype[k])
+                data = t.contiguous().reshape(-1).view(torch.uint8).numpy()
+                for rel, _ in users[k]:
+                    handles[rel].write(data)
+                del t, data
+                if progress:
+                    progress(i + 1, len(order))
+        finally:
+            for f in handles.values():
+                f.close()
+        for rel in files:
+            self.files[rel] = self.path(rel).stat().st_size
+
+    def _open_safetensors(self, rel: str, plan: list[tuple[str, Lazy]], out_dtype: dict[int, torch.dtype],
+                          metadata: Mapping[str, str] | None):
+        header: dict = {"__metadata__": {"format": "pt", **(metadata or {})}}
+        offset = 0
+        for name, lazy in plan:
+            dt = out_dtype[id(lazy)]
+            size = nbytes(lazy.shape, dt)
+            header[name] = {"dtype": ST_DTYPES[dt], "shape": list(lazy.shape), "data_offsets": [offset, offset + size]}
+            offset += size
+        blob = json.dumps(header, separators=(",", ":")).encode("utf-8")
+        blob += b" " * (-len(blob) % 8)
+        f = open(self.path(rel), "wb")
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        return f
+
+    # -- commit -----------------------------------------------------------------------------------
+
+    def _discard(self) -> None:
+        if self.tmp is not None and self.tmp.exists():
+            shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def _commit(self) -> None:
+        assert self.tmp is not None
+        old = None
+        if self.out.exists():
+            old = self.out.parent / f".{self.out.name}.recycle-old-{uuid.uuid4().hex[:8]}"
+            os.rename(self.out, old)
+        try:
+            os.rename(self.tmp, self.out)
+        except OSError:
+            if old is not None:
+                os.rename(old, self.out)
+            raise
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,288 @@
+"""`recycle bench`: speculative decoding with a drafter vs plain autoregressive decoding, same process.
+
+Both runs use the one decode loop (`recycle.decoding.generate`): the baseline is the same loop
+with no drafter, so the speedup measures drafting, not two different KV-cache implementations.
+Per prompt the baseline and the drafter run back to back after a warm-up on the first prompt, so
+machine noise hits both alike.
+
+Cost model (Leviathan et al. 2023, with per-position acceptance as in anchors.md §3.1):
+
+    τ_pred    = 1 + Σ_d Π_{j ≤ d} α_j            α_j: measured acceptance rate at draft depth j
+    c_draft   = draft time per step  / AR time per token
+    c_verify  = verify time per step / AR time per token
+    predicted = τ_pred / (c_draft + c_verify)
+
+i.e. tokens per step over the step's cost in units of one autoregressive target step (prefill
+excluded). It says how far the measured speedup is from what acceptance and per-step costs imply.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from recycle.decoding import DecodeStats, Drafter, MaskCache, Target, generate, load_target
+from recycle.decoding.drafting import load_engine
+from recycle.errors import RecycleError
+
+# Peak memory bandwidth (GB/s) of common accelerators, matched on the device name (gpt-fast habit).
+PEAK_BANDWIDTH_GBS = {
+    "H200": 4800.0, "H100 SXM": 3350.0, "H100 PCIe": 2000.0, "H100": 3350.0, "A100-SXM4-80GB": 2039.0,
+    "A100 80GB PCIe": 1935.0, "A100": 1555.0, "L40S": 864.0, "L4": 300.0, "A10G": 600.0, "A10": 600.0,
+    "RTX 4090": 1008.0, "RTX 3090": 936.0, "V100": 900.0, "T4": 320.0,
+}  # fmt: skip
+Progress = Callable[[int, int, str], None]
+
+
+@dataclass
+class BenchOptions:
+    drafter: str | None  # drafter directory; None with native=True: the target's own MTP modules
+    target: str
+    prompts: list[tuple[str, str]] | None = None  # (set, text); None: recycle.prompts.default_prompts()
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    tree: str | None = None
+    device: str | None = None  # None: cuda when available, else cpu
+    dtype: str = "fp32"
+    native: bool = False
+    compare_hf: bool = False
+    seed: int = 0
+    warmup: bool = True
+    stop_at_eos: bool = True
+
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def resolve_device(name: str | None) -> torch.device:
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name not in ("cpu", "cuda") and not name.startswith("cuda:"):
+        raise RecycleError(f"--device {name!r}: choose cpu or cuda")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise RecycleError("--device cuda: no CUDA device is available to torch here")
+    return torch.device(name)
+
+
+def peak_bandwidth(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_BANDWIDTH_GBS.items() if k in name), None)
+
+
+def _summary(stats: list[DecodeStats]) -> dict:
+    tokens = sum(s.new_tokens for s in stats)
+    secs = sum(s.total_s for s in stats)
+    steps = sum(s.steps for s in stats)
+    depth = max((len(s.tried) for s in stats), default=0)
+    tried = [sum(s.tried[d] for s in stats if d < len(s.tried)) for d in range(depth)]
+    acc = [sum(s.accepted[d] for s in stats if d < len(s.accepted)) for d in range(depth)]
+    return {
+        "new_tokens": tokens,
+        "seconds": secs,
+        "tokens_per_s": tokens / secs if secs else 0.0,
+        "target_forwards": sum(s.forwards for s in stats),
+        "steps": steps,
+        "tau": sum(s.new_tokens - 1 for s in stats) / steps if steps else 1.0,
+        "acceptance": [a / t if t else 0.0 for a, t in zip(acc, tried)],
+        "accepted": acc,
+        "tried": tried,
+        "draft_s": sum(s.draft_s for s in stats),
+        "verify_s": sum(s.verify_s for s in stats),
+        "prefill_s": sum(s.prefill_s for s in stats),
+        "tree_nodes_per_step": sum(s.tree_nodes for s in stats) / steps if steps else 0.0,
+    }
+
+
+def predicted_speedup(spec: dict, ar: dict) -> dict:
+    """The cost-model prediction from measured acceptance and per-step costs (module docstring)."""
+    tau, run = 1.0, 1.0
+    for a in spec["acceptance"]:
+        run *= a
+        tau += run
+    ar_step = (ar["draft_s"] + ar["verify_s"]) / ar["steps"] if ar["steps"] else float("nan")
+    steps = spec["steps"] or 1
+    c_draft = spec["draft_s"] / steps / ar_step
+    c_verify = spec["verify_s"] / steps / ar_step
+    return {"tau": tau, "c_draft": c_draft, "c_verify": c_verify, "speedup": tau / (c_draft + c_verify)}
+
+
+def _param_bytes(module: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+def hf_peers(model: torch.nn.Module, prompts: list[list[int]], ours: list[list[int]], opts: BenchOptions,
+             eos: int | None, progress: Progress | None) -> list[dict]:
+    """transformers' own decoding on the same target and prompts: plain, use_mtp (where the target
+    declares MTP layers) and prompt lookup; tokens/s and whether greedy output equals ours."""
+    cfg = model.config
+    methods: list[tuple[str, dict]] = [("hf greedy", {})]
+    n_mtp = int(getattr(cfg, "num_mtp_layers", 0) or getattr(cfg, "num_nextn_predict_layers", 0) or 0)
+    if n_mtp and hasattr(cfg, "num_mtp_layers"):
+        base = int(cfg.num_hidden_layers)
+        # transformers 5.x hard-codes DeepSeek-V3's layer 61 in the regex MtpModel reads MTP weights by
+        # (environment.md §2); point it at this checkpoint's layers.
+        model._keys_to_ignore_on_load_unexpected = {rf"model\.layers\.{base + k}\..*" for k in range(n_mtp)}
+        methods.append(("hf use_mtp", {"use_mtp": True}))
+    methods.append(("hf prompt lookup", {"prompt_lookup_num_tokens": 3}))
+    sampling = {"do_sample": True, "temperature": opts.temperature} if opts.temperature > 0 else {"do_sample": False}
+    dev = next(model.parameters()).device
+    rows = []
+    for mi, (name, kw) in enumerate(methods):
+        tokens = secs = 0.0
+        match, err = 0, None
+        for i, p in enumerate(prompts):
+            ids = torch.tensor([p], device=dev)
+            try:
+                if i == 0:  # warm-up
+                    model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, **sampling, **kw)
+                torch.manual_seed(opts.seed)
+                t0 = time.perf_counter()
+                o = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=opts.max_new_tokens,
+                                   eos_token_id=eos, pad_token_id=eos, **sampling, **kw)
+                if dev.type == "cuda":
+                    torch.cuda.synchronize(dev)
+                secs += time.perf_counter() - t0
+            except Exception as e:  # a peer failing is a finding to report, not a crash of our bench
+                err = f"{type(e).__name__}: {' '.join(str(e).split())[:160]}"
+                break
+            new = o[0, len(p):].tolist()
+            tokens += len(new)
+            match += int(new == ours[i])
+            if progress:
+                progress(mi * len(prompts) + i + 1, len(methods) * len(prompts), name)
+        rows.append({
+            "method": name, "new_tokens": int(tokens), "seconds": secs,
+            "tokens_per_s": tokens / secs if secs and err is None else None,
+            "greedy_match": f"{match}/{len(prompts)}" if opts.temperature <= 0 and err is None else None,
+            "error": err,
+        })
+    return rows
+
+
+def check_options(opts: BenchOptions) -> None:
+    """Reject bad options before any loading (so the CLI fails fast, before its progress bar)."""
+    from recycle.decoding.drafting import parse_shape
+
+    if opts.max_new_tokens < 1:
+        raise RecycleError("--max-new-tokens must be ≥ 1")
+    if opts.temperature < 0 or not math.isfinite(opts.temperature):
+        raise RecycleError("--temperature must be a finite number ≥ 0")
+    if opts.dtype not in DTYPES:
+        raise RecycleError(f"--dtype {opts.dtype!r}: choose from {', '.join(DTYPES)}")
+    if opts.drafter is None and not opts.native:
+        raise RecycleError("give a DRAFTER_DIR, or --native-mtp to draft with the target's own MTP modules")
+    if opts.drafter is not None and not Path(opts.drafter).is_dir():
+        raise RecycleError(f"{opts.drafter}: no such drafter directory")
+    if not Path(opts.target).is_dir():
+        raise RecycleError(f"--target {opts.target}: no such directory")
+    resolve_device(opts.device)
+    parse_shape(opts.tree, 1)
+
+
+def run_bench(opts: BenchOptions, progress: Progress | None = None) -> dict:
+    """Benchmark one drafter against AR decoding of its target; returns the JSON-ready report."""
+    from transformers import AutoTokenizer
+
+    from recycle.decoding.target import quiet_transformers
+    from recycle.prompts import default_prompts
+
+    check_options(opts)
+    device = resolve_device(opts.device)
+    tdir = Path(opts.target)
+    model = load_target(tdir, device=device, dtype=DTYPES[opts.dtype])
+    target = Target(model)
+    masks = MaskCache(target.dtype, device)
+    with quiet_transformers():
+        engine = load_engine(opts.drafter, target, masks, tree=opts.tree, native=opts.native, target_dir=str(tdir))
+    target.set_taps(engine.taps)
+    tok_dir = tdir if (tdir / "tokenizer.json").is_file() or (tdir / "tokenizer_config.json").is_file() else opts.drafter
+    try:
+        with quiet_transformers():
+            tokenizer = AutoTokenizer.from_pretrained(tok_dir)
+    except (OSError, ValueError) as e:
+        raise RecycleError(f"{tok_dir}: no usable tokenizer ({' '.join(str(e).split())[:160]})") from None
+    prompts = opts.prompts if opts.prompts is not None else default_prompts()
+    encoded = [tokenizer(text, add_special_tokens=False)["input_ids"] for _, text in prompts]
+    if any(not ids for ids in encoded):
+        raise RecycleError("a prompt encodes to no tokens")
+    eos = getattr(tokenizer, "eos_token_id", None) if opts.stop_at_eos else None
+    ar_drafter = Drafter()
+    run = dict(temperature=opts.temperature, seed=opts.seed, eos=eos, masks=masks)
+    if opts.warmup:
+        for d in (ar_drafter, engine, ar_drafter, engine):
+            generate(target, d, encoded[0], min(16, opts.max_new_tokens), **run)
+    rows, ar_stats, sp_stats, ours = [], [], [], []
+    for i, ((kind, text), ids) in enumerate(zip(prompts, encoded)):
+        ar = generate(target, ar_drafter, ids, opts.max_new_tokens, **run)
+        sp = generate(target, engine, ids, opts.max_new_tokens, **run)
+        ar_stats.append(ar.stats)
+        sp_stats.append(sp.stats)
+        ours.append(sp.tokens)
+        match = (ar.tokens == sp.tokens) if opts.temperature <= 0 else None
+        rows.append({
+            "set": kind, "prompt_tokens": len(ids), "text": text[:80],
+            "ar": {k: v for k, v in asdict(ar.stats).items() if k != "accept_lengths"} | {"tokens_per_s": _tps(ar.stats)},
+            "spec": {k: v for k, v in asdict(sp.stats).items() if k != "accept_lengths"}
+            | {"tokens_per_s": _tps(sp.stats), "tau": sp.stats.tau},
+            "greedy_match": match,
+        })
+        if progress:
+            progress(i + 1, len(prompts), "decoding")
+    ar_sum, sp_sum = _summary(ar_stats), _summary(sp_stats)
+    report = {
+        "target": str(tdir),
+        "drafter": opts.drafter if not opts.native else None,
+        "drafter_kind": engine.kind,
+        "tree": engine.describe(),
+        "device": str(device),
+        "dtype": opts.dtype,
+        "threads": torch.get_num_threads(),
+        "temperature": opts.temperature,
+        "max_new_tokens": opts.max_new_tokens,
+        "seed": opts.seed,
+        "prompts": rows,
+        "overall": {
+            "ar": ar_sum,
+            "spec": sp_sum,
+            "speedup": sp_sum["tokens_per_s"] / ar_sum["tokens_per_s"] if ar_sum["tokens_per_s"] else None,
+            "predicted": predicted_speedup(sp_sum, ar_sum),
+            "greedy_match": f"{sum(bool(r['greedy_match']) for r in rows)}/{len(rows)}" if opts.temperature <= 0 else None,
+        },
+        "bandwidth": None,
+        "hf": None,
+    }
+    peak = peak_bandwidth(device)
+    if peak is not None:
+        nbytes = _param_bytes(model)
+        report["bandwidth"] = {
+            "peak_gbs": peak,
+            "ar_gbs": nbytes * ar_sum["target_forwards"] / ar_sum["seconds"] / 1e9,
+            "spec_gbs": nbytes * sp_sum["target_forwards"] / sp_sum["seconds"] / 1e9,
+        }
+    if opts.compare_hf:
+        report["hf"] = hf_peers(model, encoded, ours, opts, eos, progress)
+        for r in report["hf"]:
+            r["speedup_vs_our_ar"] = r["tokens_per_s"] / ar_sum["tokens_per_s"] if r["tokens_per_s"] else None
+    return report
+
+
+def _tps(s: DecodeStats) -> float:
+    return s.new_tokens / s.total_s if s.total_s else 0.0
+
+
+def set_threads(n: int | None) -> None:
+    """Torch intra-op threads (default: leave torch's choice; RECYCLE_THREADS overrides)."""
+    n = n or int(os.environ.get("RECYCLE_THREADS", "0") or 0)
+    if n > 0:
+        torch.set_num_threads(n)
+
+
+__all__ = ["BenchOptions", "run_bench", "predicted_speedup", "peak_bandwidth", "set_threads"]

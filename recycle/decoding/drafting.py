@@ -1,0 +1,399 @@
+"""Drafting engines: adapters that turn a drafter module into draft trees, keeping its own KV cache.
+
+Every engine speaks the same three calls to the decode loop:
+  start(ids, feats)      after the prompt's prefill: the prompt tokens and the target's features
+  propose(root, T, gen)  a draft tree under `root` (the token the target emitted last)
+  commit(tokens, feats)  the target accepted `tokens` (root first) with these features
+and never keeps a cache entry computed from a token the target did not accept.
+
+Engines:
+  AutoRegressive   no drafts (the baseline; the tree is the root alone)
+  MTPStack         the native MTP modules (`recycle.mtp.MTP`) and the `--to eagle` drafter
+                   (`recycle.drafters.EagleDrafter`, same computation, any number of steps)
+  Eagle3Engine     the EAGLE-3 layer run recursively, EAGLE-2 style
+  MedusaEngine     Medusa heads over the target's last hidden state
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import DynamicCache
+
+from recycle.decoding import cache as kv
+from recycle.decoding.target import Target
+from recycle.decoding.tree import DynamicTreeSpec, Expander, MaskCache, StaticTree, Tree
+
+Shape = int | StaticTree | DynamicTreeSpec
+
+
+def describe_shape(shape: Shape) -> str:
+    if isinstance(shape, int):
+        return f"chain:{shape}"
+    if isinstance(shape, StaticTree):
+        return f"static:{len(shape.parents) - 1} nodes, depth {shape.depth}"
+    return f"dynamic:{shape.depth},{shape.top_k},{shape.total_tokens}"
+
+
+class Drafter:
+    """The autoregressive baseline, and the interface every engine implements."""
+
+    kind = "ar"
+    taps: tuple[str, ...] = ()
+    shape: Shape = 0
+
+    def start(self, ids: list[int], feats: dict[str, torch.Tensor]) -> None:
+        pass
+
+    def propose(self, root: int, temperature: float = 0.0, gen: torch.Generator | None = None) -> Tree:
+        return Tree.root(root)
+
+    def commit(self, tokens: list[int], feats: dict[str, torch.Tensor]) -> None:
+        pass
+
+    def describe(self) -> str:
+        return "none" if self.kind == "ar" else f"{self.kind} {describe_shape(self.shape)}"
+
+
+AutoRegressive = Drafter
+
+
+def _rows_mask(n_true: int, anc: torch.Tensor, prefix: int, masks: MaskCache) -> torch.Tensor:
+    """Additive mask for `n_true` causal rows followed by tree rows whose mutual visibility is `anc` [m, m];
+    tree rows see every causal row; causal rows do not see tree rows."""
+    m = anc.shape[0]
+    allow = torch.zeros(n_true + m, n_true + m, dtype=torch.bool)
+    allow[:n_true, :n_true] = torch.ones(n_true, n_true, dtype=torch.bool).tril_()
+    allow[n_true:, :n_true] = True
+    allow[n_true:, n_true:] = anc
+    allow = torch.cat([torch.ones(n_true + m, prefix, dtype=torch.bool), allow], dim=1).to(masks.device)
+    return torch.zeros(allow.shape, dtype=masks.dtype, device=masks.device).masked_fill_(~allow, masks.neg)[None, None]
+
+
+@dataclass
+class _Span:
+    """Chained states of consecutive positions [start, start + len)."""
+
+    states: torch.Tensor  # [n, H]
+    start: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.states.shape[0]
+
+    def rows(self, lo: int, hi: int) -> torch.Tensor:
+        """States of positions [lo, hi)."""
+        return self.states[lo - self.start : hi - self.start]
+
+    def cat(self, other: torch.Tensor) -> _Span:
+        return _Span(torch.cat([self.states, other]) if self.states.numel() else other, self.start)
+
+
+class MTPStack(Drafter):
+    """MTP-semantics drafting: step k runs module min(k, n-1) at the *hidden state's* position.
+
+    Step k at position i reads the step-(k-1) state at i and the token t_{i+k} (MTP depth k,
+    formats-source §0.2), attending to step k's own cache over positions < i. So step k keeps a
+    cache of its own, whose entries are exact only where t_{i+k} is a committed token: at each
+    propose, step k computes positions [done_k, C-1] (C = the root's position) in one call, the
+    committed ones (i + k ≤ C) are kept, and the rows reading draft tokens are cropped afterwards.
+    In a tree, a draft node at depth d owns the row of step k at position C+d-k (it reads that
+    node's token), and sees its ancestors' rows: one call per step covers every node of the tree.
+    """
+
+    kind = "mtp"
+    taps = ("last",)
+
+    def __init__(self, mtp: nn.Module, shape: Shape, masks: MaskCache, kind: str = "mtp", repeat_last: bool = False) -> None:
+        self.mtp, self.masks, self.kind = mtp, masks, kind
+        depth = shape if isinstance(shape, int) else shape.depth
+        self.steps = depth if repeat_last else min(depth, mtp.depth)
+        if isinstance(shape, int):
+            shape = self.steps
+        self.shape = shape
+        fam = mtp.family
+        self.eh = fam.concat_order != "he"
+        self.pre_norm = fam.chained_state == "pre_norm"
+        self.zero_pos0 = bool(fam.zero_embed_at_pos0)
+        self.layers = [mtp.layers[min(j, mtp.depth - 1)] for j in range(self.steps)]
+        self.roles = [{r: mtp._role(lyr, r) for r in ("embed", "head", "final_norm")} for lyr in self.layers]
+
+    def start(self, ids: list[int], feats: dict[str, torch.Tensor]) -> None:
+        self.ids = list(ids)
+        self.pending = [feats["last"]]
+        self.caches = [DynamicCache() for _ in range(self.steps)]
+        self.done = [0] * self.steps
+        empty = feats["last"][:0]
+        self.carry = [_Span(empty, 0) for _ in range(self.steps)]
+
+    def commit(self, tokens: list[int], feats: dict[str, torch.Tensor]) -> None:
+        self.ids.extend(tokens[1:])
+        self.pending.append(feats["last"])
+
+    def _step(self, j: int, hidden: torch.Tensor, tokens: list[int], positions: list[int], mask: torch.Tensor,
+              draft_rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One call of step j over rows; returns (chained states [R, H], logits of draft_rows)."""
+        layer, roles = self.layers[j], self.roles[j]
+        dev = hidden.device
+        tok = torch.tensor(tokens, device=dev)
+        pos = torch.tensor(positions, device=dev)
+        e = roles["embed"](tok)
+        if self.zero_pos0 and 0 in positions:
+            e = e.masked_fill((pos == 0)[:, None], 0.0)
+        e, h = layer.embed_norm(e), layer.hidden_norm(hidden)
+        x = layer.proj(torch.cat([e, h] if self.eh else [h, e], dim=-1))[None]
+        pos = pos[None]
+        y = layer.block(x, attention_mask=mask, position_ids=pos, past_key_values=self.caches[j], use_cache=True,
+                        position_embeddings=self.mtp.rotary(x, pos))
+        y = (y[0] if isinstance(y, tuple) else y)[0]
+        norm = roles["final_norm"]
+        normed = (norm(y[draft_rows]) if norm is not None else y[draft_rows]) if self.pre_norm else None
+        out = y if self.pre_norm else (norm(y) if norm is not None else y)
+        if not draft_rows:
+            return out, y[:0]
+        return out, roles["head"](normed if self.pre_norm else out[draft_rows])
+
+    def propose(self, root: int, temperature: float = 0.0, gen: torch.Generator | None = None) -> Tree:
+        C = len(self.ids)  # the root's position
+        self.ids.append(root)
+        ex = Expander(root, self.shape, temperature, gen)
+        expanded: list[int] = []  # draft nodes with children below them, in creation order
+        prev = _Span(torch.cat(self.pending) if len(self.pending) > 1 else self.pending[0], self.done[0])
+        self.pending = []
+        prev_out: torch.Tensor | None = None
+        prev_row: dict[int, int] = {}
+        new_done = [max(self.done[j], C - j) for j in range(self.steps)]
+        for j in range(self.steps):
+            k = j + 1
+            s, hi = self.done[j], C - k  # committed rows this call: positions [s, hi]
+            n_true = max(0, hi - s + 1)
+            parts, tokens, positions = [], [], []
+            if n_true:
+                parts.append(prev.rows(s, hi + 1))
+                tokens += self.ids[s + k : hi + k + 1]
+                positions += list(range(s, hi + 1))
+            nodes = [n for n in expanded if C + ex.dep[n] - k >= 0]
+            for n in nodes:  # node n (depth d) owns the row at position C+d-k; its input is its parent's row
+                p, pos = ex.par[n], C + ex.dep[n] - k
+                parts.append(prev.rows(pos, pos + 1) if p == 0 else prev_out[prev_row[p]][None])
+                tokens.append(ex.tok[n])
+                positions.append(pos)
+            rows_of = {n: n_true + i for i, n in enumerate(nodes)}
+            live = not ex.done()
+            draft_rows = ([n_true - 1] if j == 0 else [rows_of[f] for f in ex.frontier()]) if live else []
+            if nodes:
+                idx = {n: i for i, n in enumerate(nodes)}
+                anc = torch.eye(len(nodes), dtype=torch.bool)
+                for i, n in enumerate(nodes):
+                    if ex.par[n] in idx:
+                        anc[i] |= anc[idx[ex.par[n]]]
+                mask = _rows_mask(n_true, anc, s, self.masks)
+            else:
+                mask = self.masks.causal(n_true, s)
+            hidden = torch.cat(parts) if len(parts) > 1 else parts[0]
+            out, logits = self._step(j, hidden, tokens, positions, mask, draft_rows)
+            if live:
+                ex.expand(logits)
+                expanded.extend(ex.frontier())
+            # step k's committed states: input of the next call, and (cropped) the carry to the next propose
+            nxt = self.carry[j].cat(out[:n_true]) if n_true else self.carry[j]
+            kv.crop(self.caches[j], new_done[j])
+            if k < self.steps:
+                lo = new_done[k]
+                self.carry[j] = _Span(nxt.rows(lo, new_done[j]), lo)
+            prev, prev_out, prev_row = nxt, out, rows_of
+        self.done = new_done
+        return ex.tree()[0]
+
+
+class Eagle3Engine(Drafter):
+    """EAGLE-3: one layer over [emb(t_{i+1}); fc(aux_i)] at position i; deeper tree levels feed the
+    layer's own output back at the next position (EAGLE-2 drafting), with a tree mask over the
+    draft rows. Committed rows stay in the cache; draft rows are cropped after each proposal."""
+
+    kind = "eagle3"
+
+    def __init__(self, model: nn.Module, shape: Shape, masks: MaskCache, embed: nn.Module, aux_layers: list[int]) -> None:
+        self.model, self.shape, self.masks = model, shape, masks
+        self.embed = model.embed_tokens if model.embed_tokens is not None else embed
+        self.taps = tuple(f"layer:{i}" for i in aux_layers)
+        self.layer = model.midlayer
+
+    def _feats(self, feats: dict[str, torch.Tensor]) -> torch.Tensor:
+        return torch.cat([feats[t] for t in self.taps], dim=-1)
+
+    def start(self, ids: list[int], feats: dict[str, torch.Tensor]) -> None:
+        self.ids = list(ids)
+        self.pending = [self._feats(feats)]
+        self.cache = DynamicCache()
+        self.done = 0
+
+    def commit(self, tokens: list[int], feats: dict[str, torch.Tensor]) -> None:
+        self.ids.extend(tokens[1:])
+        self.pending.append(self._feats(feats))
+
+    def _run(self, g: torch.Tensor, tokens: list[int], positions: list[int], mask: torch.Tensor,
+             rows: slice | list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The midlayer with this engine's cache (the module's own forward runs without one)."""
+        m, lyr = self.model, self.layer
+        dev = g.device
+        if g.shape[-1] == m.fc.in_features:
+            g = m.fc(g)
+        emb = self.embed(torch.tensor(tokens, device=dev))[None]
+        g = g[None]
+        pos = torch.tensor(positions, device=dev)[None]
+        normed = lyr.hidden_norm(g)
+        residual = normed if lyr.norm_before_residual else g
+        x = torch.cat([lyr.input_layernorm(emb), normed], dim=-1)
+        a, _ = lyr.self_attn(x, position_embeddings=m.rotary(g, pos), attention_mask=mask, past_key_values=self.cache)
+        y = residual + a
+        y = (y + lyr.mlp(lyr.post_attention_layernorm(y)))[0]
+        return y, m.to_target_logits(m.lm_head(m.norm(y[rows])))
+
+    def propose(self, root: int, temperature: float = 0.0, gen: torch.Generator | None = None) -> Tree:
+        C = len(self.ids)
+        self.ids.append(root)
+        aux = torch.cat(self.pending) if len(self.pending) > 1 else self.pending[0]
+        self.pending = []
+        s = self.done
+        y, logits = self._run(aux, self.ids[s + 1 : C + 1], list(range(s, C)), self.masks.causal(C - s, s),
+                              slice(C - s - 1, C - s))
+        self.done = C
+        ex = Expander(root, self.shape, temperature, gen)
+        ex.expand(logits)
+        state = {0: y[-1]}
+        slot: dict[int, int] = {}
+        while not ex.done():
+            front = ex.frontier()
+            m, used = len(front), len(slot)
+            allow = torch.zeros(m, used + m, dtype=torch.bool)
+            for i, f in enumerate(front):
+                a = ex.par[f]
+                while a > 0:
+                    allow[i, slot[a]] = True
+                    a = ex.par[a]
+                allow[i, used + i] = True
+            allow = torch.cat([torch.ones(m, C, dtype=torch.bool), allow], dim=1).to(self.masks.device)
+            mask = torch.zeros(allow.shape, dtype=self.masks.dtype, device=self.masks.device)
+            mask = mask.masked_fill_(~allow, self.masks.neg)[None, None]
+            hidden = torch.stack([state[ex.par[f]] for f in front])
+            y, logits = self._run(hidden, [ex.tok[f] for f in front], [C - 1 + ex.dep[f] for f in front], mask,
+                                  slice(None))
+            for i, f in enumerate(front):
+                state[f] = y[i]
+                slot[f] = used + i
+            ex.expand(logits)
+        kv.crop(self.cache, C)
+        return ex.tree()[0]
+
+
+class MedusaEngine(Drafter):
+    """Medusa: head i reads the target's last committed hidden state h_{C-1} and proposes depth i+1
+    (the token i+2 ahead of that state); no cache, the same head row serves every node of a level."""
+
+    kind = "medusa"
+    taps = ("last",)
+
+    def __init__(self, model: nn.Module, shape: Shape, masks: MaskCache) -> None:
+        self.model, self.shape, self.masks = model, shape, masks
+
+    def start(self, ids: list[int], feats: dict[str, torch.Tensor]) -> None:
+        self.h = feats["last"][-1:]
+
+    def commit(self, tokens: list[int], feats: dict[str, torch.Tensor]) -> None:
+        self.h = feats["last"][-1:]
+
+    def propose(self, root: int, temperature: float = 0.0, gen: torch.Generator | None = None) -> Tree:
+        depth = self.shape if isinstance(self.shape, int) else self.shape.depth
+        m = self.model  # only the heads the tree reaches
+        heads = [head(block(self.h)) for block, head in list(zip(m.blocks, m.lm_heads))[:depth]]
+        ex = Expander(root, self.shape, temperature, gen)
+        while not ex.done():
+            row = heads[ex.level][-1:]
+            ex.expand(row.expand(len(ex.frontier()), -1))
+        return ex.tree()[0]
+
+
+def parse_shape(value: str | None, default: Shape, max_depth: int | None = None) -> Shape:
+    """`--tree`: chain[:N], dynamic[:DEPTH,TOPK,TOTAL], or Medusa-style choices (JSON list or file)."""
+    from recycle.decoding.tree import parse_dynamic, parse_tree_option
+    from recycle.errors import RecycleError
+
+    if value is None:
+        return default
+    v = value.strip()
+    if v == "chain" or v.startswith("chain:"):
+        if v == "chain":
+            return default.depth if not isinstance(default, int) else default
+        try:
+            n = int(v.split(":", 1)[1])
+        except ValueError:
+            raise RecycleError(f"--tree {value!r}: expected chain:N, e.g. chain:2") from None
+        if n < 0:
+            raise RecycleError(f"--tree {value!r}: the chain length must be ≥ 0")
+        return n
+    if v == "dynamic":
+        return DynamicTreeSpec()
+    if v.startswith("dynamic:"):
+        return parse_dynamic(v)
+    shape = StaticTree.from_choices(parse_tree_option(v))
+    if max_depth is not None and shape.depth > max_depth:
+        raise RecycleError(f"--tree is {shape.depth} deep; this drafter drafts at most {max_depth} tokens ahead")
+    return shape
+
+
+DEFAULT_DYNAMIC = DynamicTreeSpec(depth=3, top_k=3, total_tokens=8)
+
+
+def load_engine(drafter_dir: str | None, target: Target, masks: MaskCache, tree: str | None = None,
+                native: bool = False, target_dir: str | None = None) -> Drafter:
+    """The drafting engine for a drafter directory (`recycle convert` output), the target's own MTP
+    modules (`native`, or DRAFTER_DIR = the target dir), or none (`drafter_dir` None: AR decoding)."""
+    from pathlib import Path
+
+    from recycle.decoding.tree import DEFAULT_MEDUSA_CHOICES
+    from recycle.errors import RecycleError
+
+    if drafter_dir is None and not native:
+        return Drafter()
+    dtype = target.dtype
+    same = drafter_dir is not None and target_dir is not None and Path(drafter_dir).resolve() == Path(target_dir).resolve()
+    if native or same:
+        from recycle.mtp import MTP
+
+        mtp = MTP.from_checkpoint(target_dir if drafter_dir is None else drafter_dir, dtype=dtype)
+        mtp.to(target.device)
+        shape = parse_shape(tree, mtp.depth, max_depth=mtp.depth)
+        if not isinstance(shape, int) and shape.depth > mtp.depth:
+            raise RecycleError(f"native MTP drafts at most {mtp.depth} tokens ahead; --tree is deeper")
+        return MTPStack(mtp, shape, masks, kind="native-mtp")
+    from recycle.drafters import drafter_format, load_drafter
+
+    d = Path(drafter_dir)
+    if not d.is_dir():
+        raise RecycleError(f"{d}: no such drafter directory")
+    fmt = drafter_format(d)
+    model = load_drafter(d, dtype=dtype).to(target.device)
+    vocab = getattr(target.config, "vocab_size", None)
+    if fmt == "eagle":
+        if model.config.vocab_size != vocab or model.config.hidden_size != target.config.hidden_size:
+            raise RecycleError(f"{d}: drafter (vocab {model.config.vocab_size}, hidden {model.config.hidden_size}) "
+                               f"does not fit the target (vocab {vocab}, hidden {target.config.hidden_size})")
+        return MTPStack(model, parse_shape(tree, DEFAULT_DYNAMIC), masks, kind="eagle", repeat_last=True)
+    if fmt == "eagle3":
+        import json
+
+        cfg = json.loads((d / "config.json").read_text(encoding="utf-8"))
+        n = target.num_layers
+        aux = cfg.get("eagle_aux_hidden_state_layer_ids") or (cfg.get("eagle_config") or {}).get(
+            "eagle_aux_hidden_state_layer_ids") or [min(2, n), n // 2, max(n - 3, 0)]
+        if model.config.vocab_size != vocab or model.fc.in_features != len(aux) * target.config.hidden_size:
+            raise RecycleError(f"{d}: EAGLE-3 drafter does not fit the target (vocab or fc width)")
+        return Eagle3Engine(model, parse_shape(tree, DEFAULT_DYNAMIC), masks, target.embed, [int(i) for i in aux])
+    heads = model.num_heads
+    if model.lm_heads[0].out_features != vocab:
+        raise RecycleError(f"{d}: Medusa heads predict {model.lm_heads[0].out_features} tokens; the target has {vocab}")
+    default = StaticTree.from_choices([c for c in DEFAULT_MEDUSA_CHOICES if len(c) <= heads])
+    return MedusaEngine(model, parse_shape(tree, default, max_depth=heads), masks)

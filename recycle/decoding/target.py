@@ -1,0 +1,141 @@
+"""The target model as the decoder sees it: logits plus the hidden features drafters read.
+
+Loaded with transformers' AutoModelForCausalLM (never remote code). Features are taken with
+forward hooks instead of `output_hidden_states=True`, which would keep every layer's output alive
+and, on a tiny model, costs more than the layers themselves.
+
+Feature names ("taps"):
+  "last"     the decoder's output after its final norm (what MTP modules and Medusa heads read)
+  "prenorm"  the input of the final norm (the last layer's raw output)
+  "layer:i"  the input of decoder layer i, i.e. transformers' `hidden_states[i]` (EAGLE-3 aux states)
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import DynamicCache
+
+from recycle.errors import RecycleError
+
+
+@contextlib.contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """Silence transformers' load reports (an MTP checkpoint always has 'unexpected' MTP tensors)."""
+    from transformers.utils import logging as hf_logging
+
+    old = hf_logging.get_verbosity()
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(old)
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
+def load_target(
+    path: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, attn: str = "sdpa"
+) -> nn.Module:
+    """AutoModelForCausalLM from a directory, eval mode, on `device`."""
+    from transformers import AutoModelForCausalLM
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise RecycleError(f"{path}: not a model directory (no config.json)")
+    try:
+        with quiet_transformers():
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn)
+    except (ValueError, KeyError, OSError) as e:
+        raise RecycleError(f"{path}: transformers cannot load it as a causal LM ({' '.join(str(e).split())[:200]})") from None
+    return model.to(device).eval()
+
+
+class Target:
+    """Runs the target over tokens at given positions with a given mask and cache; returns logits and taps."""
+
+    def __init__(self, model: nn.Module, taps: Iterable[str] = ()) -> None:
+        self.model = model
+        self.config = model.config
+        self.decoder = model.get_decoder()
+        self.head = model.get_output_embeddings()
+        self.embed = model.get_input_embeddings()
+        self._captured: dict[str, torch.Tensor] = {}
+        self._hooks: list = []
+        self.taps: tuple[str, ...] = ()
+        self.set_taps(taps)
+
+    @property
+    def device(self) -> torch.device:
+        return self.head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.head.weight.dtype
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.decoder.layers)
+
+    def set_taps(self, taps: Iterable[str]) -> None:
+        """Install hooks for the requested features (removing the previous ones)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        self.taps = tuple(dict.fromkeys(taps))
+        for tap in self.taps:
+            if tap == "last":
+                continue
+            if tap == "prenorm":
+                module = getattr(self.decoder, "norm", None)
+                if module is None:
+                    raise RecycleError("the target's decoder has no final `norm`; cannot tap its input")
+            elif tap.startswith("layer:"):
+                i = int(tap.split(":", 1)[1])
+                if i == self.num_layers:  # hidden_states[L] is the final-normed output
+                    continue
+                if not 0 <= i < self.num_layers:
+                    raise RecycleError(f"feature {tap!r}: the target has {self.num_layers} layers")
+                module = self.decoder.layers[i]
+            else:
+                raise ValueError(f"unknown feature tap {tap!r}")
+            self._hooks.append(module.register_forward_pre_hook(self._grab(tap), with_kwargs=True))
+
+    def _grab(self, name: str):
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            self._captured[name] = args[0] if args else kwargs["hidden_states"]
+
+        return hook
+
+    def new_cache(self) -> DynamicCache:
+        return DynamicCache(config=self.config)
+
+    def forward(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        mask: torch.Tensor | None,
+        cache: DynamicCache,
+        logits_for: slice | None = None,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """ids/positions [1, N]; mask None (causal) or additive [1, 1, N, past+N].
+
+        Returns logits [N', V] (float32; N' rows selected by `logits_for`, default all) and taps
+        {name: [N, H]} (views, valid until the next forward).
+        """
+        out = self.decoder(input_ids=ids, position_ids=positions, attention_mask=mask, past_key_values=cache, use_cache=True)
+        hidden = out.last_hidden_state[0]
+        feats = {}
+        for tap in self.taps:
+            if tap == "last" or tap == f"layer:{self.num_layers}":
+                feats[tap] = hidden
+            else:
+                feats[tap] = self._captured.pop(tap)[0]
+        h = hidden if logits_for is None else hidden[logits_for]
+        return self.head(h).float(), feats

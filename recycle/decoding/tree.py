@@ -1,0 +1,313 @@
+"""Draft trees: the token tree a drafter proposes, its attention mask and positions, and tree shapes.
+
+A tree is stored flat in topological order: node 0 is the root (the token the target sampled last
+step, not yet run through it), every other node's parent has a smaller index. A chain is a tree
+with one branch, so one verifier and one decode loop serve chains, static trees (Medusa choices)
+and dynamic trees (EAGLE-2) alike.
+
+Mask convention: an additive float mask (0 = attend, dtype-min = blocked) of shape
+[1, 1, nodes, prefix + nodes]. transformers returns a 4D mask untouched for both eager and sdpa
+attention (`masking_utils._preprocess_mask_arguments`), so the same tensor serves both.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from recycle.errors import RecycleError
+
+
+@dataclass
+class Tree:
+    """A draft tree. `q[i]` is the distribution node i was drawn from (None: chosen deterministically)."""
+
+    tokens: list[int]
+    parents: list[int]
+    depths: list[int]
+    q: list[torch.Tensor | None] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.q:
+            self.q = [None] * len(self.tokens)
+
+    @classmethod
+    def root(cls, token: int) -> Tree:
+        return cls([token], [-1], [0])
+
+    def add(self, token: int, parent: int, q: torch.Tensor | None = None) -> int:
+        """Append a child of `parent`; returns its index."""
+        self.tokens.append(token)
+        self.parents.append(parent)
+        self.depths.append(self.depths[parent] + 1)
+        self.q.append(q)
+        return len(self.tokens) - 1
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def depth(self) -> int:
+        return max(self.depths)
+
+    def children(self) -> list[list[int]]:
+        out: list[list[int]] = [[] for _ in self.tokens]
+        for i, p in enumerate(self.parents[1:], start=1):
+            out[p].append(i)
+        return out
+
+    def path_to(self, node: int) -> list[int]:
+        path = []
+        while node >= 0:
+            path.append(node)
+            node = self.parents[node]
+        return path[::-1]
+
+
+def ancestor_matrix(parents: Sequence[int]) -> torch.Tensor:
+    """[N, N] bool: row i is True at i and at every ancestor of i (what node i may attend to)."""
+    n = len(parents)
+    anc = torch.eye(n, dtype=torch.bool)
+    for i in range(1, n):
+        anc[i] |= anc[parents[i]]
+    return anc
+
+
+class MaskCache:
+    """Tree masks and depth offsets, built once per tree shape and reused (static trees hit every step).
+
+    Why: on a CPU-bound tiny model, per-step Python work and allocation are a visible share of the
+    step time; a chain or a Medusa tree has the same shape every step.
+    """
+
+    def __init__(self, dtype: torch.dtype, device: torch.device | str) -> None:
+        self.dtype, self.device = dtype, torch.device(device)
+        self.neg = torch.finfo(dtype).min
+        self._shapes: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._zeros = torch.zeros(0, dtype=dtype, device=self.device)
+
+    def tree_part(self, parents: Sequence[int], depths: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        key = tuple(parents)
+        hit = self._shapes.get(key)
+        if hit is None:
+            anc = ancestor_matrix(parents).to(self.device)
+            part = torch.zeros(anc.shape, dtype=self.dtype, device=self.device).masked_fill_(~anc, self.neg)
+            hit = (part, torch.tensor(list(depths), dtype=torch.long, device=self.device))
+            if len(self._shapes) < 4096:
+                self._shapes[key] = hit
+        return hit
+
+    def mask(self, parents: Sequence[int], depths: Sequence[int], prefix: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(additive mask [1, 1, N, prefix+N], position ids [1, N]) for a tree placed after `prefix` tokens."""
+        part, dep = self.tree_part(parents, depths)
+        n = part.shape[0]
+        if self._zeros.shape[0] < prefix * n:
+            self._zeros = torch.zeros(max(prefix * n, 2 * self._zeros.shape[0]), dtype=self.dtype, device=self.device)
+        left = self._zeros[: prefix * n].view(n, prefix)
+        full = torch.cat([left, part], dim=1)[None, None]
+        return full, (dep + prefix)[None]
+
+    def causal(self, n: int, prefix: int) -> torch.Tensor:
+        """[1, 1, n, prefix+n] causal mask for n consecutive tokens after a prefix."""
+        return self.mask(list(range(-1, n - 1)), list(range(n)), prefix)[0]
+
+
+def chain_parents(length: int) -> list[int]:
+    """Parents of a chain with `length` draft tokens below the root."""
+    return list(range(-1, length))
+
+
+# A Medusa-style default for a 2–4 head drafter on a tiny model: wide at depth 1, narrowing fast.
+DEFAULT_MEDUSA_CHOICES: list[list[int]] = [
+    [0], [1], [2], [3],
+    [0, 0], [0, 1], [1, 0], [0, 2], [2, 0], [1, 1],
+    [0, 0, 0], [0, 0, 1], [0, 1, 0], [1, 0, 0],
+    [0, 0, 0, 0], [0, 0, 0, 1],
+]  # fmt: skip
+
+
+def validate_choices(choices: object, max_depth: int | None = None) -> list[list[int]]:
+    """Check a Medusa-choices list: non-empty paths of non-negative ints, prefix-closed; sorted by (len, path)."""
+    if not isinstance(choices, list) or not choices:
+        raise RecycleError("a tree must be a non-empty JSON list of paths, e.g. [[0], [1], [0, 0]]")
+    paths: list[tuple[int, ...]] = []
+    for c in choices:
+        if not isinstance(c, list) or not c or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in c):
+            raise RecycleError(f"tree path {c!r} is not a non-empty list of non-negative integers")
+        paths.append(tuple(c))
+    if len(set(paths)) != len(paths):
+        raise RecycleError("tree paths repeat")
+    have = set(paths)
+    for p in paths:
+        if len(p) > 1 and p[:-1] not in have:
+            raise RecycleError(f"tree path {list(p)} has no parent path {list(p[:-1])}")
+    if max_depth is not None:
+        deep = [list(p) for p in paths if len(p) > max_depth]
+        if deep:
+            raise RecycleError(f"tree path {deep[0]} is deeper than the drafter's {max_depth} heads")
+    return [list(p) for p in sorted(paths, key=lambda p: (len(p), p))]
+
+
+def parse_tree_option(value: str | None) -> list[list[int]] | None:
+    """`--tree`: a JSON list of paths, or a file holding one."""
+    if value is None:
+        return None
+    text = value
+    if not value.lstrip().startswith("["):
+        path = Path(value)
+        if not path.is_file():
+            raise RecycleError(f"--tree: {value} is neither a JSON list of paths nor a file")
+        text = path.read_text(encoding="utf-8")
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise RecycleError(f"--tree: not valid JSON ({e.msg} at char {e.pos})") from None
+    return validate_choices(data)
+
+
+@dataclass(frozen=True)
+class StaticTree:
+    """A tree shape from Medusa choices: node i > 0 is path `paths[i-1]`; rank = top-k index at its depth."""
+
+    paths: list[list[int]]
+    parents: list[int]
+    depths: list[int]
+    ranks: list[int]
+
+    @classmethod
+    def from_choices(cls, choices: list[list[int]]) -> StaticTree:
+        paths = validate_choices(choices)
+        index = {(): 0}
+        parents, depths, ranks = [-1], [0], [0]
+        for i, p in enumerate(paths, start=1):
+            index[tuple(p)] = i
+            parents.append(index[tuple(p[:-1])])
+            depths.append(len(p))
+            ranks.append(p[-1])
+        return cls(paths, parents, depths, ranks)
+
+    @property
+    def depth(self) -> int:
+        return max(self.depths)
+
+    def topk_per_depth(self) -> list[int]:
+        """How many candidates each depth needs (max rank + 1)."""
+        out = [0] * self.depth
+        for d, r in zip(self.depths[1:], self.ranks[1:]):
+            out[d - 1] = max(out[d - 1], r + 1)
+        return out
+
+
+@dataclass(frozen=True)
+class DynamicTreeSpec:
+    """EAGLE-2 dynamic tree parameters: expand the `top_k` best frontier nodes per depth by cumulative
+    draft log-prob, `depth` drafter passes, keep the `total_tokens` best nodes overall."""
+
+    depth: int = 4
+    top_k: int = 4
+    total_tokens: int = 16
+
+    def __post_init__(self) -> None:
+        if self.depth < 1 or self.top_k < 1 or self.total_tokens < 1:
+            raise RecycleError("dynamic tree depth, top_k and total_tokens must be ≥ 1")
+
+
+def parse_dynamic(value: str) -> DynamicTreeSpec:
+    """`--tree dynamic:DEPTH,TOPK,TOTAL` (EAGLE-2 style)."""
+    try:
+        d, k, t = (int(x) for x in value.split(":", 1)[1].split(","))
+    except ValueError:
+        raise RecycleError(f"--tree {value!r}: expected dynamic:DEPTH,TOPK,TOTAL, e.g. dynamic:4,4,16") from None
+    return DynamicTreeSpec(d, k, t)
+
+
+
+
+class Expander:
+    """Grows a draft tree level by level from the drafter's logits, for any tree shape.
+
+    The drafting engines differ in how they get logits (per-depth MTP modules, one recursive
+    EAGLE layer, Medusa heads); the choice of children does not, so it lives here once.
+    `frontier()` names the candidate nodes whose children the next level needs; `expand(rows)`
+    takes one logits row per frontier node. Candidate 0 is the root.
+
+    Children are the top-k of the draft distribution (deterministic, q = δ) except in a chain at
+    temperature > 0, where the single child is sampled from q = softmax(logits / T) and q is kept
+    for the verifier.
+    """
+
+    def __init__(self, root: int, shape: int | StaticTree | DynamicTreeSpec, temperature: float = 0.0,
+                 gen: torch.Generator | None = None) -> None:
+        self.shape, self.temperature, self.gen = shape, temperature, gen
+        self.tok, self.par, self.dep, self.score = [root], [-1], [0], [0.0]
+        self.q: list[torch.Tensor | None] = [None]
+        self.level = 0
+        self._front = [0]
+        self._static_id = [0]  # candidate -> static node (static shapes)
+        if isinstance(shape, StaticTree):
+            self._kids: list[list[int]] = [[] for _ in shape.parents]
+            for i, p in enumerate(shape.parents[1:], start=1):
+                self._kids[p].append(i)
+        self.max_depth = shape if isinstance(shape, int) else shape.depth
+
+    def frontier(self) -> list[int]:
+        return self._front
+
+    def done(self) -> bool:
+        return self.level >= self.max_depth or not self._front
+
+    def _add(self, parent: int, token: int, score: float, q: torch.Tensor | None = None) -> int:
+        self.tok.append(token)
+        self.par.append(parent)
+        self.dep.append(self.dep[parent] + 1)
+        self.score.append(score)
+        self.q.append(q)
+        return len(self.tok) - 1
+
+    def expand(self, logits: torch.Tensor) -> None:
+        """logits [len(frontier), V] (any float dtype): the draft distribution below each frontier node."""
+        shape, front = self.shape, self._front
+        self.level += 1
+        new: list[int] = []
+        if isinstance(shape, int):
+            if self.temperature > 0:
+                q = torch.softmax(logits[0].float() / self.temperature, dim=-1)
+                tok = int(torch.multinomial(q, 1, generator=self.gen))
+                new.append(self._add(front[0], tok, 0.0, q))
+            else:
+                new.append(self._add(front[0], int(logits[0].argmax()), 0.0))
+        elif isinstance(shape, StaticTree):
+            k = max(shape.ranks[c] for f in front for c in self._kids[self._static_id[f]]) + 1
+            top = logits.topk(k, dim=-1).indices.tolist()
+            for row, f in enumerate(front):
+                for c in self._kids[self._static_id[f]]:
+                    cid = self._add(f, top[row][shape.ranks[c]], 0.0)
+                    self._static_id.append(c)
+                    if self._kids[c]:
+                        new.append(cid)
+        else:
+            lp = torch.log_softmax(logits.float(), dim=-1)
+            val, idx = lp.topk(min(shape.top_k, lp.shape[-1]), dim=-1)
+            val, idx = val.tolist(), idx.tolist()
+            born = []
+            for row, f in enumerate(front):
+                base = self.score[f]
+                born.extend(self._add(f, t, base + v) for v, t in zip(val[row], idx[row]))
+            born.sort(key=lambda c: (-self.score[c], c))
+            new = sorted(born[: shape.top_k])
+        self._front = new
+
+    def tree(self) -> tuple[Tree, list[int]]:
+        """The final tree and, per tree node, its candidate id (dynamic shapes keep the best total_tokens)."""
+        keep = list(range(len(self.tok)))
+        if isinstance(self.shape, DynamicTreeSpec):
+            ranked = sorted(keep[1:], key=lambda c: (-self.score[c], c))
+            keep = [0] + sorted(ranked[: self.shape.total_tokens])
+        where = {c: i for i, c in enumerate(keep)}
+        t = Tree([self.tok[c] for c in keep], [where.get(self.par[c], -1) for c in keep],
+                 [self.dep[c] for c in keep], [self.q[c] for c in keep])
+        return t, keep

@@ -1,0 +1,142 @@
+"""The EAGLE-style feature-chained drafter made of a checkpoint's MTP modules, kept lossless.
+
+It is the MTP runtime (`recycle.mtp.MTP`) with canonical weights (plain-`w` norms, [e; h]
+projection) plus two things drafting needs:
+  * one embedding and one LM head of its own (the source's copies, or the trunk's), so a drafter
+    directory runs without the target checkpoint beside it;
+  * steps past the stored depth: step k runs module min(k, n-1), fed the previous step's chained
+    state (the family's pre- or post-final-norm feature) and the embedding of the token drafted at
+    step k-1, exactly as EAGLE feeds its own output feature back. Within the stored depth step k
+    *is* MTP depth k+1, so the first step's logits equal the MTP module's.
+
+Directory layout (written by `converters.eagle`): config.json (the source's model config plus a
+`recycle` block), model.safetensors with `embed.weight`, `head.weight`,
+`layers.{k}.{embed_norm,hidden_norm,proj,final_norm}.weight` and `layers.{k}.block.*` in the
+source checkpoint's block layout (per-expert tensors); a module whose head/embedding differs from
+module 0's stores `layers.{k}.head.weight` / `layers.{k}.embed.weight`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+from transformers.masking_utils import create_causal_mask
+
+from recycle.families import BY_NAME, Family
+from recycle.mtp import MTP, block_config, to_runtime_layout
+
+CANONICAL = {"norm": "w", "concat_order": "eh"}
+
+
+def canonical_family(name: str, chained_state: str | None = None, zero_embed_at_pos0: bool | None = None) -> Family:
+    """The family row with the canonical weight conventions the converters write."""
+    fam = BY_NAME[name]
+    changes: dict = dict(CANONICAL)
+    if chained_state is not None:
+        changes["chained_state"] = chained_state
+    if zero_embed_at_pos0 is not None:
+        changes["zero_embed_at_pos0"] = zero_embed_at_pos0
+    return dataclasses.replace(fam, **changes)
+
+
+class EagleDrafter(MTP):
+    """MTP modules run as an EAGLE-style autoregressive drafter (any number of steps)."""
+
+    def __init__(self, config, family: Family, depth: int, roles=("embed_norm", "hidden_norm", "proj", "final_norm"),
+                 own_heads: tuple[int, ...] = (), own_embeds: tuple[int, ...] = ()) -> None:
+        embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        super().__init__(config, family, depth, roles, shared={"embed": embed, "head": head})
+        self.embed, self.head = embed, head
+        for k in own_heads:
+            self.layers[k].head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        for k in own_embeds:
+            self.layers[k].embed = nn.Embedding(config.vocab_size, config.hidden_size)
+
+    def layer_for(self, step: int):
+        """Step k (0-based) runs module min(k, n-1): past the stored depth the last module repeats."""
+        return self.layers[min(step, self.depth - 1)]
+
+    def forward(self, hidden: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None, steps: int | None = None):
+        """Run steps 1..n over all positions in parallel (n = input_ids.shape[1] - T, capped by `steps`).
+
+        hidden [B, T, H]: the target's final-normed states; input_ids [B, T + n]: step k reads
+        t_{i+k}; position_ids [B, T] (default 0..T-1). Returns MTPOutput (logits, pre-norm states).
+        Unlike MTP.forward, n may exceed the number of stored modules.
+        """
+        from recycle.mtp import MTPOutput
+
+        b, t, _ = hidden.shape
+        n = input_ids.shape[1] - t if steps is None else min(steps, input_ids.shape[1] - t)
+        if n < 1:
+            raise ValueError(f"input_ids must hold at least T+1 = {t + 1} tokens, got {input_ids.shape[1]}")
+        if position_ids is None:
+            position_ids = torch.arange(t, device=hidden.device).unsqueeze(0).expand(b, t)
+        mask = create_causal_mask(config=self.config, inputs_embeds=hidden, attention_mask=attention_mask,
+                                  past_key_values=None, position_ids=position_ids)
+        rope = self.rotary(hidden, position_ids) if self.rotary is not None else None
+        at_start = (position_ids == 0).unsqueeze(-1)
+        state, logits, states = hidden, [], []
+        for k in range(n):
+            layer = self.layer_for(k)
+            embed, head, final_norm = (self._role(layer, r) for r in ("embed", "head", "final_norm"))
+            e = embed(input_ids[:, k + 1: k + 1 + t])
+            if self.family.zero_embed_at_pos0:
+                e = e.masked_fill(at_start, 0.0)
+            x = layer.proj(torch.cat([layer.embed_norm(e), layer.hidden_norm(state)], dim=-1))
+            y = layer.block(x, attention_mask=mask, position_ids=position_ids, position_embeddings=rope)
+            y = y[0] if isinstance(y, tuple) else y
+            normed = final_norm(y) if final_norm is not None else y
+            logits.append(head(normed))
+            states.append(y)
+            state = y if self.family.chained_state == "pre_norm" else normed
+        return MTPOutput(logits, states)
+
+    @torch.no_grad()
+    def draft(self, hidden: torch.Tensor, input_ids: torch.Tensor, steps: int,
+              position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Greedy chain of `steps` tokens after the last position.
+
+        hidden [B, T, H] are the target's states for t_0..t_{T-1}; input_ids [B, T+1] are t_0..t_T
+        (t_T: the token the target just produced). Each step appends its argmax at the last
+        position, so step k reads the token drafted at step k-1. Reference implementation: it
+        recomputes all positions each step (no KV cache); the decoder adds caching.
+        """
+        t = hidden.shape[1]
+        if input_ids.shape[1] != t + 1:
+            raise ValueError(f"input_ids must hold T+1 = {t + 1} tokens, got {input_ids.shape[1]}")
+        ids = input_ids
+        for k in range(steps):
+            out = self(hidden, ids, position_ids=position_ids, steps=k + 1)
+            ids = torch.cat([ids, out.logits[k][:, -1].argmax(-1, keepdim=True)], dim=1)
+        return ids[:, t + 1:]
+
+
+def build_eagle(config_dict: Mapping, state: Mapping[str, torch.Tensor], dtype: torch.dtype | None = None,
+                attn_implementation: str = "sdpa") -> EagleDrafter:
+    """An EagleDrafter from its config.json dict and its checkpoint-layout state dict."""
+    rc = config_dict["recycle"]
+    cfg = {k: v for k, v in config_dict.items() if k != "recycle"}
+    config = block_config(cfg, attn_implementation)
+    fam = canonical_family(rc["family"], rc.get("chained_state"), rc.get("zero_embed_at_pos0"))
+    depth = int(rc["depth"])
+    own_heads = tuple(k for k in range(depth) if f"layers.{k}.head.weight" in state)
+    own_embeds = tuple(k for k in range(depth) if f"layers.{k}.embed.weight" in state)
+    roles = ("embed_norm", "hidden_norm", "proj") + (("final_norm",) if "layers.0.final_norm.weight" in state else ())
+    model = EagleDrafter(config, fam, depth, roles, own_heads, own_embeds)
+    runtime: dict[str, torch.Tensor] = {}
+    blocks: dict[int, dict[str, torch.Tensor]] = {}
+    for name, t in state.items():
+        parts = name.split(".", 3)
+        if parts[0] == "layers" and parts[2] == "block":
+            blocks.setdefault(int(parts[1]), {})[parts[3]] = t
+        else:
+            runtime[name] = t
+    for k, block in blocks.items():
+        runtime.update({f"layers.{k}.block.{n}": v for n, v in to_runtime_layout(block, config).items()})
+    model.load_state_dict(runtime, strict=True)
+    return model.to(dtype or torch.float32).eval()

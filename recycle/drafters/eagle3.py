@@ -1,0 +1,113 @@
+"""The EAGLE-3 drafter (one Llama layer over [embedding; fused aux features]) as engines run it.
+
+Matches the original EAGLE-3 / vLLM `llama_eagle3.py` computation with `norm_before_residual`
+false, so a directory recycle writes behaves the same here as in vLLM, SGLang or llama.cpp:
+
+    g        = fc(cat[aux_1, aux_2, aux_3])            # [.., 3H] → [.., h]
+    residual = g
+    a        = attn(cat[input_layernorm(emb), hidden_norm(g)])   # q/k/v take 2h inputs
+    y        = residual + a;  y = y + mlp(post_attention_layernorm(y))
+    logits   = lm_head(norm(y))  over the draft vocabulary; target id = draft id + d2t[draft id]
+
+Weights load from the official/SpecForge layout (`midlayer.*`, `fc`, `norm`, `lm_head`, `d2t`,
+`t2d`); the embedding is the target's (pass it in) unless the directory stores `embed_tokens`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+from transformers import LlamaConfig
+from transformers.masking_utils import create_causal_mask
+from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
+
+LLAMA_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+              "rms_norm_eps", "max_position_embeddings", "hidden_act", "vocab_size", "attention_bias", "mlp_bias",
+              "rope_parameters", "rope_theta")
+
+
+class Eagle3Layer(nn.Module):
+    """The `midlayer`: a Llama decoder layer whose attention reads 2h features."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        h = config.hidden_size
+        self.input_layernorm = LlamaRMSNorm(h, eps=config.rms_norm_eps)
+        self.hidden_norm = LlamaRMSNorm(h, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = LlamaRMSNorm(h, eps=config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, layer_idx=0)
+        for name in ("q_proj", "k_proj", "v_proj"):
+            old = getattr(self.self_attn, name)
+            setattr(self.self_attn, name, nn.Linear(2 * h, old.out_features, bias=old.bias is not None))
+        self.mlp = LlamaMLP(config)
+        self.norm_before_residual = bool(getattr(config, "norm_before_residual", False))
+
+    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, rope, mask) -> torch.Tensor:
+        normed = self.hidden_norm(hidden)
+        residual = normed if self.norm_before_residual else hidden
+        x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)
+        a, _ = self.self_attn(x, position_embeddings=rope, attention_mask=mask)
+        y = residual + a
+        return y + self.mlp(self.post_attention_layernorm(y))
+
+
+class Eagle3Drafter(nn.Module):
+    """fc + midlayer + norm + lm_head over a draft vocabulary mapped by d2t."""
+
+    def __init__(self, config: LlamaConfig, target_hidden_size: int | None = None, embed: bool = False) -> None:
+        super().__init__()
+        self.config = config
+        h = config.hidden_size
+        self.draft_vocab_size = int(getattr(config, "draft_vocab_size", None) or config.vocab_size)
+        self.fc = nn.Linear(3 * (target_hidden_size or h), h, bias=False)
+        self.midlayer = Eagle3Layer(config)
+        self.norm = LlamaRMSNorm(h, eps=config.rms_norm_eps)
+        self.lm_head = nn.Linear(h, self.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(self.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.ones(config.vocab_size, dtype=torch.bool))
+        self.embed_tokens = nn.Embedding(config.vocab_size, h) if embed else None
+        self.rotary = LlamaRotaryEmbedding(config)
+
+    def forward(self, aux_hidden: torch.Tensor, input_ids: torch.Tensor | None = None,
+                inputs_embeds: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """aux_hidden [B, T, 3H] (or an already fused [B, T, h] state from a previous step).
+
+        Returns (draft-vocab logits [B, T, Vd], pre-norm output state [B, T, h]).
+        """
+        if inputs_embeds is None:
+            if self.embed_tokens is None or input_ids is None:
+                raise ValueError("pass inputs_embeds (the target's embedding) or store embed_tokens")
+            inputs_embeds = self.embed_tokens(input_ids)
+        g = self.fc(aux_hidden) if aux_hidden.shape[-1] == self.fc.in_features else aux_hidden
+        b, t, _ = g.shape
+        if position_ids is None:
+            position_ids = torch.arange(t, device=g.device).unsqueeze(0).expand(b, t)
+        mask = create_causal_mask(config=self.config, inputs_embeds=g, attention_mask=attention_mask,
+                                  past_key_values=None, position_ids=position_ids)
+        y = self.midlayer(inputs_embeds, g, self.rotary(g, position_ids), mask)
+        return self.lm_head(self.norm(y)), y
+
+    def target_ids(self) -> torch.Tensor:
+        """Target token id of each draft id: draft + d2t[draft]."""
+        return torch.arange(self.draft_vocab_size, device=self.d2t.device) + self.d2t
+
+    def to_target_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Scatter draft-vocab logits into the full vocabulary (−inf elsewhere), as vLLM does."""
+        full = logits.new_full((*logits.shape[:-1], self.config.vocab_size), float("-inf"))
+        full[..., self.target_ids()] = logits
+        return full
+
+
+def build_eagle3(config_dict: Mapping, state: Mapping[str, torch.Tensor], dtype: torch.dtype | None = None,
+                 attn_implementation: str = "sdpa") -> Eagle3Drafter:
+    cfg = {k: config_dict[k] for k in LLAMA_KEYS if k in config_dict}
+    cfg["draft_vocab_size"] = config_dict.get("draft_vocab_size")
+    cfg["norm_before_residual"] = bool(config_dict.get("norm_before_residual", False))
+    config = LlamaConfig(**cfg)
+    config._attn_implementation = attn_implementation
+    model = Eagle3Drafter(config, config_dict.get("target_hidden_size"), embed="embed_tokens.weight" in state)
+    model.load_state_dict(dict(state), strict=True)
+    return model.to(dtype or torch.float32).eval()

@@ -1,0 +1,308 @@
+"""The tree-verification decoder: masks, KV gather, greedy losslessness per drafter, sampling losslessness."""
+
+from __future__ import annotations
+
+import math
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from recycle.decoding import DynamicTreeSpec, MaskCache, MTPStack, StaticTree, Target, generate, load_target
+from recycle.decoding import cache as kv
+from recycle.decoding.drafting import Drafter, load_engine, parse_shape
+from recycle.decoding.tree import Expander, Tree, ancestor_matrix, validate_choices
+from recycle.decoding.verify import verify
+from recycle.errors import RecycleError
+
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "deepseek_v3_mtp"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _threads():
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny models: one thread is fastest, and the suite shares the machine
+    yield
+    torch.set_num_threads(old)
+
+
+@pytest.fixture(scope="module")
+def target() -> Target:
+    return Target(load_target(FIXTURE))
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(FIXTURE)
+
+
+@pytest.fixture(scope="module")
+def drafter_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    from converters.api import convert_checkpoint
+
+    root = tmp_path_factory.mktemp("drafters")
+    for fmt in ("eagle", "eagle3", "medusa"):
+        convert_checkpoint(FIXTURE, fmt, root / fmt)
+    return {fmt: root / fmt for fmt in ("eagle", "eagle3", "medusa")}
+
+
+# -- trees and masks ----------------------------------------------------------------------------
+
+
+def test_ancestor_matrix_and_mask():
+    parents = [-1, 0, 0, 1, 1, 3]
+    anc = ancestor_matrix(parents)
+    assert anc[5].nonzero().flatten().tolist() == [0, 1, 3, 5]
+    assert anc[2].nonzero().flatten().tolist() == [0, 2]
+    masks = MaskCache(torch.float32, "cpu")
+    mask, pos = masks.mask(parents, [0, 1, 1, 2, 2, 3], prefix=4)
+    assert mask.shape == (1, 1, 6, 10) and pos.tolist() == [[4, 5, 5, 6, 6, 7]]
+    allowed = mask[0, 0] == 0
+    assert allowed[:, :4].all()  # everyone sees the prefix
+    assert torch.equal(allowed[:, 4:], anc)
+    assert masks.mask(parents, [0, 1, 1, 2, 2, 3], prefix=2)[0].shape == (1, 1, 6, 8)
+
+
+def test_choices_validation_and_static_tree():
+    tree = StaticTree.from_choices([[1], [0], [0, 0], [0, 1]])
+    assert tree.parents == [-1, 0, 0, 1, 1] and tree.ranks == [0, 0, 1, 0, 1]
+    for bad in ([], [[0, 0]], [[-1]], [[0], [0]], "x", [["a"]]):
+        with pytest.raises(RecycleError):
+            validate_choices(bad)
+    assert parse_shape("chain:3", 2) == 3
+    assert parse_shape("dynamic:2,3,5", 2) == DynamicTreeSpec(2, 3, 5)
+    with pytest.raises(RecycleError):
+        parse_shape("[[0], [0, 0], [0, 0, 0]]", 2, max_depth=2)
+
+
+def test_dynamic_expander_keeps_best_and_is_ancestor_closed():
+    ex = Expander(7, DynamicTreeSpec(depth=3, top_k=2, total_tokens=4))
+    g = torch.Generator().manual_seed(0)
+    while not ex.done():
+        ex.expand(torch.randn(len(ex.frontier()), 10, generator=g))
+    tree, keep = ex.tree()
+    assert len(tree) == 5 and tree.tokens[0] == 7
+    for i, p in enumerate(tree.parents[1:], start=1):
+        assert 0 <= p < i
+    dropped = set(range(1, len(ex.tok))) - set(keep)
+    assert max(ex.score[c] for c in dropped) <= min(ex.score[c] for c in keep[1:])
+
+
+def test_target_honours_tree_mask_mla(target: Target):
+    """Every tree node's logits equal a plain causal forward over prefix + its root path (MLA, sdpa and eager)."""
+    g = torch.Generator().manual_seed(3)
+    prefix = torch.randint(3, 4000, (1, 20), generator=g)
+    parents = [-1, 0, 0, 1, 1, 2, 3]
+    depths = [0, 1, 1, 2, 2, 2, 3]
+    tokens = torch.randint(3, 4000, (1, len(parents)), generator=g)
+    tree = Tree(tokens[0].tolist(), parents, depths)
+    model = target.model
+    for attn in ("sdpa", "eager"):
+        model.set_attn_implementation(attn)
+        with torch.inference_mode():
+            cache = target.new_cache()
+            target.forward(prefix, torch.arange(20)[None], None, cache)
+            mask, pos = MaskCache(torch.float32, "cpu").mask(parents, depths, 20)
+            logits, _ = target.forward(tokens, pos, mask, cache)
+            for node in range(len(parents)):
+                path = tokens[0, tree.path_to(node)]
+                ref = model(torch.cat([prefix[0], path])[None]).logits[0, -1]
+                torch.testing.assert_close(logits[node], ref, atol=2e-4, rtol=1e-4)
+    model.set_attn_implementation("sdpa")
+
+
+def test_kv_gather_equals_recomputation(target: Target):
+    g = torch.Generator().manual_seed(4)
+    prefix = torch.randint(3, 4000, (1, 15), generator=g)
+    parents, depths = [-1, 0, 0, 2, 2, 4], [0, 1, 1, 2, 2, 3]
+    tokens = torch.randint(3, 4000, (1, 6), generator=g)
+    path = [0, 2, 4, 5]
+    with torch.inference_mode():
+        cache = target.new_cache()
+        target.forward(prefix, torch.arange(15)[None], None, cache)
+        mask, pos = MaskCache(torch.float32, "cpu").mask(parents, depths, 15)
+        target.forward(tokens, pos, mask, cache)
+        kv.keep(cache, 15, path)
+        ref = target.new_cache()
+        full = torch.cat([prefix[0], tokens[0, path]])[None]
+        target.forward(full, torch.arange(full.shape[1])[None], None, ref)
+    assert kv.seq_length(cache) == full.shape[1]
+    for a, b in zip(cache.layers, ref.layers):
+        torch.testing.assert_close(a.keys, b.keys, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(a.values, b.values, atol=1e-5, rtol=1e-5)
+
+
+# -- greedy losslessness ------------------------------------------------------------------------
+
+ENGINES = [
+    ("native", None, None),
+    ("eagle", "eagle", "chain:2"),
+    ("eagle", "eagle", None),
+    ("eagle3", "eagle3", None),
+    ("medusa", "medusa", None),
+]
+
+
+@pytest.mark.parametrize("name,fmt,tree", ENGINES, ids=[f"{n}-{t or 'default'}" for n, _, t in ENGINES])
+def test_greedy_identical_to_ar_on_default_prompts(target, tokenizer, drafter_dirs, name, fmt, tree):
+    from recycle.prompts import default_prompts
+
+    masks = MaskCache(torch.float32, "cpu")
+    engine = load_engine(str(drafter_dirs[fmt]) if fmt else None, target, masks, tree=tree, native=fmt is None,
+                         target_dir=str(FIXTURE))
+    target.set_taps(engine.taps)
+    for _, text in default_prompts():
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        ar = generate(target, Drafter(), ids, 20, masks=masks)
+        sp = generate(target, engine, ids, 20, masks=masks)
+        assert sp.tokens == ar.tokens, (name, tree, text[:40])
+        st = sp.stats
+        assert st.forwards == st.steps + 1 and len(st.accept_lengths) == st.steps
+        assert st.tau == pytest.approx((st.new_tokens - 1) / st.steps)
+        assert sum(st.accept_lengths) >= st.new_tokens - 1  # the last step may be cut at max_new_tokens
+        assert all(a <= t for a, t in zip(st.accepted, st.tried))
+        assert all(st.tried[d + 1] <= st.accepted[d] for d in range(len(st.tried) - 1))
+
+
+def test_eagle_chain_matches_native_chain(target, tokenizer, drafter_dirs):
+    """Before distillation `--to eagle` is the MTP computation itself: same drafts, same τ."""
+    masks = MaskCache(torch.float32, "cpu")
+    native = load_engine(None, target, masks, native=True, target_dir=str(FIXTURE))
+    eagle = load_engine(str(drafter_dirs["eagle"]), target, masks, tree="chain:2")
+    target.set_taps(("last",))
+    ids = tokenizer("def f(x):\n    return x + 1\n\n\ndef g(y):\n", add_special_tokens=False)["input_ids"]
+    a = generate(target, native, ids, 40, masks=masks).stats
+    b = generate(target, eagle, ids, 40, masks=masks).stats
+    assert a.accept_lengths == b.accept_lengths
+
+
+# -- sampling losslessness ----------------------------------------------------------------------
+
+V = 8
+
+
+def chi2_sf(x: float, k: int) -> float:
+    """P(χ²_k ≥ x), via the regularised lower incomplete gamma series (no scipy here)."""
+    s, z = k / 2.0, x / 2.0
+    term = total = 1.0 / s
+    n = 1
+    while term > 1e-15 * total and n < 10_000:
+        term *= z / (s + n)
+        total += term
+        n += 1
+    return max(0.0, 1.0 - math.exp(s * math.log(z) - z - math.lgamma(s)) * total) if z > 0 else 1.0
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """A random-init tiny DeepSeek-V3 target (vocab 8) with two random MTP modules as the drafter."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    from recycle.families import BY_NAME
+    from recycle.mtp import MTP, block_config
+
+    cfg = dict(vocab_size=V, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+               num_attention_heads=2, num_key_value_heads=2, n_shared_experts=1, n_routed_experts=4,
+               num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1, kv_lora_rank=16,
+               q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, max_position_embeddings=64,
+               num_nextn_predict_layers=2)
+    torch.manual_seed(0)
+    model = DeepseekV3ForCausalLM(DeepseekV3Config(**cfg)).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(15.0)  # a target law far from uniform
+    mtp = MTP(block_config(dict(cfg, model_type="deepseek_v3")), BY_NAME["deepseek_v3"], 2).eval()
+    with torch.no_grad():  # bare decoder layers are not initialised by transformers (post_init is the model's)
+        for name, t in list(mtp.named_parameters()) + list(mtp.named_buffers()):
+            if t.is_floating_point():
+                t.normal_(0, 0.1) if t.dim() > 1 else t.fill_(1.0 if "norm" in name else 0.0)
+        # A weak drafter: depth 1 nearly uniform (accepts often, rejects often), depth 2 the target's head.
+        mtp.layers[0].head.weight.mul_(0.01)
+        mtp.layers[1].head.weight.copy_(model.lm_head.weight)
+        mtp.layers[0].embed.weight.copy_(model.model.embed_tokens.weight)
+        mtp.layers[1].embed.weight.copy_(model.model.embed_tokens.weight)
+    return model, mtp
+
+
+def _exact_marginals(model, prompt: list[int], temperature: float) -> list[torch.Tensor]:
+    """Exact laws of generated tokens 1, 2, 3 under sampling at `temperature`."""
+    with torch.no_grad():
+        def law(seqs: torch.Tensor) -> torch.Tensor:
+            return torch.softmax(model(seqs).logits[:, -1].double() / temperature, -1)
+
+        base = torch.tensor([prompt])
+        p1 = law(base)[0]
+        two = torch.cat([base.expand(V, -1), torch.arange(V)[:, None]], 1)
+        p2c = law(two)  # [a, b] = p(b | a)
+        three = torch.cat([two.repeat_interleave(V, 0), torch.arange(V).repeat(V)[:, None]], 1)
+        p3c = law(three).view(V, V, V)  # [a, b, c]
+        p2 = p1 @ p2c
+        p3 = torch.einsum("a,ab,abc->c", p1, p2c, p3c)
+    return [p1, p2, p3]
+
+
+@pytest.mark.parametrize("shape", [2, StaticTree.from_choices([[0], [1], [2], [0, 0], [1, 0], [0, 1]])],
+                         ids=["sampled-chain", "topk-tree"])
+def test_speculative_sampling_follows_target_distribution(tiny, shape):
+    model, mtp = tiny
+    target = Target(model)
+    masks = MaskCache(torch.float32, "cpu")
+    engine = MTPStack(mtp, shape, masks)
+    target.set_taps(engine.taps)
+    prompt, temperature, runs = [1, 5, 2, 7, 3], 1.0, 1200
+    exact = _exact_marginals(model, prompt, temperature)
+    counts = torch.zeros(3, V, dtype=torch.float64)
+    accepted = 0
+    for seed in range(runs):
+        g = generate(target, engine, prompt, 3, temperature=temperature, seed=seed, masks=masks)
+        for i, t in enumerate(g.tokens[:3]):
+            counts[i, t] += 1
+        accepted += sum(g.stats.accepted)
+    assert accepted > runs // 10  # the drafts are exercised, not all rejected
+    for i in range(3):
+        expected = exact[i] * runs
+        keep = expected >= 5
+        stat = float((((counts[i] - expected) ** 2) / expected.clamp(min=1e-12))[keep].sum())
+        assert chi2_sf(stat, int(keep.sum()) - 1) > 1e-3, (i, counts[i].tolist(), expected.tolist())
+
+
+def test_verify_sampling_rejects_to_residual():
+    """One node, one deterministic child: token law = p exactly (child w.p. p(x), else residual)."""
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0], [0.0, 0.0, 0.0, 0.0]])
+    tree = Tree([0, 1], [-1, 0], [0, 1])
+    rng, gen = random.Random(0), torch.Generator().manual_seed(0)
+    first = torch.zeros(4)
+    n = 20000
+    for _ in range(n):
+        path, tok = verify(tree, logits, 1.0, rng, gen)
+        first[tree.tokens[1] if len(path) == 2 else tok] += 1
+    p = torch.softmax(logits[0], -1)
+    stat = float(((first - n * p) ** 2 / (n * p)).sum())
+    assert chi2_sf(stat, 3) > 1e-3
+
+
+def test_cached_drafts_equal_uncached_reference(target, tokenizer, drafter_dirs):
+    """The engine's per-step caches (committed rows kept, draft rows cropped) give the same drafts as
+    the drafter's own cache-free reference recomputed over the whole sequence, every step."""
+    from recycle.drafters import load_drafter
+
+    model = load_drafter(drafter_dirs["eagle"])
+    masks = MaskCache(torch.float32, "cpu")
+    seen = []
+
+    class Checked(MTPStack):
+        def propose(self, root, temperature=0.0, gen=None):
+            tree = super().propose(root, temperature, gen)
+            ids = torch.tensor([self.ids])
+            hidden = target.model.model(ids[:, :-1]).last_hidden_state
+            ref = model.draft(hidden, ids, steps=self.steps)[0].tolist()
+            seen.append(ref == tree.tokens[1:])
+            return tree
+
+    engine = Checked(model, 3, masks, kind="eagle", repeat_last=True)
+    target.set_taps(engine.taps)
+    ids = tokenizer("class Point:\n    def __init__(self, x, y):\n        self.x = x\n", add_special_tokens=False)["input_ids"]
+    generate(target, engine, ids, 30, masks=masks)
+    assert seen and all(seen)
