@@ -327,6 +327,7 @@ def bench(
     compare_hf: Annotated[bool, typer.Option("--compare-hf", help="Also time transformers' generate: plain, "
                                              "use_mtp (where supported) and prompt lookup.")] = False,
     seed: Annotated[int, typer.Option("--seed", help="Seed for sampling.")] = 0,
+    repeats: Annotated[int, typer.Option("--repeats", help="Time each prompt N times per decoder, keep the fastest.")] = 1,
     threads: Annotated[int | None, typer.Option("--threads", help="torch CPU threads (default: torch's choice).")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object (schema in README.md).")] = False,
 ) -> None:
@@ -345,7 +346,7 @@ def bench(
         drafter=str(drafter) if drafter is not None else None, target=str(target),
         prompts=read_jsonl(prompts) if prompts is not None else None, max_new_tokens=max_new_tokens,
         temperature=temperature, tree=tree, device=device, dtype=dtype, native=native_mtp, compare_hf=compare_hf,
-        seed=seed,
+        seed=seed, repeats=repeats,
     )
     check_options(opts)
     if json_out:

@@ -72,6 +72,7 @@ class Family:
     kind: str = "mtp"  # "mtp" (sequential modules), "parallel_heads" (Meta), "drafter" (Gemma 4 assistant)
     # Runtime semantics (what vLLM/SGLang compute), used by recycle.mtp:
     block_class: str | None = None  # transformers decoder-layer class running the block
+    block_model_type: str | None = None  # transformers model_type for the block's config, if not the family's own
     chained_state: str = "pre_norm"  # state fed to depth k+1: "pre_norm" (y+r) or "post_norm"
     zero_embed_at_pos0: bool = False
     # SGLang's stand-alone NextN draft class for this family (its `export_*_nextn.py` layout:
@@ -93,9 +94,9 @@ LLAMA_TRUNK = {"head": ("lm_head.weight", "model.embed_tokens.weight"), "embed":
 FAMILIES: tuple[Family, ...] = (
     Family(
         name="deepseek_v3",
-        title="DeepSeek-V3 / R1 / V3.1 / V3.2 (and GLM-5, GLM-4.7-Flash: MLA trunks)",
-        model_types=("deepseek_v3", "deepseek_v32", "glm_moe_dsa", "glm4_moe_lite", "pangu_ultra_moe"),
-        architectures=("DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM"),
+        title="DeepSeek-V3 / R1 / V3.1 (and GLM-4.7-Flash: MLA trunk)",
+        model_types=("deepseek_v3", "glm4_moe_lite", "pangu_ultra_moe"),
+        architectures=("DeepseekV3ForCausalLM",),
         roles=DEEPSEEK_ROLES,
         block=("model.layers.{layer}.",),
         trunk=LLAMA_TRUNK,
@@ -104,6 +105,20 @@ FAMILIES: tuple[Family, ...] = (
         zero_embed_at_pos0=True,
         nextn_architecture="DeepseekV3ForCausalLMNextN",
         notes="MTP module k at model.layers.{L+k}; embed/head copies stored in the release",
+    ),
+    Family(
+        name="deepseek_v32",
+        title="DeepSeek-V3.2 (and GLM-5: MLA + DSA indexer)",
+        model_types=("deepseek_v32", "glm_moe_dsa"),
+        architectures=("DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM"),
+        roles=DEEPSEEK_ROLES,
+        block=("model.layers.{layer}.",),
+        trunk=LLAMA_TRUNK,
+        stores_copies=("embed", "head"),
+        block_class="transformers.models.deepseek_v32.modeling_deepseek_v32.DeepseekV32DecoderLayer",
+        zero_embed_at_pos0=True,
+        nextn_architecture="DeepseekV3ForCausalLMNextN",
+        notes="DeepSeek's layout; the block's attention carries the sparse-attention indexer (self_attn.indexer.*)",
     ),
     Family(
         name="glm4_moe",
@@ -159,6 +174,7 @@ FAMILIES: tuple[Family, ...] = (
         trunk=LLAMA_TRUNK,
         concat_order="he",
         block_class="transformers.models.qwen2.modeling_qwen2.Qwen2DecoderLayer",
+        block_model_type="qwen2",
         chained_state="post_norm",
         zero_embed_at_pos0=True,
         notes="hidden state first in the concat: input_proj(cat[hidden_layernorm(h), token_layernorm(e)])",
@@ -175,7 +191,8 @@ FAMILIES: tuple[Family, ...] = (
         },
         block=("model.mtp_block.{k}.",),
         trunk={**LLAMA_TRUNK, "final_norm": ()},
-        block_class="transformers.models.llama.modeling_llama.LlamaDecoderLayer",
+        block_class="transformers.models.ernie4_5.modeling_ernie4_5.Ernie4_5DecoderLayer",
+        block_model_type="ernie4_5",
         zero_embed_at_pos0=True,
         notes="no final norm before the shared lm_head (vLLM's reading)",
     ),

@@ -47,16 +47,26 @@ def import_object(dotted: str):
         raise RecycleError(f"cannot import {dotted} from the installed transformers ({e})") from None
 
 
-def block_config(config: Mapping, attn_implementation: str = "sdpa") -> PretrainedConfig:
-    """The family's transformers config class, built from a checkpoint's (merged) config dict."""
+def block_config(config: Mapping, attn_implementation: str = "sdpa", model_type: str | None = None) -> PretrainedConfig:
+    """The family's transformers config class, built from a checkpoint's (merged) config dict.
+
+    `model_type` overrides the config's own (the family's `block_model_type`, for families whose
+    model type transformers does not know, e.g. MiMo runs Qwen2 layers).
+    """
     cfg = {k: v for k, v in config.items() if k not in STORAGE_KEYS}
-    model_type = cfg.pop("model_type", None)
+    if model_type and model_type != cfg.get("model_type") and "head_dim" not in cfg:
+        # another class's defaults may not derive head_dim from hidden_size / heads; make it explicit
+        if cfg.get("hidden_size") and cfg.get("num_attention_heads"):
+            cfg["head_dim"] = cfg["hidden_size"] // cfg["num_attention_heads"]
+    model_type = model_type or cfg.pop("model_type", None)
+    cfg.pop("model_type", None)
     if not model_type:
         raise RecycleError("config.json has no model_type; cannot pick the transformers config class")
     try:
         out = AutoConfig.for_model(model_type, **cfg)
     except (ValueError, TypeError, KeyError) as e:
-        raise RecycleError(f"transformers cannot build a '{model_type}' config from config.json ({e})") from None
+        why = str(e).split(". Should contain")[0][:200]
+        raise RecycleError(f"transformers cannot build a '{model_type}' config from config.json ({why})") from None
     out._attn_implementation = attn_implementation
     if hasattr(out, "_experts_implementation"):
         out._experts_implementation = "eager"  # the reference per-expert loop; no kernel dispatch outside a model
@@ -154,6 +164,13 @@ class MTP(nn.Module):
             raise RecycleError(f"family '{family.name}' has no sequential MTP runtime (kind {family.kind})")
         self.config, self.family = config, family
         base = int(getattr(config, "num_hidden_layers", 0) or 0)
+        # MTP blocks sit after the trunk's layers: per-layer lists in the config must reach them.
+        # Attention is always full (Qwen3-Next's MTP too); other kinds repeat the last trunk layer's
+        # (DeepSeek-V3.2's `mlp_layer_types`: the MTP block is MoE like the trunk's late layers).
+        for key, value in list(vars(config).items()):
+            if key.endswith("layer_types") and isinstance(value, list) and value and len(value) < base + depth:
+                fill = "full_attention" if key == "layer_types" else value[-1]
+                setattr(config, key, value + [fill] * (base + depth - len(value)))
         self.layers = nn.ModuleList(MTPDepth(config, family, base + k, roles) for k in range(depth))
         # Borrowed trunk modules live outside the module tree: they belong to (and are trained,
         # moved and saved with) the trunk, not here.
@@ -237,7 +254,7 @@ class MTP(nn.Module):
         if not m.modules:
             raise RecycleError(f"{ckpt.path}: stores no MTP module ({m.family.title} layout)")
         modules = m.modules[: depth or None]
-        config = block_config(m.config, attn_implementation)
+        config = block_config(m.config, attn_implementation, m.family.block_model_type)
         roles = set(LEAF_ROLES)
         for mod in modules:
             missing = [r for r in REQUIRED_ROLES if mod.tensor(r) is None]
@@ -245,7 +262,12 @@ class MTP(nn.Module):
                 raise RecycleError(f"{ckpt.path}: MTP module {mod.index} has no tensor for {', '.join(missing)}")
             if mod.tensor("final_norm") is None:
                 roles.discard("final_norm")
-        model = cls(config, m.family, len(modules), roles)
+        try:
+            model = cls(config, m.family, len(modules), roles)
+        except (IndexError, KeyError, TypeError, ValueError, AttributeError) as e:
+            raise RecycleError(
+                f"{ckpt.path}: cannot build {m.family.block_class} from this config ({type(e).__name__}: {e})"
+            ) from None
         for mod, layer in zip(modules, model.layers):
             state = {f"{r}.weight": ckpt.get(mod.tensor(r)) for r in LEAF_ROLES if r in roles}
             block = {rel: ckpt.get(full) for rel, full in mod.block_names().items() if not rel.endswith(SCALE_SUFFIX)}

@@ -81,7 +81,7 @@ EXPECT: dict[str, Expect] = {
     "deepseek_v3": DEEPSEEK,
     "deepseek_v3_fp8": DEEPSEEK_FP8,
     # + the DSA indexer: wq_b, wk, k_norm weight and bias, weights_proj.
-    "deepseek_v32": Expect("deepseek_v3", 1, 1, nextn("model.layers.2."), {}, 31, "model.layers.2.",
+    "deepseek_v32": Expect("deepseek_v32", 1, 1, nextn("model.layers.2."), {}, 31, "model.layers.2.",
                            DS_TRUNK + ("model.layers.0.self_attn.indexer.wk.weight",)),
     # GLM block: 2 norms + q/k/v weight+bias + o + q_norm/k_norm + router 2 + 12 experts + 3 shared = 28.
     "glm4_5": Expect("glm4_moe", 1, 1, nextn("model.layers.2."), {}, 28, "model.layers.2.", GLM_TRUNK),

@@ -183,3 +183,20 @@ def test_fp8_variant_matches_bf16(tmp_path, mtp, trunk, ids):
         assert 0 < rel < 0.1, (k, rel)  # e4m3 has 3 mantissa bits: a few % error, never exact
         agree = (got[k].argmax(-1) == want[k].argmax(-1)).float().mean()
         assert agree > 0.8, (k, agree)
+
+
+@pytest.mark.parametrize("variant", ["deepseek_v3_fp8", "glm4_5", "glm4_6", "qwen3_next", "mimo", "ernie4_5"])
+def test_runtime_runs_other_families(family_dir, variant):
+    """Every family with a block class builds from its exact layout and runs both concat orders/norm styles."""
+    model = MTP.from_checkpoint(family_dir(variant))
+    h = torch.randn(1, 5, model.config.hidden_size)
+    ids = torch.randint(0, model.config.vocab_size, (1, 5 + model.depth))
+    out = model(h, ids)
+    assert len(out.logits) == model.depth
+    assert out.logits[0].shape == (1, 5, model.config.vocab_size)
+    assert all(torch.isfinite(lg).all() for lg in out.logits)
+
+
+def test_runtime_refuses_family_without_block_class(family_dir):
+    with pytest.raises(RecycleError, match="no sequential MTP runtime"):
+        MTP.from_checkpoint(family_dir("nemotron_h"))

@@ -21,7 +21,7 @@ from recycle.errors import RecycleError
 FORMATS = ("eagle", "eagle3", "medusa")
 WEIGHTS = "model.safetensors"
 
-__all__ = ["EagleDrafter", "Eagle3Drafter", "MedusaDrafter", "FORMATS", "drafter_format", "load_drafter"]
+__all__ = ["EagleDrafter", "Eagle3Drafter", "MedusaDrafter", "FORMATS", "config_format", "drafter_format", "load_drafter"]
 
 
 def _json(path: Path) -> dict:
@@ -40,14 +40,21 @@ def drafter_format(path: str | os.PathLike) -> str:
         fmt = _json(d / "recycle.json").get("target", {}).get("format")
         if fmt in FORMATS:
             return fmt
-    cfg = _json(d / "config.json")
+    fmt = config_format(_json(d / "config.json"))
+    if fmt is None:
+        raise RecycleError(f"{d}: cannot tell which drafter format this directory holds")
+    return fmt
+
+
+def config_format(cfg: dict) -> str | None:
+    """The drafter format a config.json describes, or None (push checks it against recycle.json)."""
     if isinstance(cfg.get("recycle"), dict):
         return "eagle"
     if cfg.get("model_type") == "medusa" or "medusa_num_heads" in cfg:
         return "medusa"
     if "draft_vocab_size" in cfg or cfg.get("speculators_model_type") == "eagle3":
         return "eagle3"
-    raise RecycleError(f"{d}: cannot tell which drafter format this directory holds")
+    return None
 
 
 def load_drafter(path: str | os.PathLike, dtype: torch.dtype | None = None, attn_implementation: str = "sdpa"):

@@ -121,8 +121,8 @@ def build_eagle(config_dict: Mapping, state: Mapping[str, torch.Tensor], dtype: 
     """An EagleDrafter from its config.json dict and its checkpoint-layout state dict."""
     rc = config_dict["recycle"]
     cfg = {k: v for k, v in config_dict.items() if k != "recycle"}
-    config = block_config(cfg, attn_implementation)
     fam = canonical_family(rc["family"], rc.get("chained_state"), rc.get("zero_embed_at_pos0"))
+    config = block_config(cfg, attn_implementation, fam.block_model_type)
     depth = int(rc["depth"])
     own_heads = tuple(k for k in range(depth) if f"layers.{k}.head.weight" in state)
     own_embeds = tuple(k for k in range(depth) if f"layers.{k}.embed.weight" in state)

@@ -1,0 +1,125 @@
+"""The frozen target as an online teacher: hidden features and logits for a batch, no gradient.
+
+The target runs in the training process (EAGLE-3's "target in-process" mode, anchors §2 table): no
+feature dump is needed, because a short distillation reads each token once or a few times, and an
+offline cache of every layer's features costs more disk than it saves compute (anchors §3.5).
+`--cache-hidden DIR` still stores the features per batch (safetensors, bf16) for repeated runs
+over the same data (e.g. recycled vs scratch in the experiment); logits are never stored: they are
+one matmul away from the final-normed state (the target's own head), and at real vocabularies
+they would be most of the cache.
+
+Features: "last" = the decoder's output after its final norm (what MTP modules, the EAGLE drafter
+and Medusa heads read); aux layer i = transformers' `hidden_states[i]`, the input of decoder layer i
+(EAGLE-3's `eagle_aux_hidden_state_layer_ids`), the same taps the decoder uses
+(`recycle.decoding.target`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from recycle.decoding.target import load_target
+from recycle.errors import RecycleError
+
+
+@dataclass
+class TeacherOut:
+    last: torch.Tensor  # [B, L, H] final-normed hidden states
+    aux: torch.Tensor | None  # [B, L, A·H] concatenated aux layers (EAGLE-3), else None
+    logits: torch.Tensor  # [B, L, V] float32
+
+
+def autocast(device: torch.device, precision: str):
+    """bf16 autocast where the device supports it; a no-op context for fp32."""
+    if precision == "bf16" and (device.type == "cpu" or torch.cuda.is_bf16_supported()):
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+class Teacher:
+    """Wraps the frozen target; `teacher(ids, key)` → TeacherOut (from the cache when `key` is stored)."""
+
+    def __init__(self, target_dir: str | os.PathLike, device: torch.device, aux_layers: list[int] | None = None,
+                 precision: str = "bf16", cache_dir: str | os.PathLike | None = None) -> None:
+        self.device, self.precision = device, precision
+        self.model = load_target(target_dir, device=device, dtype=torch.float32)
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+        self.decoder = self.model.get_decoder()
+        self.head = self.model.get_output_embeddings()
+        self.embed = self.model.get_input_embeddings()
+        self.config = self.model.config
+        self.num_layers = len(self.decoder.layers)
+        self.aux_layers = list(aux_layers or [])
+        for i in self.aux_layers:
+            if not 0 <= i <= self.num_layers:
+                raise RecycleError(f"aux layer {i}: the target has {self.num_layers} layers")
+        self.cache_dir = Path(cache_dir) if cache_dir is not None else None
+        if self.cache_dir is not None:
+            try:
+                self.cache_dir.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise RecycleError(f"--cache-hidden {self.cache_dir}: cannot create it ({e.strerror or e})") from None
+        self.cache_hits = 0
+
+    @torch.no_grad()
+    def features(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        with autocast(self.device, self.precision):
+            out = self.decoder(input_ids=ids, use_cache=False, output_hidden_states=bool(self.aux_layers))
+        last = out.last_hidden_state
+        aux = torch.cat([out.hidden_states[i] for i in self.aux_layers], dim=-1) if self.aux_layers else None
+        return last, aux
+
+    @torch.no_grad()
+    def logits(self, last: torch.Tensor) -> torch.Tensor:
+        with autocast(self.device, self.precision):
+            return self.head(last).float()
+
+    def _path(self, key: str) -> Path:
+        assert self.cache_dir is not None
+        return self.cache_dir / f"{key}.safetensors"
+
+    @torch.no_grad()
+    def __call__(self, ids: torch.Tensor, key: str | None = None) -> TeacherOut:
+        ids = ids.to(self.device)
+        cached = self._load(key, ids) if key is not None and self.cache_dir is not None else None
+        if cached is not None:
+            last, aux = cached
+            self.cache_hits += 1
+        else:
+            last, aux = self.features(ids)
+            if key is not None and self.cache_dir is not None:
+                self._store(key, ids, last, aux)
+        return TeacherOut(last, aux, self.logits(last))
+
+    def _load(self, key: str, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        path = self._path(key)
+        if not path.is_file():
+            return None
+        try:
+            t = load_file(str(path))
+        except Exception:  # a torn or foreign file: recompute and overwrite it
+            return None
+        if not torch.equal(t.get("input_ids", torch.empty(0)), ids.cpu()):
+            return None  # other data at this key: the cache belongs to another run's stream
+        if bool(self.aux_layers) != ("aux" in t):
+            return None
+        dtype = torch.bfloat16 if self.precision == "bf16" else torch.float32
+        last = t["last"].to(self.device, dtype)
+        aux = t["aux"].to(self.device, dtype) if "aux" in t else None
+        return last, aux
+
+    def _store(self, key: str, ids: torch.Tensor, last: torch.Tensor, aux: torch.Tensor | None) -> None:
+        tensors = {"input_ids": ids.cpu().contiguous(), "last": last.to(torch.bfloat16).cpu().contiguous()}
+        if aux is not None:
+            tensors["aux"] = aux.to(torch.bfloat16).cpu().contiguous()
+        path = self._path(key)
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        save_file(tensors, str(tmp))
+        os.replace(tmp, path)

@@ -1,0 +1,216 @@
+"""How each drafter format runs during training: which weights train, and the unrolled draft steps.
+
+Index convention (the decoder's, `recycle/decoding/drafting.py`): for a batch of L tokens and K
+draft steps, anchor i ∈ [0, T), T = L − K − 1, is the position of the target's last committed
+state; step k (0-based) at anchor i predicts t_{i+k+2}, and its teacher is the target's softmax at
+position i+k+1. Every step after the first consumes the drafter's *own* previous output, never the
+target's feature for that position (EAGLE-3's training-time test), because that is what it will
+be fed when drafting:
+
+  eagle   `EagleDrafter.forward` already chains: step k runs module min(k, n−1) on its step-(k−1)
+          state and t_{i+k+1}, over all anchors at once with step k's own causal attention, which
+          is exactly the cache the decoder's MTPStack builds.
+  eagle3  step 0 runs the midlayer on fc(aux_i) and emb(t_{i+1}) at position i; step k feeds the
+          step-(k−1) output of the same anchor at position i+k with emb(t_{i+k+1}). Its queries see
+          the step-0 keys of positions ≤ i plus the anchor's own step-1..k keys (one KV cache
+          grown per step, a [T, (k+1)T] mask: causal block, then diagonal blocks), the mask the
+          decoder's tree levels use; as SpecForge's TTT.
+  medusa  head k reads the target's state at anchor i; no chaining.
+
+Frozen: the eagle drafter's embedding and LM head(s) (copies of the target's, as EAGLE freezes
+them and as `nextn/` engines take the target's own), EAGLE-3's embedding (the target's) and its
+d2t/t2d maps. `reinit` is `--init scratch`: every trainable tensor drawn again with the module's
+own initialisation (normal(0, initializer_range) matrices, unit norms, zero biases; Medusa's
+ResBlocks zero as Medusa initialises them), frozen target copies kept.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import DynamicCache
+
+from distill.losses import StepOutput
+from recycle.drafters import Eagle3Drafter, EagleDrafter, MedusaDrafter
+from recycle.mtp import to_checkpoint_layout
+
+DEFAULT_STEPS = {"eagle": 3, "eagle3": 3}  # medusa: its number of heads
+
+
+def _init_std(model: nn.Module) -> float:
+    cfg = getattr(model, "config", None)
+    return float(getattr(cfg, "initializer_range", 0.02) or 0.02)
+
+
+class Unroller:
+    """Base: a drafter module, its format, K steps, and what the teacher must provide."""
+
+    fmt = ""
+
+    def __init__(self, model: nn.Module, steps: int) -> None:
+        self.model, self.steps = model, steps
+        for name, p in model.named_parameters():
+            p.requires_grad_(not self.frozen(name))
+
+    aux_layers: list[int] | None = None
+
+    def frozen(self, name: str) -> bool:
+        return False
+
+    def trainable(self) -> list[nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    def positions(self, length: int) -> int:
+        """Anchors T a sequence of `length` tokens trains (≤ 0: too short for K steps)."""
+        return length - self.steps - 1
+
+    @torch.no_grad()
+    def reinit(self, seed: int) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        std = _init_std(self.model)
+        for name, p in self.model.named_parameters():
+            if not p.requires_grad:
+                continue
+            if p.dim() == 1:
+                p.fill_(1.0 if "norm" in name.rsplit(".", 1)[0].split(".")[-1] else 0.0)
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * std)
+
+    def unroll(self, ids: torch.Tensor, last: torch.Tensor, aux: torch.Tensor | None,
+               logits: torch.Tensor, with_features: bool = False) -> list[StepOutput]:
+        raise NotImplementedError
+
+    def file_state(self) -> dict[str, torch.Tensor]:
+        """The weights under the names model.safetensors stores."""
+        return {k: v.detach() for k, v in self.model.state_dict().items()}
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(-1, x.shape[-1])
+
+
+class EagleUnroller(Unroller):
+    fmt = "eagle"
+
+    def frozen(self, name: str) -> bool:
+        leaf = name.rsplit(".", 1)[0].split(".")[-1]
+        return leaf in ("embed", "head")
+
+    def unroll(self, ids, last, aux, logits, with_features=False):
+        m: EagleDrafter = self.model
+        k_steps, t = self.steps, self.positions(ids.shape[1])
+        out = m(last[:, :t], ids[:, :t + k_steps], steps=k_steps)
+        steps = []
+        for k in range(k_steps):
+            feats = tfeats = None
+            if with_features:
+                fn = m._role(m.layer_for(k), "final_norm")
+                feats = _rows(fn(out.states[k]) if fn is not None else out.states[k])
+                tfeats = _rows(last[:, k + 1:k + 1 + t])
+            steps.append(StepOutput(_rows(out.logits[k]), _rows(logits[:, k + 1:k + 1 + t]),
+                                    ids[:, k + 2:k + 2 + t].reshape(-1), feats, tfeats))
+        return steps
+
+    def file_state(self):
+        m: EagleDrafter = self.model
+        state = {k: v.detach() for k, v in m.state_dict().items()}
+        out = {k: v for k, v in state.items() if ".block." not in k}
+        for k in range(m.depth):
+            prefix = f"layers.{k}.block."
+            block = {n[len(prefix):]: v for n, v in state.items() if n.startswith(prefix)}
+            out.update({prefix + n: v for n, v in to_checkpoint_layout(block, m.config).items()})
+        return out
+
+
+class Eagle3Unroller(Unroller):
+    fmt = "eagle3"
+
+    def __init__(self, model: Eagle3Drafter, steps: int, embed: nn.Module, aux_layers: list[int]) -> None:
+        super().__init__(model, steps)
+        self.embed = model.embed_tokens if model.embed_tokens is not None else embed
+        self.aux_layers = list(aux_layers)
+        vocab = model.config.vocab_size
+        self.target_ids = model.target_ids()
+        tmap = torch.full((vocab,), -1, dtype=torch.long)
+        tmap[self.target_ids.cpu()] = torch.arange(model.draft_vocab_size)
+        self.tmap = tmap
+
+    def frozen(self, name: str) -> bool:
+        return name.startswith("embed_tokens")
+
+    @staticmethod
+    def ttt_mask(t: int, k: int, device: torch.device) -> torch.Tensor:
+        """Step k's visibility [1, 1, T, (k+1)T]: causal over step 0, diagonal over steps 1..k."""
+        blocks = [torch.ones(t, t, dtype=torch.bool, device=device).tril_()]
+        blocks += [torch.eye(t, dtype=torch.bool, device=device)] * k
+        return torch.cat(blocks, dim=1)[None, None]
+
+    def unroll(self, ids, last, aux, logits, with_features=False):
+        m: Eagle3Drafter = self.model
+        lyr = m.midlayer
+        b, length = ids.shape
+        t = self.positions(length)
+        dev = ids.device
+        tid, tmap = self.target_ids.to(dev), self.tmap.to(dev)
+        g = m.fc(aux[:, :t])
+        cache = DynamicCache()
+        base = torch.arange(t, device=dev)[None].expand(b, t)
+        steps = []
+        for k in range(self.steps):
+            emb = self.embed(ids[:, k + 1:k + 1 + t])
+            pos = base + k
+            normed = lyr.hidden_norm(g)
+            residual = normed if lyr.norm_before_residual else g
+            x = torch.cat([lyr.input_layernorm(emb), normed], dim=-1)
+            a, _ = lyr.self_attn(x, position_embeddings=m.rotary(g, pos), attention_mask=self.ttt_mask(t, k, dev),
+                                 past_key_values=cache)
+            y = residual + a
+            y = y + lyr.mlp(lyr.post_attention_layernorm(y))
+            draft = m.lm_head(m.norm(y))
+            steps.append(StepOutput(_rows(draft), _rows(logits[:, k + 1:k + 1 + t].index_select(-1, tid)),
+                                    tmap[ids[:, k + 2:k + 2 + t]].reshape(-1)))
+            g = y
+        return steps
+
+    def file_state(self):
+        return {k: v.detach() for k, v in self.model.state_dict().items() if not k.startswith("rotary.")}
+
+
+class MedusaUnroller(Unroller):
+    fmt = "medusa"
+
+    @torch.no_grad()
+    def reinit(self, seed: int) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        for name, p in self.model.named_parameters():
+            if name.startswith("blocks."):
+                p.zero_()  # Medusa's ResBlock init: the identity
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+
+    def unroll(self, ids, last, aux, logits, with_features=False):
+        m: MedusaDrafter = self.model
+        t = self.positions(ids.shape[1])
+        h = last[:, :t]
+        steps = []
+        for k in range(self.steps):
+            draft = m.lm_heads[k](m.blocks[k](h))
+            steps.append(StepOutput(_rows(draft), _rows(logits[:, k + 1:k + 1 + t]), ids[:, k + 2:k + 2 + t].reshape(-1)))
+        return steps
+
+
+def make_unroller(fmt: str, model: nn.Module, steps: int | None, embed: nn.Module | None = None,
+                  aux_layers: list[int] | None = None) -> Unroller:
+    from recycle.errors import RecycleError
+
+    if fmt == "medusa":
+        k = steps or model.num_heads
+        if k > model.num_heads:
+            raise RecycleError(f"--draft-steps {k}: this Medusa drafter has {model.num_heads} heads")
+        return MedusaUnroller(model, k)
+    k = steps or DEFAULT_STEPS[fmt]
+    if k < 1:
+        raise RecycleError("--draft-steps must be at least 1")
+    if fmt == "eagle":
+        return EagleUnroller(model, k)
+    return Eagle3Unroller(model, k, embed, aux_layers or [])
