@@ -359,5 +359,83 @@ def bench(
     render_bench(data)
 
 
+# -- push (issue 7) -------------------------------------------------------------------------------
+
+
+def render_push(data: dict) -> None:
+    """Rich summary: where it goes (or would go), the checks passed, every file with its size, the card."""
+    head = Table.grid(padding=(0, 2))
+    head.add_column(style="bold")
+    head.add_column()
+    head.add_row("repository", f"{data['repo']}  [dim]({data['revision']}, "
+                 f"{'private' if data['private'] else 'default visibility'}, {data['endpoint']})[/dim]")
+    head.add_row("drafter", f"{data['drafter']}  [dim]({data['format']})[/dim]")
+    head.add_row("checked", f"layout, config and {data['tensors_checked']} tensors finite  "
+                 f"[dim](bench.json: {'yes' if data['bench'] else 'no'})[/dim]")
+    head.add_row("base_model", data["base_model"])
+    if data["commit"]:
+        head.add_row("commit", data["commit"]["commit_url"])
+    title = "recycle push --dry-run (nothing uploaded)" if data["dry_run"] else "recycle push"
+    out.print(Panel(head, title=title, expand=False))
+    t = Table(title=f"files {'that would go up' if data['dry_run'] else 'uploaded'} in one commit", title_justify="left")
+    t.add_column("file")
+    t.add_column("bytes", justify="right")
+    t.add_column("size", justify="right")
+    for name, size in data["files"].items():
+        t.add_row(name + ("  [dim](generated model card)[/dim]" if name == "README.md" else ""), str(size),
+                  fmt_bytes(size))
+    t.add_row("[bold]total[/bold]", str(data["bytes"]), fmt_bytes(data["bytes"]))
+    out.print(t)
+    for note in data["notes"]:
+        out.print(f"[yellow]note:[/yellow] {note}")
+    if data["card_path"]:
+        out.print(f"model card written to [bold]{data['card_path']}[/bold]")
+    elif data.get("card") is not None:
+        out.rule("README.md (model card)")
+        sys.stdout.write(data["card"])  # verbatim: rich would wrap long lines
+
+
+@app.command()
+@user_errors
+def push(
+    drafter: Annotated[Path, typer.Argument(help="Drafter directory (from `recycle convert` or `recycle distill`).")],
+    repo: Annotated[str, typer.Option("--repo", help="Hub repository, OWNER/NAME (created if missing).")],
+    private: Annotated[bool, typer.Option("--private", help="Create the repository private.")] = False,
+    revision: Annotated[str | None, typer.Option("--revision", help="Branch to commit to (created if "
+                                                 "missing; default main).")] = None,
+    commit_message: Annotated[str | None, typer.Option("--commit-message", help="Commit summary.")] = None,
+    base_model: Annotated[str | None, typer.Option("--base-model", help="Hub id of the target model for the "
+                                                   "card's base_model (default: from recycle.json).")] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Validate, write the card and list the files; "
+                                          "upload nothing.")] = False,
+    card_out: Annotated[Path | None, typer.Option("--card-out", help="Also write the model card here (outside "
+                                                  "the drafter directory); --dry-run prints it otherwise.")] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON summary object.")] = False,
+) -> None:
+    """Validate a drafter directory, write its model card and upload both to the Hub in one commit.
+
+    The layout must match the format recycle.json declares and every weight must be finite, or nothing
+    is sent. The token comes from HF_TOKEN or `hf auth login`; HF_ENDPOINT picks the Hub. The drafter
+    directory is never modified.
+
+    Example: [bold]recycle push /tmp/ds-eagle --repo me/ds-eagle --dry-run --card-out /tmp/README.md[/bold]
+    """
+    from recycle.hub import push_drafter
+
+    def run(progress):
+        if json_out:
+            from huggingface_hub.utils import disable_progress_bars
+
+            disable_progress_bars()
+        return push_drafter(drafter, repo, private=private, revision=revision, commit_message=commit_message,
+                            base_model=base_model, dry_run=dry_run, card_out=card_out, progress=progress)
+
+    data = _with_progress(json_out, "checking tensors", run)
+    if json_out:
+        print_json(data)
+    else:
+        render_push(data)
+
+
 if __name__ == "__main__":
     app()

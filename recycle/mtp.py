@@ -187,6 +187,15 @@ class MTP(nn.Module):
     def depth(self) -> int:
         return len(self.layers)
 
+    @property
+    def max_steps(self) -> int | None:
+        """How many steps one forward can run: the stored depth (an EAGLE drafter has no cap)."""
+        return self.depth
+
+    def layer_for(self, step: int) -> MTPDepth:
+        """The module that runs step `step` (0-based)."""
+        return self.layers[step]
+
     def _role(self, layer: MTPDepth, role: str) -> nn.Module | None:
         own = getattr(layer, role)
         return own if own is not None else self._shared.get(role)
@@ -208,7 +217,9 @@ class MTP(nn.Module):
         attention_mask: optional [B, T] padding mask (1 = real token).
         """
         b, t, _ = hidden.shape
-        n = min(input_ids.shape[1] - t, self.depth if depth is None else depth, self.depth)
+        n = input_ids.shape[1] - t
+        for cap in (depth, self.max_steps):
+            n = n if cap is None else min(n, cap)
         if n < 1:
             raise ValueError(f"input_ids must hold at least T+1 = {t + 1} tokens, got {input_ids.shape[1]}")
         if position_ids is None:
@@ -221,7 +232,7 @@ class MTP(nn.Module):
         at_start = (position_ids == 0).unsqueeze(-1)
         state, logits, states = hidden, [], []
         for k in range(n):
-            layer = self.layers[k]
+            layer = self.layer_for(k)
             embed, head, final_norm = (self._role(layer, r) for r in ("embed", "head", "final_norm"))
             e = embed(input_ids[:, k + 1 : k + 1 + t])
             if self.family.zero_embed_at_pos0:

@@ -27,3 +27,14 @@ def family_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
         return cache[key]
 
     return get
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _two_threads():
+    """The suite's models are tiny: more than two threads only adds contention on CI's 2 cores."""
+    import torch
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(min(2, old))
+    yield
+    torch.set_num_threads(old)

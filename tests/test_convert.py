@@ -42,14 +42,6 @@ VLLM_EAGLE3_OPTIONAL = frozenset({"t2d", "embed_tokens.weight"})
 FAMILIES = ("deepseek_v3_fp8", "qwen3_next", "mimo")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _threads():
-    old = torch.get_num_threads()
-    torch.set_num_threads(min(2, old))
-    yield
-    torch.set_num_threads(old)
-
-
 def tree_digest(d: Path) -> str:
     h = hashlib.sha256()
     for p in sorted(d.rglob("*")):

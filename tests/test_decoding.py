@@ -19,14 +19,6 @@ from recycle.errors import RecycleError
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "deepseek_v3_mtp"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _threads():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models: one thread is fastest, and the suite shares the machine
-    yield
-    torch.set_num_threads(old)
-
-
 @pytest.fixture(scope="module")
 def target() -> Target:
     return Target(load_target(FIXTURE))

@@ -25,14 +25,6 @@ FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "deepseek_v3_mtp"
 L = 3  # num_hidden_layers of the fixture
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _threads():
-    old = torch.get_num_threads()
-    torch.set_num_threads(min(2, old))
-    yield
-    torch.set_num_threads(old)
-
-
 @pytest.fixture(scope="module")
 def trunk():
     from transformers import DeepseekV3ForCausalLM

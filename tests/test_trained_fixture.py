@@ -31,14 +31,6 @@ MIN_AGREE = {1: 0.45, 2: 0.41}
 MAX_TRUNK_LOSS = 4.9
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _threads():
-    old = torch.get_num_threads()
-    torch.set_num_threads(min(2, old))
-    yield
-    torch.set_num_threads(old)
-
-
 @pytest.fixture(scope="module")
 def tokenizer():
     from transformers import AutoTokenizer

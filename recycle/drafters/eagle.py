@@ -23,7 +23,6 @@ from collections.abc import Mapping
 
 import torch
 from torch import nn
-from transformers.masking_utils import create_causal_mask
 
 from recycle.families import BY_NAME, Family
 from recycle.mtp import MTP, block_config, to_runtime_layout
@@ -60,41 +59,14 @@ class EagleDrafter(MTP):
         """Step k (0-based) runs module min(k, n-1): past the stored depth the last module repeats."""
         return self.layers[min(step, self.depth - 1)]
 
+    @property
+    def max_steps(self) -> int | None:
+        return None
+
     def forward(self, hidden: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None, steps: int | None = None):
-        """Run steps 1..n over all positions in parallel (n = input_ids.shape[1] - T, capped by `steps`).
-
-        hidden [B, T, H]: the target's final-normed states; input_ids [B, T + n]: step k reads
-        t_{i+k}; position_ids [B, T] (default 0..T-1). Returns MTPOutput (logits, pre-norm states).
-        Unlike MTP.forward, n may exceed the number of stored modules.
-        """
-        from recycle.mtp import MTPOutput
-
-        b, t, _ = hidden.shape
-        n = input_ids.shape[1] - t if steps is None else min(steps, input_ids.shape[1] - t)
-        if n < 1:
-            raise ValueError(f"input_ids must hold at least T+1 = {t + 1} tokens, got {input_ids.shape[1]}")
-        if position_ids is None:
-            position_ids = torch.arange(t, device=hidden.device).unsqueeze(0).expand(b, t)
-        mask = create_causal_mask(config=self.config, inputs_embeds=hidden, attention_mask=attention_mask,
-                                  past_key_values=None, position_ids=position_ids)
-        rope = self.rotary(hidden, position_ids) if self.rotary is not None else None
-        at_start = (position_ids == 0).unsqueeze(-1)
-        state, logits, states = hidden, [], []
-        for k in range(n):
-            layer = self.layer_for(k)
-            embed, head, final_norm = (self._role(layer, r) for r in ("embed", "head", "final_norm"))
-            e = embed(input_ids[:, k + 1: k + 1 + t])
-            if self.family.zero_embed_at_pos0:
-                e = e.masked_fill(at_start, 0.0)
-            x = layer.proj(torch.cat([layer.embed_norm(e), layer.hidden_norm(state)], dim=-1))
-            y = layer.block(x, attention_mask=mask, position_ids=position_ids, position_embeddings=rope)
-            y = y[0] if isinstance(y, tuple) else y
-            normed = final_norm(y) if final_norm is not None else y
-            logits.append(head(normed))
-            states.append(y)
-            state = y if self.family.chained_state == "pre_norm" else normed
-        return MTPOutput(logits, states)
+        """MTP.forward with no cap on the number of steps (n = input_ids.shape[1] - T, or `steps`)."""
+        return super().forward(hidden, input_ids, position_ids, attention_mask, depth=steps)
 
     @torch.no_grad()
     def draft(self, hidden: torch.Tensor, input_ids: torch.Tensor, steps: int,
