@@ -76,7 +76,8 @@ class TensorInfo:
         return self.name.endswith(SCALE_SUFFIX)
 
 
-def _load_json(path: Path, what: str) -> dict:
+def load_json(path: Path, what: str) -> dict:
+    """A JSON object from a file, or a one-line RecycleError saying what is wrong with it."""
     try:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
@@ -104,7 +105,7 @@ class Checkpoint:
             raise RecycleError(f"{self.path}: no such checkpoint directory")
         if not self.path.is_dir():
             raise RecycleError(f"{self.path}: not a directory (pass the checkpoint directory)")
-        self.config: dict = _load_json(self.path / "config.json", "config.json")
+        self.config: dict = load_json(self.path / "config.json", "config.json")
         self.index: dict | None = None
         self.tensors: dict[str, TensorInfo] = {}
         self._handles: dict[str, object] = {}
@@ -120,7 +121,7 @@ class Checkpoint:
         index_path = self.path / INDEX_FILE
         files: set[str] = set()
         if index_path.exists():
-            self.index = _load_json(index_path, "safetensors index")
+            self.index = load_json(index_path, "safetensors index")
             weight_map = self.index.get("weight_map")
             if not isinstance(weight_map, dict):
                 raise RecycleError(f"{index_path}: no 'weight_map' object")

@@ -17,6 +17,7 @@ HfApi; nothing here prints, logs or writes it. The endpoint follows HF_ENDPOINT 
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import re
@@ -29,7 +30,7 @@ from pathlib import Path, PurePosixPath
 import torch
 
 from recycle import __version__
-from recycle.checkpoint import Checkpoint, _load_json
+from recycle.checkpoint import Checkpoint, load_json
 from recycle.drafters import FORMATS, config_format, load_drafter
 from recycle.errors import RecycleError
 
@@ -93,8 +94,15 @@ def _check_mapping(d: Path, record: dict, ckpts: dict[str, Checkpoint], st_files
     if rows is None:
         return ["recycle.json has no mapping table: the layout was checked against the drafter class only"]
     planned: dict[str, dict[str, tuple[tuple[int, ...], str]]] = {}
-    for row in rows:
-        planned.setdefault(row["file"], {})[row["tensor"]] = (tuple(row["shape"]), row["dtype"])
+    try:
+        for row in rows:
+            planned.setdefault(row["file"], {})[row["tensor"]] = (tuple(int(n) for n in row["shape"]), row["dtype"])
+    except (KeyError, TypeError, ValueError):
+        raise RecycleError(f"{d / PROVENANCE}: malformed mapping table (rows need file, tensor, shape, dtype)") from None
+    notes = []
+    for sub in sorted(_dropped_layouts(d, record, planned)):
+        planned = {f: v for f, v in planned.items() if not f.startswith(sub)}
+        notes.append(f"{sub} is not here: distillation dropped it (recycle.json still maps the converted layout)")
     for f in sorted(set(planned) - set(st_files)):
         raise RecycleError(f"{d / f}: missing, but recycle.json maps {len(planned[f])} tensors to it")
     for f in st_files:
@@ -112,13 +120,23 @@ def _check_mapping(d: Path, record: dict, ckpts: dict[str, Checkpoint], st_files
             if stored[t] != (shape, dtype):
                 raise RecycleError(f"{d / f}: {t} is {stored[t][1]} {list(stored[t][0])}, "
                                    f"recycle.json says {dtype} {list(shape)}")
-    return []
+    return notes
+
+
+def _dropped_layouts(d: Path, record: dict, planned: dict) -> set[str]:
+    """Subfolder layouts a distilled drafter no longer has as a whole (distill drops nextn/ or mtp_overlay/
+    when it cannot rebuild them exactly); a folder that is present but incomplete is still an error."""
+    if not _distillation(record):
+        return set()
+    subs = {f.split("/")[0] + "/" for f in planned if "/" in f}
+    subs |= {k for k in (record.get("target") or {}).get("layouts") or {} if k.endswith("/")}
+    return {sub for sub in subs if not (d / sub).exists()}
 
 
 def _read_bench(path: Path) -> dict | None:
     if not path.is_file():
         return None
-    data = _load_json(path, "bench report")
+    data = load_json(path, "bench report")
     spec = (data.get("overall") or {}).get("spec")
     if not isinstance(spec, dict) or "tau" not in spec:
         raise RecycleError(f"{path}: not a `recycle bench --json` report (no overall.spec.tau)")
@@ -134,11 +152,11 @@ def validate_drafter(path: str | os.PathLike, progress: Progress | None = None) 
     if not (d / PROVENANCE).is_file():
         raise RecycleError(f"{d / PROVENANCE}: missing; push publishes directories written by recycle "
                            "(convert/distill), whose recycle.json records how the drafter was made")
-    record = _load_json(d / PROVENANCE, PROVENANCE)
+    record = load_json(d / PROVENANCE, PROVENANCE)
     fmt = (record.get("target") or {}).get("format")
     if fmt not in FORMATS:
         raise RecycleError(f"{d / PROVENANCE}: target.format is {fmt!r}, expected one of {', '.join(FORMATS)}")
-    config = _load_json(d / "config.json", "config.json")
+    config = load_json(d / "config.json", "config.json")
     described = config_format(config)
     if described != fmt:
         raise RecycleError(f"{d / 'config.json'}: describes {described or 'no known drafter format'}, "
@@ -148,12 +166,13 @@ def validate_drafter(path: str | os.PathLike, progress: Progress | None = None) 
     st_files = [f for f in files if f.endswith(".safetensors")]
     ckpts = {sub: Checkpoint(d / sub) for sub in sorted({str(PurePosixPath(f).parent) for f in st_files})}
     notes = _check_mapping(d, record, ckpts, st_files)
+    dropped = _dropped_layouts(d, record, {})
     for rel in (record.get("target") or {}).get("layouts") or {}:
-        if not (d / rel).exists():
+        if not (d / rel).exists() and rel not in dropped:
             raise RecycleError(f"{d / rel}: missing, but recycle.json lists it as a layout of this drafter")
     total = sum(len(c.tensors) for c in ckpts.values())
     done = 0
-    for sub, ckpt in ckpts.items():
+    for ckpt in ckpts.values():
         for name, info in ckpt.tensors.items():
             for chunk in ckpt.iter_chunks(name):
                 if not bool(torch.isfinite(chunk).all()):
@@ -256,13 +275,66 @@ def _bench_section(b: dict) -> list[str]:
     return lines
 
 
-def _distill_section(rec: dict) -> list[str]:
-    lines = ["## Distillation", "", "After conversion the drafter was trained against the frozen target:", "",
-             "| | |", "|---|---|"]
-    for k, v in rec.items():
-        shown = v if isinstance(v, (str, int, float, bool)) or v is None else json.dumps(v, ensure_ascii=False)
-        lines.append(f"| {k} | {str(shown).replace('|', '/')[:200]} |")
-    return lines + [""]
+def _distillation(record: dict) -> list[dict]:
+    """recycle.json's `distillation` runs (distill appends one record per run; a lone dict is one run)."""
+    runs = record.get("distillation")
+    if isinstance(runs, dict):
+        return [runs]
+    return [r for r in runs if isinstance(r, dict)] if isinstance(runs, list) else []
+
+
+def _cell(v: object) -> str:
+    text = v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)
+    return " ".join(str(text).replace("|", "/").split())[:300]
+
+
+def _distill_rows(r: dict) -> list[tuple[str, str]]:
+    """The figures a reader needs from one run record (distill/train.py's schema); other keys as they are."""
+    data, final, opt = r.get("data") or {}, r.get("final") or {}, r.get("optimizer") or {}
+    rows = []
+    if "tokens" in r:
+        rows.append(("target tokens read (budget)", f"{r['tokens']:,} ({r.get('budget_tokens', r['tokens']):,})"))
+    if "steps" in r:
+        rows.append(("optimizer steps", str(r["steps"])))
+    if data:
+        src = data.get("source", "?") if isinstance(data, dict) else data
+        shape = (f"; sequences of {data.get('seq_len')} tokens × {data.get('batch_per_rank')} per rank × "
+                 f"{data.get('world_size', 1)} rank(s), seed {data.get('seed')}") if isinstance(data, dict) else ""
+        sd = "; self-distilled (the target regenerated each sequence)" if isinstance(data, dict) and \
+            data.get("self_distill") else ""
+        rows.append(("data", f"{src}{shape}{sd}"))
+    if r.get("init"):
+        rows.append(("initialisation", "the converted (recycled) weights" if r["init"] == "recycled" else r["init"]))
+    if (r.get("losses") or {}).get("objective"):
+        rows.append(("objective", r["losses"]["objective"]))
+    if opt:
+        rows.append(("optimizer", f"{opt.get('name', '?')}, lr {opt.get('lr', '?')} ({opt.get('schedule', '')})"))
+    if final.get("loss") is not None:
+        rows.append(("final loss", f"{final['loss']:.4f}"))
+    before, after = final.get("heldout_agreement_before") or [], final.get("heldout_agreement_after") or []
+    if before and after:
+        rows.append(("held-out top-1 agreement by draft step (before → after)",
+                     ", ".join(f"{x:.3f} → {y:.3f}" for x, y in zip(before, after))))
+    if r.get("device") or r.get("wall_s") is not None:
+        rows.append(("hardware", f"{r.get('device', '?')}, {r.get('precision', '?')}, "
+                                 f"{r.get('wall_s', 0):.1f} s at {r.get('tokens_per_s', 0):.0f} tokens/s"))
+    for note in r.get("notes") or []:
+        rows.append(("note", str(note)))
+    known = {"tokens", "budget_tokens", "steps", "data", "init", "losses", "optimizer", "final", "device", "precision",
+             "wall_s", "tokens_per_s", "notes", "timing", "target_forward_share", "overhead_share", "resumed",
+             "cache_hits", "from", "out", "state_dir", "recycle_version"}
+    rows += [(k, _cell(v)) for k, v in r.items() if k not in known]
+    return rows
+
+
+def _distill_section(runs: list[dict]) -> list[str]:
+    lines = ["## Distillation", "", "After conversion, `recycle distill` trained the drafter against the frozen "
+             "target (the mapping above describes the initialisation, not the final values):", ""]
+    for i, r in enumerate(runs, 1):
+        if len(runs) > 1:
+            lines += [f"Run {i}:", ""]
+        lines += ["| | |", "|---|---|"] + [f"| {k} | {_cell(v)} |" for k, v in _distill_rows(r)] + [""]
+    return lines
 
 
 def _serving(drafter: Drafter, repo: str, base: str) -> list[str]:
@@ -327,15 +399,15 @@ def build_card(drafter: Drafter, repo: str, base_model: str | None = None):
     rec, fmt = drafter.record, drafter.format
     src, tgt = rec.get("source") or {}, rec.get("target") or {}
     summary = rec.get("summary") or {}
-    distill = rec.get("distillation")
+    runs = _distillation(rec)
     base = base_model_name(drafter, base_model)
     tags = ["speculative-decoding", fmt, *(["mtp"] if fmt == "eagle" else []), "recycled-mtp",
-            *([src["family"]] if src.get("family") else []), *(["distilled"] if distill else [])]
-    data_sets = distill.get("data") if isinstance(distill, dict) else None
-    meta = ModelCardData(
-        base_model=base, library_name=LIBRARY, pipeline_tag="text-generation", tags=tags,
-        datasets=[data_sets] if isinstance(data_sets, str) and HUB_ID.match(data_sets) else None,
-    )
+            *([src["family"]] if src.get("family") else []), *(["distilled"] if runs else [])]
+    data = [r.get("data") for r in runs]
+    data_sets = sorted({x for x in (d.get("source") if isinstance(d, dict) else d for d in data)
+                        if isinstance(x, str) and HUB_ID.match(x) and not Path(x).exists()})
+    meta = ModelCardData(base_model=base, library_name=LIBRARY, pipeline_tag="text-generation", tags=tags,
+                         datasets=data_sets or None)
     base_ref = f"[{base}](https://huggingface.co/{base})" if HUB_ID.match(base) else f"`{base}`"
     kinds = {"eagle": "an EAGLE-style feature-chained drafter (the MTP modules themselves, lossless)",
              "eagle3": "an EAGLE-3 drafter (one Llama layer over fused target features)",
@@ -352,7 +424,7 @@ def build_card(drafter: Drafter, repo: str, base_model: str | None = None):
         f"{', FP8 (dequantized)' if src.get('fp8') else ''} |",
         f"| made with | recycle {rec.get('recycle_version', '?')}, {rec.get('created', '?')} |", "",
     ]
-    layouts = tgt.get("layouts") or {}
+    layouts = {k: v for k, v in (tgt.get("layouts") or {}).items() if (drafter.path / k).exists()}
     if layouts:
         body += ["Layouts in this repository:", ""] + [f"- `{k}`: {v}" for k, v in layouts.items()] + [""]
     body += ["## How it was made", "",
@@ -365,8 +437,8 @@ def build_card(drafter: Drafter, repo: str, base_model: str | None = None):
     notes = rec.get("notes") or []
     if notes:
         body += ["Notes:", ""] + [f"- {n}" for n in notes] + [""]
-    if isinstance(distill, dict):
-        body += _distill_section(distill)
+    if runs:
+        body += _distill_section(runs)
     elif (summary.get("approx") or summary.get("fresh")) and fmt != "eagle":
         body += ["This drafter was not distilled after conversion: its approx/fresh tensors start near, not at, "
                  "the MTP module, so acceptance improves after `recycle distill`.", ""]
@@ -398,21 +470,24 @@ def _env_number(name: str, default: float, cast: type) -> float:
 
 
 def _transport_errors() -> tuple[type[BaseException], ...]:
-    """Connection-level failures of whichever HTTP client this huggingface_hub uses."""
+    """Connection-level failures of whichever HTTP client this huggingface_hub uses (httpx2 in 2.x,
+    httpx in 1.x, requests before)."""
     errors: list[type[BaseException]] = [ConnectionError, TimeoutError]
     for mod, names in (("httpx2", ("TransportError",)), ("httpx", ("TransportError",)),
                        ("requests", ("ConnectionError", "Timeout"))):
         try:
-            m = __import__(mod)
+            m = importlib.import_module(mod)
         except ImportError:
             continue
         errors += [getattr(m, n) for n in names if isinstance(getattr(m, n, None), type)]
     return tuple(errors)
 
 
-def _server_message(e: BaseException) -> str:
-    msg = getattr(e, "server_message", None) or str(e).splitlines()[0]
-    return " ".join(str(msg).split())[:200]
+def _server_message(e: BaseException, secret: str | None) -> str:
+    """First line of the Hub's message, the token masked should a server ever echo it."""
+    msg = getattr(e, "server_message", None) or (str(e).splitlines() or [type(e).__name__])[0]
+    msg = " ".join(str(msg).split())[:200]
+    return msg.replace(secret, "***") if secret else msg
 
 
 def _with_retries(call: Callable[[], dict], endpoint: str, attempts: int, backoff: float,
@@ -436,13 +511,11 @@ def _with_retries(call: Callable[[], dict], endpoint: str, attempts: int, backof
             if status in TRANSIENT_STATUS and attempt < attempts:
                 time.sleep(backoff * 2 ** (attempt - 1))
                 continue
-            msg = _server_message(e)
-            if secret:
-                msg = msg.replace(secret, "***")
+            msg = _server_message(e, secret)
             tail = f" after {attempts} attempts" if status in TRANSIENT_STATUS else ""
             raise RecycleError(f"the Hub answered HTTP {status}{tail}: {msg}") from None
         except ValueError as e:  # huggingface_hub's own check of the card metadata (validate-yaml)
-            raise RecycleError(f"the Hub refused the upload: {_server_message(e)}") from None
+            raise RecycleError(f"the Hub refused the upload: {_server_message(e, secret)}") from None
         except transport as e:
             if attempt < attempts:
                 time.sleep(backoff * 2 ** (attempt - 1))
@@ -465,7 +538,7 @@ def push_drafter(path: str | os.PathLike, repo: str, *, private: bool = False, r
     if revision is not None and (not revision.strip() or revision.startswith("refs/")):
         raise RecycleError(f"--revision {revision!r}: give a branch name")
     endpoint = hub_endpoint()
-    attempts = int(attempts if attempts is not None else _env_number(ATTEMPTS_ENV, DEFAULT_ATTEMPTS, int))
+    attempts = max(1, int(attempts if attempts is not None else _env_number(ATTEMPTS_ENV, DEFAULT_ATTEMPTS, int)))
     backoff = float(backoff if backoff is not None else _env_number(BACKOFF_ENV, DEFAULT_BACKOFF, float))
     token = None
     if not dry_run:  # before the slow checks: a missing login is the commonest failure
