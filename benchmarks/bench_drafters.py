@@ -38,6 +38,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--no-wait", action="store_true")
+    ap.add_argument("--repeats", type=int, default=3, help="time each prompt N times, keep the fastest")
     ap.add_argument("--json", type=Path, help="also write every report here")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -55,7 +56,9 @@ def main() -> None:
             ("native MTP (target dir)", None, "chain:2", True),
             ("--to eagle", str(dirs["eagle"]), "chain:2", False),
             ("--to eagle", str(dirs["eagle"]), "chain:3", False),
+            ("--to eagle", str(dirs["eagle"]), "chain:4", False),
             ("--to eagle", str(dirs["eagle"]), None, False),
+            ("--to eagle", str(dirs["eagle"]), "dynamic:2,2,4", False),
             ("--to eagle3", str(dirs["eagle3"]), "chain:2", False),
             ("--to eagle3", str(dirs["eagle3"]), None, False),
             ("--to medusa", str(dirs["medusa"]), "chain:2", False),
@@ -63,7 +66,7 @@ def main() -> None:
         ]
         for i, (label, drafter, tree, native) in enumerate(runs):
             opts = BenchOptions(drafter=drafter, target=str(FIXTURE), prompts=prompts, max_new_tokens=args.max_new_tokens,
-                                tree=tree, native=native, compare_hf=(i == 0))
+                                tree=tree, native=native, compare_hf=(i == 0), repeats=args.repeats)
             rep = run_bench(opts)
             rep["label"] = label
             reports.append(rep)
@@ -95,7 +98,7 @@ def print_table(reports: list[dict], args: argparse.Namespace) -> None:
         print(f"| transformers: {h['method'].removeprefix('hf ')} | - | - | - | - | - | {tps} | {sp} | - | "
               f"{h['greedy_match'] or h['error']} |")
     print(f"\n(per-drafter AR baselines are re-measured in each run; the speedup column divides by that run's AR; "
-          f"{len(reports[0]['prompts'])} prompts, {args.max_new_tokens} new tokens, {args.threads} threads)")
+          f"{len(reports[0]['prompts'])} prompts, {args.max_new_tokens} new tokens, {args.threads} threads, fastest of {args.repeats} per prompt)")
 
 
 if __name__ == "__main__":

@@ -134,6 +134,8 @@ def hf_peers(model: torch.nn.Module, prompts: list[list[int]], ours: list[list[i
         methods.append(("hf use_mtp", {"use_mtp": True}))
     methods.append(("hf prompt lookup", {"prompt_lookup_num_tokens": 3}))
     sampling = {"do_sample": True, "temperature": opts.temperature} if opts.temperature > 0 else {"do_sample": False}
+    from recycle.decoding.target import quiet_transformers
+
     dev = next(model.parameters()).device
     rows = []
     for mi, (name, kw) in enumerate(methods):
@@ -142,15 +144,16 @@ def hf_peers(model: torch.nn.Module, prompts: list[list[int]], ours: list[list[i
         for i, p in enumerate(prompts):
             ids = torch.tensor([p], device=dev)
             try:
-                if i == 0:  # warm-up
-                    model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, **sampling, **kw)
-                torch.manual_seed(opts.seed)
-                t0 = time.perf_counter()
-                o = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=opts.max_new_tokens,
-                                   eos_token_id=eos, pad_token_id=eos, **sampling, **kw)
-                if dev.type == "cuda":
-                    torch.cuda.synchronize(dev)
-                secs += time.perf_counter() - t0
+                with quiet_transformers():  # use_mtp re-reads the MTP weights on every call
+                    if i == 0:  # warm-up
+                        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, **sampling, **kw)
+                    torch.manual_seed(opts.seed)
+                    t0 = time.perf_counter()
+                    o = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=opts.max_new_tokens,
+                                       eos_token_id=eos, pad_token_id=eos, **sampling, **kw)
+                    if dev.type == "cuda":
+                        torch.cuda.synchronize(dev)
+                    secs += time.perf_counter() - t0
             except Exception as e:  # a peer failing is a finding to report, not a crash of our bench
                 err = f"{type(e).__name__}: {' '.join(str(e).split())[:160]}"
                 break

@@ -437,5 +437,102 @@ def push(
         render_push(data)
 
 
+# -- distill (issue 6) ----------------------------------------------------------------------------
+
+def render_distill(data: dict) -> None:
+    t = Table(title=f"recycle distill → {data['out']}", show_header=True)
+    t.add_column("figure")
+    t.add_column("value", justify="right")
+    t.add_row("tokens (budget)", f"{fmt_count(data['tokens'])} ({fmt_count(data['budget_tokens'])})")
+    t.add_row("steps", str(data["steps"]))
+    t.add_row("final loss", f"{data['final']['loss']:.4f}" if data["final"]["loss"] is not None else "-")
+    before, after = data["final"]["heldout_agreement_before"], data["final"]["heldout_agreement_after"]
+    t.add_row("held-out top-1 agreement by step (before → after)",
+              "  ".join(f"{b:.3f}→{a:.3f}" for b, a in zip(before, after)))
+    t.add_row("tokens/s", f"{data['tokens_per_s']:.0f}")
+    t.add_row("target forward share of a step", f"{100 * (data['target_forward_share'] or 0):.1f}%")
+    t.add_row("loop overhead share (data, optimizer, logging)", f"{100 * (data['overhead_share'] or 0):.1f}%")
+    t.add_row("wall time", f"{data['wall_s']:.1f} s" + (" (resumed)" if data["resumed"] else ""))
+    out.print(t)
+
+
+@app.command()
+@user_errors
+def distill(
+    drafter: Annotated[Path, typer.Argument(help="Drafter directory (from `recycle convert`).")],
+    target: Annotated[Path, typer.Option("--target", help="Target model directory (frozen teacher).")] = ...,
+    tokens: Annotated[str, typer.Option("--tokens", help="Budget in target tokens read: 300k, 2M, 1.5B ...")] = "2M",
+    data: Annotated[Path | None, typer.Option("--data", help="Text file, JSONL ('text' field), directory of text "
+                                              "files, or a saved `datasets` dataset (default: stdlib train split).")] = None,
+    self_distill: Annotated[bool, typer.Option("--self-distill", help="Let the target regenerate each sequence "
+                                               "after a prompt (its own distribution).")] = False,
+    prompt_len: Annotated[int, typer.Option("--prompt-len", help="Self-distillation prompt tokens per sequence.")] = 64,
+    sd_temperature: Annotated[float, typer.Option("--sd-temperature", help="Self-distillation sampling "
+                                                  "temperature (0: greedy).")] = 0.0,
+    output: Annotated[Path | None, typer.Option("-o", "--out", help="Output drafter directory "
+                                                "(default: DRAFTER-distilled).")] = None,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue from the last checkpoint in OUT.distill/.")] = False,
+    cache_hidden: Annotated[Path | None, typer.Option("--cache-hidden", help="Store/reuse the target's features "
+                                                      "per batch (safetensors) here.")] = None,
+    seq_len: Annotated[int, typer.Option("--seq-len", help="Tokens per packed sequence.")] = 256,
+    batch: Annotated[int, typer.Option("--batch", help="Sequences per step (per rank).")] = 8,
+    lr: Annotated[float, typer.Option("--lr", help="Peak AdamW learning rate.")] = 5e-4,
+    draft_steps: Annotated[int | None, typer.Option("--draft-steps", help="Unrolled draft steps (default: 3; "
+                                                    "Medusa: its heads).")] = None,
+    ce_weight: Annotated[float, typer.Option("--ce-weight", help="Weight of CE to the data label.")] = 0.1,
+    kl_weight: Annotated[float, typer.Option("--kl-weight", help="β: weight of KL(P_target ‖ P_draft).")] = 1.0,
+    feature_weight: Annotated[float, typer.Option("--feature-weight", help="Smooth-L1 feature regression "
+                                                  "(EAGLE drafter).")] = 0.0,
+    step_decay: Annotated[float, typer.Option("--step-decay", help="Weight of draft step k ∝ decay^k.")] = 0.8,
+    init: Annotated[str, typer.Option("--init", help="recycled (the converted weights) or scratch "
+                                      "(re-initialised, same architecture).")] = "recycled",
+    checkpoint_every: Annotated[int, typer.Option("--checkpoint-every", help="Steps between checkpoints.")] = 50,
+    eval_every: Annotated[int, typer.Option("--eval-every", help="Steps between held-out agreement checks.")] = 25,
+    device: Annotated[str | None, typer.Option("--device", help="cpu or cuda (default: cuda when available).")] = None,
+    precision: Annotated[str, typer.Option("--precision", help="bf16 (autocast) or fp32.")] = "bf16",
+    seed: Annotated[int, typer.Option("--seed", help="Seed for data order and initialisation.")] = 0,
+    threads: Annotated[int | None, typer.Option("--threads", help="torch CPU threads (default: torch's choice).")] = None,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace OUT and any earlier run's checkpoint.")] = False,
+    json_out: Annotated[bool, typer.Option("--json", help="Print the distillation record as one JSON object.")] = False,
+) -> None:
+    """Distill a drafter against its frozen target to an exact token budget; writes the same format.
+
+    Example: [bold]recycle distill /tmp/ds-eagle --target fixtures/deepseek_v3_mtp --tokens 2M[/bold]
+    """
+    from distill.losses import LossConfig
+    from distill.train import DistillOptions, distill as run_distill, parse_tokens
+
+    opts = DistillOptions(
+        drafter=str(drafter), target=str(target), tokens=parse_tokens(tokens), out=str(output) if output else None,
+        data=str(data) if data else None, self_distill=self_distill, prompt_len=prompt_len,
+        sd_temperature=sd_temperature, seq_len=seq_len, batch=batch, lr=lr, draft_steps=draft_steps,
+        loss=LossConfig(ce_weight, kl_weight, feature_weight, step_decay), init=init,
+        checkpoint_every=checkpoint_every, eval_every=eval_every, resume=resume,
+        cache_hidden=str(cache_hidden) if cache_hidden else None, device=device, precision=precision, seed=seed,
+        threads=threads, overwrite=overwrite,
+    )
+    if json_out or int(os.environ.get("RANK", "0")) != 0:
+        data_out = run_distill(opts)
+        if json_out and int(os.environ.get("RANK", "0")) == 0:
+            print_json(data_out)
+        return
+    from rich.progress import TaskProgressColumn
+
+    bar = Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), TaskProgressColumn(),
+                   TextColumn("{task.fields[tps]} tok/s  loss {task.fields[loss]}  held-out agree {task.fields[agree]}"),
+                   TimeElapsedColumn(), console=err, transient=True)
+    with bar:
+        task = bar.add_task("distilling", total=opts.tokens, tps="-", loss="-", agree="-")
+
+        def update(row: dict) -> None:
+            fields = {"tps": f"{row['tokens_per_s']:.0f}", "loss": f"{row['loss']:.3f}"}
+            if "heldout_agree" in row:
+                fields["agree"] = "/".join(f"{a:.2f}" for a in row["heldout_agree"])
+            bar.update(task, completed=row["tokens"], description=f"{fmt_count(row['tokens'])} tokens", **fields)
+
+        data_out = run_distill(opts, progress=update)
+    render_distill(data_out)
+
+
 if __name__ == "__main__":
     app()

@@ -344,7 +344,7 @@ def parse_shape(value: str | None, default: Shape, max_depth: int | None = None)
     return shape
 
 
-DEFAULT_DYNAMIC = DynamicTreeSpec(depth=3, top_k=3, total_tokens=8)
+DEFAULT_DYNAMIC = DynamicTreeSpec()
 
 
 def load_engine(drafter_dir: str | None, target: Target, masks: MaskCache, tree: str | None = None,
