@@ -8,6 +8,7 @@ transformers are shared rather than downloaded again, and it is built once per m
 
 from __future__ import annotations
 
+import hashlib
 import os
 import subprocess
 import sys
@@ -40,18 +41,20 @@ def _run(cmd: list[str], log: Path) -> None:
 
 def speculators_python() -> Path:
     """The python of a venv where `import speculators` works; built on first call (about a minute)."""
-    root = CACHE / "speculators-0.9.0"
+    parent = sysconfig.get_paths()["purelib"]
+    # one cached venv per parent venv: its .pth points at that venv's site-packages
+    root = CACHE / f"speculators-0.9.0-{hashlib.sha1(parent.encode()).hexdigest()[:10]}"
     py = root / "bin" / "python"
     done = root / ".recycle-ready"
     if done.exists() and py.exists():
         return py
     root.parent.mkdir(parents=True, exist_ok=True)
-    log = root.parent / "speculators-0.9.0.log"
+    log = root.parent / (root.name + ".log")
     log.write_text("", encoding="utf-8")
     _run([sys.executable, "-m", "venv", "--system-site-packages", str(root)], log)
     site = Path(subprocess.check_output([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                                         text=True).strip())
-    (site / "recycle-parent-venv.pth").write_text(sysconfig.get_paths()["purelib"] + "\n", encoding="utf-8")
+    (site / "recycle-parent-venv.pth").write_text(parent + "\n", encoding="utf-8")
     pip = [str(py), "-m", "pip", "install", "-q", "-c", str(CONSTRAINTS)]
     _run(pip + ["--no-deps", *NO_DEPS], log)
     _run(pip + list(LIGHT_DEPS), log)
