@@ -250,7 +250,10 @@ def stitch(
 ) -> None:
     """Write a copy of TARGET whose MTP tensors are the overlay's (for vLLM method "mtp", llama.cpp draft-mtp).
 
-    Untouched shards are hard-linked, shards holding MTP tensors rewritten; the target is never modified.
+    Untouched shards are hard-linked (same filesystem; copied otherwise), shards holding MTP tensors are
+    rewritten; the target is never modified.
+
+    Example: [bold]recycle stitch /tmp/ds-eagle/mtp_overlay fixtures/deepseek_v3_mtp -o /tmp/ds-stitched[/bold]
     """
     from converters.api import stitch_overlay
 
