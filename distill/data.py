@@ -55,8 +55,7 @@ def _is_saved_dataset(path: Path) -> bool:
 
 def _dataset_texts(path: Path) -> list[str]:
     try:
-        import datasets  # noqa: F401  (optional dependency)
-        from datasets import DatasetDict, load_from_disk
+        from datasets import DatasetDict, load_from_disk  # optional dependency, imported only here
     except ImportError:
         raise RecycleError(f"{path}: looks like a saved `datasets` dataset; pip install datasets to read it") from None
     ds = load_from_disk(str(path))
@@ -113,6 +112,7 @@ class PackedStream:
         if seq_len < 8:
             raise RecycleError(f"--seq-len must be at least 8, got {seq_len}")
         self.tokenizer, self.seq_len, self.seed = tokenizer, seq_len, seed
+        tokenizer.model_max_length = 1 << 62  # documents are cut into windows here, never fed whole
         self._texts_fn, self._texts = texts, None
         self.eos = tokenizer.eos_token_id
         self.pos = Position()

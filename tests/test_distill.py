@@ -1,0 +1,283 @@
+"""`recycle distill`: budget parsing and exact stop, losses, learning signal, format-preserving output,
+provenance, resume after SIGKILL, torchrun data parallelism, and bad-input exits."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+from converters.api import convert_checkpoint
+from distill.data import PackedStream, Position, load_texts, regenerate
+from distill.losses import LossConfig, StepOutput, ce_to_labels, distill_loss, kl_to_target, step_weights
+from distill.train import DistillOptions, distill, parse_tokens, plan_batch
+from recycle.cli import app
+from recycle.drafters import load_drafter
+from recycle.errors import RecycleError
+
+ROOT = Path(__file__).resolve().parents[1]
+FIXTURE = ROOT / "fixtures" / "deepseek_v3_mtp"
+runner = CliRunner()
+TINY = dict(seq_len=48, batch=2, eval_rows=2, threads=1)
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("drafters")
+    return {fmt: Path(convert_checkpoint(FIXTURE, fmt, root / fmt)["out"]) for fmt in ("eagle", "eagle3", "medusa")}
+
+
+def _keys(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+    with safe_open(str(path), "pt") as f:
+        return {k: (f.get_slice(k).get_dtype(), tuple(f.get_slice(k).get_shape())) for k in f.keys()}
+
+
+# -- budget -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text,n", [("2M", 2_000_000), ("300k", 300_000), ("1B", 10**9), ("500M", 500_000_000),
+                                    ("1.5M", 1_500_000), ("500000", 500_000), ("1_000", 1000), ("12K", 12_000)])
+def test_parse_tokens(text: str, n: int) -> None:
+    assert parse_tokens(text) == n
+
+
+@pytest.mark.parametrize("text", ["4x", "", "M", "-1", "0", "1.2.3k", "two"])
+def test_parse_tokens_rejects(text: str) -> None:
+    with pytest.raises(RecycleError):
+        parse_tokens(text)
+
+
+def test_plan_batch_cuts_the_last_batch_exactly() -> None:
+    assert plan_batch(10_000, 4, 128) == [128] * 4
+    assert plan_batch(300, 4, 128) == [128, 128, 44]
+    assert plan_batch(256, 4, 128) == [128, 128]
+    assert sum(plan_batch(77, 8, 64)) == 77
+
+
+# -- losses -------------------------------------------------------------------------------------
+
+
+def test_kl_zero_when_equal_and_positive_otherwise() -> None:
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(6, 32, generator=g)
+    assert float(kl_to_target(a, a)) == pytest.approx(0.0, abs=1e-6)
+    assert float(kl_to_target(a + 5.0, a)) == pytest.approx(0.0, abs=1e-5)  # shift-invariant
+    assert float(kl_to_target(torch.randn(6, 32, generator=g), a)) > 0.01
+
+
+def test_kl_has_no_gradient_into_the_target() -> None:
+    draft = torch.randn(4, 16, requires_grad=True)
+    target = torch.randn(4, 16, requires_grad=True)
+    kl_to_target(draft, target).backward()
+    assert draft.grad is not None and target.grad is None
+
+
+def test_step_weights_decay_and_sum_to_one() -> None:
+    w = step_weights(4, 0.8)
+    assert sum(w) == pytest.approx(1.0)
+    assert all(a > b for a, b in zip(w, w[1:]))
+    assert w[1] / w[0] == pytest.approx(0.8)
+
+
+def test_ce_masks_unrepresentable_labels_and_loss_combines_steps() -> None:
+    logits = torch.tensor([[5.0, 0.0], [0.0, 5.0]])
+    assert float(ce_to_labels(logits, torch.tensor([0, -1]))) == pytest.approx(float(ce_to_labels(logits[:1], torch.tensor([0]))))
+    steps = [StepOutput(logits, logits.clone(), torch.tensor([0, 1])), StepOutput(logits, logits.flip(-1), torch.tensor([1, 0]))]
+    loss, info = distill_loss(steps, LossConfig(ce_weight=0.0, kl_weight=1.0, decay=0.5))
+    assert info["kl"][0] == pytest.approx(0.0, abs=1e-6) and info["kl"][1] > 1.0
+    assert info["agree"] == [1.0, 0.0]
+    assert float(loss) == pytest.approx(info["kl"][1] / 3, rel=1e-5)  # weights 2/3, 1/3
+
+
+# -- data ---------------------------------------------------------------------------------------
+
+
+class _Tok:
+    eos_token_id = 0
+
+    def __call__(self, texts, add_special_tokens=False):
+        return {"input_ids": [[1 + (ord(c) % 50) for c in t] for t in texts]}
+
+
+def test_stream_is_deterministic_and_seekable(tmp_path: Path) -> None:
+    data = tmp_path / "d.jsonl"
+    data.write_text("\n".join(json.dumps({"text": f"document {i} " * 2}) for i in range(10)) + "\n")
+    a = PackedStream(load_texts(data), _Tok(), 16, seed=3)
+    first = a.take(5)
+    rest = a.take(40)  # rolls over into epoch 1
+    assert a.pos.epoch >= 1
+    b = PackedStream(load_texts(data), _Tok(), 16, seed=3)
+    b.seek(Position(0, 5))
+    assert torch.equal(b.take(40), rest)
+    assert torch.equal(PackedStream(load_texts(data), _Tok(), 16, seed=3).take(5), first)
+    assert not torch.equal(PackedStream(load_texts(data), _Tok(), 16, seed=4).take(5), first)
+
+
+def test_data_sources(tmp_path: Path) -> None:
+    (tmp_path / "a.txt").write_text("hello world")
+    (tmp_path / "b.md").write_text("# title")
+    assert load_texts(tmp_path)() == ["hello world", "# title"]
+    assert load_texts(tmp_path / "a.txt")() == ["hello world"]
+    with pytest.raises(RecycleError):
+        load_texts(tmp_path / "missing.jsonl")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("{not json\n")
+    with pytest.raises(RecycleError):
+        load_texts(bad)()
+
+
+def test_self_distill_regenerates_after_the_prompt() -> None:
+    from recycle.decoding.target import load_target
+
+    model = load_target(FIXTURE)
+    batch = torch.randint(3, 4096, (2, 20))
+    out = regenerate(model, batch, prompt_len=8, temperature=0.0, seed=0)
+    assert out.shape == batch.shape and torch.equal(out[:, :8], batch[:, :8])
+    with torch.no_grad():
+        nxt = model(out[:, :8]).logits[:, -1].argmax(-1)
+    assert torch.equal(out[:, 8], nxt)  # greedy: the target's own next token
+
+
+# -- runs ---------------------------------------------------------------------------------------
+
+
+def test_distill_raises_agreement_and_keeps_the_format(converted: dict[str, Path], tmp_path: Path) -> None:
+    # a deliberately broken drafter (re-initialised): agreement starts near 0, so the signal is clear
+    src = converted["eagle"]
+    rec = distill(DistillOptions(drafter=str(src), target=str(FIXTURE), tokens=40 * 2 * 48 + 17, out=str(tmp_path / "out"),
+                                 init="scratch", lr=2e-3, eval_every=100, draft_steps=2, **TINY))
+    assert rec["tokens"] == 40 * 2 * 48 + 17  # exact stop: the last batch holds one 17-token row
+    before, after = rec["final"]["heldout_agreement_before"], rec["final"]["heldout_agreement_after"]
+    assert after[0] > before[0] + 0.05, (before, after)
+    out = Path(rec["out"])
+    for rel in ("model.safetensors", "nextn/nextn_layer_parameters.safetensors", "mtp_overlay/mtp.safetensors"):
+        assert _keys(out / rel) == _keys(src / rel), rel
+    assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*")) == \
+        sorted(p.relative_to(src).as_posix() for p in src.rglob("*"))
+    load_drafter(out)
+    prov = json.loads((out / "recycle.json").read_text())
+    assert prov["target"]["format"] == "eagle" and len(prov["distillation"]) == 1
+    d = prov["distillation"][0]
+    assert d["tokens"] == rec["tokens"] and d["budget_tokens"] == rec["tokens"] and d["tokens_per_s"] > 0
+    assert 0 < d["target_forward_share"] < 1 and 0 <= d["overhead_share"] < 1
+    assert not (Path(rec["state_dir"]) / "checkpoint.pt").exists()
+    assert (Path(rec["state_dir"]) / "metrics.jsonl").read_text().count("\n") == rec["steps"]
+    # the embedding and head stay the target's (frozen), the rest was re-initialised and trained
+    a, b = load_file(str(src / "model.safetensors")), load_file(str(out / "model.safetensors"))
+    assert torch.equal(a["head.weight"], b["head.weight"]) and torch.equal(a["embed.weight"], b["embed.weight"])
+    assert not torch.equal(a["layers.0.proj.weight"], b["layers.0.proj.weight"])
+
+
+@pytest.mark.parametrize("fmt", ["eagle3", "medusa"])
+def test_other_formats_train_and_keep_their_layout(converted: dict[str, Path], tmp_path: Path, fmt: str) -> None:
+    src = converted[fmt]
+    rec = distill(DistillOptions(drafter=str(src), target=str(FIXTURE), tokens=300, out=str(tmp_path / "o"),
+                                 init="scratch", cache_hidden=str(tmp_path / "cache"), **TINY))
+    out = Path(rec["out"])
+    for p in src.glob("*.safetensors"):
+        assert _keys(out / p.name) == _keys(p)
+    model = load_drafter(out)
+    assert type(model) is type(load_drafter(src))
+    again = distill(DistillOptions(drafter=str(out), target=str(FIXTURE), tokens=300, out=str(tmp_path / "o2"),
+                                   cache_hidden=str(tmp_path / "cache"), **TINY))
+    assert again["cache_hits"] > 0
+    prov = json.loads((Path(again["out"]) / "recycle.json").read_text())
+    assert [d["init"] for d in prov["distillation"]] == ["scratch", "recycled"]
+    if fmt == "medusa":  # both Medusa layouts carry the same trained tensors
+        a, b = load_file(str(out / "model.safetensors")), load_file(str(out / "medusa_lm_head.safetensors"))
+        assert torch.equal(a["blocks.1.layers.0.weight"], b["1.0.linear.weight"])
+        assert torch.equal(a["lm_heads.2.weight"], b["2.1.weight"])
+
+
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "recycle.cli", "distill", *args]
+
+
+def test_resume_after_sigkill_matches_an_uninterrupted_run(converted: dict[str, Path], tmp_path: Path) -> None:
+    src = str(converted["medusa"])
+    common = ["--target", str(FIXTURE), "--tokens", str(60 * 2 * 48), "--seq-len", "48", "--batch", "2",
+              "--checkpoint-every", "3", "--eval-every", "1000", "--threads", "1", "--json"]
+    out = tmp_path / "killed"
+    state = tmp_path / "killed.distill"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(_cli(src, "-o", str(out), *common), cwd=ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.time() + 120
+    while not (state / "checkpoint.pt").is_file() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.read().decode()
+    assert not out.exists()
+    ck = torch.load(state / "checkpoint.pt", weights_only=False)
+    assert 0 < ck["tokens"] < 60 * 2 * 48 and ck["step"] % 3 == 0
+    opts = dict(drafter=src, target=str(FIXTURE), tokens=60 * 2 * 48, seq_len=48, batch=2, checkpoint_every=3,
+                eval_every=1000, threads=1)
+    rec = distill(DistillOptions(out=str(out), resume=True, **opts))  # what `--resume` runs
+    assert rec["resumed"] and rec["tokens"] == 60 * 2 * 48 and rec["steps"] == 60
+    steps = [json.loads(ln)["step"] for ln in (state / "metrics.jsonl").read_text().splitlines()]
+    assert steps[-1] == 60 and set(range(1, 61)) <= set(steps)  # the trajectory continues
+    distill(DistillOptions(out=str(tmp_path / "ref"), **opts))
+    a, b = load_file(str(out / "model.safetensors")), load_file(str(tmp_path / "ref" / "model.safetensors"))
+    for k in a:
+        assert torch.equal(a[k], b[k]), k  # bit for bit: same data order, optimizer and schedule state
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_torchrun_two_ranks_on_cpu(converted: dict[str, Path], tmp_path: Path) -> None:
+    """gloo, 2 ranks, a budget that leaves rank 1 without rows in the last step (about 10 s here)."""
+    torchrun = Path(sys.executable).with_name("torchrun")
+    out = tmp_path / "ddp"
+    res = subprocess.run([str(torchrun), "--nproc_per_node", "2", "--master_port", str(_free_port()), "-m", "recycle.cli",
+                          "distill", str(converted["medusa"]), "--target", str(FIXTURE), "--tokens", "1000",
+                          "--seq-len", "48", "--batch", "2", "--threads", "1", "-o", str(out), "--json"],
+                         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    rec = json.loads(res.stdout[res.stdout.index("{"):])
+    assert rec["tokens"] == 1000 and rec["data"]["world_size"] == 2
+    load_drafter(out)
+
+
+# -- bad input ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", ["missing_drafter", "missing_target", "bad_tokens", "unwritable", "bad_init"])
+def test_bad_inputs_exit_2_with_one_line(converted: dict[str, Path], tmp_path: Path, case: str) -> None:
+    src = str(converted["medusa"])
+    args = {
+        "missing_drafter": ["/nonexistent/drafter", "--target", str(FIXTURE), "--tokens", "1k"],
+        "missing_target": [src, "--target", "/nonexistent/target", "--tokens", "1k"],
+        "bad_tokens": [src, "--target", str(FIXTURE), "--tokens", "lots"],
+        "unwritable": [src, "--target", str(FIXTURE), "--tokens", "1k", "-o", "/proc/recycle-out/x"],
+        "bad_init": [src, "--target", str(FIXTURE), "--tokens", "1k", "--init", "warm", "-o", str(tmp_path / "o")],
+    }[case]
+    res = runner.invoke(app, ["distill", *args])
+    assert res.exit_code == 2, res.output
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("recycle: error:"), res.stderr
+
+
+def test_existing_checkpoint_needs_resume_or_overwrite(converted: dict[str, Path], tmp_path: Path) -> None:
+    state = tmp_path / "o.distill"
+    state.mkdir()
+    (state / "checkpoint.pt").write_bytes(b"x")
+    res = runner.invoke(app, ["distill", str(converted["medusa"]), "--target", str(FIXTURE), "--tokens", "1k",
+                              "-o", str(tmp_path / "o")])
+    assert res.exit_code == 2 and "--resume" in res.stderr
