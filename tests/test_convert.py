@@ -15,18 +15,16 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
-from typer.testing import CliRunner
+from tests.cli_helpers import assert_bad_input, run_cli
 
 from converters.api import convert_checkpoint
 from converters.eagle3 import aux_layer_ids
 from recycle.checkpoint import Checkpoint
-from recycle.cli import app
 from recycle.drafters import Eagle3Drafter, EagleDrafter, MedusaDrafter, load_drafter
 from recycle.families import match
 from recycle.mtp import MTP
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "deepseek_v3_mtp"
-runner = CliRunner()
 
 # What vLLM's llama_eagle3.py loads for a one-layer drafter without embed_tokens (read from
 # vllm-project/vllm vllm/model_executor/models/llama_eagle3.py): every parameter of
@@ -51,16 +49,8 @@ def tree_digest(d: Path) -> str:
     return h.hexdigest()
 
 
-def run_cli(*args: str):
-    return runner.invoke(app, list(args))
 
 
-def assert_bad_input(res, needle: str) -> None:
-    assert res.exit_code == 2, (res.exit_code, res.output)
-    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1, res.stderr
-    assert "Traceback" not in res.output + res.stderr
-    assert needle in lines[0], lines[0]
 
 
 @pytest.fixture(scope="module")

@@ -8,16 +8,12 @@ import shutil
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
+from tests.cli_helpers import assert_bad_input, run_cli
 
 from recycle.audit import inspect_checkpoint
-from recycle.cli import app
-
-runner = CliRunner()
 
 
-def run_cli(*args: str):
-    return runner.invoke(app, list(args))
+
 
 
 def codes(path: Path, stats: bool = False) -> dict[str, str]:
@@ -161,12 +157,6 @@ def test_inspect_never_writes(family_dir):
 # -- bad input ----------------------------------------------------------------------------------
 
 
-def assert_bad_input(res, needle: str) -> None:
-    assert res.exit_code == 2, (res.exit_code, res.output)
-    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1, res.stderr
-    assert "Traceback" not in res.output + res.stderr
-    assert needle in lines[0], lines[0]
 
 
 def test_missing_directory(tmp_path):
