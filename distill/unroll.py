@@ -26,6 +26,8 @@ ResBlocks zero as Medusa initialises them), frozen target copies kept.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import torch
 from torch import nn
 from transformers import DynamicCache
@@ -42,7 +44,7 @@ def _init_std(model: nn.Module) -> float:
     return float(getattr(cfg, "initializer_range", 0.02) or 0.02)
 
 
-class Unroller:
+class Unroller(ABC):
     """Base: a drafter module, its format, K steps, and what the teacher must provide."""
 
     fmt = ""
@@ -76,9 +78,10 @@ class Unroller:
             else:
                 p.copy_(torch.randn(p.shape, generator=gen) * std)
 
+    @abstractmethod
     def unroll(self, ids: torch.Tensor, last: torch.Tensor, aux: torch.Tensor | None,
                logits: torch.Tensor, with_features: bool = False) -> list[StepOutput]:
-        raise NotImplementedError
+        """The drafter's outputs for K unrolled steps at every anchor (each format defines its own)."""
 
     def file_state(self) -> dict[str, torch.Tensor]:
         """The weights under the names model.safetensors stores."""
