@@ -48,6 +48,7 @@ from distill.losses import LossConfig, distill_loss
 from distill.teacher import Teacher, autocast
 from distill.unroll import Unroller, make_unroller
 from recycle import __version__
+from recycle.checkpoint import load_json
 from recycle.errors import RecycleError
 
 CHECKPOINT = "checkpoint.pt"
@@ -244,10 +245,10 @@ class Distiller:
         self.fmt = drafter_format(o.drafter)
         with quiet_transformers():
             model = load_drafter(o.drafter, dtype=torch.float32)
-        cfg = json.loads((Path(o.drafter) / "config.json").read_text(encoding="utf-8"))
+        cfg = load_json(Path(o.drafter) / "config.json", "drafter config.json")
         aux = None
         if self.fmt == "eagle3":
-            tcfg = json.loads((Path(o.target) / "config.json").read_text(encoding="utf-8"))
+            tcfg = load_json(Path(o.target) / "config.json", "target config.json")
             n = int(tcfg.get("num_hidden_layers", 0))
             aux = cfg.get("eagle_aux_hidden_state_layer_ids") or [min(2, n), n // 2, max(n - 3, 0)]
         self.teacher = Teacher(o.target, self.device, aux, o.precision, o.cache_hidden)
@@ -560,7 +561,7 @@ def _derived_files(src: Path, unroller: Unroller, main: dict[str, torch.Tensor])
         from recycle.families import BY_NAME
 
         m = unroller.model
-        rc = json.loads((src / "config.json").read_text(encoding="utf-8")).get("recycle", {})
+        rc = load_json(src / "config.json", "drafter config.json").get("recycle", {})
         fam = BY_NAME.get(rc.get("family", ""))
         canonical = fam is not None and fam.norm == "w" and fam.concat_order == "eh"
         for sub, base in (("nextn", 0), ("mtp_overlay", int(rc.get("source_num_hidden_layers", 0)))):
@@ -598,7 +599,7 @@ def write_drafter(src_dir: str | os.PathLike, writer, unroller: Unroller, record
         tensors[rel] = {k: Lazy(shp, (lambda t=state[k], d=dt: t.detach().to("cpu", d).contiguous()), (k,),
                                 "exact", dtype=dt) for k, (shp, dt) in head.items()}
     prov_path = src / "recycle.json"
-    prov = json.loads(prov_path.read_text(encoding="utf-8")) if prov_path.is_file() else {}
+    prov = load_json(prov_path, "recycle.json") if prov_path.is_file() else {}
     rec = dict(record)
     if notes:
         rec["notes"] = notes

@@ -383,9 +383,9 @@ def load_engine(drafter_dir: str | None, target: Target, masks: MaskCache, tree:
                                f"does not fit the target (vocab {vocab}, hidden {target.config.hidden_size})")
         return MTPStack(model, parse_shape(tree, DEFAULT_DYNAMIC), masks, kind="eagle", repeat_last=True)
     if fmt == "eagle3":
-        import json
+        from recycle.checkpoint import load_json
 
-        cfg = json.loads((d / "config.json").read_text(encoding="utf-8"))
+        cfg = load_json(d / "config.json", "drafter config.json")
         n = target.num_layers
         aux = cfg.get("eagle_aux_hidden_state_layer_ids") or (cfg.get("eagle_config") or {}).get(
             "eagle_aux_hidden_state_layer_ids") or [min(2, n), n // 2, max(n - 3, 0)]
