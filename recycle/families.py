@@ -16,6 +16,7 @@ Every row is exercised by a test against a fixture in that family's exact layout
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -91,33 +92,31 @@ DEEPSEEK_ROLES = {
 }
 LLAMA_TRUNK = {"head": ("lm_head.weight", "model.embed_tokens.weight"), "embed": ("model.embed_tokens.weight",)}
 
+DEEPSEEK_V3 = Family(
+    name="deepseek_v3",
+    title="DeepSeek-V3 / R1 / V3.1 (and GLM-4.7-Flash: MLA trunk)",
+    model_types=("deepseek_v3", "glm4_moe_lite", "pangu_ultra_moe"),
+    architectures=("DeepseekV3ForCausalLM",),
+    roles=DEEPSEEK_ROLES,
+    block=("model.layers.{layer}.",),
+    trunk=LLAMA_TRUNK,
+    stores_copies=("embed", "head"),
+    block_class="transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3DecoderLayer",
+    zero_embed_at_pos0=True,
+    nextn_architecture="DeepseekV3ForCausalLMNextN",
+    notes="MTP module k at model.layers.{L+k}; embed/head copies stored in the release",
+)
+
 FAMILIES: tuple[Family, ...] = (
-    Family(
-        name="deepseek_v3",
-        title="DeepSeek-V3 / R1 / V3.1 (and GLM-4.7-Flash: MLA trunk)",
-        model_types=("deepseek_v3", "glm4_moe_lite", "pangu_ultra_moe"),
-        architectures=("DeepseekV3ForCausalLM",),
-        roles=DEEPSEEK_ROLES,
-        block=("model.layers.{layer}.",),
-        trunk=LLAMA_TRUNK,
-        stores_copies=("embed", "head"),
-        block_class="transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3DecoderLayer",
-        zero_embed_at_pos0=True,
-        nextn_architecture="DeepseekV3ForCausalLMNextN",
-        notes="MTP module k at model.layers.{L+k}; embed/head copies stored in the release",
-    ),
-    Family(
+    DEEPSEEK_V3,
+    # V3.2 is V3's layout with the DSA indexer in the block's attention: only the block class differs.
+    dataclasses.replace(
+        DEEPSEEK_V3,
         name="deepseek_v32",
         title="DeepSeek-V3.2 (and GLM-5: MLA + DSA indexer)",
         model_types=("deepseek_v32", "glm_moe_dsa"),
         architectures=("DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM"),
-        roles=DEEPSEEK_ROLES,
-        block=("model.layers.{layer}.",),
-        trunk=LLAMA_TRUNK,
-        stores_copies=("embed", "head"),
         block_class="transformers.models.deepseek_v32.modeling_deepseek_v32.DeepseekV32DecoderLayer",
-        zero_embed_at_pos0=True,
-        nextn_architecture="DeepseekV3ForCausalLMNextN",
         notes="DeepSeek's layout; the block's attention carries the sparse-attention indexer (self_attn.indexer.*)",
     ),
     Family(
