@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterable
 from datetime import datetime, timezone
 
 import torch
@@ -33,10 +34,27 @@ LAYOUTS = {
 }
 
 
-def plan_for(w: RoleWeights, to: str, *, dtype: str, heads: int | None, draft_ids: torch.Tensor | None) -> Plan:
+def parse_layouts(to: str, layouts: str | Iterable[str] | None) -> tuple[str, ...] | None:
+    """`--layouts recycle,nextn` → ("recycle", "nextn") in canonical order; None for formats with one layout."""
+    if layouts is None:
+        return eagle.LAYOUT_NAMES if to == "eagle" else None
+    if to != "eagle":
+        raise RecycleError("--layouts applies to --to eagle only")
+    names = [n.strip() for n in (layouts.split(",") if isinstance(layouts, str) else layouts) if n.strip()]
+    choices = f"a comma list of {', '.join(eagle.LAYOUT_NAMES)}"
+    if not names:
+        raise RecycleError(f"--layouts is empty ({choices})")
+    bad = [n for n in names if n not in eagle.LAYOUT_NAMES]
+    if bad:
+        raise RecycleError(f"unknown layout '{bad[0]}' in --layouts ({choices})")
+    return tuple(n for n in eagle.LAYOUT_NAMES if n in names)
+
+
+def plan_for(w: RoleWeights, to: str, *, dtype: str, heads: int | None, draft_ids: torch.Tensor | None,
+             layouts: tuple[str, ...] | None = None) -> Plan:
     name = DTYPE_NAMES[dtype]
     if to == "eagle":
-        return eagle.convert(w, dtype_name=name)
+        return eagle.convert(w, dtype_name=name, layouts=layouts or eagle.LAYOUT_NAMES)
     if to == "eagle3":
         return eagle3.convert(w, draft_ids=draft_ids, dtype_name=name)
     return medusa.convert(w, heads=medusa.DEFAULT_HEADS if heads is None else heads, dtype_name=name)
@@ -69,8 +87,8 @@ def provenance(w: RoleWeights, to: str, dtype: str, options: dict, plan: Plan, r
             "fp8": any(w.ckpt.tensors[n].is_fp8 for n in m.mtp_names),
         },
         "target": {"format": to, "dtype": DTYPE_NAMES[dtype], "options": options,
-                   "layouts": {k: v for k, v in LAYOUTS[to].items()
-                               if not k.endswith("/") or any(f.startswith(k) for f in plan.tensors)}},
+                   "layouts": {k: v for k, v in LAYOUTS[to].items()  # the ones written
+                               if any(f == k or (k.endswith("/") and f.startswith(k)) for f in plan.tensors)}},
         "summary": {"tensors": len(rows), **{k: sum(r["kind"] == k for r in rows) for k in (EXACT, APPROX, FRESH)}},
         "notes": plan.notes,
         "mapping": rows,
@@ -79,8 +97,12 @@ def provenance(w: RoleWeights, to: str, dtype: str, options: dict, plan: Plan, r
 
 def convert_checkpoint(source: str | os.PathLike, to: str, out: str | os.PathLike, *, heads: int | None = None,
                        draft_vocab: int | None = None, vocab_corpus: str | os.PathLike | None = None,
-                       dtype: str = "bf16", overwrite: bool = False, progress: Progress | None = None) -> dict:
-    """Convert the MTP modules of `source` into a drafter directory `out`; returns a summary dict."""
+                       dtype: str = "bf16", overwrite: bool = False, progress: Progress | None = None,
+                       layouts: str | Iterable[str] | None = None) -> dict:
+    """Convert the MTP modules of `source` into a drafter directory `out`; returns a summary dict.
+
+    `layouts` (eagle only): which of recycle, nextn, overlay to write; default all three.
+    """
     started = time.perf_counter()
     if to not in FORMATS:
         raise RecycleError(f"unknown format '{to}' (choose from {', '.join(FORMATS)})")
@@ -92,6 +114,7 @@ def convert_checkpoint(source: str | os.PathLike, to: str, out: str | os.PathLik
         raise RecycleError("--draft-vocab/--vocab-corpus apply to --to eagle3 only")
     if vocab_corpus is not None and draft_vocab is None:
         raise RecycleError("--vocab-corpus needs --draft-vocab N")
+    chosen = parse_layouts(to, layouts)
     ckpt = Checkpoint(source)
     writer = OutputDir(out, overwrite=overwrite, protect=(ckpt.path,))  # refuses a bad OUT before any reading
     w = gather(ckpt)
@@ -100,9 +123,12 @@ def convert_checkpoint(source: str | os.PathLike, to: str, out: str | os.PathLik
         from converters.vocab import draft_vocab as top_tokens
 
         draft_ids = top_tokens(ckpt.path, draft_vocab, w.vocab_size, vocab_corpus)
-    plan = plan_for(w, to, dtype=dtype, heads=heads, draft_ids=draft_ids)
+    plan = plan_for(w, to, dtype=dtype, heads=heads, draft_ids=draft_ids, layouts=chosen)
+    if not plan.tensors:
+        raise RecycleError(f"--layouts {','.join(chosen or ())}: nothing to write ({'; '.join(plan.notes)})")
     rows = mapping_rows(plan, DTYPES[dtype])
-    options = {"heads": heads, "draft_vocab": draft_vocab, "vocab_corpus": str(vocab_corpus) if vocab_corpus else None}
+    options = {"heads": heads, "draft_vocab": draft_vocab, "vocab_corpus": str(vocab_corpus) if vocab_corpus else None,
+               "layouts": list(chosen) if chosen else None}
     record = provenance(w, to, dtype, options, plan, rows)
     with writer as d:
         d.write_safetensors(plan.tensors, DTYPES[dtype], progress=progress,

@@ -1,4 +1,5 @@
-"""`--to eagle`: the MTP modules as a lossless EAGLE-style drafter, in three layouts.
+"""`--to eagle`: the MTP modules as a lossless EAGLE-style drafter, in up to three layouts
+(`--layouts`, default all: serving on one engine needs only its own).
 
 1. recycle's own layout (top of OUT, loaded by `recycle.drafters.load_drafter`): see
    `recycle/drafters/eagle.py` for names. Every tensor is the source tensor itself, in canonical
@@ -27,7 +28,7 @@
 from __future__ import annotations
 
 from converters.roles import Lazy, Plan, RoleWeights, raw, same_values
-from recycle.mtp import STORAGE_KEYS
+from recycle.checkpoint import STORAGE_KEYS
 
 ARCHITECTURE = "RecycleEagleDrafter"
 WEIGHTS = "model.safetensors"
@@ -35,6 +36,7 @@ NEXTN_WEIGHTS = "nextn_layer_parameters.safetensors"  # SGLang's export file nam
 OVERLAY_WEIGHTS = "mtp.safetensors"
 OVERLAY_INDEX = "mtp.safetensors.index.json"
 DROP_KEYS = (*STORAGE_KEYS, "text_config", "vision_config")
+LAYOUT_NAMES = ("recycle", "nextn", "overlay")  # the three layouts above, in order
 
 
 def model_config(w: RoleWeights) -> dict:
@@ -114,24 +116,34 @@ def overlay(w: RoleWeights) -> tuple[dict[str, Lazy], dict]:
     return tensors, index
 
 
-def convert(w: RoleWeights, *, dtype_name: str = "bfloat16") -> Plan:
-    """Role weights → the three layouts above."""
-    plan = Plan(tensors={WEIGHTS: drafter_tensors(w)}, jsons={"config.json": drafter_config(w, dtype_name)})
-    nx = nextn(w, dtype_name)
-    if nx is not None:
-        tensors, config = nx
-        plan.tensors[f"nextn/{NEXTN_WEIGHTS}"] = tensors
-        plan.jsons["nextn/config.json"] = config
-        plan.jsons["nextn/model.safetensors.index.json"] = {
-            "metadata": {"total_size": 0}, "weight_map": {n: NEXTN_WEIGHTS for n in sorted(tensors)}}
-        plan.tokenizer_dirs = ("", "nextn/")
-        if len(w.modules) > 1:
-            plan.notes.append(f"nextn/ holds module 0 only (SGLang's NextN loader takes exactly one of the "
-                              f"{len(w.modules)} modules)")
-    else:
-        plan.notes.append(f"no nextn/: SGLang has no stand-alone NextN class for family '{w.family.name}'")
-    tensors, index = overlay(w)
-    plan.tensors[f"mtp_overlay/{OVERLAY_WEIGHTS}"] = tensors
-    plan.jsons[f"mtp_overlay/{OVERLAY_INDEX}"] = index
-    plan.jsons["mtp_overlay/config.json"] = dict(w.ckpt.config)  # the target's config, as stored
+def convert(w: RoleWeights, *, dtype_name: str = "bfloat16", layouts: tuple[str, ...] = LAYOUT_NAMES) -> Plan:
+    """Role weights → the chosen layouts above (names from LAYOUT_NAMES)."""
+    plan = Plan(tensors={}, jsons={}, tokenizer_dirs=())
+    if "recycle" in layouts:
+        plan.tensors[WEIGHTS] = drafter_tensors(w)
+        plan.jsons["config.json"] = drafter_config(w, dtype_name)
+        plan.tokenizer_dirs += ("",)
+    if "nextn" in layouts:
+        _add_nextn(plan, w, dtype_name)
+    if "overlay" in layouts:
+        tensors, index = overlay(w)
+        plan.tensors[f"mtp_overlay/{OVERLAY_WEIGHTS}"] = tensors
+        plan.jsons[f"mtp_overlay/{OVERLAY_INDEX}"] = index
+        plan.jsons["mtp_overlay/config.json"] = dict(w.ckpt.config)  # the target's config, as stored
     return plan
+
+
+def _add_nextn(plan: Plan, w: RoleWeights, dtype_name: str) -> None:
+    nx = nextn(w, dtype_name)
+    if nx is None:
+        plan.notes.append(f"no nextn/: SGLang has no stand-alone NextN class for family '{w.family.name}'")
+        return
+    tensors, config = nx
+    plan.tensors[f"nextn/{NEXTN_WEIGHTS}"] = tensors
+    plan.jsons["nextn/config.json"] = config
+    plan.jsons["nextn/model.safetensors.index.json"] = {
+        "metadata": {"total_size": 0}, "weight_map": {n: NEXTN_WEIGHTS for n in sorted(tensors)}}
+    plan.tokenizer_dirs += ("nextn/",)
+    if len(w.modules) > 1:
+        plan.notes.append(f"nextn/ holds module 0 only (SGLang's NextN loader takes exactly one of the "
+                          f"{len(w.modules)} modules)")

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from recycle.checkpoint import DTYPES, SCALE_SUFFIX, Checkpoint
+from recycle.checkpoint import DTYPES, SCALE_SUFFIX, Checkpoint, Span
 from recycle.errors import RecycleError
 from recycle.families import Family, MTPMatch, MTPModule, first_value, match
 
@@ -27,6 +27,8 @@ LEAF_SHAPES = {"embed_norm": ("H",), "hidden_norm": ("H",), "proj": ("H", "2H"),
                "head": ("V", "H"), "embed": ("V", "H")}
 REQUIRED = ("embed_norm", "hidden_norm", "proj", "head", "embed")
 FINITE_CHUNK = 1 << 24  # elements per NaN/Inf check slice (a bool mask of a 129k×7k head would be 0.9 GB)
+NONFINITE_BITS = {torch.bfloat16: 0x7F80, torch.float16: 0x7C00}  # |bits| ≥ this: exponent all ones, Inf or NaN
+BITS_CHUNK = 1 << 18  # elements per 16-bit check slice: its integer copy stays in cache (4× faster than 1 << 24)
 
 
 @dataclass(eq=False)
@@ -35,7 +37,9 @@ class Lazy:
 
     `dtype` None means "the output's float dtype" (the writer casts); integer/bool tensors (d2t,
     t2d) and raw copies set it. Identity matters: the writer makes each Lazy once, however many
-    files or names use it.
+    files or names use it. `reads` are the stored byte ranges `make` reads (the writer asks the
+    kernel for the next tensor's while it works on this one); a raw Lazy's one span *is* its output,
+    so the writer copies those bytes file to file instead of making a tensor.
     """
 
     shape: tuple[int, ...]
@@ -45,31 +49,41 @@ class Lazy:
     note: str = ""
     dtype: torch.dtype | None = None
     raw: bool = False  # written byte for byte in its stored dtype (the overlay)
+    reads: tuple[Span, ...] = ()
 
     def derive(self, shape: tuple[int, ...], fn: Callable[[torch.Tensor], torch.Tensor], kind: str | None = None,
                note: str | None = None) -> Lazy:
         """A tensor computed from this one (same sources); `kind` defaults to this one's."""
         return Lazy(tuple(shape), lambda: fn(self.make()), self.sources, kind or self.kind,
-                    self.note if note is None else note)
+                    self.note if note is None else note, reads=self.reads)
 
 
 def check_finite(t: torch.Tensor, what: str) -> torch.Tensor:
     """RecycleError on NaN/Inf, scanned in slices so the check never doubles memory."""
     if t.is_floating_point():
         flat = t.reshape(-1)
-        for start in range(0, flat.numel(), FINITE_CHUNK):
-            chunk = flat[start:start + FINITE_CHUNK]
-            # A float32 sum is one pass with no mask (2x faster than isfinite on bf16); NaN/Inf make
-            # it non-finite, and so can overflow of huge finite values, so confirm with the mask.
-            if not torch.isfinite(chunk.sum(dtype=torch.float32)) and not torch.isfinite(chunk).all():
+        step = BITS_CHUNK if t.dtype in NONFINITE_BITS else FINITE_CHUNK
+        for start in range(0, flat.numel(), step):
+            if not _finite(flat[start:start + step]):
                 raise RecycleError(f"{what} holds NaN or Inf values; refusing to convert corrupt weights")
     return t
+
+
+def _finite(chunk: torch.Tensor) -> bool:
+    """Whether a 1-D slice holds no NaN/Inf, by the cheapest exact test for its dtype."""
+    limit = NONFINITE_BITS.get(chunk.dtype)
+    if limit is not None:  # 16-bit floats: an integer and + max, 8× faster than a float32 sum
+        return bool(torch.bitwise_and(chunk.view(torch.int16), 0x7FFF).max() < limit)
+    # A float32 sum is one pass with no mask; NaN/Inf make it non-finite, and so can overflow of
+    # huge finite values, so confirm with the mask.
+    return bool(torch.isfinite(chunk.sum(dtype=torch.float32)) or torch.isfinite(chunk).all())
 
 
 def stored(ckpt: Checkpoint, name: str, kind: str = EXACT, note: str = "") -> Lazy:
     """A checkpoint tensor's values (FP8 dequantized), checked for NaN/Inf when read."""
     info = ckpt.tensors[name]
-    return Lazy(info.shape, lambda: check_finite(ckpt.get(name), f"{ckpt.path}: {name}"), (name,), kind, note)
+    return Lazy(info.shape, lambda: check_finite(ckpt.get(name), f"{ckpt.path}: {name}"), (name,), kind, note,
+                reads=ckpt.spans(name))
 
 
 def raw(ckpt: Checkpoint, name: str) -> Lazy:
@@ -78,7 +92,8 @@ def raw(ckpt: Checkpoint, name: str) -> Lazy:
     dtype = DTYPES[info.dtype][1]
     if dtype is None:
         raise RecycleError(f"{ckpt.path}: tensor {name} has dtype {info.dtype}, which torch cannot read")
-    return Lazy(info.shape, lambda: ckpt.raw(name), (name,), EXACT, "stored bytes", dtype=dtype, raw=True)
+    return Lazy(info.shape, lambda: ckpt.raw(name), (name,), EXACT, "stored bytes", dtype=dtype, raw=True,
+                reads=(ckpt.span(name),))
 
 
 @dataclass

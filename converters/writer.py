@@ -6,11 +6,15 @@ and `--overwrite` swaps the old directory out only after the new one is whole.
 
 Safetensors files are streamed: headers are computed from the planned shapes up front, then each
 tensor is made once (even when several files or names use it), cast, written to every file that
-holds it, and dropped. Peak memory is about one tensor, not one file.
+holds it, and dropped. Peak memory is about one tensor, not one file. Stored bytes copied as they
+are (raw Lazies: the MTP overlay, stitching) go file to file in the kernel (os.copy_file_range),
+never through a tensor; the next tensor's source bytes are requested from the disk while this
+one is worked on.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -18,10 +22,12 @@ import struct
 import uuid
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 
 from converters.roles import Lazy, nbytes
+from recycle.checkpoint import Span, read_ahead
 from recycle.errors import RecycleError
 
 ST_DTYPES: dict[torch.dtype, str] = {
@@ -32,6 +38,57 @@ ST_DTYPES: dict[torch.dtype, str] = {
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "generation_config.json")
 Progress = Callable[[int, int], None]
+COPY_STEP = 1 << 26  # bytes per copy_file_range / fallback read
+NO_KERNEL_COPY = frozenset({errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EPERM})
+
+
+def write_all(f: BinaryIO, data) -> None:
+    """Write every byte (an unbuffered write may take fewer; Linux caps one at about 2 GiB)."""
+    view = memoryview(data).cast("B")
+    while view:
+        view = view[f.write(view):]
+
+
+def _write_made(lazy: Lazy, dtype: torch.dtype, outs: list[BinaryIO]) -> None:
+    """Make the tensor once, check its shape, cast it to `dtype` and append it to every file in `outs`."""
+    t = lazy.make()
+    if tuple(t.shape) != lazy.shape:
+        raise RecycleError(f"{', '.join(lazy.sources) or 'a tensor'}: made shape {list(t.shape)}, "
+                           f"planned {list(lazy.shape)}")
+    if t.dtype != dtype:
+        t = t.to(dtype)
+    data = t.contiguous().reshape(-1).view(torch.uint8).numpy()
+    for f in outs:
+        write_all(f, data)
+
+
+def copy_span(src: Span, out: BinaryIO) -> None:
+    """Append a stored byte range to `out`: file to file in the kernel where the OS allows, never a tensor."""
+    with open(src.path, "rb", buffering=0) as f:
+        end = src.start + src.nbytes
+        offset = _kernel_copy(f.fileno(), out.fileno(), src.start, end)
+        while offset < end:  # no kernel copy (another filesystem, an old kernel, not Linux): read + write
+            data = os.pread(f.fileno(), min(end - offset, COPY_STEP), offset)
+            if not data:
+                raise RecycleError(f"{src.path}: ends before byte {end} (changed while converting?)")
+            write_all(out, data)
+            offset += len(data)
+
+
+def _kernel_copy(src: int, dst: int, offset: int, end: int) -> int:
+    """os.copy_file_range from `offset` to `end`, or until the OS declines; returns where it stopped."""
+    copy = getattr(os, "copy_file_range", None)
+    while copy is not None and offset < end:
+        try:
+            n = copy(src, dst, min(end - offset, COPY_STEP), offset)
+        except OSError as e:
+            if e.errno in NO_KERNEL_COPY:
+                return offset
+            raise
+        if n == 0:
+            return offset  # end of file: the read path reports it
+        offset += n
+    return offset
 
 
 def _inside(path: Path, root: Path) -> bool:
@@ -135,17 +192,16 @@ class OutputDir:
             for rel, plan in plans.items():
                 for name, lazy in plan:
                     users[id(lazy)].append((rel, name))
-            for i, (k, lazy) in enumerate(order.items()):
-                t = lazy.make()
-                if tuple(t.shape) != lazy.shape:
-                    raise RecycleError(f"{', '.join(lazy.sources) or 'a tensor'}: made shape {list(t.shape)}, "
-                                       f"planned {list(lazy.shape)}")
-                if t.dtype != out_dtype[k]:
-                    t = t.to(out_dtype[k])
-                data = t.contiguous().reshape(-1).view(torch.uint8).numpy()
-                for rel, _ in users[k]:
-                    handles[rel].write(data)
-                del t, data
+            lazies = list(order.items())
+            for i, (k, lazy) in enumerate(lazies):
+                if i + 1 < len(lazies):
+                    read_ahead(lazies[i + 1][1].reads)
+                outs = [handles[rel] for rel, _ in users[k]]
+                if lazy.raw and len(lazy.reads) == 1 and lazy.reads[0].nbytes == nbytes(lazy.shape, out_dtype[k]):
+                    for f in outs:
+                        copy_span(lazy.reads[0], f)
+                else:
+                    _write_made(lazy, out_dtype[k], outs)
                 if progress:
                     progress(i + 1, len(order))
         finally:
@@ -165,9 +221,8 @@ class OutputDir:
             offset += size
         blob = json.dumps(header, separators=(",", ":")).encode("utf-8")
         blob += b" " * (-len(blob) % 8)
-        f = open(self.path(rel), "wb")
-        f.write(struct.pack("<Q", len(blob)))
-        f.write(blob)
+        f = open(self.path(rel), "wb", buffering=0)  # unbuffered: tensor bytes and kernel copies interleave
+        write_all(f, struct.pack("<Q", len(blob)) + blob)
         return f
 
     # -- commit -----------------------------------------------------------------------------------

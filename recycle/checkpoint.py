@@ -4,6 +4,7 @@ Opening a checkpoint reads `config.json` and every shard's header (through the s
 library), never tensor data; tensors are read one at a time on demand. FP8 block-scaled weights
 (DeepSeek's convention: `W` float8_e4m3fn and `W_scale_inv` float32 of shape
 [ceil(M/b0), ceil(N/b1)], a *multiplier*) are dequantized on request, wherever the scale is stored.
+`span` gives a tensor's byte range in its shard, so stored bytes can be copied without a tensor.
 """
 
 from __future__ import annotations
@@ -11,10 +12,13 @@ from __future__ import annotations
 import json
 import math
 import os
+import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
+import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
 
@@ -46,8 +50,14 @@ DTYPES: dict[str, tuple[float, torch.dtype | None]] = {
     "C64": (8, torch.complex64),
 }
 FP8_DTYPES = frozenset({"F8_E4M3", "F8_E5M2"})
+# Elements per dequantization step: the float32 buffer (1 MiB) stays in cache, 1.7× faster than
+# one 128-row block of a 7168-wide weight at a time.
+DEQUANT_CHUNK = 1 << 18
 SCALE_SUFFIX = "_scale_inv"
 INDEX_FILE = "model.safetensors.index.json"
+# Config keys that describe storage, not the computation (the runtime holds dequantized weights);
+# here, not in recycle.mtp, so converters need not import transformers.
+STORAGE_KEYS = ("quantization_config", "architectures", "auto_map", "torch_dtype", "dtype", "transformers_version")
 
 
 @dataclass(frozen=True)
@@ -74,6 +84,33 @@ class TensorInfo:
     @property
     def is_scale(self) -> bool:
         return self.name.endswith(SCALE_SUFFIX)
+
+
+class Span(NamedTuple):
+    """Where a tensor's stored bytes lie: shard file, first byte, length."""
+
+    path: Path
+    start: int
+    nbytes: int
+
+
+def read_ahead(spans: Iterable[Span]) -> None:
+    """Ask the kernel to start reading these byte ranges now (POSIX_FADV_WILLNEED), so a cold read
+    overlaps the work on the tensor before; a no-op where the OS has no such advice."""
+    advise = getattr(os, "posix_fadvise", None)
+    if advise is None:
+        return
+    for sp in spans:
+        try:
+            fd = os.open(sp.path, os.O_RDONLY)
+        except OSError:
+            continue  # the read itself reports a missing file
+        try:
+            advise(fd, sp.start, sp.nbytes, os.POSIX_FADV_WILLNEED)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
 
 
 def load_json(path: Path, what: str) -> dict:
@@ -109,6 +146,7 @@ class Checkpoint:
         self.index: dict | None = None
         self.tensors: dict[str, TensorInfo] = {}
         self._handles: dict[str, object] = {}
+        self._offsets: dict[str, dict[str, tuple[int, int]]] = {}  # file -> name -> (first byte, end), absolute
         self.files = self._shard_files()
         for file in self.files:
             self._read_header(file)
@@ -208,8 +246,24 @@ class Checkpoint:
         except (SafetensorError, OSError, RuntimeError) as e:
             raise RecycleError(f"{self.path / info.file}: cannot read {name} ({str(e).splitlines()[0]})") from None
 
+    def span(self, name: str) -> Span:
+        """The byte range of a tensor's stored data in its shard (header offsets, no tensor made)."""
+        info = self.tensors.get(name)
+        if info is None:
+            raise RecycleError(f"{self.path}: no tensor named {name}")
+        if info.file not in self._offsets:
+            self._offsets[info.file] = data_offsets(self.path / info.file)
+        start, end = self._offsets[info.file][name]
+        return Span(self.path / info.file, start, end - start)
+
+    def spans(self, name: str) -> tuple[Span, ...]:
+        """Every byte range `get(name)` reads: the tensor's, and its scale's when FP8."""
+        scale = self.scale_for(name) if self.tensors[name].is_fp8 else None
+        return (self.span(name),) + ((self.span(scale.name),) if scale is not None else ())
+
     def get(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """The tensor's values: FP8 weights dequantized block-wise with their `_scale_inv`."""
+        """The tensor's values: FP8 weights dequantized block-wise with their `_scale_inv` (to `dtype`,
+        bfloat16 by default)."""
         info = self.tensors.get(name)
         if info is None:
             raise RecycleError(f"{self.path}: no tensor named {name}")
@@ -218,10 +272,8 @@ class Checkpoint:
             scale = self.scale_for(name)
             if scale is None:
                 raise RecycleError(f"{self.path}: FP8 tensor {name} has no {name}{SCALE_SUFFIX}")
-            t = dequantize_fp8(t, self.raw(scale.name), self.block_size())
-            return t.to(dtype or torch.bfloat16)
+            return dequantize_fp8(t, self.raw(scale.name), self.block_size(), dtype or torch.bfloat16)
         return t if dtype is None else t.to(dtype)
-
 
     def iter_chunks(self, name: str, max_elements: int = 1 << 24) -> Iterable[torch.Tensor]:
         """The tensor's float32 values in row chunks, so statistics over a 129k×7k embedding stay small.
@@ -263,24 +315,79 @@ def expected_scale_shape(shape: tuple[int, ...], block: tuple[int, int]) -> tupl
     return math.ceil(m / block[0]), math.ceil(n / block[1])
 
 
-def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = (128, 128)) -> torch.Tensor:
-    """`W[i, j] * S[i // b0, j // b1]` in float32 (the scale multiplies, despite its name).
+def data_offsets(path: Path) -> dict[str, tuple[int, int]]:
+    """name -> (first byte, end) of each tensor's data in a safetensors file, from its JSON header."""
+    try:
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(n))
+    except (OSError, struct.error, ValueError) as e:
+        raise RecycleError(f"{path}: cannot read the safetensors header ({e})") from None
+    base = 8 + n
+    return {k: (base + v["data_offsets"][0], base + v["data_offsets"][1])
+            for k, v in header.items() if k != "__metadata__"}
 
-    Broadcasts the scale over a [bm, b0, bn, b1] view of the (padded) weight: one multiply, no
-    scale tensor expanded to the weight's size.
+
+_FP8_TABLES: dict[torch.dtype, np.ndarray] = {}
+
+
+def fp8_table(dtype: torch.dtype) -> np.ndarray:
+    """float32 value of each of the 256 FP8 codes, made by torch's own cast (so lookups match it bit for bit)."""
+    if dtype not in _FP8_TABLES:
+        _FP8_TABLES[dtype] = torch.arange(256, dtype=torch.uint8).view(dtype).float().numpy()
+    return _FP8_TABLES[dtype]
+
+
+def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = (128, 128),
+                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """`W[i, j] * S[i // b0, j // b1]` in float32, rounded once to `dtype` (the scale multiplies, despite its name).
+
+    Goes a few rows at a time: codes → float32 by a 256-entry table lookup (np.take, ~5× faster
+    than torch's FP8 cast), times the rows' scale row, cast into the output. No float32 copy of
+    the whole weight exists, and the values equal `W.float() * S` cast to `dtype`, bit for bit.
     """
-    if weight.dim() != 2:
-        raise RecycleError(f"FP8 block dequantization needs a 2-D weight, got shape {list(weight.shape)}")
+    if weight.dim() != 2 or weight.element_size() != 1 or not weight.is_floating_point():
+        raise RecycleError(f"FP8 block dequantization needs a 2-D FP8 weight, got {weight.dtype} {list(weight.shape)}")
     m, n = weight.shape
     bm, bn = expected_scale_shape(weight.shape, block)
     if tuple(scale_inv.shape) != (bm, bn):
         raise RecycleError(f"FP8 scale has shape {list(scale_inv.shape)}, expected {[bm, bn]} for weight {[m, n]}")
-    pm, pn = bm * block[0], bn * block[1]
-    w = weight.float()
-    if (pm, pn) != (m, n):
-        w = torch.nn.functional.pad(w, (0, pn - n, 0, pm - m))
-    w = w.view(bm, block[0], bn, block[1]).mul_(scale_inv.float()[:, None, :, None]).view(pm, pn)
-    return w if (pm, pn) == (m, n) else w[:m, :n].contiguous()
+    table = fp8_table(weight.dtype)
+    codes = weight.contiguous().view(torch.uint8).numpy()
+    scale_cols = scale_inv.float().repeat_interleave(block[1], dim=1)[:, :n]  # [bm, n]: one scale row per row block
+    out = torch.empty((m, n), dtype=dtype)
+    rows = _chunk_rows(n, block[0])
+    buf = None if dtype == torch.float32 else np.empty((min(rows, m), n), np.float32)
+    for start in range(0, m, rows):
+        stop = min(m, start + rows)
+        f32 = out.numpy()[start:stop] if buf is None else buf[: stop - start]
+        np.take(table, codes[start:stop], out=f32, mode="clip")  # "clip" writes straight into `out`; u8 is in range
+        chunk = torch.from_numpy(f32)
+        _scale_rows(chunk, scale_cols, start, block[0])
+        if buf is not None:
+            out[start:stop].copy_(chunk)
+    return out
+
+
+def _chunk_rows(n: int, b0: int) -> int:
+    """Rows per dequantization step: about DEQUANT_CHUNK elements, a multiple of the row block or a
+    divisor of it, so no step covers part of two row blocks."""
+    want = max(1, DEQUANT_CHUNK // max(1, n))
+    if want >= b0:
+        return want // b0 * b0
+    return max(d for d in range(1, want + 1) if b0 % d == 0)
+
+
+def _scale_rows(chunk: torch.Tensor, scale_cols: torch.Tensor, start: int, b0: int) -> None:
+    """Multiply rows `start`.. in place by their row block's scale row."""
+    i, rows = start // b0, chunk.shape[0]
+    if start % b0 or rows <= b0:  # inside one row block
+        chunk.mul_(scale_cols[i])
+        return
+    full = rows // b0 * b0
+    chunk[:full].view(full // b0, b0, -1).mul_(scale_cols[i:i + full // b0, None, :])
+    if full < rows:
+        chunk[full:].mul_(scale_cols[i + full // b0])
 
 
 def quantize_fp8(weight: torch.Tensor, block: tuple[int, int] = (128, 128)) -> tuple[torch.Tensor, torch.Tensor]:

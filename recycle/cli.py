@@ -218,6 +218,8 @@ def convert(
     vocab_corpus: Annotated[Path | None, typer.Option("--vocab-corpus", help="Text file to count tokens in "
                                                       "(default: recycle's stdlib corpus).")] = None,
     dtype: Annotated[str, typer.Option("--dtype", help="Output dtype: bf16, fp16 or fp32.")] = "bf16",
+    layouts: Annotated[str | None, typer.Option("--layouts", help="--to eagle: comma list of recycle, nextn, "
+                                                "overlay (default: all three).")] = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing output directory.")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON summary object.")] = False,
 ) -> None:
@@ -232,7 +234,7 @@ def convert(
 
     data = _with_progress(json_out, "writing tensors", lambda progress: convert_checkpoint(
         ckpt, to, output, heads=heads, draft_vocab=draft_vocab, vocab_corpus=vocab_corpus, dtype=dtype,
-        overwrite=overwrite, progress=progress))
+        overwrite=overwrite, progress=progress, layouts=layouts))
     if json_out:
         print_json(data)
     else:

@@ -29,14 +29,12 @@ from transformers.conversion_mapping import get_checkpoint_conversion_mapping
 from transformers.core_model_loading import revert_weight_conversion
 from transformers.masking_utils import create_causal_mask
 
-from recycle.checkpoint import SCALE_SUFFIX, Checkpoint
+from recycle.checkpoint import SCALE_SUFFIX, STORAGE_KEYS, Checkpoint
 from recycle.errors import RecycleError
 from recycle.families import Family, MTPMatch, match
 
 LEAF_ROLES = ("embed_norm", "hidden_norm", "proj", "final_norm", "head", "embed")
 REQUIRED_ROLES = ("embed_norm", "hidden_norm", "proj", "head", "embed")
-# Config keys that describe storage, not the computation; the runtime holds dequantized weights.
-STORAGE_KEYS = ("quantization_config", "architectures", "auto_map", "torch_dtype", "dtype", "transformers_version")
 
 
 def import_object(dotted: str):

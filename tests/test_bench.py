@@ -10,8 +10,8 @@ from typer.testing import CliRunner
 
 from recycle.cli import app
 from recycle.prompts import code_prompts, default_prompts, text_prompts
+from tests.trained import FIXTURE
 
-FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "deepseek_v3_mtp"
 runner = CliRunner()
 
 

@@ -21,10 +21,11 @@ from converters.api import convert_checkpoint
 from converters.eagle3 import aux_layer_ids
 from recycle.checkpoint import Checkpoint
 from recycle.drafters import Eagle3Drafter, EagleDrafter, MedusaDrafter, load_drafter
+from recycle.errors import RecycleError
 from recycle.families import match
 from recycle.mtp import MTP
+from tests.trained import FIXTURE, H, L
 
-FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "deepseek_v3_mtp"
 
 # What vLLM's llama_eagle3.py loads for a one-layer drafter without embed_tokens (read from
 # vllm-project/vllm vllm/model_executor/models/llama_eagle3.py): every parameter of
@@ -75,7 +76,7 @@ def mtp():
     return MTP.from_checkpoint(FIXTURE)
 
 
-def _inputs(t: int = 10, extra: int = 2, h: int = 192, seed: int = 0):
+def _inputs(t: int = 10, extra: int = 2, h: int = H, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     return torch.randn(2, t, h, generator=g), torch.randint(3, 4096, (2, t + extra), generator=g)
 
@@ -148,7 +149,7 @@ def test_stitch_overlay_back_into_target(converted, tmp_path, mtp):
     st, src = Checkpoint(tmp_path / "st"), Checkpoint(FIXTURE)
     assert set(st.tensors) == set(src.tensors)
     assert all(torch.equal(st.raw(n), src.raw(n)) for n in src.tensors)
-    assert st.tensors["model.layers.3.eh_proj.weight"].file == "recycle-mtp.safetensors"
+    assert st.tensors[f"model.layers.{L}.eh_proj.weight"].file == "recycle-mtp.safetensors"
     hidden, ids = _inputs()
     with torch.no_grad():
         torch.testing.assert_close(MTP.from_checkpoint(st.path)(hidden, ids).logits[0], mtp(hidden, ids).logits[0])
@@ -208,7 +209,7 @@ def test_eagle3_key_set_shapes_and_config(converted):
     assert VLLM_EAGLE3_REQUIRED <= set(state) <= VLLM_EAGLE3_REQUIRED | VLLM_EAGLE3_OPTIONAL
     assert "embed_tokens.weight" not in state
     cfg = json.loads((d / "config.json").read_text())
-    h, v = 192, 4096
+    h, v = H, 4096
     assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["model_type"] == "llama"
     assert cfg["tie_word_embeddings"] is False and cfg["norm_before_residual"] is False
     assert cfg["draft_vocab_size"] == v and cfg["num_hidden_layers"] == 1 and "bias" not in cfg
@@ -217,7 +218,8 @@ def test_eagle3_key_set_shapes_and_config(converted):
     assert sc["default_proposal_method"] == sc["proposal_methods"][0]["proposal_type"] == "greedy"
     assert Path(sc["verifier"]["name_or_path"]) == FIXTURE and sc["verifier"]["architectures"] == ["DeepseekV3ForCausalLM"]
     assert cfg["transformer_layer_config"]["vocab_size"] == v
-    assert cfg["eagle_aux_hidden_state_layer_ids"] == aux_layer_ids(3) == [0, 1, 2]
+    ids = cfg["eagle_aux_hidden_state_layer_ids"]
+    assert ids == aux_layer_ids(L) and len(set(ids)) == 3 and max(ids) == L - 1  # the last captured state
     hd, heads = cfg["head_dim"], cfg["num_attention_heads"]
     assert state["fc.weight"].shape == (h, 3 * h)
     assert state["midlayer.self_attn.q_proj.weight"].shape == (heads * hd, 2 * h)
@@ -226,8 +228,8 @@ def test_eagle3_key_set_shapes_and_config(converted):
     assert not state["d2t"].any() and state["t2d"].all()
     assert not state["fc.weight"][:, : 2 * h].any()  # only the deepest aux slot carries eh_proj's hidden half
     src = Checkpoint(FIXTURE)
-    assert torch.equal(state["norm.weight"], src.get("model.layers.3.shared_head.norm.weight"))
-    assert torch.equal(state["midlayer.input_layernorm.weight"], src.get("model.layers.3.enorm.weight"))
+    assert torch.equal(state["norm.weight"], src.get(f"model.layers.{L}.shared_head.norm.weight"))
+    assert torch.equal(state["midlayer.input_layernorm.weight"], src.get(f"model.layers.{L}.enorm.weight"))
     drafter = load_drafter(d)
     hidden, ids = _inputs()
     logits, _ = drafter(torch.randn(2, 10, 3 * h), inputs_embeds=src.get("lm_head.weight").float()[ids[:, 1:11]])
@@ -248,7 +250,7 @@ def test_eagle3_draft_vocab(converted, tmp_path):
     assert d2t.shape == (64,) and t2d.shape == (4096,) and int(t2d.sum()) == 64
     target = torch.arange(64) + d2t  # target id = draft id + d2t[draft id]
     assert torch.all(target[1:] > target[:-1]) and t2d[target].all()
-    head = Checkpoint(FIXTURE).get("model.layers.3.shared_head.head.weight")
+    head = Checkpoint(FIXTURE).get(f"model.layers.{L}.shared_head.head.weight")
     assert torch.equal(state["lm_head.weight"], head[target])
     from tokenizers import Tokenizer
 
@@ -304,7 +306,7 @@ def test_medusa_both_layouts(converted):
     assert cfg["model_type"] == "medusa" and cfg["architectures"] == ["MedusaModel"]
     assert cfg["num_heads"] == cfg["medusa_num_heads"] == 4
     assert cfg["num_hidden_layers"] == cfg["medusa_num_layers"] == 1 and cfg["medusa_fc_bias"] is True
-    assert cfg["hidden_size"] == 192 and cfg["vocab_size"] == 4096 and Path(cfg["base_model_name_or_path"]) == FIXTURE
+    assert cfg["hidden_size"] == H and cfg["vocab_size"] == 4096 and Path(cfg["base_model_name_or_path"]) == FIXTURE
     vllm = load_file(d / "model.safetensors")
     fd = load_file(d / "medusa_lm_head.safetensors")
     assert set(vllm) == {f"blocks.{i}.layers.0.{p}" for i in range(4) for p in ("weight", "bias")} | {
@@ -317,7 +319,7 @@ def test_medusa_both_layouts(converted):
         assert torch.equal(vllm[f"lm_heads.{i}.weight"], head) and torch.equal(fd[f"{i}.1.weight"], head)
         assert not vllm[f"blocks.{i}.layers.0.weight"].any() and not fd[f"{i}.0.linear.bias"].any()
     drafter = load_drafter(d)
-    h = torch.randn(1, 3, 192)
+    h = torch.randn(1, 3, H)
     torch.testing.assert_close(drafter(h)[0], h @ src.get("lm_head.weight").float().T)  # ResBlock = identity
     assert drafter.draft(h).shape == (1, 4)
 
@@ -340,7 +342,7 @@ def test_recycle_json(converted):
     assert all(r["kind"] in ("exact", "approx", "fresh") for r in rec["mapping"])
     assert rec["summary"]["exact"] == rec["summary"]["tensors"] == len(written)
     row = next(r for r in rec["mapping"] if r["tensor"] == "layers.1.proj.weight")
-    assert row["from"] == ["model.layers.4.eh_proj.weight"]
+    assert row["from"] == [f"model.layers.{L + 1}.eh_proj.weight"]
 
 
 def test_cli_json_overwrite_and_source_untouched(tmp_path):
@@ -399,3 +401,114 @@ def test_bad_inputs(family_dir, tmp_path):
     shutil.copytree(family_dir("deepseek_v3"), nontok)
     assert_bad_input(run_cli("convert", str(nontok), "--to", "eagle3", "--draft-vocab", "8", "-o", o), "tokenizer.json")
     assert not Path(o).exists()
+
+
+# -- FP8 dequantization, the NaN/Inf scan, byte copies, --layouts ----------------------------------
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bit patterns, so equality is bit for bit (torch.equal says -0.0 == 0.0)."""
+    return t.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def _dequant_by_definition(ckpt: Checkpoint, name: str) -> torch.Tensor:
+    """W.float() * S with S expanded to W's shape: the definition, done the slow way."""
+    w, s = ckpt.raw(name), ckpt.raw(name + "_scale_inv")
+    b0, b1 = ckpt.block_size()
+    return w.float() * s.float().repeat_interleave(b0, 0).repeat_interleave(b1, 1)[: w.shape[0], : w.shape[1]]
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_fp8_dequantization_is_bit_exact(family_dir, converted, dtype):
+    src_dir = family_dir("deepseek_v3_fp8")
+    src = Checkpoint(src_dir)
+    state = load_file(converted(src_dir, "eagle", dtype=dtype) / "model.safetensors")
+    fp8 = {rel: full for rel, full in match(src).modules[0].block_names().items() if src.tensors[full].is_fp8}
+    assert len(fp8) >= 5 and any(src.tensors[n].shape[0] % 128 for n in fp8.values())  # ragged blocks too
+    for rel, full in fp8.items():
+        want = _dequant_by_definition(src, full)
+        assert torch.equal(_bits(src.get(full, torch.float32)), _bits(want)), full
+        assert torch.equal(_bits(torch.cat(list(src.iter_chunks(full, max_elements=1)))), _bits(want)), full
+        got = state[f"layers.0.block.{rel}"]  # FP8 values reach any output dtype through bfloat16
+        assert torch.equal(_bits(got), _bits(want.to(torch.bfloat16).to(got.dtype))), full
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_nonfinite_scan_finds_every_code(dtype):
+    from converters.roles import FINITE_CHUNK, check_finite
+
+    big = torch.finfo(dtype).max
+    ok = torch.tensor([0.0, -0.0, big, -big, torch.finfo(dtype).tiny], dtype=dtype)
+    assert check_finite(ok, "ok") is ok
+    for bad in (float("nan"), -float("nan"), float("inf"), -float("inf")):
+        t = torch.zeros(FINITE_CHUNK + 3, dtype=dtype)
+        t[-1] = bad  # in the last slice
+        with pytest.raises(RecycleError, match="NaN or Inf"):
+            check_finite(t, "t")
+
+
+def test_overlay_bytes_copied_without_kernel_copy(family_dir, tmp_path, monkeypatch):
+    """Where copy_file_range is refused (other filesystems, old kernels) the bytes are read and written."""
+    import errno
+
+    from converters.writer import copy_span
+    from recycle.checkpoint import Span
+
+    def refuse(*a, **k):
+        raise OSError(errno.EXDEV, "cross-device")
+
+    src_dir = family_dir("deepseek_v3_fp8")
+    monkeypatch.setattr(os, "copy_file_range", refuse, raising=False)
+    convert_checkpoint(src_dir, "eagle", tmp_path / "o", layouts="overlay")
+    src = Checkpoint(src_dir)
+    overlay = Checkpoint(tmp_path / "o" / "mtp_overlay")
+    assert set(overlay.tensors) == set(match(src).mtp_names)
+    assert all(torch.equal(_bits(overlay.raw(n)), _bits(src.raw(n))) for n in overlay.tensors)
+    short = tmp_path / "short"
+    short.write_bytes(b"abc")
+    with open(tmp_path / "dst", "wb", buffering=0) as f, pytest.raises(RecycleError, match="ends before byte 6"):
+        copy_span(Span(short, 1, 5), f)
+    monkeypatch.undo()
+    with open(tmp_path / "dst", "wb", buffering=0) as f:
+        copy_span(Span(short, 1, 2), f)
+        with pytest.raises(RecycleError, match="ends before byte 6"):
+            copy_span(Span(short, 1, 5), f)
+    assert (tmp_path / "dst").read_bytes() == b"bcbc"
+
+
+def test_eagle_layouts_option(converted, tmp_path):
+    full = converted(FIXTURE, "eagle")
+    res = run_cli("convert", str(FIXTURE), "--to", "eagle", "--layouts", "recycle", "-o", str(tmp_path / "r"), "--json")
+    assert res.exit_code == 0, res.output
+    r = tmp_path / "r"
+    assert sorted(json.loads(res.stdout)["files"]) == sorted(p.name for p in r.iterdir())
+    assert not (r / "nextn").exists() and not (r / "mtp_overlay").exists()
+    assert (r / "model.safetensors").read_bytes() == (full / "model.safetensors").read_bytes()
+    rec = json.loads((r / "recycle.json").read_text())
+    assert set(rec["target"]["layouts"]) == {"model.safetensors"} and rec["target"]["options"]["layouts"] == ["recycle"]
+    assert {row["file"] for row in rec["mapping"]} == {"model.safetensors"}
+    assert isinstance(load_drafter(r), EagleDrafter)
+    both = convert_checkpoint(FIXTURE, "eagle", tmp_path / "b", layouts=["overlay", "nextn"])
+    b = tmp_path / "b"
+    assert not (b / "model.safetensors").exists() and not (b / "config.json").exists()
+    for rel in ("nextn/nextn_layer_parameters.safetensors", "mtp_overlay/mtp.safetensors"):
+        assert (b / rel).read_bytes() == (full / rel).read_bytes()
+    rec = json.loads((b / "recycle.json").read_text())
+    assert set(rec["target"]["layouts"]) == {"nextn/", "mtp_overlay/"}
+    assert rec["target"]["options"]["layouts"] == ["nextn", "overlay"] and both["bytes"] < dir_bytes(full)
+    assert json.loads((full / "recycle.json").read_text())["target"]["options"]["layouts"] == [
+        "recycle", "nextn", "overlay"]
+
+
+def test_eagle_layouts_bad_values(family_dir, tmp_path):
+    o = str(tmp_path / "o")
+    for bad in ("foo", "recycle,foo", "", ","):
+        assert_bad_input(run_cli("convert", str(FIXTURE), "--to", "eagle", "--layouts", bad, "-o", o), "--layouts")
+    assert_bad_input(run_cli("convert", str(FIXTURE), "--to", "medusa", "--layouts", "recycle", "-o", o), "--layouts")
+    assert_bad_input(run_cli("convert", str(family_dir("mimo")), "--to", "eagle", "--layouts", "nextn", "-o", o),
+                     "nothing to write")
+    assert not Path(o).exists()
+
+
+def dir_bytes(d: Path) -> int:
+    return sum(p.stat().st_size for p in d.rglob("*") if p.is_file())

@@ -15,8 +15,8 @@ from recycle.decoding.drafting import Drafter, load_engine, parse_shape
 from recycle.decoding.tree import Expander, Tree, ancestor_matrix, validate_choices
 from recycle.decoding.verify import verify
 from recycle.errors import RecycleError
+from tests.trained import FIXTURE
 
-FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "deepseek_v3_mtp"
 
 
 @pytest.fixture(scope="module")

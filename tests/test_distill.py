@@ -24,9 +24,9 @@ from distill.train import DistillOptions, distill, parse_tokens, plan_batch
 from recycle.cli import app
 from recycle.drafters import load_drafter
 from recycle.errors import RecycleError
+from tests.trained import FIXTURE
 
 ROOT = Path(__file__).resolve().parents[1]
-FIXTURE = ROOT / "fixtures" / "deepseek_v3_mtp"
 runner = CliRunner()
 TINY = dict(seq_len=48, batch=2, eval_rows=2, threads=1)
 

@@ -9,7 +9,6 @@ where transformers differs from the engines).
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,9 +19,8 @@ from recycle.checkpoint import Checkpoint
 from recycle.errors import RecycleError
 from recycle.families import BY_NAME
 from recycle.mtp import MTP, Norm, block_config
+from tests.trained import FIXTURE, H, L
 
-FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "deepseek_v3_mtp"
-L = 3  # num_hidden_layers of the fixture
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +137,7 @@ def test_concat_order_and_zero_centred_norm():
 
 def test_input_too_short_and_no_mtp(tmp_path, mtp):
     with pytest.raises(ValueError):
-        mtp(torch.zeros(1, 4, 192), torch.zeros(1, 4, dtype=torch.long))
+        mtp(torch.zeros(1, 4, H), torch.zeros(1, 4, dtype=torch.long))
     ck = Checkpoint(FIXTURE)
     from safetensors.torch import save_file
 
@@ -163,7 +161,7 @@ def test_fp8_variant_matches_bf16(tmp_path, mtp, trunk, ids):
         assert ck.tensors[p + bf16].dtype == "BF16", bf16
     assert ck.tensors[p + "mlp.gate.e_score_correction_bias"].dtype == "F32"
     assert ck.tensors["lm_head.weight"].dtype == "BF16"
-    assert not is_fp8_weight("model.layers.0.mlp.gate.weight", (8, 192))
+    assert not is_fp8_weight("model.layers.0.mlp.gate.weight", (8, H))
 
     fp8 = MTP.from_checkpoint(out)
     t = ids.shape[1] - 2

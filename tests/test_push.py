@@ -23,8 +23,8 @@ from typer.testing import CliRunner
 from recycle.cli import app
 from recycle.hub import base_model_name, validate_drafter
 from tests.fake_hub import FakeHubServer
+from tests.trained import FIXTURE
 
-FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "deepseek_v3_mtp"
 TOKEN = "hf_recycleFAKEtoken0123456789abcdefXYZ"  # must never appear in any output or written file
 REJECTED = "recycle: error: the Hub rejected the token (HTTP 401): run `hf auth login` or set HF_TOKEN"
 runner = CliRunner()

@@ -8,7 +8,6 @@ speculative decoding depends on, and it fails for an untrained or mis-wired modu
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,9 +17,8 @@ from recycle.checkpoint import Checkpoint
 from recycle.corpus import HELDOUT_PERCENT, documents, is_heldout, split_paths, stdlib_files, stdlib_root
 from recycle.families import match
 from recycle.mtp import MTP
+from tests.trained import FIXTURE, H, L
 
-FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "deepseek_v3_mtp"
-L = 3
 # Held-out files present in every CPython ≥ 3.11 (the fixture was trained without them).
 SNIPPET_FILES = ("heapq.py", "http/client.py", "glob.py", "tomllib/_parser.py", "warnings.py", "uuid.py")
 SNIPPET_START, SNIPPET_LEN = 200, 256
@@ -95,7 +93,7 @@ def test_fixture_layout_is_deepseek_v3():
         p = f"model.layers.{L + k}."
         for leaf in ("enorm", "hnorm", "shared_head.norm", "embed_tokens", "shared_head.head", "input_layernorm"):
             assert p + leaf + ".weight" in ck.tensors
-        assert ck.tensors[p + "eh_proj.weight"].shape == (192, 384)
+        assert ck.tensors[p + "eh_proj.weight"].shape == (H, 2 * H)
         for e in range(cfg["n_routed_experts"]):
             for proj in ("gate_proj", "up_proj", "down_proj"):
                 assert f"{p}mlp.experts.{e}.{proj}.weight" in ck.tensors
