@@ -59,6 +59,8 @@ def main() -> None:
             ("--to eagle", str(dirs["eagle"]), "chain:4", False),
             ("--to eagle", str(dirs["eagle"]), None, False),
             ("--to eagle", str(dirs["eagle"]), "dynamic:2,2,4", False),
+            ("--to eagle", str(dirs["eagle"]), "dynamic:4,2,8", False),
+            ("--to eagle", str(dirs["eagle"]), "dynamic:5,3,12", False),
             ("--to eagle3", str(dirs["eagle3"]), "chain:2", False),
             ("--to eagle3", str(dirs["eagle3"]), None, False),
             ("--to medusa", str(dirs["medusa"]), "chain:2", False),

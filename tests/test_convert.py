@@ -294,7 +294,7 @@ def test_eagle3_loads_with_speculators(converted, tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     out = json.loads(res.stdout.strip().splitlines()[-1])
     assert out == {"cls": "Eagle3DraftModel", "plain": "Eagle3DraftModel", "diff": [], "draft_vocab": 512,
-                   "aux": [0, 1, 2]}
+                   "aux": aux_layer_ids(L)}
 
 
 # -- Medusa -------------------------------------------------------------------------------------
@@ -315,7 +315,7 @@ def test_medusa_both_layouts(converted):
         f"{i}.1.weight" for i in range(4)}
     src = Checkpoint(FIXTURE)
     for i in range(4):
-        head = src.get(f"model.layers.{3 + min(i, 1)}.shared_head.head.weight")
+        head = src.get(f"model.layers.{L + min(i, 1)}.shared_head.head.weight")
         assert torch.equal(vllm[f"lm_heads.{i}.weight"], head) and torch.equal(fd[f"{i}.1.weight"], head)
         assert not vllm[f"blocks.{i}.layers.0.weight"].any() and not fd[f"{i}.0.linear.bias"].any()
     drafter = load_drafter(d)

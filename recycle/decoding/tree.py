@@ -207,8 +207,8 @@ class DynamicTreeSpec:
     """EAGLE-2 dynamic tree parameters: expand the `top_k` best frontier nodes per depth by cumulative
     draft log-prob, `depth` drafter passes, keep the `total_tokens` best nodes overall."""
 
-    # EAGLE ships depth 5–7, top_k 8–10, total 60; a drafter step here costs ~0.45 of a target step
-    # (a full decoder layer against a 3-layer trunk), so depth is dear and width is cheap.
+    # EAGLE ships depth 5–7, top_k 8–10, total 60. On a CPU, verifying a wide tree costs nearly as
+    # much per token as decoding it, so the default stays small (see BENCHMARKS.md, issue 5).
     depth: int = 3
     top_k: int = 2
     total_tokens: int = 6
