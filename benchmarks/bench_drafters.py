@@ -84,7 +84,7 @@ def main() -> None:
 
 def print_table(reports: list[dict], args: argparse.Namespace) -> None:
     ar = reports[0]["overall"]["ar"]
-    print(f"| drafter | tree | τ | acceptance by depth | target fwd | draft / verify s | tok/s | speedup | cost model | greedy = AR |")
+    print("| drafter | tree | τ | acceptance by depth | target fwd | draft / verify s | tok/s | speedup | cost model | greedy = AR |")
     print("|---|---|---:|---|---:|---:|---:|---:|---:|---:|")
     print(f"| none (our AR loop) | - | 1.00 | - | {ar['target_forwards']} | - / {ar['verify_s']:.2f} | "
           f"{ar['tokens_per_s']:.1f} | 1.00× | - | - |")
