@@ -28,23 +28,17 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "fixtures"))
 
 import build_trained  # noqa: E402
+from fixture_loss_breakdown import CTX, mean_loss  # noqa: E402
 
-SEQ, BATCH = 256, 16
+SEQ, BATCH = CTX, 16
 
 
-@torch.no_grad()
 def heldout_loss(model, held: torch.Tensor, windows: int = 64) -> float:
-    """Mean next-token loss over build_trained.evaluate()'s windows (each spans SEQ + MTP depths + 1 ids)."""
+    """Mean next-token loss over build_trained.evaluate()'s windows."""
     model.eval()
-    starts = torch.linspace(0, len(held) - SEQ - build_trained.MODEL["num_nextn_predict_layers"] - 2, windows).long()
-    total = 0.0
-    for i in range(0, windows, BATCH):
-        w = torch.stack([held[s : s + SEQ + 1] for s in starts[i : i + BATCH]])
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            logits = model(w[:, :-1]).logits
-        total += F.cross_entropy(logits.float().flatten(0, 1), w[:, 1:].flatten()).item() * len(w)
+    loss = mean_loss(model, held, build_trained.eval_starts(len(held), SEQ, windows), batch=BATCH)
     model.train()
-    return total / windows
+    return loss
 
 
 def main() -> None:

@@ -42,6 +42,7 @@ def token_losses(model, windows: torch.Tensor) -> torch.Tensor:
 
 
 def mean_loss(model, ids: torch.Tensor, starts: list[int], scored_from: int = 0, batch: int = 16) -> float:
+    """Mean loss over the CTX-token windows at `starts`, scoring positions from `scored_from` on."""
     total, count = 0.0, 0
     for i in range(0, len(starts), batch):
         w = torch.stack([ids[s : s + CTX + 1] for s in starts[i : i + batch]])
@@ -64,13 +65,9 @@ def main() -> None:
     tok = AutoTokenizer.from_pretrained(args.fixture)
     model = AutoModelForCausalLM.from_pretrained(args.fixture, dtype=torch.float32).eval()
     train, held = build_trained.token_stream(tok, "train"), build_trained.token_stream(tok, "heldout")
-
-    def evenly(ids: torch.Tensor, n: int = 256) -> list[int]:  # the build's evaluate() placement
-        return torch.linspace(0, len(ids) - CTX - build_trained.MODEL["num_nextn_predict_layers"] - 2, n).long().tolist()
-
     out = {
-        "train_windows": mean_loss(model, train, evenly(train)),
-        "heldout_windows": mean_loss(model, held, evenly(held)),
+        "train_windows": mean_loss(model, train, build_trained.eval_starts(len(train), CTX, 256)),
+        "heldout_windows": mean_loss(model, held, build_trained.eval_starts(len(held), CTX, 256)),
         "heldout_sliding_128": mean_loss(model, held, list(range(0, len(held) - CTX - 1, CTX // 2)), scored_from=CTX // 2),
         "files": [],
     }
