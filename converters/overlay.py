@@ -8,10 +8,15 @@ exactly those tensors, byte for byte in the target's storage dtypes (FP8 with `_
 `stitch(overlay, target, out)` writes a new checkpoint directory:
   * target shards holding none of the overlay's names are hard-linked (copied across filesystems);
   * shards holding some are rewritten without them;
-  * the overlay's tensors go to `recycle-mtp.safetensors`;
+  * the overlay's tensors go to `recycle-mtp.safetensors`, except the modules' stored copies of the
+    embedding and LM head (`embed_tokens`, `shared_head.head`): those are the target's own trunk
+    tensors, because engines (vLLM, SGLang) draft with the copies, and an overlay made from a base
+    checkpoint carries the base's, which a post-trained target no longer has;
   * `model.safetensors.index.json` maps every tensor to its file; config.json's MTP depth key is
     raised to the overlay's module count when it is lower; every other file is copied.
-The target is never modified. CLI: `recycle stitch OUT/mtp_overlay TARGET_DIR -o STITCHED_DIR`.
+The target is never modified, and an overlay whose hidden size, vocabulary or tokenizer is not the
+target's is refused. It may go into a target that stores no MTP tensors at all (a build that dropped
+them). CLI: `recycle stitch OUT/mtp_overlay TARGET_DIR -o STITCHED_DIR`.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from converters.roles import raw
 from converters.writer import OutputDir, Progress
 from recycle.checkpoint import INDEX_FILE, Checkpoint
 from recycle.errors import RecycleError
-from recycle.families import match
+from recycle.families import MTPMatch, match
 
 STITCHED_FILE = "recycle-mtp.safetensors"
 
@@ -50,6 +55,27 @@ def _raise_depth(config: dict, key: str | None, modules: int) -> dict:
     return config
 
 
+def _target_copies(ov: Checkpoint, om: MTPMatch, tgt: Checkpoint) -> dict[str, str]:
+    """Overlay names of the modules' embedding/head copies → the target's trunk tensor to store there."""
+    out = {}
+    for mod in om.modules:
+        for role in ("embed", "head"):
+            own = mod.tensor(role) if role in mod.roles else None
+            trunk = next((n for n in om.family.trunk.get(role, ()) if n in tgt.tensors), None)
+            if own is None or trunk is None:
+                continue
+            if tgt.tensors[trunk].shape != ov.tensors[own].shape:
+                raise RecycleError(f"{ov.path}: {own} has shape {list(ov.tensors[own].shape)}, the target's "
+                                   f"{trunk} {list(tgt.tensors[trunk].shape)}: the overlay does not fit this target")
+            out[own] = trunk
+    return out
+
+
+def _tokenizer_dir(overlay: Path) -> Path:
+    """Where the overlay's tokenizer is: in it, or in the drafter directory that holds it."""
+    return overlay if (overlay / "tokenizer.json").is_file() else overlay.parent
+
+
 def stitch(overlay: str | os.PathLike, target: str | os.PathLike, out: str | os.PathLike, *,
            overwrite: bool = False, progress: Progress | None = None) -> dict:
     """Write `out` = target with the overlay's MTP tensors in place of its own; returns a summary."""
@@ -59,6 +85,10 @@ def stitch(overlay: str | os.PathLike, target: str | os.PathLike, out: str | os.
     fam = match(tgt).family.name
     if meta.get("family") not in (None, fam):
         raise RecycleError(f"{ov_dir}: overlay of a '{meta.get('family')}' checkpoint, target is '{fam}'")
+    from recycle.fit import check_fit
+
+    check_fit(ov.config, tgt.config, _tokenizer_dir(ov_dir), tgt_dir, f"{ov_dir}")
+    copies = _target_copies(ov, match(ov, fam), tgt)
     names = set(ov.tensors)
     for n in names:
         info = tgt.tensors.get(n)
@@ -79,15 +109,16 @@ def stitch(overlay: str | os.PathLike, target: str | os.PathLike, out: str | os.
             elif keep:
                 rewrite[file] = {n: raw(tgt, n) for n in sorted(keep)}
                 rewritten.append(file)
-        rewrite[STITCHED_FILE] = {n: raw(ov, n) for n in sorted(names)}
+        rewrite[STITCHED_FILE] = {n: raw(tgt, copies[n]) if n in copies else raw(ov, n) for n in sorted(names)}
         d.write_safetensors(rewrite, dtype=torch.bfloat16, progress=progress)  # raw tensors keep their dtype
         weight_map.update(dict.fromkeys(names, STITCHED_FILE))
         total = sum(tgt.tensors[n].nbytes for n in weight_map if n in tgt.tensors and n not in names)
-        total += sum(ov.tensors[n].nbytes for n in names)
+        total += sum(tgt.tensors[copies[n]].nbytes if n in copies else ov.tensors[n].nbytes for n in names)
         d.write_json(INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))})
         d.write_json("config.json", _raise_depth(tgt.config, meta.get("depth_key"), int(meta.get("modules") or 0)))
         for p in sorted(tgt.path.iterdir()):
             if p.is_file() and not p.name.endswith(".safetensors") and p.name not in (INDEX_FILE, "config.json"):
                 d.copy_file(p, p.name)
     return {"out": str(writer.out), "family": fam, "overlay_tensors": len(names), "linked": linked,
-            "rewritten": rewritten, "file": STITCHED_FILE}
+            "rewritten": rewritten, "file": STITCHED_FILE,
+            "copies_from_target": dict(sorted(copies.items())), "target_had_mtp": bool(match(tgt).modules)}

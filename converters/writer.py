@@ -29,6 +29,7 @@ import torch
 from converters.roles import Lazy, nbytes
 from recycle.checkpoint import Span, read_ahead
 from recycle.errors import RecycleError
+from recycle.preflight import output_dir
 
 ST_DTYPES: dict[torch.dtype, str] = {
     torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
@@ -91,27 +92,12 @@ def _kernel_copy(src: int, dst: int, offset: int, end: int) -> int:
     return offset
 
 
-def _inside(path: Path, root: Path) -> bool:
-    return path == root or root in path.parents
-
-
 class OutputDir:
     """`with OutputDir(out, overwrite=..., protect=[src]) as d: d.write_json(...); ...` → OUT appears whole."""
 
     def __init__(self, out: str | os.PathLike, *, overwrite: bool = False,
                  protect: tuple[str | os.PathLike, ...] = ()) -> None:
-        self.out = Path(out).expanduser().resolve()
-        for p in protect:
-            src = Path(p).expanduser().resolve()
-            if _inside(self.out, src):
-                raise RecycleError(f"{self.out}: the output must not be the source directory or inside it ({src})")
-            if _inside(src, self.out):
-                raise RecycleError(f"{self.out}: the output contains the source directory {src}; choose another -o")
-        if self.out.exists() or self.out.is_symlink():
-            if not self.out.is_dir():
-                raise RecycleError(f"{self.out}: exists and is not a directory")
-            if not overwrite:
-                raise RecycleError(f"{self.out}: already exists (pass --overwrite to replace it)")
+        self.out = output_dir(out, overwrite, protect)
         self.overwrite = overwrite
         self.tmp: Path | None = None
         self.files: dict[str, int] = {}  # relative path -> bytes written

@@ -2,9 +2,10 @@
 
 Sources (`--data`): a text file, a JSONL file (one `{"text": ...}` per line), a directory of text
 files (`*.txt *.md *.py *.jsonl`, sorted), or a dataset saved with `datasets.save_to_disk`
-(imported only then, so `datasets` stays optional). No `--data`: the train split of
-`recycle.corpus` (the CPython stdlib), which is what the bundled fixture was trained on and never
-overlaps the held-out prompts `recycle bench` decodes.
+(imported only then, so `datasets` stays optional); the tail of its text is held out (never
+trained on) for the held-out estimate. A built-in corpus by name: `stdlib` (the default, what the
+bundled fixture was trained on) or `py:PACKAGE` (an installed package's source), each with its
+train/held-out split by file, so training never overlaps the held-out prompts `recycle bench` decodes.
 
 Packing follows the fixture's own training: documents are encoded with the target's tokenizer, each
 followed by EOS, concatenated, and cut into `seq_len` windows; no padding, so every token the
@@ -66,18 +67,11 @@ def _dataset_texts(path: Path) -> list[str]:
     return [t for t in ds["text"] if isinstance(t, str) and t.strip()]
 
 
-def load_texts(data: str | Path | None) -> Callable[[], list[str]]:
-    """A loader of the documents of a source (validated now, read on call)."""
-    if data is None:
-        def stdlib() -> list[str]:
-            from recycle.corpus import documents
+HELDOUT_SHARE = 0.05  # of a `--data` path's text, taken from its tail as the held-out side
 
-            return [d.text for d in documents("train")]
 
-        return stdlib
-    path = Path(data).expanduser()
-    if not path.exists():
-        raise RecycleError(f"--data {path}: no such file or directory")
+def _path_texts(path: Path) -> Callable[[], list[str]]:
+    """A loader of every document under a `--data` path (validated now, read on call)."""
     if _is_saved_dataset(path):
         return lambda: _dataset_texts(path)
     if path.is_file():
@@ -95,6 +89,77 @@ def load_texts(data: str | Path | None) -> Callable[[], list[str]]:
         return [t for t in out if t.strip()]
 
     return directory
+
+
+def split_tail(texts: list[str], share: float = HELDOUT_SHARE) -> tuple[list[str], list[str]]:
+    """(train, held-out): the held-out side is the tail of the documents holding `share` of the text.
+
+    Whole documents go to the held-out side, last first, while they fit in `share` of the
+    characters; when even the last document is larger than the share, its tail is cut off at a
+    line boundary instead.
+    Deterministic, and the two sides never share a character.
+    """
+    total = sum(len(t) for t in texts)
+    want = max(1, int(total * share))
+    held: list[str] = []
+    got = 0
+    rest = list(texts)
+    while rest and got < want:
+        last = rest[-1]
+        need = want - got
+        if len(last) <= need:
+            held.insert(0, rest.pop())
+            got += len(last)
+            continue
+        if held:  # the next document would overshoot the share: stop short of it
+            break
+        cut = last.rfind("\n", 0, len(last) - need) + 1 or len(last) - need
+        rest[-1] = last[:cut]
+        held.insert(0, last[cut:])
+        break
+    return [t for t in rest if t.strip()], [t for t in held if t.strip()]
+
+
+@dataclass(frozen=True)
+class DataSource:
+    """What `--data` names, read lazily: the documents to train on and the held-out ones.
+
+    A built-in corpus ("stdlib", "py:PACKAGE") has a train and a held-out split by file; a path
+    (text, JSONL, directory, saved dataset) gives up the tail of its text (`split_tail`) as held-out,
+    which training never reads. No `--data`: the stdlib corpus (the bundled fixture's text).
+    """
+
+    name: str
+    train: Callable[[], list[str]]
+    heldout: Callable[[], list[str]]
+
+
+def data_source(data: str | Path | None) -> DataSource:
+    """Validate `--data` now; the texts are read when asked for."""
+    from recycle.corpus import STDLIB, corpus_root, documents, is_corpus_name
+
+    if data is None or is_corpus_name(str(data)):
+        name = STDLIB if data is None else str(data)
+        corpus_root(name)  # an unknown package fails here, before any loading
+        return DataSource(name, lambda: [d.text for d in documents("train", source=name)],
+                          lambda: [d.text for d in documents("heldout", source=name)])
+    path = Path(data).expanduser()
+    if not path.exists():
+        raise RecycleError(f"--data {path}: no such file or directory")
+    every = _path_texts(path)
+    cache: dict[str, tuple[list[str], list[str]]] = {}
+
+    def sides() -> tuple[list[str], list[str]]:
+        if "s" not in cache:
+            cache["s"] = split_tail(every())
+        return cache["s"]
+
+    return DataSource(str(path), lambda: sides()[0], lambda: sides()[1])
+
+
+def load_texts(data: str | Path | None) -> Callable[[], list[str]]:
+    """A loader of the training documents of a source (validated now, read on call)."""
+    return data_source(data).train
 
 
 @dataclass
@@ -168,15 +233,36 @@ class PackedStream:
 
 
 def heldout_batch(tokenizer, seq_len: int, rows: int, data: str | Path | None = None) -> torch.Tensor:
-    """A fixed evaluation batch: the corpus's held-out split (or the tail of `--data`), never trained on."""
-    if data is None:
-        from recycle.corpus import documents
+    """A fixed evaluation batch from the held-out side of `--data` (the stdlib held-out split without it).
 
-        texts: Callable[[], list[str]] = lambda: [d.text for d in documents("heldout")]  # noqa: E731
-    else:
-        texts = load_texts(data)
-    stream = PackedStream(texts, tokenizer, seq_len, seed=-1)
-    return stream.take(rows)
+    One window per document, from the middle of each (documents in a fixed shuffled order), so the
+    rows span `rows` documents and start in their body, not in licence headers; held-out text with too
+    few long documents is packed like the training stream instead, and text shorter than one window
+    gives one shorter window.
+    """
+    texts = data_source(data).heldout()
+    if not texts:
+        raise RecycleError(f"--data {data}: no held-out text (its tail is empty)")
+    order = list(range(len(texts)))
+    random.Random("heldout").shuffle(order)
+    tokenizer.model_max_length = 1 << 62
+    eos = tokenizer.eos_token_id
+    windows: list[list[int]] = []
+    packed: list[int] = []
+    for start in range(0, len(order), ENCODE_CHUNK):
+        for enc in tokenizer([texts[i] for i in order[start:start + ENCODE_CHUNK]], add_special_tokens=False)["input_ids"]:
+            if len(enc) >= 2 * seq_len and len(windows) < rows:
+                mid = (len(enc) - seq_len) // 2
+                windows.append(enc[mid:mid + seq_len])
+            if len(packed) < rows * seq_len:
+                packed.extend(enc + ([eos] if eos is not None else []))
+        if len(windows) >= rows:
+            return torch.tensor(windows, dtype=torch.long)
+    if len(packed) < 8:
+        raise RecycleError(f"--data {data}: its held-out side holds only {len(packed)} tokens")
+    width = min(seq_len, len(packed))
+    n = max(1, min(rows, len(packed) // width))
+    return torch.tensor([packed[i * width:(i + 1) * width] for i in range(n)], dtype=torch.long)
 
 
 @torch.no_grad()

@@ -1,21 +1,27 @@
 """The recycling experiment: does a recycled MTP drafter beat the same architecture from scratch?
 
-For each format (eagle, eagle3, medusa) the fixture's MTP modules are converted, then distilled
-twice with the same data, order, budget, schedule and seed: (a) from the converted weights
-(`--init recycled`) and (b) re-initialised (`--init scratch`). Snapshots written along the way
-(`DistillOptions.snapshots`) are decoded with the bench library (`recycle.bench.run_bench`: greedy,
-the held-out code prompts, the format's default tree) to give held-out τ versus tokens. The native
-MTP chain runs on the same prompts as the reference the recycled drafter started from; the EAGLE
-drafter is also decoded with that same chain (`chain:D`), the like-for-like comparison.
+For each format (eagle, eagle3, medusa) the MTP modules of `source` (default: the target itself)
+are converted, then distilled against `target` with the same data, order, budget, schedule and
+seed: (a) from the converted weights (`--init recycled`) and (b) re-initialised (`--init
+scratch`); optionally (c) scratch again with a budget many times larger (its own schedule), so
+that "how many more tokens does scratch need" is a measured number rather than a lower bound.
+Snapshots written along the way (`DistillOptions.snapshots`, each with the distiller's held-out
+estimate at that moment) are decoded with the bench library (`recycle.bench.run_bench`: greedy,
+held-out code prompts of `prompt_source`, the format's default tree) to give held-out τ versus
+tokens. References on the same prompts: the target's native MTP chain (stale, when the target was
+post-trained after its modules), and optionally a `reference` checkpoint's native chain (the
+original pairing the modules were trained with). The EAGLE drafter is also decoded with a chain
+of the native depth, the like-for-like comparison.
 
 "How many times more tokens does scratch need": the first snapshot where scratch reaches the
 recycled drafter's τ at a given checkpoint, linearly interpolated between snapshots, divided by
-that checkpoint's tokens; "> budget/x" when scratch never gets there within the budget.
+that checkpoint's tokens; "> N×" when scratch never gets there within its budget.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -34,6 +40,13 @@ class ExperimentOptions:
     tokens: int
     marks: tuple[int, ...]
     formats: tuple[str, ...] = FORMATS
+    source: str | None = None  # checkpoint whose MTP modules are converted (default: the target)
+    reference: str | None = None  # checkpoint whose native MTP is the "original pairing" on the same prompts
+    data: str | None = None  # distillation data (`--data`); None: the stdlib train split
+    prompt_source: str = "stdlib"  # corpus whose held-out code files give the bench prompts
+    scratch_tokens: int | None = None  # a longer scratch run, to measure the tokens ratio
+    scratch_marks: tuple[int, ...] = ()
+    chain: int | None = None  # like-for-like chain length (default: the target's native depth)
     prompts: int = 8
     max_new_tokens: int = 64
     seq_len: int = 256
@@ -58,14 +71,29 @@ def bench_tau(drafter: str | None, target: str, prompts: list[tuple[str, str]], 
 
 def tokens_to_reach(curve: list[tuple[int, float]], tau: float) -> float | None:
     """First token count where a τ curve reaches `tau` (linear between points), else None."""
-    for (t0, y0), (t1, y1) in zip(curve, curve[1:]):
-        if y0 >= tau:
-            return float(t0)
-        if y1 >= tau:
-            return t0 + (t1 - t0) * (tau - y0) / (y1 - y0)
     if curve and curve[0][1] >= tau:
         return float(curve[0][0])
+    for (t0, y0), (t1, y1) in zip(curve, curve[1:]):
+        if y1 >= tau:
+            return t0 + (t1 - t0) * (tau - y0) / (y1 - y0)
     return None
+
+
+def pearson(xs: list[float], ys: list[float]) -> float | None:
+    n = len(xs)
+    if n < 3:
+        return None
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxy = sum((x - mx) * (y - my) for x, y in zip(xs, ys))
+    sxx = sum((x - mx) ** 2 for x in xs)
+    syy = sum((y - my) ** 2 for y in ys)
+    return sxy / math.sqrt(sxx * syy) if sxx > 0 and syy > 0 else None
+
+
+def _estimate(snapshot: Path) -> list[float] | None:
+    """The distiller's held-out agreement per draft step when it wrote this snapshot."""
+    rec = json.loads((snapshot / "recycle.json").read_text()).get("distillation", [{}])[-1]
+    return rec.get("heldout_agree")
 
 
 def run_experiment(opts: ExperimentOptions, log: Callable[[str], None] = print) -> dict:
@@ -74,101 +102,163 @@ def run_experiment(opts: ExperimentOptions, log: Callable[[str], None] = print) 
 
     work = Path(opts.work)
     work.mkdir(parents=True, exist_ok=True)
-    prompts = [("code", p) for p in code_prompts(opts.prompts)]
-    result: dict = {"target": opts.target, "tokens": opts.tokens, "marks": list(opts.marks), "prompts": len(prompts),
-                    "max_new_tokens": opts.max_new_tokens, "runs": {}, "native": None}
+    prompts = [("code", p) for p in code_prompts(opts.prompts, source=opts.prompt_source)]
+    result: dict = {"target": opts.target, "source": opts.source or opts.target, "data": opts.data or "stdlib",
+                    "prompt_source": opts.prompt_source, "tokens": opts.tokens, "marks": list(opts.marks),
+                    "scratch_tokens": opts.scratch_tokens, "scratch_marks": list(opts.scratch_marks),
+                    "prompts": len(prompts), "max_new_tokens": opts.max_new_tokens, "runs": {}, "native": None,
+                    "reference": None}
     t0 = time.perf_counter()
+
+    def save() -> None:
+        (work / "experiment.json").write_text(json.dumps(result, indent=1))
+
     native = bench_tau(None, opts.target, prompts, opts.max_new_tokens)
+    chain = opts.chain or len(native["acceptance"])
+    if chain != len(native["acceptance"]):
+        native = bench_tau(None, opts.target, prompts, opts.max_new_tokens, tree=f"chain:{chain}")
     result["native"] = native
-    log(f"native MTP {native['tree']}: tau {native['tau']:.3f}")
+    log(f"native MTP of the target {native['tree']}: tau {native['tau']:.3f} acc {_r(native['acceptance'])}")
+    if opts.reference:
+        ref = bench_tau(None, opts.reference, prompts, opts.max_new_tokens, tree=f"chain:{chain}")
+        result["reference"] = {"checkpoint": opts.reference, **ref}
+        log(f"reference pairing {ref['tree']}: tau {ref['tau']:.3f} acc {_r(ref['acceptance'])}")
+    save()
     for fmt in opts.formats:
         src = work / f"{fmt}-converted"
-        convert_checkpoint(opts.target, fmt, src, overwrite=True)
-        for init in INITS:
+        convert_checkpoint(opts.source or opts.target, fmt, src, overwrite=True)
+        plan = [(init, opts.tokens, opts.marks) for init in INITS]
+        if opts.scratch_tokens:
+            plan.append(("scratch-long", opts.scratch_tokens, opts.scratch_marks))
+        for init, budget, marks in plan:
             name = f"{fmt}-{init}"
             snap = work / f"{name}-snapshots"
-            base = DistillOptions(drafter=str(src), target=opts.target, tokens=opts.tokens, out=str(work / name),
-                                  init=init, seq_len=opts.seq_len, batch=opts.batch, lr=opts.lr, threads=opts.threads,
-                                  seed=opts.seed, overwrite=True, snapshots=tuple(opts.marks),
-                                  snapshot_dir=str(snap), eval_every=32, checkpoint_every=10**9)
+            base = DistillOptions(drafter=str(src), target=opts.target, tokens=budget, out=str(work / name),
+                                  init=init.split("-")[0], data=opts.data, seq_len=opts.seq_len, batch=opts.batch,
+                                  lr=opts.lr, threads=opts.threads, seed=opts.seed, overwrite=True,
+                                  snapshots=tuple(marks), snapshot_dir=str(snap), eval_every=32,
+                                  checkpoint_every=10**9)
             rec = distill(replace(base, **opts.extra))
             log(f"{name}: {rec['tokens']} tokens in {rec['wall_s']:.0f} s ({rec['tokens_per_s']:.0f} tok/s), "
                 f"target forward {100 * rec['target_forward_share']:.1f}%, overhead {100 * rec['overhead_share']:.1f}%")
             curve = []
-            for mark in opts.marks:
-                m = bench_tau(str(snap / f"tokens_{mark}"), opts.target, prompts, opts.max_new_tokens)
-                curve.append({"tokens": mark, **m})
-                log(f"  {name} @ {mark}: tau {m['tau']:.3f} acc {[round(a, 3) for a in m['acceptance']]}")
-            run = {"record": rec, "curve": curve}
-            if fmt == "eagle":
-                depth = len(native["acceptance"])
-                run["chain"] = {str(mark): bench_tau(str(snap / f"tokens_{mark}"), opts.target, prompts,
-                                                     opts.max_new_tokens, tree=f"chain:{depth}")
-                                for mark in opts.marks}
-            result["runs"][name] = run
-            (work / "experiment.json").write_text(json.dumps(result, indent=1))
+            for mark in marks:
+                d = snap / f"tokens_{mark}"
+                m = bench_tau(str(d), opts.target, prompts, opts.max_new_tokens)
+                point = {"tokens": mark, **m, "estimate": _estimate(d)}
+                if fmt == "eagle":
+                    point["chain"] = bench_tau(str(d), opts.target, prompts, opts.max_new_tokens, tree=f"chain:{chain}")
+                curve.append(point)
+                log(f"  {name} @ {mark}: tau {m['tau']:.3f} acc {_r(m['acceptance'])}"
+                    + (f"; chain:{chain} tau {point['chain']['tau']:.3f} acc {_r(point['chain']['acceptance'])}"
+                       if "chain" in point else "") + f"; estimate {_r(point['estimate'] or [])}")
+            result["runs"][name] = {"record": rec, "curve": curve}
+            save()
     result["wall_s"] = time.perf_counter() - t0
     result["summary"] = summarize(result)
-    (work / "experiment.json").write_text(json.dumps(result, indent=1))
+    save()
     return result
 
 
+def _r(xs: list[float]) -> list[float]:
+    return [round(x, 3) for x in xs]
+
+
 def summarize(result: dict) -> dict:
-    """Per format: τ curves, scratch's token multiple to match recycled at each mark."""
+    """Per format: τ curves, scratch's token multiple to match recycled at each mark, and how well the
+    distiller's held-out estimate tracked bench's acceptance."""
     out = {}
     for fmt in FORMATS:
-        rec, scr = result["runs"].get(f"{fmt}-recycled"), result["runs"].get(f"{fmt}-scratch")
-        if not rec or not scr:
+        rec = result["runs"].get(f"{fmt}-recycled")
+        scratch = [result["runs"][k] for k in (f"{fmt}-scratch-long", f"{fmt}-scratch") if k in result["runs"]]
+        if not rec or not scratch:
             continue
         rc = [(p["tokens"], p["tau"]) for p in rec["curve"]]
-        sc = [(p["tokens"], p["tau"]) for p in scr["curve"]]
-        budget = rc[-1][0]
+        sc = [(p["tokens"], p["tau"]) for p in scratch[0]["curve"]]
+        budget = sc[-1][0]
         multiples = {}
         for t, tau in rc:
             need = tokens_to_reach(sc, tau)
             if need is None:
                 multiples[str(t)] = f"> {budget / t:.0f}×" if t else "never (τ not reached)"
             else:
-                multiples[str(t)] = "0 tokens" if t == 0 and need == 0 else (f"{need / t:.1f}×" if t else f"{need:.0f} tokens")
-        out[fmt] = {"recycled": rc, "scratch": sc, "scratch_multiple": multiples}
+                multiples[str(t)] = (f"{need / t:.1f}×" if t else f"{need:,.0f} tokens")
+        row: dict = {"recycled": rc, "scratch": sc, "scratch_run": "long" if len(scratch) > 1 or
+                     f"{fmt}-scratch-long" in result["runs"] else "same budget", "scratch_multiple": multiples}
+        # Estimate vs bench: per (snapshot, depth) pairs over every run of this format, chain acceptance
+        # for the EAGLE drafter (the estimate is a chain's), the default tree otherwise.
+        xs, ys = [], []
+        for name, run in result["runs"].items():
+            if not name.startswith(f"{fmt}-"):
+                continue
+            for p in run["curve"]:
+                acc = (p.get("chain") or p)["acceptance"]
+                for a, b in zip(p.get("estimate") or [], acc):
+                    xs.append(a)
+                    ys.append(b)
+        row["estimate_vs_bench"] = {"pairs": len(xs), "pearson": pearson(xs, ys)}
+        out[fmt] = row
     return out
 
 
-def plot(result: dict, path: str | Path) -> None:
-    """τ versus tokens, one panel per format, recycled vs scratch, native MTP as a line."""
+def plot(result: dict, path: str | Path, title: str | None = None) -> None:
+    """τ versus tokens per format (recycled, scratch, references), plus per-depth acceptance of the
+    EAGLE drafter on the native chain when the run measured it."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fmts = [f for f in FORMATS if f"{f}-recycled" in result["runs"]]
-    chain = "eagle-recycled" in result["runs"] and result["runs"]["eagle-recycled"].get("chain")
-    fig, axes = plt.subplots(1, len(fmts) + bool(chain), figsize=(4.3 * (len(fmts) + bool(chain)), 3.8), squeeze=False)
-    if chain:  # like for like with the native MTP chain: the same tree
-        ax = axes[0][-1]
-        for init, style in (("recycled", "o-"), ("scratch", "s--")):
-            pts = result["runs"][f"eagle-{init}"]["chain"]
-            ax.plot([int(t) / 1e3 for t in pts], [m["tau"] for m in pts.values()], style,
-                    label=f"eagle {init} ({next(iter(pts.values()))['tree']})")
-        nat = result["native"]
-        ax.axhline(nat["tau"], color="grey", lw=1, ls=":", label=f"native MTP ({nat['tree']})")
-        ax.set_title("--to eagle, native MTP's tree")
-        ax.set_xlabel("distillation tokens (k)")
-        ax.set_ylabel("held-out τ (greedy)")
+    has_chain = bool(result["runs"].get("eagle-recycled", {}).get("curve", [{}])[0].get("chain"))
+    panels = len(fmts) + 2 * has_chain
+    fig, axes = plt.subplots(1, panels, figsize=(4.4 * panels, 3.9), squeeze=False)
+    styles = {"recycled": "o-", "scratch": "s--", "scratch-long": "^:"}
+    log_x = any(p["tokens"] > 4 * result["tokens"] for r in result["runs"].values() for p in r["curve"])
+
+    def axis(ax, ylabel: str) -> None:
+        ax.set_xlabel("distillation tokens")
+        ax.set_ylabel(ylabel)
+        if log_x:
+            ax.set_xscale("symlog", linthresh=max(1, min(m for m in result["marks"] if m) // 2))
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=6.5)
+
+    def refs(ax, key: str = "tau", depth: int | None = None) -> None:
+        for ref, label, color in ((result["native"], "target's native MTP", "grey"),
+                                  (result.get("reference"), "original pairing", "green")):
+            if ref:
+                y = ref[key] if depth is None else ref["acceptance"][depth]
+                ax.axhline(y, color=color, lw=1, ls=":", label=f"{label} ({ref['tree']})")
+
     for ax, fmt in zip(axes[0], fmts):
-        for init, style in (("recycled", "o-"), ("scratch", "s--")):
-            curve = result["runs"][f"{fmt}-{init}"]["curve"]
-            ax.plot([p["tokens"] / 1e3 for p in curve], [p["tau"] for p in curve], style, label=f"{init} ({curve[0]['tree']})")
-        nat = result["native"]
-        ax.axhline(nat["tau"], color="grey", lw=1, ls=":", label=f"native MTP ({nat['tree']})")
+        for init, style in styles.items():
+            run = result["runs"].get(f"{fmt}-{init}")
+            if run:
+                ax.plot([p["tokens"] for p in run["curve"]], [p["tau"] for p in run["curve"]], style,
+                        label=f"{init} ({run['curve'][0]['tree']})")
+        refs(ax)
         ax.set_title(f"--to {fmt}")
-        ax.set_xlabel("distillation tokens (k)")
-        ax.set_ylabel("held-out τ (greedy)")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.suptitle("recycled vs scratch drafters on the trained DeepSeek-V3 fixture", fontsize=10)
+        axis(ax, "held-out τ (greedy)")
+    if has_chain:
+        tau_ax, acc_ax = axes[0][len(fmts)], axes[0][len(fmts) + 1]
+        for init, style in styles.items():
+            run = result["runs"].get(f"eagle-{init}")
+            if not run:
+                continue
+            xs = [p["tokens"] for p in run["curve"]]
+            tau_ax.plot(xs, [p["chain"]["tau"] for p in run["curve"]], style, label=f"eagle {init}")
+            for d in range(len(run["curve"][0]["chain"]["acceptance"])):
+                acc_ax.plot(xs, [p["chain"]["acceptance"][d] for p in run["curve"]], style,
+                            label=f"{init}, depth {d + 1}", alpha=1.0 if d == 0 else 0.55)
+        refs(tau_ax)
+        refs(acc_ax, depth=0)
+        tree = result["native"]["tree"]
+        tau_ax.set_title(f"--to eagle on the native tree ({tree})")
+        axis(tau_ax, "held-out τ")
+        acc_ax.set_title("acceptance per depth (same chain)")
+        axis(acc_ax, "acceptance rate")
+    fig.suptitle(title or "recycled vs scratch drafters", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

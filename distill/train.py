@@ -20,8 +20,17 @@ Choices and why:
     without DDP's rule that every rank runs a forward every step, which the truncated last batch
     breaks when it has fewer rows than ranks. Rank 0 logs, evaluates, checkpoints and writes.
   * A held-out estimate of acceptance every M steps: top-1 agreement of each draft step with the
-    target's greedy token on a fixed held-out batch, teacher-forced (the target's features are
-    computed once), so it costs one drafter forward.
+    target's greedy token on a fixed held-out batch (the held-out side of `--data`), whose rows the
+    target continues greedily after a short prompt once at the start: that is the text greedy
+    decoding verifies, so the estimate tracks what `recycle bench` measures. It costs one drafter
+    forward. Its scalar is the chain's expected accepted length, 1 + Σ_k Π_{j≤k} a_j.
+  * Never worse: the run keeps the weights with the best held-out estimate seen (the input's
+    included) and writes those, so a distillation cannot ship a drafter that scores below its input.
+  * The target's own embedding and LM head: an EAGLE drafter's are frozen copies of its source's;
+    when the target moved away (post-training, fine-tune), they are replaced by the target's before
+    training, and the record says how far they had drifted.
+  * Precision: bf16 autocast on CUDA and on CPUs with native bf16 (AVX512-BF16, AMX), fp32 on the
+    rest, where emulated bf16 measured 12× slower than fp32.
 """
 
 from __future__ import annotations
@@ -30,7 +39,6 @@ import json
 import math
 import os
 import random
-import re
 import shutil
 import time
 from collections.abc import Callable
@@ -43,31 +51,18 @@ import torch
 import torch.distributed as dist
 from safetensors import safe_open
 
-from distill.data import PackedStream, Position, heldout_batch, load_texts, regenerate
+from distill.data import PackedStream, Position, data_source, heldout_batch, regenerate
 from distill.losses import LossConfig, distill_loss
 from distill.teacher import Teacher, autocast
 from distill.unroll import Unroller, make_unroller
 from recycle import __version__
 from recycle.checkpoint import load_json
+from recycle.corpus import is_corpus_name
 from recycle.errors import RecycleError
+from recycle.preflight import parse_tokens  # noqa: F401  (the CLI and benchmarks take it from here too)
 
 CHECKPOINT = "checkpoint.pt"
 METRICS = "metrics.jsonl"
-SUFFIXES = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
-
-
-def parse_tokens(value: str | int) -> int:
-    """'2M' → 2_000_000; accepts k/M/B (case-insensitive), decimals ('1.5M'), underscores, plain ints."""
-    if isinstance(value, int):
-        n = value
-    else:
-        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?|\.\d+)\s*([kKmMbBgGtT]?)\s*", str(value).replace("_", "").replace(",", ""))
-        if not m:
-            raise RecycleError(f"--tokens {value!r}: expected a count like 300k, 2M, 1.5B or 500000")
-        n = int(round(float(m.group(1)) * SUFFIXES[m.group(2).lower()]))
-    if n < 1:
-        raise RecycleError(f"--tokens {value!r}: the budget must be at least 1 token")
-    return n
 
 
 @dataclass
@@ -92,17 +87,35 @@ class DistillOptions:
     init: str = "recycled"  # or "scratch"
     checkpoint_every: int = 50
     eval_every: int = 25
-    eval_rows: int = 8
+    eval_rows: int = 16
+    eval_prompt_len: int = 64  # the held-out rows keep this many tokens; the target writes the rest
     resume: bool = False
     state_dir: str | None = None
     cache_hidden: str | None = None
     device: str | None = None
-    precision: str = "bf16"
+    precision: str | None = None  # None: bf16 where the device has native bf16, else fp32
     seed: int = 0
     threads: int | None = None
     overwrite: bool = False
     snapshots: tuple[int, ...] = ()  # token counts at which to write a drafter dir (the experiment)
     snapshot_dir: str | None = None
+
+
+def default_precision(device: torch.device) -> str:
+    """bf16 autocast where the hardware has it (CUDA, AVX512-BF16, AMX); fp32 where bf16 is emulated."""
+    if device.type == "cuda":
+        return "bf16"
+    caps = torch.cpu.get_capabilities()
+    return "bf16" if caps.get("avx512_bf16") or caps.get("amx_bf16") else "fp32"
+
+
+def expected_length(agree: list[float]) -> float:
+    """1 + Σ_k Π_{j≤k} a_j: tokens per step of a chain whose step k is accepted at rate a_k."""
+    tau, run = 1.0, 1.0
+    for a in agree:
+        run *= a
+        tau += run
+    return tau
 
 
 def _device(name: str | None, rank: int) -> torch.device:
@@ -142,14 +155,19 @@ def lr_lambda(total_steps: int, warmup: float, min_lr: float) -> Callable[[int],
 
 
 def _rng_state() -> dict:
-    return {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state(),
+    """RNG states as tensors and plain containers, so the checkpoint loads with weights_only=True."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    return {"torch": torch.get_rng_state(), "python": random.getstate(),
+            "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss)],
             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
 
 
 def _set_rng(state: dict) -> None:
     torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, gauss_np = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss_np))
     if state.get("cuda") is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 
@@ -179,13 +197,39 @@ def _fingerprint(opts: DistillOptions, world: int) -> dict:
     return {"drafter": str(Path(opts.drafter).resolve()), "target": str(Path(opts.target).resolve()),
             "tokens": opts.tokens, "seq_len": opts.seq_len, "batch": opts.batch, "world": world,
             "init": opts.init, "data": opts.data, "self_distill": opts.self_distill, "seed": opts.seed,
-            "draft_steps": opts.draft_steps}
+            "draft_steps": opts.draft_steps, "eval_rows": opts.eval_rows, "eval_prompt_len": opts.eval_prompt_len}
+
+
+def adopt_target_io(fmt: str, model: torch.nn.Module, teacher: Teacher) -> dict:
+    """An EAGLE drafter's frozen embedding and LM head(s) become the target's own.
+
+    They are copies of the source checkpoint's; when the target has moved since (post-training, a
+    fine-tune), drafting against it with the old ones both feeds the module stale token vectors and
+    scores its output with a head the target no longer has. Returns, per role, the relative
+    Frobenius distance of the drafter's copy from the target's and whether it was replaced.
+    """
+    if fmt != "eagle":
+        return {}
+    pairs = {"embed": [model.embed] + [lyr.embed for lyr in model.layers if lyr.embed is not None],
+             "head": [model.head] + [lyr.head for lyr in model.layers if lyr.head is not None]}
+    theirs = {"embed": teacher.embed.weight, "head": teacher.head.weight}
+    out = {}
+    with torch.no_grad():
+        for role, modules in pairs.items():
+            ref = theirs[role].detach().float().cpu()
+            dist = max(float((m.weight.detach().float().cpu() - ref).norm() / ref.norm().clamp_min(1e-12))
+                       for m in modules)
+            if dist > 0:
+                for m in modules:
+                    m.weight.copy_(ref.to(m.weight.dtype))
+            out[role] = {"relative_difference": round(dist, 6), "replaced_by_target": dist > 0}
+    return out
 
 
 class Distiller:
     """One distillation run (build → train → write); `run()` returns the summary/record dict."""
 
-    def __init__(self, opts: DistillOptions, log: Callable[[dict], None] | None = None) -> None:
+    def __init__(self, opts: DistillOptions, log: Callable[[str], None] | None = None) -> None:
         self.opts, self.log = opts, log
         self.rank, self.world = _dist()
         self.is_main = self.rank == 0
@@ -204,7 +248,7 @@ class Distiller:
             raise RecycleError(f"--target {tgt}: not a model directory (no config.json)")
         if o.init not in ("recycled", "scratch"):
             raise RecycleError(f"--init {o.init!r}: choose recycled or scratch")
-        if o.precision not in ("bf16", "fp32"):
+        if o.precision not in (None, "bf16", "fp32"):
             raise RecycleError(f"--precision {o.precision!r}: choose bf16 or fp32")
         for name, v in (("--batch", o.batch), ("--checkpoint-every", o.checkpoint_every),
                         ("--eval-every", o.eval_every)):
@@ -212,6 +256,13 @@ class Distiller:
                 raise RecycleError(f"{name} must be at least 1")
         if not (o.lr > 0 and math.isfinite(o.lr)):
             raise RecycleError("--lr must be a positive number")
+        self.source = data_source(o.data)
+        if not (src / "config.json").is_file():
+            raise RecycleError(f"{src}: not a drafter directory (no config.json)")
+        from recycle.fit import check_fit
+
+        check_fit(load_json(src / "config.json", "drafter config.json"), load_json(tgt / "config.json", "target config.json"),
+                  src, tgt, str(src))
         out = Path(o.out).expanduser() if o.out else src.resolve().parent / f"{src.resolve().name}-distilled"
         self.out = out.resolve()
         self.writer = OutputDir(self.out, overwrite=o.overwrite or o.resume, protect=(src, tgt))
@@ -242,6 +293,7 @@ class Distiller:
         if o.threads:
             torch.set_num_threads(o.threads)
         self.device = _device(o.device, self.rank)
+        self.precision = o.precision or default_precision(self.device)
         self.fmt = drafter_format(o.drafter)
         with quiet_transformers():
             model = load_drafter(o.drafter, dtype=torch.float32)
@@ -251,8 +303,9 @@ class Distiller:
             tcfg = load_json(Path(o.target) / "config.json", "target config.json")
             n = int(tcfg.get("num_hidden_layers", 0))
             aux = cfg.get("eagle_aux_hidden_state_layer_ids") or [min(2, n), n // 2, max(n - 3, 0)]
-        self.teacher = Teacher(o.target, self.device, aux, o.precision, o.cache_hidden)
+        self.teacher = Teacher(o.target, self.device, aux, self.precision, o.cache_hidden)
         self._check_fit(model)
+        self.target_io = adopt_target_io(self.fmt, model, self.teacher)
         model.to(self.device).train()
         self.unroller: Unroller = make_unroller(self.fmt, model, o.draft_steps, self.teacher.embed, aux)
         if o.init == "scratch":
@@ -265,9 +318,9 @@ class Distiller:
         try:
             with quiet_transformers():
                 self.tokenizer = AutoTokenizer.from_pretrained(tok_dir)
-        except (OSError, ValueError) as e:
+        except Exception as e:  # noqa: BLE001 - a corrupt tokenizer file is bad input
             raise RecycleError(f"{tok_dir}: no usable tokenizer ({' '.join(str(e).split())[:160]})") from None
-        self.stream = PackedStream(load_texts(o.data), self.tokenizer, o.seq_len, o.seed)
+        self.stream = PackedStream(self.source.train, self.tokenizer, o.seq_len, o.seed)
         self.stream.texts()  # read the corpus now: a one-time cost, not a step's
         params = self.unroller.trainable()
         self.opt = torch.optim.AdamW(params, lr=o.lr, betas=(0.9, 0.95), weight_decay=o.weight_decay,
@@ -275,7 +328,12 @@ class Distiller:
         global_tokens = o.batch * self.world * o.seq_len
         self.total_steps = max(1, math.ceil(o.tokens / global_tokens))
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(self.total_steps, o.warmup, o.min_lr))
-        ev = heldout_batch(self.tokenizer, o.seq_len, o.eval_rows)
+        ev = heldout_batch(self.tokenizer, o.seq_len, o.eval_rows, o.data)
+        self.eval_prompt = min(o.eval_prompt_len, ev.shape[1] // 4)
+        if self.eval_prompt >= 1 and ev.shape[1] - self.eval_prompt > self.unroller.steps + 1:
+            ev = regenerate(self.teacher.model, ev, self.eval_prompt, 0.0, o.seed)  # the text greedy decoding verifies
+        else:
+            self.eval_prompt = 0  # too short to continue: scored on the held-out text itself
         self.eval_ids = ev.to(self.device)
         self.eval_teacher = self.teacher(self.eval_ids)
 
@@ -299,7 +357,7 @@ class Distiller:
             "tokens": self.tokens, "data": asdict(self.stream.pos), "model": self.model.state_dict(),
             "optimizer": self.opt.state_dict(), "scheduler": self.sched.state_dict(), "rng": _rng_state(),
             "timing": dict(self.timing), "wall_s": self.wall_before + time.perf_counter() - self.t_start,
-            "before": self.before, "history": self.history[-1] if self.history else None,
+            "before": self.before, "history": self.history[-1] if self.history else None, "best": self.best,
         }
         atomic_save(state, self.state_dir / CHECKPOINT)
 
@@ -308,9 +366,13 @@ class Distiller:
         if not path.is_file():
             return False
         try:
-            state = torch.load(path, map_location=self.device, weights_only=False)
+            # weights_only: tensors and plain containers only; a planted pickle cannot run code here
+            state = torch.load(path, map_location=self.device, weights_only=True)
         except Exception as e:
-            raise RecycleError(f"{path}: unreadable checkpoint ({type(e).__name__}); remove it to start over") from None
+            raise RecycleError(f"{path}: unreadable or unsafe checkpoint ({type(e).__name__}: "
+                               f"{' '.join(str(e).split())[:120]}); remove it to start over") from None
+        if not isinstance(state, dict) or not isinstance(state.get("fingerprint"), dict):
+            raise RecycleError(f"{path}: not a recycle distill checkpoint; remove it to start over")
         want = _fingerprint(self.opts, self.world)
         diff = sorted(k for k in want if state["fingerprint"].get(k) != want[k])
         if diff:
@@ -325,7 +387,34 @@ class Distiller:
         self.timing.update(state["timing"])
         self.wall_before = float(state["wall_s"])
         self.before = state["before"]
+        self.best = state["best"]
+        self._truncate_metrics()
+        if self.log:
+            self.log(f"resuming from step {self.step} (tokens {self.tokens:,})")
         return True
+
+    def _truncate_metrics(self) -> None:
+        """Drop metrics rows written after the checkpoint: the resumed run writes those steps again."""
+        path = self.state_dir / METRICS
+        if not (self.is_main and path.is_file()):
+            return
+        keep = []
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                if int(json.loads(line).get("step", 0)) <= self.step:
+                    keep.append(line)
+            except (ValueError, AttributeError):
+                continue  # a torn last line from the kill
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text("".join(f"{line}\n" for line in keep), encoding="utf-8")
+        os.replace(tmp, path)
+
+    def _consider(self, agree: list[float]) -> None:
+        """Keep the current weights if their held-out estimate beats the best so far (the input counts)."""
+        score = expected_length(agree)
+        if self.best is None or score > self.best["estimate"]:
+            self.best = {"estimate": score, "agree": list(agree), "step": self.step, "tokens": self.tokens,
+                         "state": {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}}
 
     # -- steps ------------------------------------------------------------------------------------
 
@@ -333,7 +422,7 @@ class Distiller:
     def agreement(self) -> list[float]:
         """Held-out top-1 agreement of each draft step with the target's greedy token."""
         self.model.eval()
-        with autocast(self.device, self.opts.precision):
+        with autocast(self.device, self.precision):
             te = self.eval_teacher
             steps = self.unroller.unroll(self.eval_ids, te.last, te.aux, te.logits)
             agree = [float((s.logits.argmax(-1) == s.target_logits.argmax(-1)).float().mean()) for s in steps]
@@ -348,7 +437,7 @@ class Distiller:
         self.timing["teacher_s"] += t1 - t0
         if self.unroller.positions(ids.shape[1]) < 1:
             return 0.0, None
-        with autocast(self.device, self.opts.precision):
+        with autocast(self.device, self.precision):
             steps = self.unroller.unroll(ids, te.last, te.aux, te.logits,
                                          with_features=bool(self.opts.loss.feature_weight))
             loss, info = distill_loss(steps, self.opts.loss)
@@ -429,11 +518,13 @@ class Distiller:
         self.timing = {"data_s": 0.0, "generate_s": 0.0, "teacher_s": 0.0, "drafter_s": 0.0, "optimizer_s": 0.0,
                        "log_s": 0.0}
         self.history: list[dict] = []
+        self.best: dict | None = None
         self.t_start = time.perf_counter()
         resumed = o.resume and self._restore()
         if not resumed:
             torch.manual_seed(o.seed)
             self.before = self.agreement()
+            self._consider(self.before)
         start_tokens = self.tokens
         metrics = self.state_dir / METRICS
         snaps = sorted(n for n in o.snapshots if n > self.tokens)
@@ -447,6 +538,8 @@ class Distiller:
             if self.is_main:
                 if self.step % o.eval_every == 0 or self.tokens >= o.tokens:
                     row["heldout_agree"] = self.agreement()
+                    row["heldout_estimate"] = expected_length(row["heldout_agree"])
+                    self._consider(row["heldout_agree"])
                 elapsed = self.wall_before + time.perf_counter() - self.t_start
                 row["wall_s"] = round(elapsed, 3)
                 row["tokens_per_s"] = (self.tokens - start_tokens) / max(1e-9, time.perf_counter() - t_run)
@@ -465,6 +558,9 @@ class Distiller:
             last = row
         wall = self.wall_before + time.perf_counter() - self.t_start
         final = self.agreement()
+        self._consider(final)
+        if self.is_main and self.best["step"] != self.step:  # rank 0 evaluates, chooses and writes
+            self.model.load_state_dict(self.best["state"])
         record = self._record(last, final, wall, resumed)
         if self.is_main:
             self._write(record)
@@ -475,6 +571,12 @@ class Distiller:
 
     def _record(self, last: dict, final: list[float], wall: float, resumed: bool) -> dict:
         o = self.opts
+        best = self.best
+        selected = {"step": best["step"], "tokens": best["tokens"], "estimate": round(best["estimate"], 4),
+                    "why": ("the last step" if best["step"] == self.step else
+                            "the input: no step beat its held-out estimate, so its weights are written unchanged"
+                            if best["step"] == 0 else
+                            f"step {best['step']}: the best held-out estimate, better than the last step's")}
         t = self.timing
         step_s = sum(t.values())
         trained = self.tokens
@@ -487,23 +589,32 @@ class Distiller:
             "budget_tokens": o.tokens,
             "tokens": trained,
             "steps": self.step,
-            "data": {"source": o.data or "recycle.corpus stdlib train split", "self_distill": o.self_distill,
+            "data": {"source": o.data or "stdlib", "self_distill": o.self_distill,
                      "prompt_len": o.prompt_len if o.self_distill else None,
                      "temperature": o.sd_temperature if o.self_distill else None,
                      "seq_len": o.seq_len, "batch_per_rank": o.batch, "world_size": self.world, "seed": o.seed},
             "losses": {**asdict(o.loss), "draft_steps": self.unroller.steps, "objective":
-                       "sum_k decay^k/Z (ce_weight*CE + kl_weight*KL(P_target||P_draft) + feature_weight*SmoothL1)"},
+                       "Σ_k decay^k/Z · (ce_weight·CE + kl_weight·KL(P_target ‖ P_draft) + feature_weight·SmoothL1)"},
             "optimizer": {"name": "AdamW", "lr": o.lr, "betas": [0.9, 0.95], "weight_decay": o.weight_decay,
                           "warmup": o.warmup, "schedule": "linear warm-up + cosine", "min_lr": o.min_lr, "clip": o.clip},
             "final": {"loss": last.get("loss"), "heldout_agreement_before": self.before,
-                      "heldout_agreement_after": final},
+                      "heldout_agreement_after": best["agree"], "heldout_agreement_last_step": final,
+                      "heldout_estimate_before": round(expected_length(self.before), 4),
+                      "heldout_estimate_after": round(best["estimate"], 4)},
+            "selected": selected,
+            "heldout": {"source": self.source.name + (" (held-out split)" if is_corpus_name(self.source.name)
+                                                      else " (tail, not trained on)"),
+                        "rows": int(self.eval_ids.shape[0]), "seq_len": int(self.eval_ids.shape[1]),
+                        "continuation": f"target greedy after {self.eval_prompt} prompt tokens" if self.eval_prompt
+                        else "none (the held-out text itself)"},
+            "target_io": self.target_io,
             "wall_s": round(wall, 3),
             "tokens_per_s": round(trained / wall, 1) if wall else None,
             "timing": {k: round(v, 3) for k, v in t.items()},
             "target_forward_share": round(t["teacher_s"] / step_s, 4) if step_s else None,
             "overhead_share": round((t["data_s"] + t["optimizer_s"] + t["log_s"]) / step_s, 4) if step_s else None,
             "device": str(self.device),
-            "precision": o.precision,
+            "precision": self.precision,
             "resumed": resumed,
             "cache_hits": self.teacher.cache_hits,
         }
@@ -512,7 +623,9 @@ class Distiller:
 
     def _snapshot(self, tokens: int) -> None:
         root = Path(self.opts.snapshot_dir) if self.opts.snapshot_dir else self.state_dir / "snapshots"
-        record = {"snapshot_tokens": tokens, "tokens": self.tokens, "init": self.opts.init}
+        agree = self.agreement()
+        record = {"snapshot_tokens": tokens, "tokens": self.tokens, "init": self.opts.init, "heldout_agree": agree,
+                  "heldout_estimate": expected_length(agree)}
         from converters.writer import OutputDir
 
         write_drafter(self.opts.drafter, OutputDir(root / f"tokens_{tokens}", overwrite=True), self.unroller, record)
@@ -615,10 +728,11 @@ def write_drafter(src_dir: str | os.PathLike, writer, unroller: Unroller, record
         return dict(d.files)
 
 
-def distill(opts: DistillOptions, progress: Callable[[dict], None] | None = None) -> dict:
-    """Library entry point (the CLI and the experiment call this)."""
+def distill(opts: DistillOptions, progress: Callable[[dict], None] | None = None,
+            log: Callable[[str], None] | None = None) -> dict:
+    """Library entry point (the CLI and the experiment call this); `log` gets one-line notices."""
     threads = torch.get_num_threads()
-    d = Distiller(opts)
+    d = Distiller(opts, log)
     try:
         record = d.run(progress)
     finally:

@@ -213,7 +213,7 @@ def run_bench(opts: BenchOptions, progress: Progress | None = None) -> dict:
     try:
         with quiet_transformers():
             tokenizer = AutoTokenizer.from_pretrained(tok_dir)
-    except (OSError, ValueError) as e:
+    except Exception as e:  # noqa: BLE001 - a corrupt tokenizer file is bad input
         raise RecycleError(f"{tok_dir}: no usable tokenizer ({' '.join(str(e).split())[:160]})") from None
     prompts = opts.prompts if opts.prompts is not None else default_prompts()
     encoded = [tokenizer(text, add_special_tokens=False)["input_ids"] for _, text in prompts]

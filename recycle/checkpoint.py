@@ -23,6 +23,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from recycle.errors import RecycleError
+from recycle.preflight import checkpoint_dir, load_json  # noqa: F401  (load_json: re-exported)
 
 # safetensors dtype string → (bytes per element, torch dtype or None when torch has none).
 DTYPES: dict[str, tuple[float, torch.dtype | None]] = {
@@ -113,20 +114,6 @@ def read_ahead(spans: Iterable[Span]) -> None:
             os.close(fd)
 
 
-def load_json(path: Path, what: str) -> dict:
-    """A JSON object from a file, or a one-line RecycleError saying what is wrong with it."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except FileNotFoundError:
-        raise RecycleError(f"{path}: no {what} found") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise RecycleError(f"{path}: cannot read {what}: {e}") from None
-    if not isinstance(data, dict):
-        raise RecycleError(f"{path}: {what} is not a JSON object")
-    return data
-
-
 class Checkpoint:
     """A checkpoint directory: config, shard headers, and tensors on demand.
 
@@ -138,11 +125,7 @@ class Checkpoint:
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
-        if not self.path.exists():
-            raise RecycleError(f"{self.path}: no such checkpoint directory")
-        if not self.path.is_dir():
-            raise RecycleError(f"{self.path}: not a directory (pass the checkpoint directory)")
-        self.config: dict = load_json(self.path / "config.json", "config.json")
+        self.config: dict = checkpoint_dir(self.path)
         self.index: dict | None = None
         self.tensors: dict[str, TensorInfo] = {}
         self._handles: dict[str, object] = {}
@@ -274,6 +257,16 @@ class Checkpoint:
                 raise RecycleError(f"{self.path}: FP8 tensor {name} has no {name}{SCALE_SUFFIX}")
             return dequantize_fp8(t, self.raw(scale.name), self.block_size(), dtype or torch.bfloat16)
         return t if dtype is None else t.to(dtype)
+
+    def sample_rows(self, name: str, n: int = 64) -> torch.Tensor | None:
+        """`n` evenly spaced rows of a 2-D tensor as float32 (None for FP8: their values need the
+        scale's blocks): enough to tell two copies of an embedding apart without reading either."""
+        info = self.tensors.get(name)
+        if info is None or info.is_fp8 or len(info.shape) != 2 or DTYPES[info.dtype][1] is None:
+            return None
+        sl = self._open(info.file).get_slice(name)
+        rows = sorted({int(i) for i in torch.linspace(0, info.shape[0] - 1, min(n, info.shape[0])).tolist()})
+        return torch.stack([sl[i:i + 1][0].float() for i in rows])
 
     def iter_chunks(self, name: str, max_elements: int = 1 << 24) -> Iterable[torch.Tensor]:
         """The tensor's float32 values in row chunks, so statistics over a 129k×7k embedding stay small.

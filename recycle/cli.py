@@ -19,12 +19,38 @@ from rich.table import Table
 from recycle import __version__
 from recycle.errors import RecycleError
 
+def _conventional_help() -> None:
+    """typer ≥ 0.2x writes a required argument as `{NAME}` in usage lines and every parameter's type
+    as `<type>` (flags as `<bool>`); show click's `NAME` / `[NAME]` and our metavars instead, and no
+    placeholder for flags. Guarded: older typers already render this way."""
+    from typer import core
+
+    arg, opt = getattr(core, "TyperArgument", None), getattr(core, "TyperOption", None)
+    if arg is not None and hasattr(arg, "_usage_display_name"):
+        def usage_name(self) -> str:
+            name = self.display_name_raw
+            return (name if self.required else f"[{name}]") + ("..." if self.nargs != 1 else "")
+
+        arg._usage_display_name = usage_name
+        arg.display_type_rich = lambda self, ctx: None  # the name column already shows the metavar
+    if opt is not None and hasattr(opt, "display_type_rich"):
+        shown = opt.display_type_rich
+
+        def option_type(self, ctx) -> str | None:
+            if self.is_flag or self.count:
+                return None
+            return self.metavar if self.metavar is not None else (shown(self, ctx) or "").strip("<>").upper() or None
+
+        opt.display_type_rich = option_type
+
+
+_conventional_help()
 app = typer.Typer(
     help="Turn the Multi-Token-Prediction modules of open checkpoints into speculative-decoding drafters.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
-    rich_markup_mode="rich",
+    rich_markup_mode="markdown",
 )
 out = Console()
 err = Console(stderr=True)
@@ -52,6 +78,13 @@ def user_errors(fn: Callable) -> Callable:
     return run
 
 
+def table(title: str) -> Table:
+    """A compact table (no vertical rules) that fits 80 columns: the house style of every report."""
+    from rich import box
+
+    return Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
+
+
 def print_json(obj: dict) -> None:
     sys.stdout.write(json.dumps(obj, indent=2) + "\n")
 
@@ -70,15 +103,50 @@ def fmt_bytes(n: int) -> str:
     return f"{n} B"
 
 
-def progress_bar() -> Progress:
-    return Progress(
-        TextColumn("[progress.description]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=err,
-        transient=True,
-    )
+class Reporter:
+    """Progress for people: a transient rich bar on a terminal; elsewhere (a CI log, a file) a plain
+    `recycle: ...` line on stderr per item (a prompt, an evaluation) or, once the work has taken a few
+    seconds, every few seconds; never a stray blank line."""
+
+    EVERY_S = 5.0
+
+    def __init__(self, label: str, columns: tuple = (), **fields) -> None:
+        self.label, self.fields = label, fields
+        self.bar: Progress | None = None
+        if err.is_terminal:
+            self.bar = Progress(TextColumn("[progress.description]{task.description}"), BarColumn(),
+                                MofNCompleteColumn(), *columns, TimeElapsedColumn(), console=err, transient=True)
+        self.last = 0.0
+
+    def __enter__(self) -> Reporter:
+        import time
+
+        self.t0 = time.perf_counter()
+        if self.bar is not None:
+            self.bar.start()
+            self.task = self.bar.add_task(self.label, total=None, **self.fields)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+    def update(self, completed: int, total: int | None = None, description: str | None = None, line: str = "",
+               force: bool = False, **fields) -> None:
+        """Advance; `line` is what a non-terminal gets (default: description and count), at most every
+        few seconds unless `force` (one line per prompt, per evaluation)."""
+        import time
+
+        if self.bar is not None:
+            self.bar.update(self.task, completed=completed, total=total, description=description or self.label,
+                            **fields)
+            return
+        now = time.perf_counter()
+        # Quick work prints nothing; longer work a line every few seconds, and items asked for always.
+        if force or (now - self.t0 >= self.EVERY_S and (now - self.last >= self.EVERY_S or completed == total)):
+            self.last = now
+            text = line or f"{description or self.label} {completed}" + (f"/{total}" if total else "")
+            print(f"recycle: {text} ({now - self.t0:.0f} s)", file=sys.stderr, flush=True)
 
 
 @app.callback(invoke_without_command=True)
@@ -90,7 +158,49 @@ def main(
         raise typer.Exit()
 
 
-def render_inspect(data: dict) -> None:
+def _stat_row(sts: list[dict]) -> tuple[str, str, str, str, str]:
+    """finite, all-zero, rms range, norm summary of a group of tensor stats."""
+    bad = sum(not st["finite"] for st in sts)
+    zero = sum(st["all_zero"] for st in sts)
+    rms = [st["rms"] for st in sts if st["finite"]]
+    norms = [st["norm"] for st in sts if st["norm"]]
+    rng = (f"{min(rms):.3g}" if len(set(rms)) == 1 else f"{min(rms):.3g}–{max(rms):.3g}") if rms else "-"
+    norm = "" if not norms else (f"{norms[0]['mean']:.3f}±{norms[0]['std']:.3f}" if len(norms) == 1 else
+                                 f"{min(n['mean'] for n in norms):.3f}–{max(n['mean'] for n in norms):.3f}")
+    return ("yes" if not bad else f"[red]{bad} NO[/red]", f"[yellow]{zero}[/yellow]" if zero else "0", rng, norm, "")
+
+
+def render_stats(data: dict, every: bool = False) -> None:
+    """Tensor health: one row per module and role (`every`: one per tensor)."""
+    prefixes = [(m["index"], m["prefix"]) for m in data["mtp"]["modules"]]
+
+    def module_of(name: str) -> tuple[str, str]:
+        return next(((str(i), name[len(p):]) for i, p in prefixes if name.startswith(p)), ("-", name))
+
+    if every:
+        s = table("tensor health (every MTP tensor, dequantized)")
+        for col in ("#", "tensor", "dtype", "shape", "finite", "zero", "rms", "norm mean±std"):
+            s.add_column(col, overflow="fold", no_wrap=col in ("rms", "norm mean±std"))
+        for st in data["stats"]:
+            k, rel = module_of(st["name"])
+            fin, zero, rms, norm, _ = _stat_row([st])
+            s.add_row(k, rel, st["dtype"], "x".join(map(str, st["shape"])), fin, zero, rms, norm)
+        out.print(s)
+        return
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for st in data["stats"]:
+        groups.setdefault((module_of(st["name"])[0], st["role"]), []).append(st)
+    s = table("tensor health by role (MTP tensors, dequantized; --all lists each)")
+    for col in ("#", "role", "n", "dtypes", "finite", "zero", "rms", "norm mean±std"):
+        s.add_column(col, no_wrap=col in ("role", "rms", "norm mean±std"))
+    for (k, role), sts in groups.items():
+        dtypes = " ".join(sorted({st["dtype"] for st in sts}))
+        fin, zero, rms, norm, _ = _stat_row(sts)
+        s.add_row(k, role, str(len(sts)), dtypes, fin, zero, rms, norm)
+    out.print(s)
+
+
+def render_inspect(data: dict, show_all: bool = False) -> None:
     """Rich report for people: overview, modules, roles, findings, stats."""
     mtp = data["mtp"]
     head = Table.grid(padding=(0, 2))
@@ -106,38 +216,28 @@ def render_inspect(data: dict) -> None:
     out.print(Panel(head, title=f"recycle inspect  {data['path']}", expand=False))
 
     if mtp["modules"]:
-        t = Table(title="MTP modules", title_justify="left")
-        for col in ("#", "prefix", "tensors", "params", "bytes", "dtypes", "concat", "norm", "shared from trunk"):
-            t.add_column(col, overflow="fold")
+        t = table("MTP modules")
+        for col in ("#", "prefix", "tensors", "params", "dtypes", "concat/norm", "from the trunk"):
+            t.add_column(col, overflow="fold", no_wrap=col in ("prefix", "concat/norm"))
         for m in mtp["modules"]:
-            shared = ", ".join(f"{r}←{n}" if n else f"{r}: MISSING" for r, n in m["shared"].items()) or "-"
-            t.add_row(str(m["index"]), m["prefix"], str(m["tensors"]), fmt_count(m["params"]), fmt_bytes(m["bytes"]),
-                      " ".join(f"{d}:{c}" for d, c in m["dtypes"].items()), str(m["concat_order"]), m["norm"], shared)
+            shared = ", ".join(f"{r}: {n}" if n else f"{r}: MISSING" for r, n in m["shared"].items()) or "-"
+            t.add_row(str(m["index"]), m["prefix"], str(m["tensors"]), fmt_count(m["params"]),
+                      " ".join(f"{d}:{c}" for d, c in m["dtypes"].items()), f"{m['concat_order']}/{m['norm']}", shared)
         out.print(t)
-        r = Table(title="roles (module 0)", title_justify="left")
-        r.add_column("role")
-        r.add_column("tensors")
-        for role, names in mtp["modules"][0]["roles"].items():
-            shown = names if len(names) <= 3 else names[:2] + [f"... ({len(names)} tensors)"]
-            r.add_row(role, "\n".join(shown))
+        first = mtp["modules"][0]
+        r = table(f"roles of module 0 (names after {first['prefix']})")
+        r.add_column("role", no_wrap=True)
+        r.add_column("tensors", overflow="fold")
+        for role, names in first["roles"].items():
+            rel = [n[len(first["prefix"]):] if n.startswith(first["prefix"]) else n for n in names]
+            r.add_row(role, ", ".join(rel) if len(rel) <= 3 else f"{', '.join(rel[:2])}, ... ({len(rel)} tensors)")
         out.print(r)
 
     if data.get("stats"):
-        s = Table(title="tensor health (MTP tensors, dequantized)", title_justify="left")
-        for col in ("tensor", "dtype", "shape", "finite", "zero", "rms", "norm mean±std [min,max]"):
-            s.add_column(col, overflow="fold")
-        prefixes = [(m["index"], m["prefix"]) for m in mtp["modules"]]
-        for st in data["stats"]:
-            label = next((f"[{i}] {st['name'][len(p):]}" for i, p in prefixes if st["name"].startswith(p)), st["name"])
-            n = st["norm"]
-            norm = f"{n['mean']:.3f}±{n['std']:.3f} [{n['min']:.3f},{n['max']:.3f}]" if n else ""
-            s.add_row(label, st["dtype"], "x".join(map(str, st["shape"])),
-                      "yes" if st["finite"] else "[red]NO[/red]", "[yellow]yes[/yellow]" if st["all_zero"] else "no",
-                      f"{st['rms']:.4g}", norm)
-        out.print(s)
+        render_stats(data, every=show_all)
 
     if data["findings"]:
-        f = Table(title="findings", title_justify="left")
+        f = table("findings")
         for col in ("severity", "code", "message"):
             f.add_column(col, overflow="fold")
         for fd in data["findings"]:
@@ -151,29 +251,36 @@ def render_inspect(data: dict) -> None:
 @app.command()
 @user_errors
 def inspect(
-    ckpt: Annotated[Path, typer.Argument(help="Checkpoint directory (config.json + *.safetensors).")],
+    ckpt: Annotated[Path, typer.Argument(help="Checkpoint directory (config.json + *.safetensors).",
+                                         metavar="CKPT_DIR")],
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object (schema in README.md).")] = False,
-    stats: Annotated[bool, typer.Option("--stats", help="Also read the MTP tensors: finite, all-zero, RMS, norms.")] = False,
+    stats: Annotated[bool, typer.Option("--stats", help="Also read the MTP tensors: finite, all-zero, RMS, norms "
+                                        "(summarised by role).")] = False,
+    show_all: Annotated[bool, typer.Option("--all", help="With --stats: one row per tensor.")] = False,
 ) -> None:
     """Audit the MTP weights of a checkpoint: family, layout, shapes, dtypes, FP8 scales, health.
 
-    Reads safetensors headers only (no tensor data) unless --stats is given; never writes.
+    Reads safetensors headers (and a 64-row sample of stored embedding/head copies) unless --stats
+    is given; never writes. Stale copies (the trunk moved after its MTP modules were trained) and
+    declared-but-missing modules are findings.
 
-    Example: [bold]recycle inspect fixtures/deepseek_v3_mtp --stats[/bold]
+    Example: `recycle inspect fixtures/deepseek_v3_mtp --stats`
     """
+    from recycle.preflight import checkpoint_dir
+
+    checkpoint_dir(ckpt)
     from recycle.audit import inspect_checkpoint
 
     if stats and not json_out:
-        with progress_bar() as bar:
-            task = bar.add_task("reading MTP tensors", total=None)
-            report = inspect_checkpoint(ckpt, stats=True, progress=lambda i, n: bar.update(task, completed=i, total=n))
+        with Reporter("reading MTP tensors") as bar:
+            report = inspect_checkpoint(ckpt, stats=True, progress=lambda i, n: bar.update(i, n))
     else:
         report = inspect_checkpoint(ckpt, stats=stats)
     data = report.to_json()
     if json_out:
         print_json(data)
     else:
-        render_inspect(data)
+        render_inspect(data, show_all)
 
 
 def render_convert(data: dict) -> None:
@@ -188,7 +295,7 @@ def render_convert(data: dict) -> None:
                  f"[cyan]{s['fresh']} fresh[/cyan]  [dim](mapping in recycle.json)[/dim]")
     head.add_row("written", f"{fmt_bytes(data['bytes'])} in {len(data['files'])} files, {data['seconds']:.2f} s")
     out.print(Panel(head, title=f"recycle convert → {data['out']}", expand=False))
-    t = Table(title="files", title_justify="left")
+    t = table("files")
     t.add_column("file")
     t.add_column("size", justify="right")
     for name, size in data["files"].items():
@@ -201,17 +308,18 @@ def render_convert(data: dict) -> None:
 def _with_progress(json_out: bool, label: str, fn: Callable) -> dict:
     if json_out:
         return fn(None)
-    with progress_bar() as bar:
-        task = bar.add_task(label, total=None)
-        return fn(lambda i, n: bar.update(task, completed=i, total=n))
+    with Reporter(label) as bar:
+        return fn(lambda i, n: bar.update(i, n))
 
 
 @app.command()
 @user_errors
 def convert(
-    ckpt: Annotated[Path, typer.Argument(help="Checkpoint directory (config.json + *.safetensors).")],
-    to: Annotated[str, typer.Option("--to", help="Drafter format: eagle, eagle3 or medusa.")],
-    output: Annotated[Path, typer.Option("-o", "--output", help="Output directory (must not exist, see --overwrite).")],
+    ckpt: Annotated[Path, typer.Argument(help="Checkpoint directory (config.json + *.safetensors).",
+                                         metavar="CKPT_DIR")],
+    to: Annotated[str, typer.Option("--to", help="Drafter format: eagle, eagle3 or medusa.", metavar="FORMAT")],
+    output: Annotated[Path, typer.Option("-o", "--output", help="Output directory (must not exist, see --overwrite).",
+                                         metavar="OUT_DIR")],
     heads: Annotated[int | None, typer.Option("--heads", help="Medusa heads (default 3).")] = None,
     draft_vocab: Annotated[int | None, typer.Option("--draft-vocab", help="EAGLE-3 draft vocabulary size "
                                                     "(top-N corpus tokens; default: the full vocabulary).")] = None,
@@ -228,8 +336,12 @@ def convert(
     Reads only the MTP tensors (and the trunk's embedding/head when a module stores none), writes
     atomically (nothing appears unless everything was written), never touches the source.
 
-    Example: [bold]recycle convert fixtures/deepseek_v3_mtp --to eagle -o /tmp/ds-eagle[/bold]
+    Example: `recycle convert fixtures/deepseek_v3_mtp --to eagle -o /tmp/ds-eagle`
     """
+    from recycle.preflight import checkpoint_dir, output_dir
+
+    checkpoint_dir(ckpt)
+    output_dir(output, overwrite, (ckpt,))
     from converters.api import convert_checkpoint
 
     data = _with_progress(json_out, "writing tensors", lambda progress: convert_checkpoint(
@@ -244,19 +356,28 @@ def convert(
 @app.command()
 @user_errors
 def stitch(
-    overlay: Annotated[Path, typer.Argument(help="An MTP overlay directory (OUT/mtp_overlay from convert --to eagle).")],
-    target: Annotated[Path, typer.Argument(help="The target checkpoint directory the overlay came from.")],
-    output: Annotated[Path, typer.Option("-o", "--output", help="Directory for the stitched copy of the target.")],
+    overlay: Annotated[Path, typer.Argument(help="An MTP overlay directory (OUT/mtp_overlay from convert --to eagle "
+                                            "or distill).", metavar="OVERLAY_DIR")],
+    target: Annotated[Path, typer.Argument(help="The target checkpoint: the one the modules came from, or its "
+                                           "post-trained, fine-tuned or MTP-less build.", metavar="TARGET_DIR")],
+    output: Annotated[Path, typer.Option("-o", "--output", help="Directory for the stitched copy of the target.",
+                                         metavar="OUT_DIR")],
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing output directory.")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON summary object.")] = False,
 ) -> None:
     """Write a copy of TARGET whose MTP tensors are the overlay's (for vLLM method "mtp", llama.cpp draft-mtp).
 
     Untouched shards are hard-linked (same filesystem; copied otherwise), shards holding MTP tensors are
-    rewritten; the target is never modified.
+    rewritten, and the modules' embedding/head copies are the target's own; the target is never
+    modified. An overlay whose hidden size, vocabulary or tokenizer differs from the target's is refused.
 
-    Example: [bold]recycle stitch /tmp/ds-eagle/mtp_overlay fixtures/deepseek_v3_mtp -o /tmp/ds-stitched[/bold]
+    Example: `recycle stitch /tmp/ds-eagle/mtp_overlay fixtures/deepseek_v3_mtp -o /tmp/ds-stitched`
     """
+    from recycle.preflight import checkpoint_dir, output_dir
+
+    checkpoint_dir(overlay)
+    checkpoint_dir(target)
+    output_dir(output, overwrite, (overlay, target))
     from converters.api import stitch_overlay
 
     data = _with_progress(json_out, "stitching", lambda progress: stitch_overlay(
@@ -266,6 +387,9 @@ def stitch(
     else:
         out.print(f"stitched {data['overlay_tensors']} MTP tensors into [bold]{data['out']}[/bold] "
                   f"({len(data['linked'])} shard(s) linked, {len(data['rewritten'])} rewritten, +{data['file']})")
+        if data["copies_from_target"]:
+            out.print(f"[dim]{len(data['copies_from_target'])} embedding/head copies are the target's own "
+                      f"({', '.join(sorted(set(data['copies_from_target'].values())))})[/dim]")
 
 
 def render_bench(data: dict) -> None:
@@ -281,7 +405,7 @@ def render_bench(data: dict) -> None:
                  f"≤{data['max_new_tokens']} new tokens, {len(data['prompts'])} prompts, {data['device']} "
                  f"{data['dtype']}, {data['threads']} thread(s)")
     out.print(Panel(head, title="recycle bench", expand=False))
-    t = Table(title="per prompt", title_justify="left")
+    t = table("per prompt")
     for col in ("#", "set", "prompt tok", "new tok", "τ", "AR tok/s", "spec tok/s", "speedup", "= AR"):
         t.add_column(col, justify="right" if col not in ("set", "= AR") else "left")
     for i, r in enumerate(data["prompts"]):
@@ -290,27 +414,34 @@ def render_bench(data: dict) -> None:
         t.add_row(str(i), r["set"], str(r["prompt_tokens"]), str(r["spec"]["new_tokens"]), f"{r['spec']['tau']:.2f}",
                   f"{a:.1f}", f"{s:.1f}", f"{s / a:.2f}×" if a else "-", same)
     out.print(t)
-    s = Table(title="overall", title_justify="left")
-    for col in ("decoder", "tok/s", "speedup", "τ", "target fwd", "accept rate by depth", "draft / verify s", "= ours"):
-        s.add_column(col, justify="left" if col in ("decoder", "accept rate by depth", "= ours") else "right")
+    s = table("overall")
+    s.add_column("")
+    s.add_column("autoregressive", justify="right")
+    s.add_column(data["tree"], justify="right")
+    s.add_column("[dim]cost model[/dim]", justify="right")
     bw = data.get("bandwidth")
-    extra = (lambda k: f" ({bw[k]:.0f}/{bw['peak_gbs']:.0f} GB/s)") if bw else (lambda k: "")
-    s.add_row("autoregressive (ours)", f"{ar['tokens_per_s']:.1f}{extra('ar_gbs')}", "1.00×", "1.00",
-              str(ar["target_forwards"]), "", f"- / {ar['verify_s']:.2f}", "")
-    s.add_row(data["tree"], f"{sp['tokens_per_s']:.1f}{extra('spec_gbs')}",
-              f"{o['speedup']:.2f}×", f"{sp['tau']:.2f}", str(sp["target_forwards"]),
-              " ".join(f"{a:.2f}" for a in sp["acceptance"]), f"{sp['draft_s']:.2f} / {sp['verify_s']:.2f}",
-              o["greedy_match"] or "")
-    s.add_row("[dim]cost model[/dim]", "", f"[dim]{pr['speedup']:.2f}×[/dim]", f"[dim]{pr['tau']:.2f}[/dim]", "",
-              "", f"[dim]c_draft {pr['c_draft']:.2f}, c_verify {pr['c_verify']:.2f}[/dim]", "")
-    for r in data.get("hf") or []:
-        if r["error"]:
-            s.add_row(r["method"], "[red]failed[/red]", "", "", "", r["error"][:60], "", "")
-        else:
-            s.add_row(r["method"], f"{r['tokens_per_s']:.1f}", f"{r['speedup_vs_our_ar']:.2f}×", "", "", "", "",
-                      r["greedy_match"] or "")
+    gbs = (lambda k: f" ({bw[k]:.0f}/{bw['peak_gbs']:.0f} GB/s)") if bw else (lambda k: "")
+    s.add_row("tokens/s", f"{ar['tokens_per_s']:.1f}{gbs('ar_gbs')}", f"{sp['tokens_per_s']:.1f}{gbs('spec_gbs')}", "")
+    s.add_row("speedup", "1.00×", f"{o['speedup']:.2f}×", f"[dim]{pr['speedup']:.2f}×[/dim]")
+    s.add_row("τ (tokens/step)", "1.00", f"{sp['tau']:.2f}", f"[dim]{pr['tau']:.2f}[/dim]")
+    s.add_row("target forwards", str(ar["target_forwards"]), str(sp["target_forwards"]), "")
+    s.add_row("acceptance by depth", "", " ".join(f"{a:.2f}" for a in sp["acceptance"]), "")
+    s.add_row("draft / verify s", f"- / {ar['verify_s']:.2f}", f"{sp['draft_s']:.2f} / {sp['verify_s']:.2f}",
+              f"[dim]{pr['c_draft']:.2f} / {pr['c_verify']:.2f} AR steps[/dim]")
+    if o["greedy_match"]:
+        s.add_row("greedy = AR", "", o["greedy_match"], "")
     out.print(s)
-    out.print("[dim]speedup = tok/s ÷ our AR tok/s (same loop, same KV-cache code); cost model = τ_pred / "
+    if data.get("hf"):
+        h = table("transformers' generate on the same prompts")
+        for col in ("method", "tok/s", "vs our AR", "= ours"):
+            h.add_column(col, justify="left" if col in ("method", "= ours") else "right")
+        for r in data["hf"]:
+            if r["error"]:
+                h.add_row(r["method"], "[red]failed[/red]", r["error"][:40], "")
+            else:
+                h.add_row(r["method"], f"{r['tokens_per_s']:.1f}", f"{r['speedup_vs_our_ar']:.2f}×", r["greedy_match"] or "")
+        out.print(h)
+    out.print("[dim]speedup = tok/s ÷ our AR tok/s (same loop and KV-cache code); cost model = τ_pred / "
               "(c_draft + c_verify), costs per step in AR steps[/dim]")
 
 
@@ -318,11 +449,17 @@ def render_bench(data: dict) -> None:
 @user_errors
 def bench(
     drafter: Annotated[Path | None, typer.Argument(help="Drafter directory (from `recycle convert`), or the target "
-                                                   "directory itself to draft with its native MTP modules.")] = None,
-    target: Annotated[Path, typer.Option("--target", help="Target model directory (loaded with transformers).")] = ...,
-    prompts: Annotated[Path | None, typer.Option("--prompts", help='JSONL, one {"prompt": "..."} per line '
-                                                 "(default: held-out code + English prompts).")] = None,
-    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", help="New tokens per prompt.")] = 128,
+                                                   "directory itself to draft with its native MTP modules.",
+                                                   metavar="DRAFTER_DIR")] = None,
+    target: Annotated[Path, typer.Option("--target", help="Target model directory (loaded with transformers).",
+                                         metavar="TARGET_DIR")] = ...,
+    prompts: Annotated[str | None, typer.Option("--prompts", help='JSONL, one {"prompt": "..."} per line; or a '
+                                                "corpus: stdlib (held-out code + English, the default) or "
+                                                "py:PACKAGE (code from an installed package's held-out files).")] = None,
+    max_new_tokens: Annotated[int | None, typer.Option("--max-new-tokens", help="New tokens per prompt "
+                                                       "(default 128; 64 with --quick).")] = None,
+    quick: Annotated[bool, typer.Option("--quick", help="The first 4 prompts, 64 new tokens: a look in about a "
+                                        "minute on a laptop CPU.")] = False,
     temperature: Annotated[float, typer.Option("--temperature", help="0: greedy; > 0: lossless speculative sampling.")] = 0.0,
     tree: Annotated[str | None, typer.Option("--tree", help="chain[:N], dynamic[:DEPTH,TOPK,TOTAL], or a JSON list of "
                                              "Medusa-style paths (or a file holding one).")] = None,
@@ -341,27 +478,34 @@ def bench(
     Greedy output is checked token for token against AR decoding; τ, acceptance by depth, target
     forwards, draft/verify time, tokens/s, measured and cost-model speedup are reported.
 
-    Example: [bold]recycle bench /tmp/ds-eagle --target fixtures/deepseek_v3_mtp[/bold]
+    Example: `recycle bench /tmp/ds-eagle --target fixtures/deepseek_v3_mtp --quick`
     """
+    from recycle.preflight import drafter_dir, model_dir
+
+    if drafter is not None:
+        drafter_dir(drafter)
+    model_dir(target)
+    from recycle.prompts import default_prompts, prompt_set
+
+    limit = 4 if quick else None
+    chosen = prompt_set(prompts, limit) if prompts is not None else (default_prompts()[:limit] if quick else None)
     from recycle.bench import BenchOptions, check_options, run_bench, set_threads
-    from recycle.prompts import read_jsonl
 
     set_threads(threads)
     opts = BenchOptions(
-        drafter=str(drafter) if drafter is not None else None, target=str(target),
-        prompts=read_jsonl(prompts) if prompts is not None else None, max_new_tokens=max_new_tokens,
+        drafter=str(drafter) if drafter is not None else None, target=str(target), prompts=chosen,
+        max_new_tokens=max_new_tokens if max_new_tokens is not None else (64 if quick else 128),
         temperature=temperature, tree=tree, device=device, dtype=dtype, native=native_mtp, compare_hf=compare_hf,
         seed=seed, repeats=repeats,
     )
     check_options(opts)
+    with Reporter("loading") as bar:
+        data = run_bench(opts, progress=lambda i, n, label: bar.update(i, n, description=label, force=True,
+                                                                      line=f"{label}: prompt {i}/{n}"))
     if json_out:
-        data = run_bench(opts)
         print_json(data)
-        return
-    with progress_bar() as bar:
-        task = bar.add_task("loading", total=None)
-        data = run_bench(opts, progress=lambda i, n, label: bar.update(task, completed=i, total=n, description=label))
-    render_bench(data)
+    else:
+        render_bench(data)
 
 
 # -- push (issue 7) -------------------------------------------------------------------------------
@@ -382,7 +526,7 @@ def render_push(data: dict) -> None:
         head.add_row("commit", data["commit"]["commit_url"])
     title = "recycle push --dry-run (nothing uploaded)" if data["dry_run"] else "recycle push"
     out.print(Panel(head, title=title, expand=False))
-    t = Table(title=f"files {'that would go up' if data['dry_run'] else 'uploaded'} in one commit", title_justify="left")
+    t = table(f"files {'that would go up' if data['dry_run'] else 'uploaded'} in one commit")
     t.add_column("file")
     t.add_column("bytes", justify="right")
     t.add_column("size", justify="right")
@@ -403,14 +547,18 @@ def render_push(data: dict) -> None:
 @app.command()
 @user_errors
 def push(
-    drafter: Annotated[Path, typer.Argument(help="Drafter directory (from `recycle convert` or `recycle distill`).")],
-    repo: Annotated[str, typer.Option("--repo", help="Hub repository, OWNER/NAME (created if missing).")],
+    drafter: Annotated[Path, typer.Argument(help="Drafter directory (from `recycle convert` or `recycle distill`).",
+                                            metavar="DRAFTER_DIR")],
+    repo: Annotated[str, typer.Option("--repo", help="Hub repository, OWNER/NAME (created if missing).",
+                                      metavar="OWNER/NAME")],
     private: Annotated[bool, typer.Option("--private", help="Create the repository private.")] = False,
     revision: Annotated[str | None, typer.Option("--revision", help="Branch to commit to (created if "
                                                  "missing; default main).")] = None,
     commit_message: Annotated[str | None, typer.Option("--commit-message", help="Commit summary.")] = None,
     base_model: Annotated[str | None, typer.Option("--base-model", help="Hub id of the target model for the "
                                                    "card's base_model (default: from recycle.json).")] = None,
+    license: Annotated[str | None, typer.Option("--license", help="Hub license id for the card (default: from the "
+                                                "source's config, README or LICENSE).")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Validate, write the card and list the files; "
                                           "upload nothing.")] = False,
     card_out: Annotated[Path | None, typer.Option("--card-out", help="Also write the model card here (outside "
@@ -423,8 +571,11 @@ def push(
     is sent. The token comes from HF_TOKEN or `hf auth login`; HF_ENDPOINT picks the Hub. The drafter
     directory is never modified.
 
-    Example: [bold]recycle push /tmp/ds-eagle --repo me/ds-eagle --dry-run --card-out /tmp/README.md[/bold]
+    Example: `recycle push /tmp/ds-eagle --repo me/ds-eagle --dry-run --card-out /tmp/README.md`
     """
+    from recycle.preflight import drafter_record
+
+    drafter_record(drafter)
     from recycle.hub import push_drafter
 
     def run(progress):
@@ -433,7 +584,8 @@ def push(
 
             disable_progress_bars()
         return push_drafter(drafter, repo, private=private, revision=revision, commit_message=commit_message,
-                            base_model=base_model, dry_run=dry_run, card_out=card_out, progress=progress)
+                            base_model=base_model, dry_run=dry_run, card_out=card_out, license=license,
+                            progress=progress)
 
     data = _with_progress(json_out, "checking tensors", run)
     if json_out:
@@ -445,18 +597,23 @@ def push(
 # -- distill (issue 6) ----------------------------------------------------------------------------
 
 def render_distill(data: dict) -> None:
-    t = Table(title=f"recycle distill → {data['out']}", show_header=True)
+    t = table(f"recycle distill → {data['out']}")
     t.add_column("figure")
     t.add_column("value", justify="right")
     t.add_row("tokens (budget)", f"{fmt_count(data['tokens'])} ({fmt_count(data['budget_tokens'])})")
     t.add_row("steps", str(data["steps"]))
     t.add_row("final loss", f"{data['final']['loss']:.4f}" if data["final"]["loss"] is not None else "-")
     before, after = data["final"]["heldout_agreement_before"], data["final"]["heldout_agreement_after"]
-    t.add_row("held-out top-1 agreement by step (before → after)",
-              "  ".join(f"{b:.3f}→{a:.3f}" for b, a in zip(before, after)))
+    t.add_row("held-out agreement by step", "  ".join(f"{b:.3f}→{a:.3f}" for b, a in zip(before, after)))
+    t.add_row("held-out estimate (τ of the chain)", f"{data['final']['heldout_estimate_before']:.3f} → "
+              f"{data['final']['heldout_estimate_after']:.3f}")
+    t.add_row("written", data["selected"]["why"])
+    for role, d in (data.get("target_io") or {}).items():
+        if d["replaced_by_target"]:
+            t.add_row(f"{role} (was {d['relative_difference']:.0%} off)", "the target's")
     t.add_row("tokens/s", f"{data['tokens_per_s']:.0f}")
-    t.add_row("target forward share of a step", f"{100 * (data['target_forward_share'] or 0):.1f}%")
-    t.add_row("loop overhead share (data, optimizer, logging)", f"{100 * (data['overhead_share'] or 0):.1f}%")
+    t.add_row("target forward / loop overhead", f"{100 * (data['target_forward_share'] or 0):.1f}% / "
+              f"{100 * (data['overhead_share'] or 0):.1f}%")
     t.add_row("wall time", f"{data['wall_s']:.1f} s" + (" (resumed)" if data["resumed"] else ""))
     out.print(t)
 
@@ -464,18 +621,22 @@ def render_distill(data: dict) -> None:
 @app.command()
 @user_errors
 def distill(
-    drafter: Annotated[Path, typer.Argument(help="Drafter directory (from `recycle convert`).")],
-    target: Annotated[Path, typer.Option("--target", help="Target model directory (frozen teacher).")] = ...,
+    drafter: Annotated[Path, typer.Argument(help="Drafter directory (from `recycle convert`).", metavar="DRAFTER_DIR")],
+    target: Annotated[Path, typer.Option("--target", help="Target model directory (frozen teacher): the source, or "
+                                         "its post-trained / fine-tuned build.", metavar="TARGET_DIR")] = ...,
     tokens: Annotated[str, typer.Option("--tokens", help="Budget in target tokens read: 300k, 2M, 1.5B ...")] = "2M",
-    data: Annotated[Path | None, typer.Option("--data", help="Text file, JSONL ('text' field), directory of text "
-                                              "files, or a saved `datasets` dataset (default: stdlib train split).")] = None,
+    data: Annotated[str | None, typer.Option("--data", help="Text file, JSONL ('text' field), directory of text "
+                                             "files, or a saved `datasets` dataset (its tail is held out); or a "
+                                             "corpus: stdlib (the default) or py:PACKAGE (an installed package's "
+                                             "source).")] = None,
     self_distill: Annotated[bool, typer.Option("--self-distill", help="Let the target regenerate each sequence "
                                                "after a prompt (its own distribution).")] = False,
     prompt_len: Annotated[int, typer.Option("--prompt-len", help="Self-distillation prompt tokens per sequence.")] = 64,
     sd_temperature: Annotated[float, typer.Option("--sd-temperature", help="Self-distillation sampling "
                                                   "temperature (0: greedy).")] = 0.0,
-    output: Annotated[Path | None, typer.Option("-o", "--out", help="Output drafter directory "
-                                                "(default: DRAFTER-distilled).")] = None,
+    output: Annotated[Path | None, typer.Option("-o", "--output", help="Output drafter directory "
+                                                "(default: DRAFTER-distilled).", metavar="OUT_DIR")] = None,
+    output_alias: Annotated[Path | None, typer.Option("--out", hidden=True, help="Old name of --output.")] = None,
     resume: Annotated[bool, typer.Option("--resume", help="Continue from the last checkpoint in OUT.distill/.")] = False,
     cache_hidden: Annotated[Path | None, typer.Option("--cache-hidden", help="Store/reuse the target's features "
                                                       "per batch (safetensors) here.")] = None,
@@ -494,7 +655,8 @@ def distill(
     checkpoint_every: Annotated[int, typer.Option("--checkpoint-every", help="Steps between checkpoints.")] = 50,
     eval_every: Annotated[int, typer.Option("--eval-every", help="Steps between held-out agreement checks.")] = 25,
     device: Annotated[str | None, typer.Option("--device", help="cpu or cuda (default: cuda when available).")] = None,
-    precision: Annotated[str, typer.Option("--precision", help="bf16 (autocast) or fp32.")] = "bf16",
+    precision: Annotated[str | None, typer.Option("--precision", help="bf16 (autocast) or fp32 (default: bf16 on "
+                                                  "CUDA and CPUs with native bf16, else fp32).")] = None,
     seed: Annotated[int, typer.Option("--seed", help="Seed for data order and initialisation.")] = 0,
     threads: Annotated[int | None, typer.Option("--threads", help="torch CPU threads (default: torch's choice).")] = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace OUT and any earlier run's checkpoint.")] = False,
@@ -502,42 +664,53 @@ def distill(
 ) -> None:
     """Distill a drafter against its frozen target to an exact token budget; writes the same format.
 
-    Example: [bold]recycle distill /tmp/ds-eagle --target fixtures/deepseek_v3_mtp --tokens 2M[/bold]
+    A drafter converted from a base checkpoint re-aligns to a post-trained or fine-tuned build of it:
+    it takes that target's embedding and LM head, learns on --data, is judged on held-out text of
+    the same data, and the best held-out snapshot is written (never one worse than the input).
+
+    Example: `recycle distill /tmp/ds-eagle --target fixtures/deepseek_v3_mtp --tokens 2M`
     """
+    from recycle.preflight import data_name, drafter_dir, model_dir, parse_tokens
+
+    budget = parse_tokens(tokens)
+    drafter_dir(drafter)
+    model_dir(target)
+    data_name(data)
+    output = output or output_alias
     from distill.losses import LossConfig
-    from distill.train import DistillOptions, distill as run_distill, parse_tokens
+    from distill.train import DistillOptions, distill as run_distill
 
     opts = DistillOptions(
-        drafter=str(drafter), target=str(target), tokens=parse_tokens(tokens), out=str(output) if output else None,
-        data=str(data) if data else None, self_distill=self_distill, prompt_len=prompt_len,
+        drafter=str(drafter), target=str(target), tokens=budget, out=str(output) if output else None,
+        data=data, self_distill=self_distill, prompt_len=prompt_len,
         sd_temperature=sd_temperature, seq_len=seq_len, batch=batch, lr=lr, draft_steps=draft_steps,
         loss=LossConfig(ce_weight, kl_weight, feature_weight, step_decay), init=init,
         checkpoint_every=checkpoint_every, eval_every=eval_every, resume=resume,
         cache_hidden=str(cache_hidden) if cache_hidden else None, device=device, precision=precision, seed=seed,
         threads=threads, overwrite=overwrite,
     )
-    if json_out or int(os.environ.get("RANK", "0")) != 0:
-        data_out = run_distill(opts)
-        if json_out and int(os.environ.get("RANK", "0")) == 0:
-            print_json(data_out)
+    log = lambda msg: print(f"recycle: {msg}", file=sys.stderr, flush=True)  # noqa: E731
+    if int(os.environ.get("RANK", "0")) != 0:  # torchrun: rank 0 reports and writes
+        run_distill(opts, log=log)
         return
-    from rich.progress import TaskProgressColumn
-
-    bar = Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), TaskProgressColumn(),
-                   TextColumn("{task.fields[tps]} tok/s  loss {task.fields[loss]}  held-out agree {task.fields[agree]}"),
-                   TimeElapsedColumn(), console=err, transient=True)
-    with bar:
-        task = bar.add_task("distilling", total=opts.tokens, tps="-", loss="-", agree="-")
+    fields = {"tps": "-", "loss": "-", "agree": "-"}
+    columns = (TextColumn("{task.fields[tps]} tok/s  loss {task.fields[loss]}  held-out agree {task.fields[agree]}"),)
+    with Reporter("distilling", columns, **fields) as bar:
 
         def update(row: dict) -> None:
-            fields = {"tps": f"{row['tokens_per_s']:.0f}", "loss": f"{row['loss']:.3f}"}
+            fields.update(tps=f"{row['tokens_per_s']:.0f}", loss=f"{row['loss']:.3f}")
             if "heldout_agree" in row:
                 fields["agree"] = "/".join(f"{a:.2f}" for a in row["heldout_agree"])
-            bar.update(task, completed=row["tokens"], description=f"{fmt_count(row['tokens'])} tokens", **fields)
+            bar.update(row["tokens"], opts.tokens, description=f"{fmt_count(row['tokens'])} tokens",
+                       force="heldout_agree" in row, line=f"distill: {fmt_count(row['tokens'])}/{fmt_count(opts.tokens)} "
+                       f"tokens, {fields['tps']} tok/s, loss {fields['loss']}, held-out agree {fields['agree']}",
+                       **fields)
 
-        data_out = run_distill(opts, progress=update)
-    render_distill(data_out)
-
+        data_out = run_distill(opts, progress=update, log=log)
+    if json_out:
+        print_json(data_out)
+    else:
+        render_distill(data_out)
 
 if __name__ == "__main__":
     app()

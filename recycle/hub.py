@@ -33,6 +33,7 @@ from recycle import __version__
 from recycle.checkpoint import Checkpoint, load_json
 from recycle.drafters import FORMATS, config_format, load_drafter
 from recycle.errors import RecycleError
+from recycle.preflight import drafter_record
 
 DEFAULT_ENDPOINT = "https://huggingface.co"
 CARD = "README.md"
@@ -145,14 +146,8 @@ def _read_bench(path: Path) -> dict | None:
 
 def validate_drafter(path: str | os.PathLike, progress: Progress | None = None) -> Drafter:
     """Refuse (RecycleError) a directory whose layout, config or weights do not match the format it declares."""
-    d = Path(path).expanduser()
-    if not d.is_dir():
-        raise RecycleError(f"{d}: no such drafter directory")
-    d = d.resolve()
-    if not (d / PROVENANCE).is_file():
-        raise RecycleError(f"{d / PROVENANCE}: missing; push publishes directories written by recycle "
-                           "(convert/distill), whose recycle.json records how the drafter was made")
-    record = load_json(d / PROVENANCE, PROVENANCE)
+    record = drafter_record(path)
+    d = Path(path).expanduser().resolve()
     fmt = (record.get("target") or {}).get("format")
     if fmt not in FORMATS:
         raise RecycleError(f"{d / PROVENANCE}: target.format is {fmt!r}, expected one of {', '.join(FORMATS)}")
@@ -200,7 +195,8 @@ def _name_or_path(config_path: Path) -> str | None:
 
 def base_model_name(drafter: Drafter, override: str | None = None) -> str:
     """The source checkpoint's Hub name: --base-model, a Hub id recycle.json names, else its config's
-    `_name_or_path`, else the source directory's name (a local path means nothing on the Hub)."""
+    `_name_or_path`, else the source directory's name (a local path means nothing on the Hub; the card's
+    `base_model` field is written only when this is an OWNER/NAME id)."""
     if override:
         return override
     src = str((drafter.record.get("source") or {}).get("path") or "")
@@ -212,6 +208,61 @@ def base_model_name(drafter: Drafter, override: str | None = None) -> str:
         if name and HUB_ID.match(name):
             return name
     return Path(src).name or "unknown"
+
+
+LICENSE_FILES = {"apache-2.0": ("Apache License", "Version 2.0"), "mit": ("MIT License",),
+                 "bsd-3-clause": ("Redistribution and use in source and binary forms", "Neither the name"),
+                 "gpl-3.0": ("GNU GENERAL PUBLIC LICENSE", "Version 3"), "llama3.1": ("LLAMA 3.1 COMMUNITY LICENSE",),
+                 "gemma": ("Gemma Terms of Use",)}
+
+
+def _front_matter_license(readme: Path) -> str | None:
+    try:
+        text = readme.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return None
+    m = re.match(r"---\n(.*?)\n---", text, re.S)
+    lic = re.search(r"^license:\s*(\S+)\s*$", m.group(1), re.M) if m else None
+    return lic.group(1).strip("'\"") if lic else None
+
+
+def license_name(drafter: Drafter, override: str | None = None) -> tuple[str | None, str]:
+    """(Hub license id, where it came from): --license, else the source's config (`license`), its
+    README front matter, or its LICENSE file's wording; (None, why) when none says."""
+    if override:
+        return override, "--license"
+    src = Path(str((drafter.record.get("source") or {}).get("path") or ""))
+    dirs = [d for d in (src, drafter.path / "mtp_overlay", drafter.path) if str(d) and d.is_dir()]
+    for d in dirs:
+        try:
+            lic = json.loads((d / "config.json").read_text(encoding="utf-8")).get("license")
+        except (OSError, ValueError, AttributeError):
+            lic = None
+        if isinstance(lic, str) and lic:
+            return lic, f"the source's config.json"
+        lic = _front_matter_license(d / "README.md") if d != drafter.path else None
+        if lic:
+            return lic, "the source's README.md"
+        for name in ("LICENSE", "LICENSE.txt", "LICENSE.md"):
+            try:
+                head = (d / name).read_text(encoding="utf-8", errors="ignore")[:4000]
+            except OSError:
+                continue
+            for hub_id, words in LICENSE_FILES.items():
+                if all(w.lower() in head.lower() for w in words):
+                    return hub_id, f"the source's {name}"
+            return "other", f"the source's {name} (not a license the Hub names)"
+    return None, "no license found in the source's config, README front matter or LICENSE; pass --license"
+
+
+def _public(value: object) -> str:
+    """A path as the card may show it: Hub ids and corpus names as they are, local paths by their last part."""
+    text = str(value)
+    if HUB_ID.match(text) and not Path(text).exists():
+        return text
+    if text.startswith(("py:", "stdlib")) or "/" not in text:
+        return text
+    return Path(text).name
 
 
 def _pattern(name: str) -> str:
@@ -296,8 +347,10 @@ def _distill_rows(r: dict) -> list[tuple[str, str]]:
         rows.append(("target tokens read (budget)", f"{r['tokens']:,} ({r.get('budget_tokens', r['tokens']):,})"))
     if "steps" in r:
         rows.append(("optimizer steps", str(r["steps"])))
+    if r.get("target"):
+        rows.append(("target", f"`{_public(r['target'])}`"))
     if data:
-        src = data.get("source", "?") if isinstance(data, dict) else data
+        src = _public(data.get("source", "?") if isinstance(data, dict) else data)
         shape = (f"; sequences of {data.get('seq_len')} tokens × {data.get('batch_per_rank')} per rank × "
                  f"{data.get('world_size', 1)} rank(s), seed {data.get('seed')}") if isinstance(data, dict) else ""
         sd = "; self-distilled (the target regenerated each sequence)" if isinstance(data, dict) and \
@@ -313,8 +366,18 @@ def _distill_rows(r: dict) -> list[tuple[str, str]]:
         rows.append(("final loss", f"{final['loss']:.4f}"))
     before, after = final.get("heldout_agreement_before") or [], final.get("heldout_agreement_after") or []
     if before and after:
-        rows.append(("held-out top-1 agreement by draft step (before → after)",
+        held = r.get("heldout") or {}
+        where = f" on {_public(held['source'])}, {held.get('continuation', '')}" if held.get("source") else ""
+        rows.append((f"held-out top-1 agreement with the target by draft step{where} (before → after)",
                      ", ".join(f"{x:.3f} → {y:.3f}" for x, y in zip(before, after))))
+    if final.get("heldout_estimate_before") is not None:
+        rows.append(("held-out estimate of τ for the chain (before → after)",
+                     f"{final['heldout_estimate_before']:.3f} → {final['heldout_estimate_after']:.3f}"))
+    if (r.get("selected") or {}).get("why"):
+        rows.append(("weights written", r["selected"]["why"]))
+    for role, d in (r.get("target_io") or {}).items():
+        if isinstance(d, dict) and d.get("replaced_by_target"):
+            rows.append((f"{role}", f"the target's own (the source's copy differed by {d['relative_difference']:.1%})"))
     if r.get("device") or r.get("wall_s") is not None:
         rows.append(("hardware", f"{r.get('device', '?')}, {r.get('precision', '?')}, "
                                  f"{r.get('wall_s', 0):.1f} s at {r.get('tokens_per_s', 0):.0f} tokens/s"))
@@ -322,7 +385,8 @@ def _distill_rows(r: dict) -> list[tuple[str, str]]:
         rows.append(("note", str(note)))
     known = {"tokens", "budget_tokens", "steps", "data", "init", "losses", "optimizer", "final", "device", "precision",
              "wall_s", "tokens_per_s", "notes", "timing", "target_forward_share", "overhead_share", "resumed",
-             "cache_hits", "from", "out", "state_dir", "recycle_version"}
+             "cache_hits", "from", "out", "state_dir", "recycle_version", "target", "heldout", "selected",
+             "target_io", "created", "snapshot_tokens", "heldout_agree", "heldout_estimate"}
     rows += [(k, _cell(v)) for k, v in r.items() if k not in known]
     return rows
 
@@ -392,7 +456,7 @@ def _serving(drafter: Drafter, repo: str, base: str) -> list[str]:
     return lines
 
 
-def build_card(drafter: Drafter, repo: str, base_model: str | None = None):
+def build_card(drafter: Drafter, repo: str, base_model: str | None = None, license: str | None = None):
     """The model card (huggingface_hub ModelCard): Hub metadata plus what, how made, measured, how to serve."""
     from huggingface_hub import ModelCard, ModelCardData
 
@@ -401,13 +465,16 @@ def build_card(drafter: Drafter, repo: str, base_model: str | None = None):
     summary = rec.get("summary") or {}
     runs = _distillation(rec)
     base = base_model_name(drafter, base_model)
+    lic, _ = license_name(drafter, license)
     tags = ["speculative-decoding", fmt, *(["mtp"] if fmt == "eagle" else []), "recycled-mtp",
             *([src["family"]] if src.get("family") else []), *(["distilled"] if runs else [])]
     data = [r.get("data") for r in runs]
     data_sets = sorted({x for x in (d.get("source") if isinstance(d, dict) else d for d in data)
                         if isinstance(x, str) and HUB_ID.match(x) and not Path(x).exists()})
-    meta = ModelCardData(base_model=base, library_name=LIBRARY, pipeline_tag="text-generation", tags=tags,
-                         datasets=data_sets or None)
+    # No pipeline_tag: a drafter cannot generate on its own, and the Hub's EAGLE-3 / Medusa drafter
+    # repositories (speculators', SpecForge's) carry tags, not a text-generation widget that would fail.
+    meta = ModelCardData(base_model=base if HUB_ID.match(base) else None, library_name=LIBRARY, tags=tags,
+                         datasets=data_sets or None, license=lic)
     base_ref = f"[{base}](https://huggingface.co/{base})" if HUB_ID.match(base) else f"`{base}`"
     kinds = {"eagle": "an EAGLE-style feature-chained drafter (the MTP modules themselves, lossless)",
              "eagle3": "an EAGLE-3 drafter (one Llama layer over fused target features)",
@@ -415,7 +482,7 @@ def build_card(drafter: Drafter, repo: str, base_model: str | None = None):
     body = [
         f"# {PurePosixPath(repo).name}", "",
         f"A speculative-decoding drafter for {base_ref}: {kinds[fmt]}, made by "
-        f"[recycle](https://pypi.org/project/recycle/) from the Multi-Token-Prediction (MTP) modules "
+        f"recycle {rec.get('recycle_version', '')} from the Multi-Token-Prediction (MTP) modules "
         f"the checkpoint ships with, so it starts from weights trained with the model instead of from scratch.", "",
         "| | |", "|---|---|",
         f"| format | `{fmt}` ({tgt.get('dtype', '?')}) |",
@@ -526,7 +593,7 @@ def _with_retries(call: Callable[[], dict], endpoint: str, attempts: int, backof
 
 def push_drafter(path: str | os.PathLike, repo: str, *, private: bool = False, revision: str | None = None,
                  commit_message: str | None = None, base_model: str | None = None, dry_run: bool = False,
-                 card_out: str | os.PathLike | None = None, attempts: int | None = None,
+                 card_out: str | os.PathLike | None = None, license: str | None = None, attempts: int | None = None,
                  backoff: float | None = None, progress: Progress | None = None) -> dict:
     """Validate a drafter directory, write its model card and (unless dry_run) upload it in one commit.
 
@@ -553,21 +620,25 @@ def push_drafter(path: str | os.PathLike, repo: str, *, private: bool = False, r
         if src.is_dir() and (out == src.resolve() or src.resolve() in out.parents):
             raise RecycleError(f"--card-out {out}: inside the drafter directory; push never writes there")
     drafter = validate_drafter(src, progress=progress)
-    card = build_card(drafter, repo, base_model)
+    card = build_card(drafter, repo, base_model, license)
     card_text = card.content
     card_bytes = card_text.encode("utf-8")
     uploads = {**drafter.files, CARD: len(card_bytes)}
     base = base_model_name(drafter, base_model)
     notes = list(drafter.notes)
     if not HUB_ID.match(base):
-        notes.append(f"base_model '{base}' is not a Hub id (OWNER/NAME): pass --base-model to link the target")
+        notes.append(f"base_model '{base}' is not a Hub id (OWNER/NAME), so the card has no base_model field: "
+                     "pass --base-model to link the target")
+    lic, why = license_name(drafter, license)
+    if lic is None:
+        notes.append(f"the card has no license field: {why}")
     if card_out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_bytes(card_bytes)
     message = commit_message or f"Upload {drafter.format} drafter recycled from {base} (recycle {__version__})"
     result = {
         "repo": repo, "endpoint": endpoint, "revision": revision or "main", "private": private, "dry_run": dry_run,
-        "drafter": str(drafter.path), "format": drafter.format, "base_model": base,
+        "drafter": str(drafter.path), "format": drafter.format, "base_model": base, "license": lic,
         "files": dict(sorted(uploads.items())), "bytes": sum(uploads.values()), "tensors_checked": drafter.tensors,
         "bench": drafter.bench is not None, "card_path": str(out) if card_out is not None else None,
         "card_metadata": card.data.to_dict(), "commit_message": message, "commit": None, "notes": notes,

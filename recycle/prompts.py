@@ -1,9 +1,12 @@
 """Benchmark prompt sets: deterministic, offline, and never seen by the fixture in training.
 
-Code prompts are snippets of the corpus's held-out stdlib files (the same split the fixture was
-trained without); natural-language prompts are the opening sentences of those modules' and their
-functions' docstrings. Both are text, so any target's tokenizer can encode them. Users bring their
-own as JSONL, one `{"prompt": "..."}` per line.
+Code prompts are snippets of a corpus's held-out files (the same split the fixtures were trained
+without), taken from the first top-level `def`/`class` on, so they are code and not licence
+headers; natural-language prompts are the opening sentences of those modules' and their functions'
+docstrings. Both are text, so any target's tokenizer can encode them. `--prompts` takes a corpus
+name (`stdlib`: code and English, the default; `py:PACKAGE`: code from an installed package's
+held-out files, e.g. the post-trained fixture's domain `py:transformers`) or the user's own JSONL,
+one `{"prompt": "..."}` per line.
 """
 
 from __future__ import annotations
@@ -13,17 +16,17 @@ import json
 import re
 from pathlib import Path
 
-from recycle.corpus import documents
+from recycle.corpus import STDLIB, documents, is_corpus_name
 from recycle.errors import RecycleError
 
 CODE_CHARS = 420  # ≈ 100 tokens of Python with a 4k BPE vocabulary
 NL_MIN, NL_MAX = 120, 400
 
 
-def code_prompts(n: int = 12) -> list[str]:
+def code_prompts(n: int = 12, source: str = STDLIB) -> list[str]:
     """The first `def`/`class` of each held-out file (sorted by path), ~CODE_CHARS cut at a line end."""
     out: list[str] = []
-    for doc in documents("heldout"):
+    for doc in documents("heldout", source=source):
         lines = doc.text.splitlines(keepends=True)
         start = next((i for i, ln in enumerate(lines) if ln.startswith(("def ", "class "))), None)
         if start is None:
@@ -73,6 +76,18 @@ def text_prompts(n: int = 6) -> list[str]:
 def default_prompts() -> list[tuple[str, str]]:
     """(set name, prompt) pairs: the code set first, then the natural-language set."""
     return [("code", p) for p in code_prompts()] + [("text", p) for p in text_prompts()]
+
+
+def prompt_set(value: str | Path, limit: int | None = None) -> list[tuple[str, str]]:
+    """`--prompts`: a corpus name (see the module docstring) or a JSONL file; the first `limit` prompts."""
+    if is_corpus_name(str(value)):
+        name = str(value)
+        prompts = default_prompts() if name == STDLIB else [(name, p) for p in code_prompts(source=name)]
+        if not prompts:
+            raise RecycleError(f"--prompts {name}: its held-out files hold no code prompt")
+    else:
+        prompts = read_jsonl(value)
+    return prompts[:limit] if limit else prompts
 
 
 def read_jsonl(path: str | Path) -> list[tuple[str, str]]:

@@ -84,7 +84,7 @@ def test_bench_rejects_a_non_jsonl_prompts_file():
         ["/nonexistent/drafter", "--target", str(FIXTURE)],
         ["--target", str(FIXTURE)],  # neither a drafter nor --native-mtp
         ["--native-mtp", "--target", "/nonexistent/target"],
-        ["--native-mtp", "--target", str(FIXTURE), "--tree", "[[0], [0, 0], [0, 0, 0]]"],
+        ["--native-mtp", "--target", str(FIXTURE), "--tree", "chain:x"],
         ["--native-mtp", "--target", str(FIXTURE), "--tree", "[[0, 0]]"],
         ["--native-mtp", "--target", str(FIXTURE), "--tree", "dynamic:x"],
         ["--native-mtp", "--target", str(FIXTURE), "--temperature", "-1"],
@@ -92,7 +92,7 @@ def test_bench_rejects_a_non_jsonl_prompts_file():
         ["--native-mtp", "--target", str(FIXTURE), "--device", "tpu"],
         ["--native-mtp", "--target", str(FIXTURE), "--prompts", "/nonexistent.jsonl"],
     ],
-    ids=["missing-drafter", "no-drafter", "missing-target", "tree-too-deep", "tree-no-parent", "tree-syntax",
+    ids=["missing-drafter", "no-drafter", "missing-target", "chain-syntax", "tree-no-parent", "tree-syntax",
          "temperature", "max-new-tokens", "device", "prompts-file"],
 )
 def test_bench_bad_inputs_exit_2_with_one_line(args):

@@ -293,7 +293,7 @@ def test_cached_drafts_equal_uncached_reference(target, tokenizer, drafter_dirs)
             seen.append(ref == tree.tokens[1:])
             return tree
 
-    engine = Checked(model, 3, masks, kind="eagle", repeat_last=True)
+    engine = Checked(model, 3, masks, kind="eagle", reuse="last")
     target.set_taps(engine.taps)
     ids = tokenizer("class Point:\n    def __init__(self, x, y):\n        self.x = x\n", add_special_tokens=False)["input_ids"]
     generate(target, engine, ids, 30, masks=masks)

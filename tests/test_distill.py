@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from converters.api import convert_checkpoint
-from distill.data import PackedStream, Position, load_texts, regenerate
+from distill.data import PackedStream, Position, data_source, load_texts, regenerate
 from distill.losses import LossConfig, StepOutput, ce_to_labels, distill_loss, kl_to_target, step_weights
 from distill.train import DistillOptions, distill, parse_tokens, plan_batch
 from recycle.cli import app
@@ -126,8 +126,9 @@ def test_stream_is_deterministic_and_seekable(tmp_path: Path) -> None:
 def test_data_sources(tmp_path: Path) -> None:
     (tmp_path / "a.txt").write_text("hello world")
     (tmp_path / "b.md").write_text("# title")
-    assert load_texts(tmp_path)() == ["hello world", "# title"]
-    assert load_texts(tmp_path / "a.txt")() == ["hello world"]
+    src = data_source(tmp_path)  # the training side and the held-out tail together are the whole text
+    assert "".join(src.train() + src.heldout()) == "hello world# title" and src.heldout()
+    assert "".join(load_texts(tmp_path / "a.txt")() + data_source(tmp_path / "a.txt").heldout()) == "hello world"
     with pytest.raises(RecycleError):
         load_texts(tmp_path / "missing.jsonl")
     bad = tmp_path / "bad.jsonl"
@@ -226,7 +227,7 @@ def test_resume_after_sigkill_matches_an_uninterrupted_run(converted: dict[str, 
     rec = distill(DistillOptions(out=str(out), resume=True, **opts))  # what `--resume` runs
     assert rec["resumed"] and rec["tokens"] == 60 * 2 * 48 and rec["steps"] == 60
     steps = [json.loads(ln)["step"] for ln in (state / "metrics.jsonl").read_text().splitlines()]
-    assert steps[-1] == 60 and set(range(1, 61)) <= set(steps)  # the trajectory continues
+    assert steps == list(range(1, 61))  # cut back to the checkpoint on resume: no step twice
     distill(DistillOptions(out=str(tmp_path / "ref"), **opts))
     a, b = load_file(str(out / "model.safetensors")), load_file(str(tmp_path / "ref" / "model.safetensors"))
     for k in a:

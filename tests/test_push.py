@@ -135,7 +135,7 @@ def test_push_is_one_commit_with_every_file_and_the_card(drafters, hub_env, tmp_
     assert hub.validated == [text]
     card = ModelCard(text)
     assert card.data.base_model == "deepseek-ai/DeepSeek-V3"
-    assert card.data.library_name == "recycle" and card.data.pipeline_tag == "text-generation"
+    assert card.data.library_name == "recycle" and card.data.pipeline_tag is None  # a drafter generates nothing alone
     assert set(card.data.tags) >= {"speculative-decoding", "eagle", "mtp", "recycled-mtp"}
     s = record["summary"]
     assert f"mapped {s['tensors']} tensors: **{s['exact']} exact**" in card.text
@@ -163,7 +163,8 @@ def test_push_other_formats_to_main(drafters, hub_env, fmt):
     assert len(hub.commits) == 1 and hub.commits[0].revision == "main"
     assert hub.repos[f"me/ds-{fmt}"].get("visibility") is None  # not --private: the account's default
     card = ModelCard(hub.commits[0].files["README.md"].decode())
-    assert card.data.base_model == "deepseek_v3_mtp"  # local source without _name_or_path: its directory name
+    assert card.data.base_model is None  # a local source without a Hub id: no base_model field
+    assert "deepseek_v3_mtp" in card.text  # named in the body
     assert fmt in card.data.tags and "mtp" not in card.data.tags
     assert f'"model": "me/ds-{fmt}", "method": "{fmt}"' in card.text
     assert "## Benchmark" not in card.text  # no bench.json in this directory
@@ -193,7 +194,8 @@ def test_dry_run_writes_card_lists_files_and_sends_nothing(drafters, hub_env, tm
     assert data["dry_run"] and data["commit"] is None and data["card_path"] == str(card_path)
     assert data["files"] == {**{rel: len(b) for rel, b in listing(d).items()}, "README.md": len(card.encode())}
     assert ModelCard(card).data.tags[0] == "speculative-decoding"
-    assert "mtp_overlay/mtp.safetensors" in shown.stdout and "---\nbase_model: deepseek_v3_mtp" in shown.stdout
+    assert "mtp_overlay/mtp.safetensors" in shown.stdout and "base_model:" not in card
+    assert any("no base_model field" in n for n in data["notes"]) and any("no license" in n for n in data["notes"])
     assert "inside the drafter directory" in one_error_line(inside)
     assert digest(d) == before and not (d / "README.md").exists()
 
@@ -362,4 +364,31 @@ def test_push_a_drafter_made_by_distill(drafters, hub_env, tmp_path):
     card = ModelCard(commit.files["README.md"].decode())
     assert "distilled" in card.data.tags and "## Distillation" in card.text
     assert "| target tokens read (budget) | 512 (512) |" in card.text
-    assert "held-out top-1 agreement by draft step" in card.text and "not distilled" not in card.text
+    assert "held-out top-1 agreement with the target by draft step" in card.text and "not distilled" not in card.text
+
+
+def test_card_takes_the_license_and_publishes_no_local_path(drafters, hub_env, tmp_path, monkeypatch):
+    """--license wins; otherwise the source's README front matter; the card never shows a local path."""
+    d = drafters["eagle"]
+    monkeypatch.delenv("HF_TOKEN")
+    with hub_env():
+        given = json.loads(invoke("push", d, "--repo", "me/x", "--dry-run", "--license", "mit", "--json").stdout)
+    assert ModelCard(given["card"]).data.license == "mit" and given["license"] == "mit"
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "README.md").write_text("---\nlicense: apache-2.0\n---\n# a model\n")
+    copy = tmp_path / "drafter"
+    shutil.copytree(d, copy)
+    rec = json.loads((copy / "recycle.json").read_text())
+    rec["source"]["path"] = str(src)
+    rec.setdefault("distillation", []).append({"target": "/home/someone/models/secret-target", "tokens": 10,
+                                               "data": {"source": "/home/someone/data/chats.jsonl"},
+                                               "losses": {"objective": "KL(P_target ‖ P_draft)"}})
+    (copy / "recycle.json").write_text(json.dumps(rec))
+    with hub_env():
+        data = json.loads(invoke("push", copy, "--repo", "me/x", "--dry-run", "--json").stdout)
+    card = ModelCard(data["card"])
+    assert card.data.license == "apache-2.0"
+    assert "/home/someone" not in data["card"] and str(tmp_path) not in data["card"]
+    assert "secret-target" in data["card"] and "chats.jsonl" in data["card"]
+    assert "KL(P_target ‖ P_draft)" in data["card"] and "pypi.org" not in data["card"]

@@ -106,10 +106,16 @@ class MTPStack(Drafter):
     kind = "mtp"
     taps = ("last",)
 
-    def __init__(self, mtp: nn.Module, shape: Shape, masks: MaskCache, kind: str = "mtp", repeat_last: bool = False) -> None:
+    REUSE = {"last": lambda j, n: min(j, n - 1), "cycle": lambda j, n: j % n}
+
+    def __init__(self, mtp: nn.Module, shape: Shape, masks: MaskCache, kind: str = "mtp",
+                 reuse: str | None = None) -> None:
+        """`reuse`: which module runs a step past the stored depth. None: none does (the chain stops
+        at the depth); "last": the last module (the EAGLE drafter, as trained by distill); "cycle":
+        module k mod n (vLLM's `mtp`, TensorRT-LLM's MTP Eagle: one module chained for every step)."""
         self.mtp, self.masks, self.kind = mtp, masks, kind
         depth = shape if isinstance(shape, int) else shape.depth
-        self.steps = depth if repeat_last else min(depth, mtp.depth)
+        self.steps = depth if reuse else min(depth, mtp.depth)
         if isinstance(shape, int):
             shape = self.steps
         self.shape = shape
@@ -117,7 +123,8 @@ class MTPStack(Drafter):
         self.eh = fam.concat_order != "he"
         self.pre_norm = fam.chained_state == "pre_norm"
         self.zero_pos0 = bool(fam.zero_embed_at_pos0)
-        self.layers = [mtp.layers[min(j, mtp.depth - 1)] for j in range(self.steps)]
+        pick = self.REUSE[reuse or "last"]
+        self.layers = [mtp.layers[pick(j, mtp.depth)] for j in range(self.steps)]
         self.roles = [{r: mtp._role(lyr, r) for r in ("embed", "head", "final_norm")} for lyr in self.layers]
 
     def start(self, ids: list[int], feats: dict[str, torch.Tensor]) -> None:
@@ -365,10 +372,8 @@ def load_engine(drafter_dir: str | None, target: Target, masks: MaskCache, tree:
 
         mtp = MTP.from_checkpoint(target_dir if drafter_dir is None else drafter_dir, dtype=dtype)
         mtp.to(target.device)
-        shape = parse_shape(tree, mtp.depth, max_depth=mtp.depth)
-        if not isinstance(shape, int) and shape.depth > mtp.depth:
-            raise RecycleError(f"native MTP drafts at most {mtp.depth} tokens ahead; --tree is deeper")
-        return MTPStack(mtp, shape, masks, kind="native-mtp")
+        # Past the stored depth the modules are chained again, module k mod n, as vLLM's `mtp` does.
+        return MTPStack(mtp, parse_shape(tree, mtp.depth), masks, kind="native-mtp", reuse="cycle")
     from recycle.drafters import drafter_format, load_drafter
 
     d = Path(drafter_dir)
@@ -381,7 +386,7 @@ def load_engine(drafter_dir: str | None, target: Target, masks: MaskCache, tree:
         if model.config.vocab_size != vocab or model.config.hidden_size != target.config.hidden_size:
             raise RecycleError(f"{d}: drafter (vocab {model.config.vocab_size}, hidden {model.config.hidden_size}) "
                                f"does not fit the target (vocab {vocab}, hidden {target.config.hidden_size})")
-        return MTPStack(model, parse_shape(tree, DEFAULT_DYNAMIC), masks, kind="eagle", repeat_last=True)
+        return MTPStack(model, parse_shape(tree, DEFAULT_DYNAMIC), masks, kind="eagle", reuse="last")
     if fmt == "eagle3":
         from recycle.checkpoint import load_json
 

@@ -52,9 +52,16 @@ def load_target(
     try:
         with quiet_transformers():
             model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn)
-    except (ValueError, KeyError, OSError) as e:
-        raise RecycleError(f"{path}: transformers cannot load it as a causal LM ({' '.join(str(e).split())[:200]})") from None
+    except Exception as e:  # noqa: BLE001 - whatever a corrupt directory makes transformers raise is bad input
+        raise RecycleError(f"{path}: transformers cannot load it as a causal LM ({type(e).__name__}: "
+                           f"{_first_sentence(e)})") from None
     return model.to(device).eval()
+
+
+def _first_sentence(e: BaseException, limit: int = 200) -> str:
+    """An exception's message on one line, cut short (transformers' can run to pages)."""
+    text = " ".join(str(e).split()) or type(e).__name__
+    return text if len(text) <= limit else text[:limit].rsplit(" ", 1)[0] + " …"
 
 
 class Target:

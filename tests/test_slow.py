@@ -1,0 +1,72 @@
+"""Slow suites (`python -m pytest -q -m slow`): the fixture builds and the benchmark scripts, end to end
+on tiny budgets, so a change that breaks a figure's command shows before someone reruns it for hours."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from recycle.checkpoint import Checkpoint
+from recycle.families import match
+from tests.trained import FIXTURE
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow
+
+
+def _run(*args: str, timeout: int = 1800) -> str:
+    res = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    return res.stdout
+
+
+def test_posttrained_build_keeps_the_mtp_bytes(tmp_path: Path) -> None:
+    out = tmp_path / "pt"
+    _run("fixtures/build_posttrained.py", "--out", str(out), "--steps", "2", "--batch", "2", "--seq", "64",
+         "--no-compile", "--eval-windows", "4")
+    base, pt = Checkpoint(FIXTURE), Checkpoint(out)
+    assert all(torch.equal(base.raw(n), pt.raw(n)) for n in match(base).mtp_names)
+    assert not torch.equal(base.raw("lm_head.weight"), pt.raw("lm_head.weight"))
+    report = json.loads((out / "build_report.json").read_text())
+    assert report["steps"] == 2 and set(report["after"]) == {"stdlib_heldout", "transformers_heldout"}
+
+
+def test_stale_recycling_experiment_runs(tmp_path: Path) -> None:
+    out = _run("benchmarks/recycling_experiment.py", "--stale", "--formats", "eagle", "--work", str(tmp_path / "w"),
+               "--tokens", "1k", "--marks", "0,1k", "--scratch-tokens", "2k", "--scratch-marks", "0,2k", "--prompts",
+               "2", "--max-new-tokens", "8", "--seq-len", "64", "--batch", "2", "--threads", "2", "--plot",
+               str(tmp_path / "p.png"))
+    result = json.loads((tmp_path / "w" / "experiment.json").read_text())
+    assert set(result["runs"]) == {"eagle-recycled", "eagle-scratch", "eagle-scratch-long"}
+    assert result["reference"]["tree"].endswith("chain:2") and (tmp_path / "p.png").stat().st_size > 10_000
+    assert "estimate vs bench" in out
+
+
+def test_deeper_than_stored_runs(tmp_path: Path) -> None:
+    out = _run("benchmarks/deeper_than_stored.py", "--cases", "aligned", "--tokens", "aligned=1k", "--chains", "3",
+               "--prompts", "1", "--max-new-tokens", "8", "--repeats", "1", "--work", str(tmp_path), "--json",
+               str(tmp_path / "d.json"))
+    rows = json.loads((tmp_path / "d.json").read_text())["cases"]["aligned"]["rows"]
+    assert {r["drafter"] for r in rows} == {"native module reused", "eagle distilled"} and "| aligned |" in out
+
+
+def test_aligned_headroom_runs(tmp_path: Path) -> None:
+    out = _run("benchmarks/aligned_headroom.py", "--tokens", "1k", "--variants", "default,kl only", "--prompts", "1",
+               "--max-new-tokens", "8", "--work", str(tmp_path), "--json", str(tmp_path / "h.json"))
+    assert set(json.loads((tmp_path / "h.json").read_text())["runs"]) == {"default", "kl only"} and "| kl only |" in out
+
+
+def test_trained_fixture_build_runs(tmp_path: Path) -> None:
+    """Two eager steps of the bundled fixture's recipe: tokenizer, model, loop, evaluation, DeepSeek layout."""
+    out = tmp_path / "ft"
+    _run("fixtures/build_trained.py", "--out", str(out), "--steps", "2", "--batch", "2", "--seq", "64",
+         "--no-compile", "--eval-every", "100")
+    assert len(match(Checkpoint(out)).modules) == 2
+    assert json.loads((out / "build_report.json").read_text())["steps"] == 2
