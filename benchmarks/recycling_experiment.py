@@ -31,11 +31,14 @@ from distill.train import parse_tokens  # noqa: E402
 def markdown(result: dict) -> str:
     """The τ-per-checkpoint table and the scratch-multiple / native comparison tables."""
     marks = result["marks"]
-    lines = ["| run | tree | " + " | ".join(f"τ @ {m:,}" for m in marks) + " | tok/s | target fwd | overhead |",
-             "|---|---|" + "---:|" * (len(marks) + 3)]
+    every = sorted({p["tokens"] for run in result["runs"].values() for p in run["curve"]})  # scratch-long has its own
+    lines = ["| run | tree | " + " | ".join(f"τ @ {m:,}" for m in every) + " | tok/s | target fwd | overhead |",
+             "|---|---|" + "---:|" * (len(every) + 3)]
     for name, run in result["runs"].items():
         rec = run["record"]
-        lines.append(f"| {name} | {run['curve'][0]['tree']} | " + " | ".join(f"{p['tau']:.3f}" for p in run["curve"])
+        at = {p["tokens"]: p["tau"] for p in run["curve"]}
+        lines.append(f"| {name} | {run['curve'][0]['tree']} | " + " | ".join(f"{at[m]:.3f}" if m in at else ""
+                                                                               for m in every)
                      + f" | {rec['tokens_per_s']:.0f} | {100 * rec['target_forward_share']:.1f}% | "
                        f"{100 * rec['overhead_share']:.1f}% |")
     lines += ["", "| format | scratch run | " + " | ".join(f"scratch × tokens to match recycled @ {m:,}"

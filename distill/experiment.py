@@ -214,6 +214,7 @@ def plot(result: dict, path: str | Path, title: str | None = None) -> None:
     panels = len(fmts) + 2 * has_chain
     fig, axes = plt.subplots(1, panels, figsize=(4.4 * panels, 3.9), squeeze=False)
     styles = {"recycled": "o-", "scratch": "s--", "scratch-long": "^:"}
+    colors = {"recycled": "C0", "scratch": "C1", "scratch-long": "C2"}
     log_x = any(p["tokens"] > 4 * result["tokens"] for r in result["runs"].values() for p in r["curve"])
 
     def axis(ax, ylabel: str) -> None:
@@ -222,7 +223,9 @@ def plot(result: dict, path: str | Path, title: str | None = None) -> None:
         if log_x:
             ax.set_xscale("symlog", linthresh=max(1, min(m for m in result["marks"] if m) // 2))
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=6.5)
+        ax.legend(fontsize=6.5, loc="lower right")
+        if log_x:
+            ax.set_xlim(left=0)
 
     def refs(ax, key: str = "tau", depth: int | None = None) -> None:
         for ref, label, color in ((result["native"], "target's native MTP", "grey"),
@@ -236,7 +239,7 @@ def plot(result: dict, path: str | Path, title: str | None = None) -> None:
             run = result["runs"].get(f"{fmt}-{init}")
             if run:
                 ax.plot([p["tokens"] for p in run["curve"]], [p["tau"] for p in run["curve"]], style,
-                        label=f"{init} ({run['curve'][0]['tree']})")
+                        color=colors[init], label=f"{init} ({run['curve'][0]['tree']})")
         refs(ax)
         ax.set_title(f"--to {fmt}")
         axis(ax, "held-out τ (greedy)")
@@ -247,10 +250,12 @@ def plot(result: dict, path: str | Path, title: str | None = None) -> None:
             if not run:
                 continue
             xs = [p["tokens"] for p in run["curve"]]
-            tau_ax.plot(xs, [p["chain"]["tau"] for p in run["curve"]], style, label=f"eagle {init}")
-            for d in range(len(run["curve"][0]["chain"]["acceptance"])):
-                acc_ax.plot(xs, [p["chain"]["acceptance"][d] for p in run["curve"]], style,
-                            label=f"{init}, depth {d + 1}", alpha=1.0 if d == 0 else 0.55)
+            tau_ax.plot(xs, [p["chain"]["tau"] for p in run["curve"]], style, color=colors[init], label=f"eagle {init}")
+            depths = max(len(p["chain"]["acceptance"]) for p in run["curve"])
+            for d in range(depths):  # a depth never tried at a mark (nothing accepted before it) is left out
+                acc_ax.plot(xs, [p["chain"]["acceptance"][d] if d < len(p["chain"]["acceptance"]) else float("nan")
+                                 for p in run["curve"]], style, color=colors[init],
+                            label=f"{init}, depth {d + 1}", alpha=1.0 if d == 0 else 0.45)
         refs(tau_ax)
         refs(acc_ax, depth=0)
         tree = result["native"]["tree"]

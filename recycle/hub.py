@@ -239,7 +239,7 @@ def license_name(drafter: Drafter, override: str | None = None) -> tuple[str | N
         except (OSError, ValueError, AttributeError):
             lic = None
         if isinstance(lic, str) and lic:
-            return lic, f"the source's config.json"
+            return lic, "the source's config.json"
         lic = _front_matter_license(d / "README.md") if d != drafter.path else None
         if lic:
             return lic, "the source's README.md"
