@@ -79,6 +79,7 @@ def main() -> None:
     ap.add_argument("--prompt-source", default=None)
     ap.add_argument("--scratch-tokens", default=None)
     ap.add_argument("--scratch-marks", default=None)
+    ap.add_argument("--calibrate", default=None, help="--to medusa: calibrate the recycled heads on this many tokens")
     ap.add_argument("--work", default=None)
     ap.add_argument("--tokens", default=None)
     ap.add_argument("--marks", default=None)
@@ -116,7 +117,8 @@ def main() -> None:
                              scratch_tokens=parse_tokens(a.scratch_tokens) if getattr(a, "scratch_tokens", None) else None,
                              scratch_marks=counts(getattr(a, "scratch_marks", None)), prompts=a.prompts,
                              max_new_tokens=a.max_new_tokens, seq_len=a.seq_len, batch=a.batch, lr=a.lr,
-                             threads=a.threads)
+                             threads=a.threads,
+                             calibrate=parse_tokens(a.calibrate) if getattr(a, "calibrate", None) else None)
     t0 = time.perf_counter()
     result = run_experiment(opts, log=lambda s: print(s, flush=True))
     plot(result, a.plot, title=("stale MTP: base modules on the post-trained fixture, transformers-domain prompts"

@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 from collections.abc import Iterable
 from datetime import datetime, timezone
 
 import torch
 
 from converters import eagle, eagle3, medusa
-from converters.roles import APPROX, EXACT, FRESH, Plan, RoleWeights, gather
+from converters.calibrate import DEFAULT_STEPS as CALIBRATE_STEPS
+from converters.roles import APPROX, EXACT, FRESH, Lazy, Plan, RoleWeights, gather
 from converters.writer import OutputDir, Progress, ST_DTYPES
 from recycle import __version__
 from recycle.checkpoint import Checkpoint
@@ -53,6 +55,9 @@ def parse_layouts(to: str, layouts: str | Iterable[str] | None) -> tuple[str, ..
 def plan_for(w: RoleWeights, to: str, *, dtype: str, heads: int | None, draft_ids: torch.Tensor | None,
              layouts: tuple[str, ...] | None = None) -> Plan:
     name = DTYPE_NAMES[dtype]
+    if to != "medusa" and w.family.kind != "mtp":
+        raise RecycleError(f"{w.ckpt.path}: family '{w.family.name}' holds {w.family.kind.replace('_', ' ')}, not "
+                           f"sequential MTP modules: there is no embedding input for --to {to}; use --to medusa")
     if to == "eagle":
         return eagle.convert(w, dtype_name=name, layouts=layouts or eagle.LAYOUT_NAMES)
     if to == "eagle3":
@@ -95,13 +100,42 @@ def provenance(w: RoleWeights, to: str, dtype: str, options: dict, plan: Plan, r
     }
 
 
+def calibrated(plan: Plan, source: str | os.PathLike, target: str | os.PathLike, heads: int, tokens: int,
+               data: str | None, steps: int) -> dict:
+    """Replace the plan's identity ResBlocks by ones fitted to the source's heads (converters.calibrate);
+    returns the record for recycle.json."""
+    from converters import calibrate
+    from converters.medusa import FD_WEIGHTS, LAYERS, WEIGHTS
+
+    feats = calibrate.collect(source, target, heads, tokens, data)
+    fitted = calibrate.fit(feats, steps=steps)
+    for i, f in enumerate(fitted):
+        rep = f.report
+        note = (f"calibrated on {feats.tokens:,} tokens: held-out KL to the source head "
+                f"{rep['identity']['kl']:.3f} → {rep['calibrated']['kl']:.3f}, top-1 agreement "
+                f"{rep['identity']['top1_agreement']:.3f} → {rep['calibrated']['top1_agreement']:.3f}")
+        for name, t in (("weight", f.weight), ("bias", f.bias)):
+            lazy = Lazy(tuple(t.shape), (lambda t=t: t), (f"calibration: source head {i}",), APPROX, note)
+            plan.tensors[WEIGHTS][f"blocks.{i}.layers.{LAYERS - 1}.{name}"] = lazy
+            plan.tensors[FD_WEIGHTS][f"{i}.{LAYERS - 1}.linear.{name}"] = lazy
+    plan.notes.extend(feats.notes)
+    return {"tokens": feats.tokens, "data": data or "stdlib", "target": str(Path(target).resolve()),
+            "steps": steps, "lr": calibrate.DEFAULT_LR,
+            "objective": "KL(P_source_head ‖ P_medusa_head), the head's LM head fixed, ResBlock from the identity",
+            "heads": [f.report for f in fitted]}
+
+
 def convert_checkpoint(source: str | os.PathLike, to: str, out: str | os.PathLike, *, heads: int | None = None,
                        draft_vocab: int | None = None, vocab_corpus: str | os.PathLike | None = None,
                        dtype: str = "bf16", overwrite: bool = False, progress: Progress | None = None,
-                       layouts: str | Iterable[str] | None = None) -> dict:
+                       layouts: str | Iterable[str] | None = None, calibrate: int | None = None,
+                       target: str | os.PathLike | None = None, data: str | None = None,
+                       calibrate_steps: int = CALIBRATE_STEPS) -> dict:
     """Convert the MTP modules of `source` into a drafter directory `out`; returns a summary dict.
 
     `layouts` (eagle only): which of recycle, nextn, overlay to write; default all three.
+    `calibrate` (medusa only): fit the ResBlocks on this many tokens of `data` run through `target`
+    (default: the source itself), instead of leaving them at the identity.
     """
     started = time.perf_counter()
     if to not in FORMATS:
@@ -114,9 +148,20 @@ def convert_checkpoint(source: str | os.PathLike, to: str, out: str | os.PathLik
         raise RecycleError("--draft-vocab/--vocab-corpus apply to --to eagle3 only")
     if vocab_corpus is not None and draft_vocab is None:
         raise RecycleError("--vocab-corpus needs --draft-vocab N")
+    if (calibrate is not None or target is not None or data is not None) and to != "medusa":
+        raise RecycleError("--calibrate/--target/--data apply to --to medusa only")
+    if (target is not None or data is not None) and calibrate is None:
+        raise RecycleError("--target/--data need --calibrate TOKENS")
+    if calibrate is not None and calibrate < 1:
+        raise RecycleError("--calibrate must be at least 1 token")
     chosen = parse_layouts(to, layouts)
     ckpt = Checkpoint(source)
     writer = OutputDir(out, overwrite=overwrite, protect=(ckpt.path,))  # refuses a bad OUT before any reading
+    if target is not None:
+        from recycle.fit import check_fit
+        from recycle.preflight import checkpoint_dir
+
+        check_fit(ckpt.config, checkpoint_dir(target), ckpt.path, target, f"--target {target}")
     w = gather(ckpt)
     draft_ids = None
     if draft_vocab is not None:
@@ -126,10 +171,16 @@ def convert_checkpoint(source: str | os.PathLike, to: str, out: str | os.PathLik
     plan = plan_for(w, to, dtype=dtype, heads=heads, draft_ids=draft_ids, layouts=chosen)
     if not plan.tensors:
         raise RecycleError(f"--layouts {','.join(chosen or ())}: nothing to write ({'; '.join(plan.notes)})")
+    calibration = None
+    if calibrate is not None:
+        calibration = calibrated(plan, ckpt.path, target or ckpt.path, heads or medusa.DEFAULT_HEADS, calibrate, data,
+                                 calibrate_steps)
     rows = mapping_rows(plan, DTYPES[dtype])
     options = {"heads": heads, "draft_vocab": draft_vocab, "vocab_corpus": str(vocab_corpus) if vocab_corpus else None,
-               "layouts": list(chosen) if chosen else None}
+               "layouts": list(chosen) if chosen else None, "calibrate": calibrate}
     record = provenance(w, to, dtype, options, plan, rows)
+    if calibration is not None:
+        record["calibration"] = calibration
     with writer as d:
         d.write_safetensors(plan.tensors, DTYPES[dtype], progress=progress,
                             metadata={"recycle_format": to, "recycle_source_family": w.family.name})

@@ -25,7 +25,9 @@ from recycle.families import Family, MTPMatch, MTPModule, first_value, match
 EXACT, APPROX, FRESH = "exact", "approx", "fresh"
 LEAF_SHAPES = {"embed_norm": ("H",), "hidden_norm": ("H",), "proj": ("H", "2H"), "final_norm": ("H",),
                "head": ("V", "H"), "embed": ("V", "H")}
-REQUIRED = ("embed_norm", "hidden_norm", "proj", "head", "embed")
+# Roles a module must fill, by family kind: sequential MTP modules read an embedding and a hidden state
+# through their own norms and projection; parallel heads read the trunk state alone.
+REQUIRED = {"mtp": ("embed_norm", "hidden_norm", "proj", "head", "embed"), "parallel_heads": ("head", "embed")}
 FINITE_CHUNK = 1 << 24  # elements per NaN/Inf check slice (a bool mask of a 129k×7k head would be 0.9 GB)
 NONFINITE_BITS = {torch.bfloat16: 0x7F80, torch.float16: 0x7C00}  # |bits| ≥ this: exponent all ones, Inf or NaN
 BITS_CHUNK = 1 << 18  # elements per 16-bit check slice: its integer copy stays in cache (4× faster than 1 << 24)
@@ -159,9 +161,12 @@ def gather(ckpt: Checkpoint, family: str | None = None) -> RoleWeights:
         declared = f"declares {m.declared} ({', '.join(fam.depth_keys) or 'config'})" if m.declared else "declares none"
         raise RecycleError(f"{ckpt.path}: stores no MTP module ({fam.title} layout; config {declared}); "
                            "there is nothing to convert")
-    if fam.kind != "mtp" or fam.concat_order is None:
-        raise RecycleError(f"{ckpt.path}: family '{fam.name}' is {fam.kind}, not sequential MTP modules; "
-                           "recycle convert handles sequential MTP modules only")
+    if fam.kind not in REQUIRED:
+        raise RecycleError(f"{ckpt.path}: family '{fam.name}' is {fam.kind}, neither sequential MTP modules nor "
+                           "parallel heads; there is nothing recycle convert can map")
+    if fam.kind == "parallel_heads" and len(m.modules) < m.declared:
+        raise RecycleError(f"{ckpt.path}: config declares {m.declared} extra head(s) ({', '.join(fam.depth_keys)}), "
+                           f"{len(m.modules)} stored: a parallel-heads checkpoint missing a head is incomplete")
     h = first_value(m.config, fam.hidden_keys)
     v = first_value(m.config, fam.vocab_keys)
     if not isinstance(h, int) or not isinstance(v, int):
@@ -177,7 +182,7 @@ def gather(ckpt: Checkpoint, family: str | None = None) -> RoleWeights:
         return cache[(name, form)]
 
     for mod in m.modules:
-        missing = [r for r in REQUIRED if mod.tensor(r) is None]
+        missing = [r for r in REQUIRED[fam.kind] if mod.tensor(r) is None]
         if missing:
             raise RecycleError(f"{ckpt.path}: MTP module {mod.index} has no tensor for {', '.join(missing)}")
         leaves: dict[str, Lazy] = {}

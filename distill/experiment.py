@@ -47,6 +47,7 @@ class ExperimentOptions:
     scratch_tokens: int | None = None  # a longer scratch run, to measure the tokens ratio
     scratch_marks: tuple[int, ...] = ()
     chain: int | None = None  # like-for-like chain length (default: the target's native depth)
+    calibrate: int | None = None  # --to medusa: calibrate the recycled ResBlocks on this many tokens
     prompts: int = 8
     max_new_tokens: int = 64
     seq_len: int = 256
@@ -126,7 +127,8 @@ def run_experiment(opts: ExperimentOptions, log: Callable[[str], None] = print) 
     save()
     for fmt in opts.formats:
         src = work / f"{fmt}-converted"
-        convert_checkpoint(opts.source or opts.target, fmt, src, overwrite=True)
+        calibration = {"calibrate": opts.calibrate} if fmt == "medusa" and opts.calibrate else {}
+        convert_checkpoint(opts.source or opts.target, fmt, src, overwrite=True, **calibration)
         plan = [(init, opts.tokens, opts.marks) for init in INITS]
         if opts.scratch_tokens:
             plan.append(("scratch-long", opts.scratch_tokens, opts.scratch_marks))

@@ -328,6 +328,14 @@ def convert(
     dtype: Annotated[str, typer.Option("--dtype", help="Output dtype: bf16, fp16 or fp32.")] = "bf16",
     layouts: Annotated[str | None, typer.Option("--layouts", help="--to eagle: comma list of recycle, nextn, "
                                                 "overlay (default: all three).")] = None,
+    calibrate: Annotated[str | None, typer.Option("--calibrate", help="--to medusa: fit each ResBlock to the source "
+                                                  "head on this many tokens (e.g. 64k) instead of the identity.",
+                                                  metavar="TOKENS")] = None,
+    target: Annotated[Path | None, typer.Option("--target", help="With --calibrate: the model whose hidden states "
+                                                "the heads read (default: the checkpoint itself).",
+                                                metavar="TARGET_DIR")] = None,
+    data: Annotated[str | None, typer.Option("--data", help="With --calibrate: calibration text, as distill's "
+                                             "--data (default: the stdlib train split).")] = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing output directory.")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON summary object.")] = False,
 ) -> None:
@@ -338,15 +346,19 @@ def convert(
 
     Example: `recycle convert fixtures/deepseek_v3_mtp --to eagle -o /tmp/ds-eagle`
     """
-    from recycle.preflight import checkpoint_dir, output_dir
+    from recycle.preflight import checkpoint_dir, data_name, output_dir, parse_tokens
 
     checkpoint_dir(ckpt)
     output_dir(output, overwrite, (ckpt,))
+    budget = parse_tokens(calibrate, "--calibrate") if calibrate is not None else None
+    if target is not None:
+        checkpoint_dir(target)
+    data_name(data)
     from converters.api import convert_checkpoint
 
     data = _with_progress(json_out, "writing tensors", lambda progress: convert_checkpoint(
         ckpt, to, output, heads=heads, draft_vocab=draft_vocab, vocab_corpus=vocab_corpus, dtype=dtype,
-        overwrite=overwrite, progress=progress, layouts=layouts))
+        overwrite=overwrite, progress=progress, layouts=layouts, calibrate=budget, target=target, data=data))
     if json_out:
         print_json(data)
     else:

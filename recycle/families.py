@@ -35,6 +35,46 @@ COMMON_BLOCK_SHAPES: Mapping[str, tuple[str, ...]] = {
 
 
 @dataclass(frozen=True)
+class HFLayout:
+    """How a checkpoint stored under another codebase's names runs as a transformers model, as data.
+
+    `names` maps checkpoint names (regexes) to transformers' (templates over the groups): applied to the
+    trunk it gives a `model_type` causal LM's state dict; applied to a parallel head's block (after its
+    prefix is swapped for `layers.N.`) it gives that decoder layer's. `rope_permute` lists the transformers
+    names whose rows go from the interleaved rotary pairs of Meta's reference code to transformers'
+    half-split ones (and back when saving). `config` maps transformers config keys to checkpoint ones.
+    """
+
+    model_type: str
+    config: Mapping[str, str]
+    names: tuple[tuple[str, str], ...]
+    rope_permute: Mapping[str, str] = field(default_factory=dict)  # HF name suffix -> config key of its head count
+    layer: str = r"^layers\.(\d+)\."  # a trunk layer's prefix (their count is num_hidden_layers)
+
+
+META_LLAMA = HFLayout(
+    model_type="llama",
+    config={"hidden_size": "dim", "num_attention_heads": "n_heads", "num_key_value_heads": "n_kv_heads",
+            "rms_norm_eps": "norm_eps", "rope_theta": "rope_theta", "vocab_size": "vocab_size"},
+    names=(
+        (r"^tok_embeddings\.weight$", "model.embed_tokens.weight"),
+        (r"^norm\.weight$", "model.norm.weight"),
+        (r"^output\.weight$", "lm_head.weight"),
+        (r"^layers\.(\d+)\.attention\.wq\.weight$", "model.layers.{0}.self_attn.q_proj.weight"),
+        (r"^layers\.(\d+)\.attention\.wk\.weight$", "model.layers.{0}.self_attn.k_proj.weight"),
+        (r"^layers\.(\d+)\.attention\.wv\.weight$", "model.layers.{0}.self_attn.v_proj.weight"),
+        (r"^layers\.(\d+)\.attention\.wo\.weight$", "model.layers.{0}.self_attn.o_proj.weight"),
+        (r"^layers\.(\d+)\.feed_forward\.w1\.weight$", "model.layers.{0}.mlp.gate_proj.weight"),
+        (r"^layers\.(\d+)\.feed_forward\.w3\.weight$", "model.layers.{0}.mlp.up_proj.weight"),
+        (r"^layers\.(\d+)\.feed_forward\.w2\.weight$", "model.layers.{0}.mlp.down_proj.weight"),
+        (r"^layers\.(\d+)\.attention_norm\.weight$", "model.layers.{0}.input_layernorm.weight"),
+        (r"^layers\.(\d+)\.ffn_norm\.weight$", "model.layers.{0}.post_attention_layernorm.weight"),
+    ),
+    rope_permute={"self_attn.q_proj.weight": "num_attention_heads", "self_attn.k_proj.weight": "num_key_value_heads"},
+)
+
+
+@dataclass(frozen=True)
 class Family:
     """One MTP layout, as data."""
 
@@ -79,6 +119,8 @@ class Family:
     # SGLang's stand-alone NextN draft class for this family (its `export_*_nextn.py` layout:
     # module 0 renamed to layer 0, `num_hidden_layers: 1`); None where SGLang has no such export.
     nextn_architecture: str | None = None
+    # Checkpoints stored under another codebase's names (Meta's reference Llama): how transformers runs them.
+    hf_layout: HFLayout | None = None
     notes: str = ""
 
 
@@ -260,6 +302,8 @@ FAMILIES: tuple[Family, ...] = (
         hidden_keys=("dim", "hidden_size"),
         block_shapes={"attention_norm.weight": ("H",), "ffn_norm.weight": ("H",)},
         kind="parallel_heads",
+        hf_layout=META_LLAMA,
+        block_class="transformers.models.llama.modeling_llama.LlamaDecoderLayer",
         notes="extra_heads.{k} are transformer blocks reading the trunk state in parallel; no embedding input",
     ),
     Family(

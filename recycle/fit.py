@@ -13,9 +13,10 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from recycle.errors import RecycleError
-from recycle.families import merged_config
+from recycle.families import first_value, merged_config
 
 TOKENIZER_FILE = "tokenizer.json"
+HIDDEN_KEYS = ("hidden_size", "dim")  # transformers' name, Meta's params.json name
 
 
 def tokenizer_fingerprint(directory: str | Path) -> str | None:
@@ -39,9 +40,10 @@ def check_fit(base: Mapping, target: Mapping, base_dir: str | Path | None, targe
     """RecycleError unless `base` (a config) has the target's hidden size and vocabulary, and, where
     both directories hold a tokenizer.json, the same tokenizer."""
     b, t = merged_config(base), merged_config(target)
-    for key in ("hidden_size", "vocab_size"):
-        if b.get(key) is not None and t.get(key) is not None and b[key] != t[key]:
-            raise RecycleError(f"{what}: {key} {b[key]} does not fit the target's {t[key]}")
+    for what_dim, keys in (("hidden size", HIDDEN_KEYS), ("vocabulary", ("vocab_size",))):
+        x, y = first_value(b, keys), first_value(t, keys)
+        if x is not None and y is not None and x != y:
+            raise RecycleError(f"{what}: {what_dim} {x} does not fit the target's {y}")
     if base_dir is not None and target_dir is not None:
         fb, ft = tokenizer_fingerprint(base_dir), tokenizer_fingerprint(target_dir)
         if fb is not None and ft is not None and fb != ft:

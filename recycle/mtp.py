@@ -45,6 +45,15 @@ def import_object(dotted: str):
         raise RecycleError(f"cannot import {dotted} from the installed transformers ({e})") from None
 
 
+def block_rotary(block_class: str, config: PretrainedConfig) -> nn.Module | None:
+    """The rotary embedding that goes with a decoder-layer class (its module's `*RotaryEmbedding`), or
+    None when the model has none: blocks run outside their model need the position embeddings it makes."""
+    block_cls = import_object(block_class)
+    rotary_name = block_cls.__name__.replace("DecoderLayer", "RotaryEmbedding")
+    rotary_cls = getattr(importlib.import_module(block_cls.__module__), rotary_name, None)
+    return rotary_cls(config) if rotary_cls is not None else None
+
+
 def block_config(config: Mapping, attn_implementation: str = "sdpa", model_type: str | None = None) -> PretrainedConfig:
     """The family's transformers config class, built from a checkpoint's (merged) config dict.
 
@@ -176,10 +185,7 @@ class MTP(nn.Module):
         unfilled = [r for r in ("embed", "head") if r not in roles and r not in self._shared]
         if unfilled:
             raise ValueError(f"MTP roles {unfilled} are neither held nor shared")
-        block_cls = import_object(family.block_class)
-        rotary_name = block_cls.__name__.replace("DecoderLayer", "RotaryEmbedding")
-        rotary_cls = getattr(importlib.import_module(block_cls.__module__), rotary_name, None)
-        self.rotary = rotary_cls(config) if rotary_cls is not None else None
+        self.rotary = block_rotary(family.block_class, config)
 
     @property
     def depth(self) -> int:

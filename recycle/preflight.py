@@ -86,17 +86,17 @@ def output_dir(out: str | os.PathLike, overwrite: bool = False, protect: tuple[s
     return o
 
 
-def parse_tokens(value: str | int) -> int:
+def parse_tokens(value: str | int, option: str = "--tokens") -> int:
     """'2M' → 2_000_000; accepts k/M/B (case-insensitive), decimals ('1.5M'), underscores, plain ints."""
     if isinstance(value, int):
         n = value
     else:
         m = re.fullmatch(r"\s*(\d+(?:\.\d+)?|\.\d+)\s*([kKmMbBgGtT]?)\s*", str(value).replace("_", "").replace(",", ""))
         if not m:
-            raise RecycleError(f"--tokens {value!r}: expected a count like 300k, 2M, 1.5B or 500000")
+            raise RecycleError(f"{option} {value!r}: expected a count like 300k, 2M, 1.5B or 500000")
         n = int(round(float(m.group(1)) * SUFFIXES[m.group(2).lower()]))
     if n < 1:
-        raise RecycleError(f"--tokens {value!r}: the budget must be at least 1 token")
+        raise RecycleError(f"{option} {value!r}: the budget must be at least 1 token")
     return n
 
 

@@ -12,6 +12,7 @@ Engines:
                    (`recycle.drafters.EagleDrafter`, same computation, any number of steps)
   Eagle3Engine     the EAGLE-3 layer run recursively, EAGLE-2 style
   MedusaEngine     Medusa heads over the target's last hidden state
+  ParallelEngine   Meta's parallel heads: blocks over the trunk state, each with its own KV cache
 """
 
 from __future__ import annotations
@@ -316,11 +317,47 @@ class MedusaEngine(Drafter):
         depth = self.shape if isinstance(self.shape, int) else self.shape.depth
         m = self.model  # only the heads the tree reaches
         heads = [head(block(self.h)) for block, head in list(zip(m.blocks, m.lm_heads))[:depth]]
-        ex = Expander(root, self.shape, temperature, gen)
-        while not ex.done():
-            row = heads[ex.level][-1:]
-            ex.expand(row.expand(len(ex.frontier()), -1))
-        return ex.tree()[0]
+        return per_level_tree(root, self.shape, [lg[-1:] for lg in heads], temperature, gen)
+
+
+def per_level_tree(root: int, shape: Shape, rows: list[torch.Tensor], temperature: float,
+                   gen: torch.Generator | None) -> Tree:
+    """A tree whose every node at depth d+1 draws from the same logits row `rows[d]` [1, V]: heads that
+    read only the last committed state (Medusa, parallel heads) cannot condition on their parents."""
+    ex = Expander(root, shape, temperature, gen)
+    while not ex.done():
+        ex.expand(rows[ex.level].expand(len(ex.frontier()), -1))
+    return ex.tree()[0]
+
+
+class ParallelEngine(Drafter):
+    """Parallel heads (`recycle.drafters.parallel`): head k, a block over the trunk states with its own
+    KV cache, proposes depth k+1 from the last committed trunk state; the heads' top-k choices make a
+    Medusa-style static tree. The caches only ever hold committed positions."""
+
+    kind = "parallel-heads"
+
+    def __init__(self, heads: nn.Module, shape: Shape, masks: MaskCache, tap: str) -> None:
+        self.heads, self.shape, self.masks = heads, shape, masks
+        self.taps = (tap,)
+
+    def start(self, ids: list[int], feats: dict[str, torch.Tensor]) -> None:
+        self.pending = [feats[self.taps[0]]]
+        self.caches = self.heads.new_caches()
+        self.done = 0
+
+    def commit(self, tokens: list[int], feats: dict[str, torch.Tensor]) -> None:
+        self.pending.append(feats[self.taps[0]])
+
+    def propose(self, root: int, temperature: float = 0.0, gen: torch.Generator | None = None) -> Tree:
+        h = torch.cat(self.pending) if len(self.pending) > 1 else self.pending[0]
+        self.pending = []
+        n = h.shape[0]
+        pos = torch.arange(self.done, self.done + n, device=h.device)[None]
+        depth = self.shape if isinstance(self.shape, int) else self.shape.depth
+        logits = self.heads(h[None], pos, self.masks.causal(n, self.done), self.caches)
+        self.done += n
+        return per_level_tree(root, self.shape, [lg[0, -1:] for lg in logits[:depth]], temperature, gen)
 
 
 def parse_shape(value: str | None, default: Shape, max_depth: int | None = None) -> Shape:
@@ -368,9 +405,19 @@ def load_engine(drafter_dir: str | None, target: Target, masks: MaskCache, tree:
     dtype = target.dtype
     same = drafter_dir is not None and target_dir is not None and Path(drafter_dir).resolve() == Path(target_dir).resolve()
     if native or same:
+        from recycle.checkpoint import Checkpoint
+        from recycle.families import match
         from recycle.mtp import MTP
 
-        mtp = MTP.from_checkpoint(target_dir if drafter_dir is None else drafter_dir, dtype=dtype)
+        src = target_dir if drafter_dir is None else drafter_dir
+        if match(Checkpoint(src)).family.kind == "parallel_heads":
+            from recycle.drafters.parallel import ParallelHeads
+
+            heads = ParallelHeads.from_checkpoint(src, target.model)
+            default = StaticTree.from_choices([c for c in DEFAULT_MEDUSA_CHOICES if len(c) <= heads.num_heads])
+            return ParallelEngine(heads, parse_shape(tree, default, max_depth=heads.num_heads), masks,
+                                  tap=f"layer:{target.num_layers - 1}")
+        mtp = MTP.from_checkpoint(src, dtype=dtype)
         mtp.to(target.device)
         # Past the stored depth the modules are chained again, module k mod n, as vLLM's `mtp` does.
         return MTPStack(mtp, parse_shape(tree, mtp.depth), masks, kind="native-mtp", reuse="cycle")

@@ -40,6 +40,15 @@ def quiet_transformers() -> Iterator[None]:
             hf_logging.enable_progress_bar()
 
 
+def layout_family(path: Path) -> str | None:
+    """The family whose `hf_layout` says how to run this directory, when its config names one."""
+    from recycle.families import FAMILIES
+    from recycle.preflight import load_json
+
+    model_type = load_json(path / "config.json", "config.json").get("model_type")
+    return next((f.name for f in FAMILIES if f.hf_layout is not None and model_type in f.model_types), None)
+
+
 def load_target(
     path: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, attn: str = "sdpa"
 ) -> nn.Module:
@@ -49,9 +58,20 @@ def load_target(
     path = Path(path)
     if not (path / "config.json").is_file():
         raise RecycleError(f"{path}: not a model directory (no config.json)")
+    layout = layout_family(path)
     try:
         with quiet_transformers():
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn)
+            if layout is not None:  # another codebase's names (Meta's Llama): mapped onto transformers' model
+                from recycle.checkpoint import Checkpoint
+                from recycle.families import match
+                from recycle.layouts import load_causal_lm
+
+                ckpt = Checkpoint(path)
+                model = load_causal_lm(ckpt, match(ckpt, layout), dtype, attn)
+            else:
+                model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn)
+    except RecycleError:
+        raise
     except Exception as e:  # noqa: BLE001 - whatever a corrupt directory makes transformers raise is bad input
         raise RecycleError(f"{path}: transformers cannot load it as a causal LM ({type(e).__name__}: "
                            f"{_first_sentence(e)})") from None

@@ -1,0 +1,175 @@
+"""Calibrated Medusa heads: fit each head's ResBlock so that it reproduces what the source head computes.
+
+A Medusa head reads only the target's last hidden state h_p (final-normed) and must name the token
+two or more ahead. The source's heads know how, but from other inputs: a parallel head (Meta) runs a
+transformer block over the trunk state; a sequential MTP module (DeepSeek) also reads the embedding
+of the next token, which a Medusa head never sees. Neither maps exactly onto `h + SiLU(W h + b)`,
+so the ResBlock is *fitted*: on calibration text, the target gives h_p and the source head its
+feature y_p (the normed input of its LM head) for the token the Medusa head will predict; W, b
+(from zero: Medusa's identity init) minimise KL(softmax(L y) ‖ softmax(L (h + SiLU(W h + b)))) with L
+the head's own LM head, kept as it is. For a sequential module the fit is E[module output | h_p]
+over the tokens it would have read. Fit and held-out error go into recycle.json; the tensors are
+`approx`.
+
+`collect` runs the models (the caller's part); `fit` is a pure function of the cached features.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from recycle.errors import RecycleError
+
+DEFAULT_STEPS = 400
+DEFAULT_LR = 2e-3
+MINIBATCH = 1024
+HELDOUT = 0.1  # share of the positions kept out of the fit to report its error
+
+
+@dataclass
+class Features:
+    """Calibration set: target states h [N, H], and per calibrated head its source feature [N, H] and LM head [V, H]."""
+
+    h: torch.Tensor
+    targets: list[torch.Tensor]
+    lm_heads: list[torch.Tensor]
+    tokens: int = 0
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Fitted:
+    weight: torch.Tensor  # [H, H]
+    bias: torch.Tensor  # [H]
+    report: dict
+
+
+def _resblock(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return h + F.silu(h @ w.T + b)
+
+
+def _scores(h: torch.Tensor, y: torch.Tensor, lm: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> dict:
+    """Held-out KL(source ‖ Medusa) and top-1 agreement of the Medusa head with the source head."""
+    with torch.no_grad():
+        kl, agree, n = 0.0, 0, 0
+        for s in range(0, h.shape[0], MINIBATCH):
+            t = F.log_softmax(y[s:s + MINIBATCH] @ lm.T, -1)
+            d = F.log_softmax(_resblock(h[s:s + MINIBATCH], w, b) @ lm.T, -1)
+            kl += float((t.exp() * (t - d)).sum())
+            agree += int((t.argmax(-1) == d.argmax(-1)).sum())
+            n += t.shape[0]
+    return {"kl": kl / max(n, 1), "top1_agreement": agree / max(n, 1)}
+
+
+def fit(feats: Features, steps: int = DEFAULT_STEPS, lr: float = DEFAULT_LR, seed: int = 0) -> list[Fitted]:
+    """One ResBlock per head, from the identity, by Adam on minibatches of the training positions."""
+    n = feats.h.shape[0]
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+    held, train = perm[: max(1, int(n * HELDOUT))], perm[max(1, int(n * HELDOUT)):]
+    if len(train) < 1:
+        raise RecycleError("--calibrate: too few positions to fit on; give more tokens")
+    h = feats.h.float()
+    out = []
+    gen = torch.Generator().manual_seed(seed + 1)
+    for y, lm in zip(feats.targets, feats.lm_heads):
+        y, lm = y.float(), lm.float()
+        w = torch.zeros(h.shape[1], h.shape[1], requires_grad=True)
+        b = torch.zeros(h.shape[1], requires_grad=True)
+        before = _scores(h[held], y[held], lm, w.detach(), b.detach())
+        opt = torch.optim.Adam([w, b], lr=lr)
+        for _ in range(steps):
+            idx = train[torch.randint(0, len(train), (min(MINIBATCH, len(train)),), generator=gen)]
+            with torch.no_grad():
+                target = F.log_softmax(y[idx] @ lm.T, -1)
+            draft = F.log_softmax(_resblock(h[idx], w, b) @ lm.T, -1)
+            loss = (target.exp() * (target - draft)).sum(-1).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        after = _scores(h[held], y[held], lm, w.detach(), b.detach())
+        out.append(Fitted(w.detach().clone(), b.detach().clone(),
+                          {"heldout_positions": len(held), "fit_positions": len(train), "identity": before,
+                           "calibrated": after}))
+    return out
+
+
+# -- collecting the features (runs the target and the source heads) ---------------------------------
+
+
+def _windows(tokenizer, data: str | None, tokens: int, length: int) -> torch.Tensor:
+    """Calibration windows: the training side of `--data` (default: the stdlib train split), packed."""
+    from recycle.texts import data_source
+
+    texts = data_source(data).train()
+    eos = tokenizer.eos_token_id
+    ids: list[int] = []
+    for text in texts:
+        ids.extend(tokenizer(text, add_special_tokens=False)["input_ids"] + ([eos] if eos is not None else []))
+        if len(ids) >= tokens + length:
+            break
+    rows = max(1, min(len(ids) // length, -(-tokens // length)))
+    if len(ids) < length:
+        raise RecycleError(f"--calibrate: the calibration text holds only {len(ids)} tokens")
+    return torch.tensor([ids[i * length:(i + 1) * length] for i in range(rows)], dtype=torch.long)
+
+
+@torch.no_grad()
+def collect(source: str | Path, target: str | Path, heads: int, tokens: int, data: str | None = None,
+            seq_len: int = 256, batch: int = 8) -> Features:
+    """Run `target` on calibration text and the source's heads beside it; return what `fit` needs.
+
+    Medusa head j at position p predicts the token p+j+2: a parallel head k = j reads the trunk
+    state at p; sequential MTP depth j+1 at p reads h_p and the true tokens up to p+j+1 (teacher
+    forcing). Heads past the source's depth are not calibrated (they keep the identity).
+    """
+    from transformers import AutoTokenizer
+
+    from recycle.checkpoint import Checkpoint
+    from recycle.decoding.target import load_target, quiet_transformers
+    from recycle.families import match
+
+    ckpt = Checkpoint(source)
+    kind = match(ckpt).family.kind
+    model = load_target(target, dtype=torch.float32)
+    with quiet_transformers():
+        tok = AutoTokenizer.from_pretrained(target)
+    tok.model_max_length = 1 << 62
+    if kind == "parallel_heads":
+        from recycle.drafters.parallel import ParallelHeads
+
+        src = ParallelHeads.from_checkpoint(source, model)
+        depth = min(heads, src.num_heads)
+        lm = [model.get_output_embeddings().weight] * depth
+    else:
+        from recycle.mtp import MTP
+
+        src = MTP.from_checkpoint(ckpt)
+        depth = min(heads, src.depth)
+        lm = [src._role(src.layers[j], "head").weight for j in range(depth)]
+    wins = _windows(tok, data, tokens, seq_len + depth + 1)
+    layer = len(model.get_decoder().layers) - 1
+    hs, ys = [], [[] for _ in range(depth)]
+    for s in range(0, wins.shape[0], batch):
+        w = wins[s:s + batch]
+        x = w[:, :seq_len]
+        out = model.get_decoder()(input_ids=x, use_cache=False, output_hidden_states=kind == "parallel_heads")
+        h = out.last_hidden_state
+        hs.append(h.reshape(-1, h.shape[-1]))
+        if kind == "parallel_heads":
+            feats = src.features(out.hidden_states[layer])
+        else:
+            mo = src(h, w[:, :seq_len + depth], depth=depth)
+            feats = []
+            for j in range(depth):
+                norm = src._role(src.layers[j], "final_norm")
+                feats.append(norm(mo.states[j]) if norm is not None else mo.states[j])
+        for j in range(depth):
+            ys[j].append(feats[j].reshape(-1, h.shape[-1]))
+    past = f"heads {depth}..{heads - 1} are past the source's {depth} head(s): not calibrated (identity ResBlocks)"
+    notes = [] if depth == heads else [past]
+    return Features(torch.cat(hs), [torch.cat(y) for y in ys], [t.detach() for t in lm],
+                    tokens=int(wins.shape[0] * seq_len), notes=notes)
