@@ -7,8 +7,8 @@ of the next token, which a Medusa head never sees. Neither maps exactly onto `h 
 so the ResBlock is *fitted*: on calibration text, the target gives h_p and the source head its
 feature y_p (the normed input of its LM head) for the token the Medusa head will predict; W, b
 (from zero: Medusa's identity init) minimise KL(softmax(L y) ‖ softmax(L (h + SiLU(W h + b)))) with L
-the head's own LM head, kept as it is. For a sequential module the fit is E[module output | h_p]
-over the tokens it would have read. Fit and held-out error go into recycle.json; the tensors are
+the head's own LM head, kept as it is. A sequential module is fed the
+target's own greedy tokens, so its output is a function of h_p that a ResBlock can approach. Fit and held-out error go into recycle.json; the tensors are
 `approx`.
 
 `collect` runs the models (the caller's part); `fit` is a pure function of the cached features.
@@ -123,8 +123,10 @@ def collect(source: str | Path, target: str | Path, heads: int, tokens: int, dat
     """Run `target` on calibration text and the source's heads beside it; return what `fit` needs.
 
     Medusa head j at position p predicts the token p+j+2: a parallel head k = j reads the trunk
-    state at p; sequential MTP depth j+1 at p reads h_p and the true tokens up to p+j+1 (teacher
-    forcing). Heads past the source's depth are not calibrated (they keep the identity).
+    state at p; sequential MTP depth j+1 at p reads h_p and the tokens up to p+j+1, taken as the target's
+    own greedy tokens (the argmax at p+j), which is what greedy verification will feed it: token p+1 is then
+    a function of h_p, so the fit need not average over a token the Medusa head cannot see. Heads past
+    the source's depth are not calibrated (they keep the identity).
     """
     from transformers import AutoTokenizer
 
@@ -155,18 +157,20 @@ def collect(source: str | Path, target: str | Path, heads: int, tokens: int, dat
     hs, ys = [], [[] for _ in range(depth)]
     for s in range(0, wins.shape[0], batch):
         w = wins[s:s + batch]
-        x = w[:, :seq_len]
-        out = model.get_decoder()(input_ids=x, use_cache=False, output_hidden_states=kind == "parallel_heads")
-        h = out.last_hidden_state
-        hs.append(h.reshape(-1, h.shape[-1]))
         if kind == "parallel_heads":
+            out = model.get_decoder()(input_ids=w[:, :seq_len], use_cache=False, output_hidden_states=True)
+            h = out.last_hidden_state
             feats = src.features(out.hidden_states[layer])
-        else:
-            mo = src(h, w[:, :seq_len + depth], depth=depth)
+        else:  # the tokens the modules read are the target's own greedy ones: a function of h_p, as a Medusa head needs
+            full = model.get_decoder()(input_ids=w[:, :seq_len + depth], use_cache=False).last_hidden_state
+            h = full[:, :seq_len]
+            greedy = model.get_output_embeddings()(full).argmax(-1)
+            mo = src(h, torch.cat([w[:, :1], greedy[:, :-1]], 1), depth=depth)
             feats = []
             for j in range(depth):
                 norm = src._role(src.layers[j], "final_norm")
                 feats.append(norm(mo.states[j]) if norm is not None else mo.states[j])
+        hs.append(h.reshape(-1, h.shape[-1]))
         for j in range(depth):
             ys[j].append(feats[j].reshape(-1, h.shape[-1]))
     past = f"heads {depth}..{heads - 1} are past the source's {depth} head(s): not calibrated (identity ResBlocks)"

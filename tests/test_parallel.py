@@ -117,6 +117,11 @@ def test_medusa_from_parallel_heads_calibrated(par, tmp_path: Path) -> None:
         assert h["calibrated"]["kl"] < h["identity"]["kl"]
     kinds = {r["tensor"]: r["kind"] for r in rec["mapping"] if r["file"] == "model.safetensors"}
     assert kinds["blocks.0.layers.0.weight"] == "approx" and kinds["lm_heads.0.weight"] == "exact"
+    with safe_open(str(out / "model.safetensors"), "pt") as f:  # vLLM's MedusaModel key set
+        assert set(f.keys()) == {f"blocks.{i}.layers.0.{p}" for i in range(3) for p in ("weight", "bias")} | {
+            f"lm_heads.{i}.weight" for i in range(3)}
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["MedusaModel"] and cfg["num_heads"] == cfg["medusa_num_heads"] == 3
     with safe_open(str(out / "medusa_lm_head.safetensors"), "pt") as f:  # FasterDecoding's key set too
         assert set(f.keys()) == {f"{i}.{j}" for i in range(3) for j in ("0.linear.weight", "0.linear.bias", "1.weight")}
     assert not torch.equal(load_drafter(out).blocks[0].layers[0].weight, torch.zeros(64, 64))
