@@ -78,10 +78,10 @@ def test_native_parallel_drafting_is_lossless_and_cached_exactly(par) -> None:
     engine.start(prompt, target.forward(torch.tensor([prompt]), torch.arange(len(prompt))[None], None,
                                         target.new_cache())[1])
     seen = {}
-    engine.heads.forward, orig = (lambda *a, **k: seen.setdefault("rows", orig(*a, **k))), engine.heads.forward
+    engine.heads.features, orig = (lambda *a, **k: seen.setdefault("rows", orig(*a, **k))), engine.heads.features
     engine.propose(prompt[-1])
     h = target.forward(torch.tensor([prompt]), torch.arange(len(prompt))[None], None, target.new_cache())[1]
-    full = ParallelHeads.forward(engine.heads, h[engine.taps[0]][None])
+    full = ParallelHeads.features(engine.heads, h[engine.taps[0]][None])
     for k, rows in enumerate(seen["rows"]):
         torch.testing.assert_close(rows[0, -1], full[k][0, -1], rtol=0, atol=1e-4)
 

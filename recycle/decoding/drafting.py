@@ -355,9 +355,11 @@ class ParallelEngine(Drafter):
         n = h.shape[0]
         pos = torch.arange(self.done, self.done + n, device=h.device)[None]
         depth = self.shape if isinstance(self.shape, int) else self.shape.depth
-        logits = self.heads(h[None], pos, self.masks.causal(n, self.done), self.caches)
+        # every head's block runs over the n new states (its cache must hold them all); only the last
+        # state's row of the heads the tree reaches goes through the vocabulary projection
+        feats = self.heads.features(h[None], pos, self.masks.causal(n, self.done), self.caches)
         self.done += n
-        return per_level_tree(root, self.shape, [lg[0, -1:] for lg in logits[:depth]], temperature, gen)
+        return per_level_tree(root, self.shape, [self.heads.head(f[0, -1:]) for f in feats[:depth]], temperature, gen)
 
 
 def parse_shape(value: str | None, default: Shape, max_depth: int | None = None) -> Shape:

@@ -39,6 +39,11 @@ class ParallelHeads(nn.Module):
     def num_heads(self) -> int:
         return len(self.blocks)
 
+    @property
+    def head(self) -> nn.Module:
+        """The shared LM head (the target's)."""
+        return self._shared["head"]
+
     @classmethod
     def from_checkpoint(cls, path: str | Path, target_model: nn.Module) -> ParallelHeads:
         """The extra heads of `path`, run with the (already loaded) target's config, norm and head."""
@@ -87,7 +92,7 @@ class ParallelHeads(nn.Module):
     def forward(self, h: torch.Tensor, position_ids: torch.Tensor | None = None, attention_mask=None,
                 caches: list | None = None) -> list[torch.Tensor]:
         """Per head k, logits [B, T, V] for the token k+2 ahead (`features` through the shared head)."""
-        return [self._shared["head"](f) for f in self.features(h, position_ids, attention_mask, caches)]
+        return [self.head(f) for f in self.features(h, position_ids, attention_mask, caches)]
 
     def new_caches(self) -> list[DynamicCache]:
         return [DynamicCache() for _ in self.blocks]
