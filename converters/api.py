@@ -53,7 +53,7 @@ def parse_layouts(to: str, layouts: str | Iterable[str] | None) -> tuple[str, ..
 
 
 def plan_for(w: RoleWeights, to: str, *, dtype: str, heads: int | None, draft_ids: torch.Tensor | None,
-             layouts: tuple[str, ...] | None = None) -> Plan:
+             layouts: tuple[str, ...] | None = None, attention: str = "llama") -> Plan:
     name = DTYPE_NAMES[dtype]
     if to != "medusa" and w.family.kind != "mtp":
         raise RecycleError(f"{w.ckpt.path}: family '{w.family.name}' holds {w.family.kind.replace('_', ' ')}, not "
@@ -61,7 +61,7 @@ def plan_for(w: RoleWeights, to: str, *, dtype: str, heads: int | None, draft_id
     if to == "eagle":
         return eagle.convert(w, dtype_name=name, layouts=layouts or eagle.LAYOUT_NAMES)
     if to == "eagle3":
-        return eagle3.convert(w, draft_ids=draft_ids, dtype_name=name)
+        return eagle3.convert(w, draft_ids=draft_ids, dtype_name=name, attention=attention)
     return medusa.convert(w, heads=medusa.DEFAULT_HEADS if heads is None else heads, dtype_name=name)
 
 
@@ -130,10 +130,11 @@ def convert_checkpoint(source: str | os.PathLike, to: str, out: str | os.PathLik
                        dtype: str = "bf16", overwrite: bool = False, progress: Progress | None = None,
                        layouts: str | Iterable[str] | None = None, calibrate: int | None = None,
                        target: str | os.PathLike | None = None, data: str | None = None,
-                       calibrate_steps: int = CALIBRATE_STEPS) -> dict:
+                       calibrate_steps: int = CALIBRATE_STEPS, eagle3_attention: str | None = None) -> dict:
     """Convert the MTP modules of `source` into a drafter directory `out`; returns a summary dict.
 
     `layouts` (eagle only): which of recycle, nextn, overlay to write; default all three.
+    `eagle3_attention` (eagle3 only): "llama" (portable, the default) or "mla" (vLLM's DeepSeek EAGLE-3).
     `calibrate` (medusa only): fit the ResBlocks on this many tokens of `data` run through `target`
     (default: the source itself), instead of leaving them at the identity.
     """
@@ -146,6 +147,11 @@ def convert_checkpoint(source: str | os.PathLike, to: str, out: str | os.PathLik
         raise RecycleError("--heads applies to --to medusa only")
     if (draft_vocab is not None or vocab_corpus is not None) and to != "eagle3":
         raise RecycleError("--draft-vocab/--vocab-corpus apply to --to eagle3 only")
+    if eagle3_attention is not None and to != "eagle3":
+        raise RecycleError("--eagle3-attention applies to --to eagle3 only")
+    if eagle3_attention is not None and eagle3_attention not in eagle3.ATTENTION:
+        choices = ", ".join(eagle3.ATTENTION)
+        raise RecycleError(f"unknown --eagle3-attention '{eagle3_attention}' (choose from {choices})")
     if vocab_corpus is not None and draft_vocab is None:
         raise RecycleError("--vocab-corpus needs --draft-vocab N")
     if (calibrate is not None or target is not None or data is not None) and to != "medusa":
@@ -168,7 +174,8 @@ def convert_checkpoint(source: str | os.PathLike, to: str, out: str | os.PathLik
         from converters.vocab import draft_vocab as top_tokens
 
         draft_ids = top_tokens(ckpt.path, draft_vocab, w.vocab_size, vocab_corpus)
-    plan = plan_for(w, to, dtype=dtype, heads=heads, draft_ids=draft_ids, layouts=chosen)
+    plan = plan_for(w, to, dtype=dtype, heads=heads, draft_ids=draft_ids, layouts=chosen,
+                    attention=eagle3_attention or "llama")
     if not plan.tensors:
         raise RecycleError(f"--layouts {','.join(chosen or ())}: nothing to write ({'; '.join(plan.notes)})")
     calibration = None
@@ -177,7 +184,8 @@ def convert_checkpoint(source: str | os.PathLike, to: str, out: str | os.PathLik
                                  calibrate_steps)
     rows = mapping_rows(plan, DTYPES[dtype])
     options = {"heads": heads, "draft_vocab": draft_vocab, "vocab_corpus": str(vocab_corpus) if vocab_corpus else None,
-               "layouts": list(chosen) if chosen else None, "calibrate": calibrate}
+               "layouts": list(chosen) if chosen else None, "calibrate": calibrate,
+               "eagle3_attention": eagle3_attention}
     record = provenance(w, to, dtype, options, plan, rows)
     if calibration is not None:
         record["calibration"] = calibration

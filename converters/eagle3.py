@@ -35,8 +35,21 @@ hnorm/eh_proj into a full decoder block. So only part of the mapping is exact:
                                         not representable and are dropped.
     midlayer.self_attn.o_proj         ← block o_proj (MLA: zero columns for padded v)   approx
     anything the block lacks          ← N(0, 0.02²) (down_proj: zeros)                   fresh
-    d2t / t2d                         ← full vocabulary: zeros / all true               exact
-                                      ← --draft-vocab N: top-N corpus tokens            approx
+    d2t / t2d                         ← --draft-vocab N: top-N corpus tokens            approx
+                                        (full vocabulary: not written; vLLM's llama_eagle3 and
+                                        deepseek_eagle3 create `draft_id_to_target_id` only when
+                                        draft_vocab_size != vocab_size and refuse the tensor otherwise)
+
+`attention="mla"` (MLA sources only) writes vLLM's `Eagle3DeepseekV2ForCausalLM` instead: config
+`model_type: deepseek_v2` (vLLM turns any `deepseek_v3` draft config into its MTP model); the
+midlayer keeps the block's MLA attention, so MLA targets pair with it on engines whose KV cache needs
+one attention kind (vLLM's CPU backend). Its attention maps far closer:
+
+    midlayer.self_attn.q_a_proj       ← [q_a·diag(ln1)·eh_proj_e , q_a]   (or q_proj)    approx
+    midlayer.self_attn.kv_a_proj_with_mqa ← [kv_a·diag(ln1)·eh_proj_e , kv_a]            approx
+    midlayer.self_attn.{q_a_layernorm, q_b_proj, kv_a_layernorm, kv_b_proj, o_proj}      exact
+                                        (RoPE included: the same interleaved rotary dims)
+Only vLLM loads this variant (speculators and SGLang's EAGLE-3 readers expect the Llama layer).
 """
 
 from __future__ import annotations
@@ -47,6 +60,9 @@ from converters.roles import APPROX, EXACT, Lazy, Plan, RoleWeights, block_norm,
 from recycle.errors import RecycleError
 
 WEIGHTS = "model.safetensors"
+ATTENTION = ("llama", "mla")
+MLA_CONFIG_KEYS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                   "rope_interleave", "rope_scaling", "rope_parameters", "num_key_value_heads")
 SPECULATORS_VERSION = "0.9.0"  # the speculators release the output is validated against
 DEFAULT_SPEC_TOKENS = 3
 
@@ -174,22 +190,36 @@ def vocab_maps(draft_ids: torch.Tensor | None, vocab: int) -> tuple[torch.Tensor
     return ids - torch.arange(ids.numel()), t2d
 
 
+def _mla_attention(block: dict[str, Lazy]) -> dict[str, Lazy] | None:
+    """The block's MLA attention tensors by their name under `self_attn.`, or None if it is not MLA."""
+    a = "self_attn."
+    mla = {n[len(a):]: t for n, t in block.items() if n.startswith(a)}
+    return mla if "kv_a_proj_with_mqa.weight" in mla else None
+
+
 def convert(w: RoleWeights, *, draft_ids: torch.Tensor | None = None, dtype_name: str = "bfloat16",
-            verifier: str | None = None, speculative_tokens: int = DEFAULT_SPEC_TOKENS) -> Plan:
-    """Role weights (module 0) → the EAGLE-3 state dict and hybrid Llama/speculators config."""
+            verifier: str | None = None, speculative_tokens: int = DEFAULT_SPEC_TOKENS,
+            attention: str = "llama") -> Plan:
+    """Role weights (module 0) → the EAGLE-3 state dict and config (hybrid Llama/speculators, or
+    vLLM's DeepSeek EAGLE-3 for `attention="mla"`)."""
+    if attention not in ATTENTION:
+        raise RecycleError(f"unknown EAGLE-3 attention '{attention}' (choose from {', '.join(ATTENTION)})")
     m0 = w.modules[0]
     h, vocab = w.hidden_size, w.vocab_size
     leaves, block = m0.leaves, m0.block
+    mla = _mla_attention(block) if attention == "mla" else None
+    if attention == "mla" and mla is None:
+        raise RecycleError(f"--eagle3-attention mla needs an MLA source ({w.family.name}'s MTP block has no "
+                           "self_attn.kv_a_proj_with_mqa); use the default llama")
     dims, att = _attention(w, block)
     inter, mlp = _mlp(block, h)
     ln1 = _get(block, "input_layernorm.weight")
     ln2 = _get(block, "post_attention_layernorm.weight")
     ln1 = block_norm(w, ln1) if ln1 is not None else None
     proj = leaves["proj"]
-    q_out = {n: att[n].shape[0] for n in "qkv"}
 
-    def two_h(name: str) -> Lazy:
-        lin = att[name]
+    def two_h(name: str, lin: Lazy | None = None) -> Lazy:
+        lin = lin if lin is not None else att[name]
         srcs = lin.sources + proj.sources + (ln1.sources if ln1 is not None else ())
 
         def make() -> torch.Tensor:
@@ -198,8 +228,9 @@ def convert(w: RoleWeights, *, draft_ids: torch.Tensor | None = None, dtype_name
             g = ln1.make().float() if ln1 is not None else torch.ones(h)
             return torch.cat([wt @ (g[:, None] * p_e), wt], dim=1)
 
-        return Lazy((q_out[name], 2 * h), make, srcs, APPROX,
-                    f"{att['note']}; embedding half = W·diag(input_layernorm)·eh_proj[:, :H]")
+        note = att["note"] if mla is None else "MLA input projection"
+        return Lazy((lin.shape[0], 2 * h), make, srcs, APPROX,
+                    f"{note}; embedding half = W·diag(input_layernorm)·eh_proj[:, :H]")
 
     hnorm = leaves["hidden_norm"]
     n_layers = w.num_hidden_layers
@@ -240,10 +271,14 @@ def convert(w: RoleWeights, *, draft_ids: torch.Tensor | None = None, dtype_name
         "midlayer.mlp.down_proj.weight": mlp["down"],
         "norm.weight": final if final is not None else ones((h,), "the family has no final norm"),
         "lm_head.weight": lm_head,
-        "d2t": Lazy((vd,), lambda: d2t, (), vocab_kind, f"{vocab_note}: int64 offsets", dtype=torch.long),
-        "t2d": Lazy((vocab,), lambda: t2d, (), vocab_kind, f"{vocab_note}: kept-token mask", dtype=torch.bool),
     }
+    if draft_ids is not None:  # a full vocabulary carries no maps (vLLM refuses them there)
+        tensors["d2t"] = Lazy((vd,), lambda: d2t, (), vocab_kind, f"{vocab_note}: int64 offsets", dtype=torch.long)
+        tensors["t2d"] = Lazy((vocab,), lambda: t2d, (), vocab_kind, f"{vocab_note}: kept-token mask",
+                              dtype=torch.bool)
     cfg = w.config
+    if mla is not None:
+        return _mla_plan(w, tensors, mla, two_h, inter, aux, vd, dtype_name)
     theta = _rope_theta(cfg)
     layer = {
         "model_type": "llama",
@@ -291,4 +326,44 @@ def convert(w: RoleWeights, *, draft_ids: torch.Tensor | None = None, dtype_name
     if n_layers < 3:
         plan.notes.append(f"trunk has {n_layers} layers: aux layer ids {aux} include the final state, "
                           "which vLLM does not capture")
+    return plan
+
+
+def _mla_plan(w: RoleWeights, tensors: dict[str, Lazy], mla: dict[str, Lazy], two_h, inter: int, aux: list[int],
+              vd: int, dtype_name: str) -> Plan:
+    """vLLM's `Eagle3DeepseekV2ForCausalLM`: the Llama attention tensors swapped for the block's MLA ones."""
+    tensors = {k: v for k, v in tensors.items() if not k.startswith("midlayer.self_attn.")}
+    wide = ("q_a_proj.weight", "q_proj.weight", "kv_a_proj_with_mqa.weight")
+    for name, lazy in sorted(mla.items()):
+        if name in wide:
+            tensors[f"midlayer.self_attn.{name}"] = two_h(name, lazy)
+        else:
+            tensors[f"midlayer.self_attn.{name}"] = lazy.derive(lazy.shape, lambda x: x, EXACT, "the block's MLA tensor")
+    cfg = w.config
+    config = {k: cfg[k] for k in MLA_CONFIG_KEYS if k in cfg}
+    config.update({
+        "model_type": "deepseek_v2",  # vLLM rewrites a deepseek_v3 draft config into DeepSeekMTPModel
+        "architectures": ["Eagle3DeepseekV2ForCausalLM"],
+        "hidden_size": w.hidden_size,
+        "intermediate_size": inter,
+        "num_attention_heads": int(cfg["num_attention_heads"]),
+        "num_hidden_layers": 1,
+        "vocab_size": w.vocab_size,
+        "draft_vocab_size": vd,
+        "target_hidden_size": w.hidden_size,
+        "rms_norm_eps": w.eps,
+        "hidden_act": "silu",
+        "max_position_embeddings": int(cfg.get("max_position_embeddings") or 4096),
+        "rope_theta": _rope_theta(cfg),
+        "attention_bias": bool(cfg.get("attention_bias", False)),
+        "tie_word_embeddings": False,
+        "norm_before_residual": False,
+        "eagle_aux_hidden_state_layer_ids": aux,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": aux, "use_aux_hidden_state": True},
+        "torch_dtype": dtype_name,
+    })
+    plan = Plan(tensors={WEIGHTS: tensors}, jsons={"config.json": config})
+    plan.notes.append("MLA midlayer (vLLM Eagle3DeepseekV2ForCausalLM): loads in vLLM only")
+    if len(w.modules) > 1:
+        plan.notes.append(f"initialised from MTP module 0 of {len(w.modules)}")
     return plan

@@ -325,6 +325,9 @@ def convert(
                                                     "(top-N corpus tokens; default: the full vocabulary).")] = None,
     vocab_corpus: Annotated[Path | None, typer.Option("--vocab-corpus", help="Text file to count tokens in "
                                                       "(default: recycle's stdlib corpus).")] = None,
+    eagle3_attention: Annotated[str | None, typer.Option("--eagle3-attention", help="--to eagle3: llama (default; "
+                                                         "every engine) or mla (MLA sources: vLLM's DeepSeek EAGLE-3, "
+                                                         "which pairs with MLA targets on vLLM's CPU backend).")] = None,
     dtype: Annotated[str, typer.Option("--dtype", help="Output dtype: bf16, fp16 or fp32.")] = "bf16",
     layouts: Annotated[str | None, typer.Option("--layouts", help="--to eagle: comma list of recycle, nextn, "
                                                 "overlay (default: all three).")] = None,
@@ -358,7 +361,8 @@ def convert(
 
     data = _with_progress(json_out, "writing tensors", lambda progress: convert_checkpoint(
         ckpt, to, output, heads=heads, draft_vocab=draft_vocab, vocab_corpus=vocab_corpus, dtype=dtype,
-        overwrite=overwrite, progress=progress, layouts=layouts, calibrate=budget, target=target, data=data))
+        overwrite=overwrite, progress=progress, layouts=layouts, calibrate=budget, target=target, data=data,
+        eagle3_attention=eagle3_attention))
     if json_out:
         print_json(data)
     else:

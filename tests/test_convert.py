@@ -28,16 +28,24 @@ from tests.trained import FIXTURE, H, L
 
 
 # What vLLM's llama_eagle3.py loads for a one-layer drafter without embed_tokens (read from
-# vllm-project/vllm vllm/model_executor/models/llama_eagle3.py): every parameter of
-# Eagle3LlamaForCausalLM after `midlayer.`→`layers.0.`, `d2t`→`draft_id_to_target_id`; `t2d` is
-# skipped, `embed_tokens` optional. Its default loader fails on any parameter left unloaded.
+# vllm-project/vllm vllm/model_executor/models/llama_eagle3.py, 0.32): every parameter of
+# Eagle3LlamaForCausalLM after `midlayer.`→`layers.0.`; `draft_id_to_target_id` (from `d2t`) exists
+# only when draft_vocab_size != vocab_size, and a `d2t` without it is refused ("There is no module or
+# parameter named 'draft_id_to_target_id'"); `t2d` is skipped, `embed_tokens` optional. Its default
+# loader fails on any parameter left unloaded.
 VLLM_EAGLE3_REQUIRED = frozenset({
     "midlayer.self_attn.q_proj.weight", "midlayer.self_attn.k_proj.weight", "midlayer.self_attn.v_proj.weight",
     "midlayer.self_attn.o_proj.weight", "midlayer.mlp.gate_proj.weight", "midlayer.mlp.up_proj.weight",
     "midlayer.mlp.down_proj.weight", "midlayer.input_layernorm.weight", "midlayer.hidden_norm.weight",
-    "midlayer.post_attention_layernorm.weight", "fc.weight", "norm.weight", "lm_head.weight", "d2t",
+    "midlayer.post_attention_layernorm.weight", "fc.weight", "norm.weight", "lm_head.weight",
 })
-VLLM_EAGLE3_OPTIONAL = frozenset({"t2d", "embed_tokens.weight"})
+VLLM_EAGLE3_REDUCED_VOCAB = frozenset({"d2t", "t2d"})
+VLLM_EAGLE3_OPTIONAL = frozenset({"embed_tokens.weight"})
+# vLLM's deepseek_eagle3.py (Eagle3DeepseekV2ForCausalLM, 0.32): the same outer tensors, the midlayer's
+# attention as DeepseekV2MLAAttention (q_a_proj and kv_a_proj_with_mqa fused on load, both 2h wide).
+VLLM_EAGLE3_MLA = (VLLM_EAGLE3_REQUIRED - {f"midlayer.self_attn.{p}_proj.weight" for p in "qkv"}) | {
+    f"midlayer.self_attn.{n}.weight" for n in ("q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa",
+                                               "kv_a_layernorm", "kv_b_proj")}
 FAMILIES = ("deepseek_v3_fp8", "qwen3_next", "mimo")
 
 
@@ -191,7 +199,7 @@ def test_formats_on_families(family_dir, converted, variant, fmt):
             assert any(src.tensors[k].is_fp8 for k in overlay.keys())
             assert isinstance(load_drafter(d), EagleDrafter)
     elif fmt == "eagle3":
-        assert set(state) == VLLM_EAGLE3_REQUIRED | {"t2d"}
+        assert set(state) == VLLM_EAGLE3_REQUIRED
         assert state["fc.weight"].shape == (h, 3 * h)
         assert state["midlayer.self_attn.q_proj.weight"].shape[1] == 2 * h
         assert isinstance(load_drafter(d), Eagle3Drafter)
@@ -224,8 +232,7 @@ def test_eagle3_key_set_shapes_and_config(converted):
     assert state["fc.weight"].shape == (h, 3 * h)
     assert state["midlayer.self_attn.q_proj.weight"].shape == (heads * hd, 2 * h)
     assert state["midlayer.self_attn.o_proj.weight"].shape == (h, heads * hd)
-    assert state["lm_head.weight"].shape == (v, h) and state["d2t"].dtype == torch.int64
-    assert not state["d2t"].any() and state["t2d"].all()
+    assert state["lm_head.weight"].shape == (v, h) and not set(state) & VLLM_EAGLE3_REDUCED_VOCAB
     assert not state["fc.weight"][:, : 2 * h].any()  # only the deepest aux slot carries eh_proj's hidden half
     src = Checkpoint(FIXTURE)
     assert torch.equal(state["norm.weight"], src.get(f"model.layers.{L}.shared_head.norm.weight"))
@@ -246,8 +253,9 @@ def test_eagle3_draft_vocab(converted, tmp_path):
     corpus.write_text("def add(a, b):\n    return a + b\n" * 50 + "import os\nprint(os.getcwd())\n" * 20)
     d = converted(FIXTURE, "eagle3", draft_vocab=64, vocab_corpus=str(corpus))
     state = load_file(d / "model.safetensors")
+    assert set(state) == VLLM_EAGLE3_REQUIRED | VLLM_EAGLE3_REDUCED_VOCAB
     d2t, t2d = state["d2t"], state["t2d"]
-    assert d2t.shape == (64,) and t2d.shape == (4096,) and int(t2d.sum()) == 64
+    assert d2t.shape == (64,) and d2t.dtype == torch.int64 and t2d.shape == (4096,) and int(t2d.sum()) == 64
     target = torch.arange(64) + d2t  # target id = draft id + d2t[draft id]
     assert torch.all(target[1:] > target[:-1]) and t2d[target].all()
     head = Checkpoint(FIXTURE).get(f"model.layers.{L}.shared_head.head.weight")
@@ -262,6 +270,44 @@ def test_eagle3_draft_vocab(converted, tmp_path):
     drafter = load_drafter(d)
     full = drafter.to_target_logits(torch.randn(1, 2, 64))
     assert torch.isinf(full[0, 0, ~t2d]).all() and torch.isfinite(full[0, 0, t2d]).all()
+
+
+@pytest.mark.parametrize("n", ["0", "4097"])
+def test_eagle3_draft_vocab_out_of_range_exits_2(tmp_path, n):
+    res = run_cli("convert", str(FIXTURE), "--to", "eagle3", "--draft-vocab", n, "-o", str(tmp_path / "out"))
+    assert res.exit_code == 2 and "--draft-vocab must be between 1 and the vocabulary size 4096" in res.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_eagle3_mla_variant_keeps_the_blocks_attention(converted):
+    """`--eagle3-attention mla`: vLLM's DeepSeek EAGLE-3 key set and config; the MLA tensors copied
+    unchanged except the two input projections, which take [emb; hidden] (2h)."""
+    d = converted(FIXTURE, "eagle3", eagle3_attention="mla")
+    state = load_file(d / "model.safetensors")
+    assert set(state) == VLLM_EAGLE3_MLA
+    cfg = json.loads((d / "config.json").read_text())
+    assert cfg["model_type"] == "deepseek_v2" and cfg["architectures"] == ["Eagle3DeepseekV2ForCausalLM"]
+    assert cfg["kv_lora_rank"] == 512 and cfg["qk_rope_head_dim"] == 64 and cfg["num_hidden_layers"] == 1
+    src = Checkpoint(FIXTURE)
+    a = f"model.layers.{L}.self_attn."
+    for n in ("q_b_proj", "kv_b_proj", "kv_a_layernorm", "q_a_layernorm", "o_proj"):
+        assert torch.equal(state[f"midlayer.self_attn.{n}.weight"], src.get(f"{a}{n}.weight"))
+    for n in ("q_a_proj", "kv_a_proj_with_mqa"):
+        w = state[f"midlayer.self_attn.{n}.weight"]
+        assert w.shape[1] == 2 * H and torch.equal(w[:, H:], src.get(f"{a}{n}.weight"))
+    drafter = load_drafter(d)
+    assert type(drafter.midlayer.self_attn).__name__ == "DeepseekV3Attention"
+    hidden, ids = _inputs()
+    logits, _ = drafter(torch.randn(2, 10, 3 * H), inputs_embeds=src.get("lm_head.weight").float()[ids[:, 1:11]])
+    assert logits.shape == (2, 10, 4096) and torch.isfinite(logits).all()
+
+
+def test_eagle3_mla_needs_an_mla_source(tmp_path):
+    from fixtures.families import build
+
+    src = build("mimo", tmp_path / "src")
+    res = run_cli("convert", str(src), "--to", "eagle3", "--eagle3-attention", "mla", "-o", str(tmp_path / "out"))
+    assert res.exit_code == 2 and "needs an MLA source" in res.stderr and not (tmp_path / "out").exists()
 
 
 def test_eagle3_loads_with_speculators(converted, tmp_path):

@@ -15,7 +15,7 @@ from recycle.decoding.drafting import Drafter, load_engine, parse_shape
 from recycle.decoding.tree import Expander, Tree, ancestor_matrix, validate_choices
 from recycle.decoding.verify import verify
 from recycle.errors import RecycleError
-from tests.trained import FIXTURE
+from tests.trained import FIXTURE, GLM_FIXTURE, TRAINED
 
 
 
@@ -83,8 +83,16 @@ def test_dynamic_expander_keeps_best_and_is_ancestor_closed():
     assert max(ex.score[c] for c in dropped) <= min(ex.score[c] for c in keep[1:])
 
 
-def test_target_honours_tree_mask_mla(target: Target):
-    """Every tree node's logits equal a plain causal forward over prefix + its root path (MLA, sdpa and eager)."""
+@pytest.fixture(scope="module")
+def glm_target() -> Target:
+    return Target(load_target(GLM_FIXTURE))
+
+
+@pytest.mark.parametrize("family", sorted(TRAINED))
+def test_target_honours_tree_mask(target: Target, glm_target: Target, family: str):
+    """Every tree node's logits equal a plain causal forward over prefix + its root path (MLA and GQA with
+    partial rotary; sdpa and eager)."""
+    target = target if family == "deepseek_v3" else glm_target
     g = torch.Generator().manual_seed(3)
     prefix = torch.randint(3, 4000, (1, 20), generator=g)
     parents = [-1, 0, 0, 1, 1, 2, 3]
@@ -157,6 +165,25 @@ def test_greedy_identical_to_ar_on_default_prompts(target, tokenizer, drafter_di
         assert sum(st.accept_lengths) >= st.new_tokens - 1  # the last step may be cut at max_new_tokens
         assert all(a <= t for a, t in zip(st.accepted, st.tried))
         assert all(st.tried[d + 1] <= st.accepted[d] for d in range(len(st.tried) - 1))
+
+
+@pytest.mark.parametrize("fmt", [None, "eagle", "eagle3", "medusa"])
+def test_glm_greedy_identical_to_ar(glm_target, tokenizer, fmt, tmp_path_factory):
+    """The second trained family (GQA target, one MTP module): every drafter kind is lossless on it too."""
+    from converters.api import convert_checkpoint
+    from recycle.prompts import default_prompts
+
+    d = None
+    if fmt:
+        d = convert_checkpoint(GLM_FIXTURE, fmt, tmp_path_factory.mktemp("glm") / fmt)["out"]
+    masks = MaskCache(torch.float32, "cpu")
+    engine = load_engine(d, glm_target, masks, native=fmt is None, target_dir=str(GLM_FIXTURE))
+    glm_target.set_taps(engine.taps)
+    for _, text in default_prompts()[:4]:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        ar = generate(glm_target, Drafter(), ids, 20, masks=masks)
+        sp = generate(glm_target, engine, ids, 20, masks=masks)
+        assert sp.tokens == ar.tokens, (fmt, text[:40])
 
 
 def test_eagle_chain_matches_native_chain(target, tokenizer, drafter_dirs):

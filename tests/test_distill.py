@@ -34,7 +34,9 @@ TINY = dict(seq_len=48, batch=2, eval_rows=2, threads=1)
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("drafters")
-    return {fmt: Path(convert_checkpoint(FIXTURE, fmt, root / fmt)["out"]) for fmt in ("eagle", "eagle3", "medusa")}
+    out = {fmt: Path(convert_checkpoint(FIXTURE, fmt, root / fmt)["out"]) for fmt in ("eagle", "eagle3", "medusa")}
+    out["eagle3_mla"] = Path(convert_checkpoint(FIXTURE, "eagle3", root / "eagle3_mla", eagle3_attention="mla")["out"])
+    return out
 
 
 def _keys(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
@@ -179,7 +181,7 @@ def test_distill_raises_agreement_and_keeps_the_format(converted: dict[str, Path
     assert not torch.equal(a["layers.0.proj.weight"], b["layers.0.proj.weight"])
 
 
-@pytest.mark.parametrize("fmt", ["eagle3", "medusa"])
+@pytest.mark.parametrize("fmt", ["eagle3", "eagle3_mla", "medusa"])
 def test_other_formats_train_and_keep_their_layout(converted: dict[str, Path], tmp_path: Path, fmt: str) -> None:
     src = converted[fmt]
     rec = distill(DistillOptions(drafter=str(src), target=str(FIXTURE), tokens=300, out=str(tmp_path / "o"),

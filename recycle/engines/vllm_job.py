@@ -1,0 +1,60 @@
+"""Run one decoding job in vLLM and print nothing but a JSON result file: the engine half of recycle's checks.
+
+This file runs inside vLLM's own virtual environment (vLLM pins an older transformers than recycle), so it
+imports only the standard library and vLLM. `recycle.engines.vllm_env` writes the job and reads the result:
+
+    job    {"target": DIR, "prompt_ids": [[int]], "max_new_tokens": N,
+            "runs": [{"name": str, "speculative_config": {...} | null}], "max_model_len": int}
+    result {name: {"tokens": [[int]], "seconds": float, "accepted_per_pos": [int], "drafts": int,
+                   "draft_tokens": int, "accepted": int}} or {name: {"error": "..."}}
+
+Workarounds for vLLM 0.32's CPU build: its rotary-embedding custom op is wrong for multi-head inputs
+(MLA's rope part), so custom ops run with `-rotary_embedding`; the CPU backend reserves
+`gpu_memory_utilization` of the node's RAM, so it is 0.5 rather than 0.92.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+METRICS = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft_tokens",
+           "vllm:spec_decode_num_accepted_tokens": "accepted"}
+
+
+def run(job: dict) -> dict:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    prompts = [TokensPrompt(prompt_token_ids=ids) for ids in job["prompt_ids"]]
+    params = SamplingParams(temperature=0.0, max_tokens=job["max_new_tokens"], ignore_eos=True)
+    common = dict(model=job["target"], skip_tokenizer_init=True, enforce_eager=True, dtype=job.get("dtype", "float32"),
+                  max_model_len=job.get("max_model_len", 1024), disable_log_stats=False, seed=0,
+                  gpu_memory_utilization=job.get("gpu_memory_utilization", 0.5),
+                  compilation_config={"custom_ops": ["all", "-rotary_embedding"]})
+    result: dict = {}
+    for spec in job["runs"]:
+        extra = {"speculative_config": spec["speculative_config"]} if spec.get("speculative_config") else {}
+        t0 = time.perf_counter()
+        try:
+            llm = LLM(**common, **extra)
+            outs = llm.generate(prompts, params, use_tqdm=False)
+        except Exception as e:  # noqa: BLE001 - the engine's refusal is the result being recorded
+            result[spec["name"]] = {"error": f"{type(e).__name__}: {' '.join(str(e).split())[:600]}"}
+            continue
+        row: dict = {"tokens": [list(o.outputs[0].token_ids) for o in outs], "seconds": time.perf_counter() - t0}
+        for m in llm.get_metrics():
+            if m.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
+                row["accepted_per_pos"] = [int(v) for v in m.values]
+            elif m.name in METRICS:
+                row[METRICS[m.name]] = int(m.value)
+        result[spec["name"]] = row
+        del llm
+    return result
+
+
+if __name__ == "__main__":
+    job_path, out_path = Path(sys.argv[1]), Path(sys.argv[2])
+    out_path.write_text(json.dumps(run(json.loads(job_path.read_text()))))

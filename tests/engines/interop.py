@@ -1,0 +1,146 @@
+"""Every output recycle writes for vLLM, run in vLLM and in recycle on the same prompt ids.
+
+For one trained fixture this makes each output (native MTP, the target stitched from `mtp_overlay/`,
+EAGLE-3 after a short distillation, calibrated Medusa), runs vLLM's CPU build once per target directory
+(plain decoding plus k=1 speculation with each output) and `recycle bench --tree chain:1` on the same
+prompt token ids, and returns one row per output: whether vLLM loads it, whether its speculative greedy
+output equals its plain output and recycle's AR output, and both engines' k=1 acceptance counts.
+
+`tests/engines/test_vllm.py` asserts on the rows; `benchmarks/engine_interop.py` prints them as the
+README's interop table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from converters.api import convert_checkpoint, stitch_overlay
+from distill.train import DistillOptions, distill
+from fixtures.derive import derive
+from recycle.bench import BenchOptions, run_bench
+from recycle.checkpoint import Checkpoint
+from recycle.decoding import Drafter, MaskCache, Target, generate, load_target
+from recycle.engines.vllm_env import run_job
+from recycle.families import match
+from recycle.prompts import prompt_set
+
+ROOT = Path(__file__).resolve().parents[2]
+ENGINE = "vLLM 0.32 (CPU)"
+
+
+@dataclass
+class Row:
+    fixture: str
+    method: str  # vLLM's speculative method
+    output: str  # what recycle wrote
+    loads: bool
+    error: str | None
+    lossless: bool | None  # vLLM speculative == vLLM plain == recycle AR
+    vllm_accepted: int | None
+    vllm_drafts: int | None
+    recycle_accepted: int
+    recycle_tried: int
+
+    @property
+    def agreement(self) -> str:
+        if not self.loads:
+            return "n/a"
+        if (self.vllm_accepted, self.vllm_drafts) == (self.recycle_accepted, self.recycle_tried):
+            return "equal"
+        return f"{abs(self.vllm_rate - self.recycle_rate) / max(self.recycle_rate, 1e-9):.1%} apart"
+
+    @property
+    def short_error(self) -> str:
+        """The engine's refusal, its first sentence (the README quotes it)."""
+        return (self.error or "").split(". ")[0].split(" (")[0][:160]
+
+    @property
+    def vllm_rate(self) -> float:
+        return (self.vllm_accepted or 0) / max(1, self.vllm_drafts or 0)
+
+    @property
+    def recycle_rate(self) -> float:
+        return self.recycle_accepted / max(1, self.recycle_tried)
+
+    def table_row(self) -> str:
+        """The README interop table's line for this output."""
+        if not self.loads:
+            return (f"| {self.fixture} | {self.method} | {self.output} | no: {self.short_error} | – | "
+                    f"– vs {self.recycle_accepted}/{self.recycle_tried} (recycle alone) |")
+        k1 = (f"{self.vllm_accepted}/{self.vllm_drafts} vs {self.recycle_accepted}/{self.recycle_tried} "
+              f"({self.agreement})")
+        return f"| {self.fixture} | {self.method} | {self.output} | yes | {'yes' if self.lossless else 'NO'} | {k1} |"
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "agreement": self.agreement}
+
+
+def _recycle_chain1(target: Path, drafter: Path | None, prompts, new_tokens: int) -> tuple[int, int]:
+    r = run_bench(BenchOptions(drafter=str(drafter) if drafter else None, native=drafter is None, target=str(target),
+                               prompts=prompts, max_new_tokens=new_tokens, tree="chain:1", stop_at_eos=False,
+                               warmup=False))
+    spec = r["overall"]["spec"]
+    return int(spec["accepted"][0]), int(spec["tried"][0])
+
+
+def _ar_tokens(target: Path, ids: list[list[int]], new_tokens: int) -> list[list[int]]:
+    t = Target(load_target(str(target)))
+    masks = MaskCache(t.dtype, t.device)
+    return [generate(t, Drafter(), p, new_tokens, masks=masks, eos=None).tokens for p in ids]
+
+
+def make_outputs(fixture: Path, work: Path, distill_tokens: int, calibrate_tokens: int) -> dict[str, tuple]:
+    """name → (target dir, drafter dir or None, vLLM method, what it is)."""
+    mla = "kv_a_proj_with_mqa" in " ".join(match(Checkpoint(fixture)).modules[0].names)
+    eagle = convert_checkpoint(fixture, "eagle", work / "eagle", layouts="overlay", overwrite=True)["out"]
+    dropped = derive(fixture, work / "dropped", 0, overwrite=True)["out"]
+    stitched = stitch_overlay(Path(eagle) / "mtp_overlay", dropped, work / "stitched", overwrite=True)["out"]
+    e3 = convert_checkpoint(fixture, "eagle3", work / "eagle3", overwrite=True,
+                            eagle3_attention="mla" if mla else None)["out"]
+    e3d = distill(DistillOptions(drafter=e3, target=str(fixture), tokens=distill_tokens, out=str(work / "eagle3-d"),
+                                 overwrite=True, eval_every=10**6))["out"]
+    medusa = convert_checkpoint(fixture, "medusa", work / "medusa", overwrite=True, calibrate=calibrate_tokens)["out"]
+    return {
+        "mtp": (fixture, None, "mtp", "native MTP (the checkpoint as released)"),
+        "stitched": (Path(stitched), None, "mtp", "target without MTP, stitched from `mtp_overlay/`"),
+        "eagle3": (fixture, Path(e3d), "eagle3",
+                   f"EAGLE-3 ({'MLA' if mla else 'Llama'} midlayer), distilled {distill_tokens // 1000}k tokens"),
+        "medusa": (fixture, Path(medusa), "medusa", f"Medusa, calibrated on {calibrate_tokens // 1000}k tokens"),
+    }
+
+
+def interop(name: str, fixture: Path, work: Path, *, prompts: int = 6, new_tokens: int = 48,
+            distill_tokens: int = 16_000, calibrate_tokens: int = 8_000) -> list[Row]:
+    from transformers import AutoTokenizer
+
+    work.mkdir(parents=True, exist_ok=True)
+    ps = prompt_set("stdlib", prompts)
+    tok = AutoTokenizer.from_pretrained(str(fixture))
+    ids = [tok(p, add_special_tokens=False)["input_ids"] for _, p in ps]
+    outputs = make_outputs(fixture, work, distill_tokens, calibrate_tokens)
+    by_target: dict[Path, list[dict]] = {}
+    for key, (target, drafter, method, _) in outputs.items():
+        spec = {"method": method, "num_speculative_tokens": 1}
+        if drafter is not None:
+            spec["model"] = str(drafter)
+        by_target.setdefault(Path(target), []).append({"name": key, "speculative_config": spec})
+    engine: dict[str, dict] = {}
+    for target, runs in by_target.items():
+        # plain first; a drafter vLLM refuses last (a refusal can leave the process unusable)
+        runs = [{"name": "plain"}, *sorted(runs, key=lambda r: r["name"] == "eagle3")]
+        res = run_job({"target": str(target), "prompt_ids": ids, "max_new_tokens": new_tokens, "runs": runs})
+        engine.update({(str(target), k): v for k, v in res.items()})
+    ar = _ar_tokens(fixture, ids, new_tokens)
+    rows = []
+    for key, (target, drafter, method, what) in outputs.items():
+        v = engine[(str(target), key)]
+        plain = engine[(str(target), "plain")]
+        acc, tried = _recycle_chain1(Path(target), drafter, ps, new_tokens)
+        err = v.get("error")
+        rows.append(Row(
+            fixture=name, method=method, output=what, loads=err is None, error=err,
+            lossless=None if err else (v["tokens"] == plain["tokens"] == ar),
+            vllm_accepted=None if err else sum(v.get("accepted_per_pos") or [0]),
+            vllm_drafts=None if err else v.get("drafts"), recycle_accepted=acc, recycle_tried=tried))
+    return rows
