@@ -116,10 +116,15 @@ class Teacher:
         return last, aux
 
     def _store(self, key: str, ids: torch.Tensor, last: torch.Tensor, aux: torch.Tensor | None) -> None:
-        tensors = {"input_ids": ids.cpu().contiguous(), "last": last.to(torch.bfloat16).cpu().contiguous()}
-        if aux is not None:
-            tensors["aux"] = aux.to(torch.bfloat16).cpu().contiguous()
-        path = self._path(key)
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        save_file(tensors, str(tmp))
-        os.replace(tmp, path)
+        store_features(self._path(key), ids, last, aux)
+
+
+def store_features(path: Path, ids: torch.Tensor, last: torch.Tensor, aux: torch.Tensor | None) -> None:
+    """One `--cache-hidden` file (the one format the distiller and `recycle harvest` write): input ids,
+    the final-normed last state and the concatenated aux layers, bf16, written atomically."""
+    tensors = {"input_ids": ids.cpu().contiguous(), "last": last.to(torch.bfloat16).cpu().contiguous()}
+    if aux is not None:
+        tensors["aux"] = aux.to(torch.bfloat16).cpu().contiguous()
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    save_file(tensors, str(tmp))
+    os.replace(tmp, path)

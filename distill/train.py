@@ -192,6 +192,15 @@ def plan_batch(remaining: int, rows: int, seq_len: int) -> list[int]:
     return [seq_len] * full + ([rest] if rest else [])
 
 
+def micro_batches(step: int, lengths: list[int], rank: int, world: int, seq_len: int) -> list[tuple[list[int], int, str]]:
+    """(row indices, length, cache key) of one rank's share of a step: its full rows together, each cut row
+    alone. `--cache-hidden` files are named by these keys, which is how `recycle harvest` fills a cache ahead."""
+    mine = list(range(rank, len(lengths), world))
+    full = [i for i in mine if lengths[i] == seq_len]
+    out = [(full, seq_len, f"s{step:08d}r{rank}f")] if full else []
+    return out + [([i], lengths[i], f"s{step:08d}c{i}") for i in mine if lengths[i] != seq_len]
+
+
 def _fingerprint(opts: DistillOptions, world: int) -> dict:
     """Options a resumed run must share with the one it continues."""
     return {"drafter": str(Path(opts.drafter).resolve()), "target": str(Path(opts.target).resolve()),
@@ -303,6 +312,12 @@ class Distiller:
             tcfg = load_json(Path(o.target) / "config.json", "target config.json")
             n = int(tcfg.get("num_hidden_layers", 0))
             aux = cfg.get("eagle_aux_hidden_state_layer_ids") or [min(2, n), n // 2, max(n - 3, 0)]
+        if o.cache_hidden and (Path(o.cache_hidden) / "manifest.json").is_file():  # made by `recycle harvest`
+            from distill.harvest import check_manifest
+
+            check_manifest(Path(o.cache_hidden), target=o.target, aux_layers=aux or [], data=o.data,
+                           seq_len=o.seq_len, batch=o.batch, seed=o.seed, tokens=o.tokens, world=self.world,
+                           self_distill=o.self_distill)
         self.teacher = Teacher(o.target, self.device, aux, self.precision, o.cache_hidden)
         self._check_fit(model)
         self.target_io = adopt_target_io(self.fmt, model, self.teacher)
@@ -471,16 +486,10 @@ class Distiller:
             rows = regenerate(self.teacher.model, rows, o.prompt_len, o.sd_temperature, o.seed * 1_000_003 + self.step)
             self.timing["generate_s"] += time.perf_counter() - tg
             t0 += time.perf_counter() - tg
-        mine = list(range(self.rank, len(lengths), self.world))
         anchors = [max(0, self.unroller.positions(n)) for n in lengths]
         total_anchor = max(1, sum(anchors))
-        full = [i for i in mine if lengths[i] == o.seq_len]
-        cut = [i for i in mine if lengths[i] != o.seq_len]
-        micro = []
-        if full:
-            micro.append((rows[full].to(self.device), f"s{self.step:08d}r{self.rank}f", sum(anchors[i] for i in full)))
-        for i in cut:
-            micro.append((rows[i:i + 1, :lengths[i]].to(self.device), f"s{self.step:08d}c{i}", anchors[i]))
+        micro = [(rows[idx, :n].to(self.device), key, sum(anchors[i] for i in idx))
+                 for idx, n, key in micro_batches(self.step, lengths, self.rank, self.world, o.seq_len)]
         self.timing["data_s"] += time.perf_counter() - t0
         self.opt.zero_grad(set_to_none=True)
         loss, infos = 0.0, []

@@ -728,5 +728,75 @@ def distill(
     else:
         render_distill(data_out)
 
+
+@app.command()
+@user_errors
+def harvest(
+    target: Annotated[Path, typer.Argument(help="Target model directory (vLLM runs it).", metavar="TARGET_DIR")],
+    tokens: Annotated[str, typer.Option("--tokens", help="Budget in target tokens, as distill's: 300k, 2M ...")],
+    output: Annotated[Path, typer.Option("-o", "--output", help="Cache directory (give it to distill "
+                                         "--cache-hidden).", metavar="CACHE_DIR")],
+    drafter: Annotated[Path | None, typer.Option("--drafter", help="The drafter the cache is for: an EAGLE-3 "
+                                                 "directory's aux layers are harvested too.",
+                                                 metavar="DRAFTER_DIR")] = None,
+    data: Annotated[str | None, typer.Option("--data", help="As distill's --data (default: the stdlib corpus).")] = None,
+    seq_len: Annotated[int, typer.Option("--seq-len", help="As distill's --seq-len.")] = 256,
+    batch: Annotated[int, typer.Option("--batch", help="As distill's --batch.")] = 8,
+    seed: Annotated[int, typer.Option("--seed", help="As distill's --seed (the data order).")] = 0,
+    tensor_parallel_size: Annotated[int, typer.Option("--tensor-parallel-size", help="vLLM's own.")] = 1,
+    pipeline_parallel_size: Annotated[int, typer.Option("--pipeline-parallel-size", help="vLLM's own.")] = 1,
+    data_parallel_size: Annotated[int, typer.Option("--data-parallel-size", help="vLLM's own.")] = 1,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing cache directory.")] = False,
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON summary object.")] = False,
+) -> None:
+    """Compute the target's features for a distillation in vLLM, ahead of it, for targets no training
+    process holds: vLLM's parallelism spreads the target; distill then reads the cache.
+
+    The windows are exactly those `recycle distill` with the same --tokens/--data/--seq-len/--batch/--seed
+    reads; vLLM runs in the environment recycle manages (built on first use).
+
+    Example: `recycle harvest fixtures/deepseek_v3_mtp --tokens 64k -o /tmp/ds-cache`, then
+    `recycle distill /tmp/ds-eagle --target fixtures/deepseek_v3_mtp --tokens 64k --cache-hidden /tmp/ds-cache`
+    """
+    from recycle.preflight import data_name, drafter_dir, model_dir, output_dir, parse_tokens
+
+    budget = parse_tokens(tokens)
+    model_dir(target, "TARGET_DIR")
+    output_dir(output, overwrite, (target,))
+    data_name(data)
+    if seq_len < 8 or batch < 1:
+        raise RecycleError("--seq-len must be at least 8 and --batch at least 1")
+    aux: tuple[int, ...] = ()
+    if drafter is not None:
+        drafter_dir(drafter)
+        from recycle.checkpoint import load_json
+        from recycle.drafters import drafter_format
+
+        if drafter_format(drafter) == "eagle3":
+            aux = tuple(load_json(drafter / "config.json", "drafter config.json")["eagle_aux_hidden_state_layer_ids"])
+    from distill.harvest import HarvestOptions, harvest as run_harvest
+
+    parallel = {k: v for k, v in (("tensor_parallel_size", tensor_parallel_size),
+                                  ("pipeline_parallel_size", pipeline_parallel_size),
+                                  ("data_parallel_size", data_parallel_size)) if v != 1}
+    opts = HarvestOptions(target=str(target), out=str(output), tokens=budget, data=data, seq_len=seq_len, batch=batch,
+                          seed=seed, aux_layers=aux, overwrite=overwrite, parallel=parallel)
+    if json_out:
+        print_json(run_harvest(opts))
+        return
+    print("recycle: harvest: running the target in vLLM (engine start: about a minute on a CPU)", file=sys.stderr)
+    with Reporter("writing cache") as bar:
+        count = [0]
+
+        def update(_key: str) -> None:
+            count[0] += 1
+            bar.update(count[0], line=f"harvest: {count[0]} cache files written")
+
+        data_out = run_harvest(opts, progress=update)
+    out.print(f"[bold]recycle harvest[/bold] → {data_out['out']}: {fmt_count(data_out['tokens'])} tokens, "
+              f"{data_out['files']} files, {fmt_bytes(data_out['bytes'])} ({data_out['bytes_per_token']} B/token); "
+              f"vLLM {data_out['vllm_tokens_per_s']} tokens/s")
+
+
 if __name__ == "__main__":
     app()

@@ -24,6 +24,7 @@ from distill.train import DistillOptions, distill, parse_tokens, plan_batch
 from recycle.cli import app
 from recycle.drafters import load_drafter
 from recycle.errors import RecycleError
+from tests.cli_helpers import run_cli
 from tests.trained import FIXTURE
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -284,3 +285,20 @@ def test_existing_checkpoint_needs_resume_or_overwrite(converted: dict[str, Path
     res = runner.invoke(app, ["distill", str(converted["medusa"]), "--target", str(FIXTURE), "--tokens", "1k",
                               "-o", str(tmp_path / "o")])
     assert res.exit_code == 2 and "--resume" in res.stderr
+
+
+def test_distill_refuses_a_harvested_cache_made_for_other_options(converted: dict[str, Path], tmp_path: Path) -> None:
+    """A `recycle harvest` cache names its files by distill's step keys: other windows under the same keys
+    must be refused (one line, exit 2), not trained on."""
+    from distill.harvest import HarvestOptions, manifest_for
+
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    made = HarvestOptions(target=str(FIXTURE), out=str(cache), tokens=3000, seq_len=64, batch=4)
+    (cache / "manifest.json").write_text(json.dumps(manifest_for(made, ["s00000000r0f"])))
+    args = [str(converted["medusa"]), "--target", str(FIXTURE), "--cache-hidden", str(cache), "-o", str(tmp_path / "o")]
+    res = run_cli("distill", *args, "--tokens", "3000", "--seq-len", "128", "--batch", "4")
+    assert res.exit_code == 2 and "harvested for other options: seq_len 64 (distill: 128)" in res.stderr
+    res = run_cli("distill", *args, "--tokens", "6000", "--seq-len", "64", "--batch", "4")
+    assert res.exit_code == 2 and "harvested 3000 tokens, distill asks for 6000" in res.stderr
+    assert not (tmp_path / "o").exists()

@@ -77,6 +77,9 @@ FAST = [
     ("convert", "MISSING", "--to", "eagle", "-o", "OUT"),
     ("convert", str(FIXTURE), "--to", "eagle", "-o", str(FIXTURE / "inside")),
     ("stitch", "MISSING", str(FIXTURE), "-o", "OUT"),
+    ("harvest", "MISSING", "--tokens", "1k", "-o", "OUT"),
+    ("harvest", str(FIXTURE), "--tokens", "abc", "-o", "OUT"),
+    ("harvest", str(FIXTURE), "--tokens", "1k", "-o", str(FIXTURE / "inside")),
 ]
 
 
@@ -103,7 +106,8 @@ def test_no_blank_line_on_stderr_when_it_is_not_a_terminal(tmp_path: Path) -> No
 
 def test_help_has_conventional_usage_and_examples() -> None:
     for cmd, usage in (("inspect", "CKPT_DIR"), ("convert", "CKPT_DIR"), ("stitch", "OVERLAY_DIR TARGET_DIR"),
-                       ("bench", "[DRAFTER_DIR]"), ("push", "DRAFTER_DIR"), ("distill", "DRAFTER_DIR")):
+                       ("bench", "[DRAFTER_DIR]"), ("push", "DRAFTER_DIR"), ("distill", "DRAFTER_DIR"),
+                       ("harvest", "TARGET_DIR")):
         res = run_cli(cmd, "--help")
         assert res.exit_code == 0
         text = res.stdout

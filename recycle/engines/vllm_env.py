@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -78,7 +79,18 @@ def vllm_python(install: bool = True) -> Path:
     return py
 
 
-def run_job(job: dict, *, timeout: float | None = None, python: Path | None = None) -> dict:
+def root_cause(stderr: str) -> str:
+    """The engine's own error line (an engine-core process's, not the parent's "initialization failed")."""
+    # vLLM prefixes a worker's lines with "(Worker pid=N) ERROR date [file:line] " or "[rank0]: "
+    lines = [re.sub(r"^(\(\w+ pid=\d+\) \w+ [\d-]+ [\d:]+ \[[^\]]+\] |\[rank\d+\]: )", "", ln).strip()
+             for ln in stderr.splitlines()]
+    causes = [ln for ln in lines if re.match(r"^[A-Za-z_.]*(Error|Exception): ", ln)
+              and not re.search(r"initialization failed|See (the )?(stack trace|root cause)", ln)]
+    return (causes[0] if causes else " | ".join(lines[-3:]))[-600:]
+
+
+def run_job(job: dict, *, timeout: float | None = None, python: Path | None = None,
+            env: dict[str, str] | None = None) -> dict:
     """Run `vllm_job.py` on `job` (see its docstring for both schemas) and return its result.
 
     A run vLLM refuses comes back as {"error": "..."} under its name; a crash of the whole job raises.
@@ -88,10 +100,10 @@ def run_job(job: dict, *, timeout: float | None = None, python: Path | None = No
         job_path, out_path = Path(tmp) / "job.json", Path(tmp) / "result.json"
         job_path.write_text(json.dumps(job), encoding="utf-8")
         # The engine core in-process: a refusal then raises its own message, not "Engine core initialization failed".
-        env = {"VLLM_LOGGING_LEVEL": "WARNING", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", **os.environ}
+        # Hidden-state harvesting needs it out of process (`env`): the connector writes on the core's next step.
+        env = {"VLLM_LOGGING_LEVEL": "WARNING", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", **os.environ, **(env or {})}
         res = subprocess.run([str(py), str(JOB_SCRIPT), str(job_path), str(out_path)], capture_output=True, text=True,
                              timeout=timeout, env=env)
         if res.returncode != 0 or not out_path.is_file():
-            tail = " | ".join(res.stderr.strip().splitlines()[-3:])[-800:]
-            raise RecycleError(f"vLLM job failed (exit {res.returncode}): {tail}")
+            raise RecycleError(f"vLLM job failed (exit {res.returncode}): {root_cause(res.stderr)}")
         return json.loads(out_path.read_text(encoding="utf-8"))

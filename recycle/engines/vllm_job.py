@@ -8,6 +8,12 @@ imports only the standard library and vLLM. `recycle.engines.vllm_env` writes th
     result {name: {"tokens": [[int]], "seconds": float, "accepted_per_pos": [int], "drafts": int,
                    "draft_tokens": int, "accepted": int}} or {name: {"error": "..."}}
 
+  or, with "mode": "harvest" (hidden-state extraction, `recycle harvest`):
+    job    {"mode": "harvest", "target": DIR, "windows": [[int]], "layers": [int], "out_dir": DIR}
+    result {"files": [path per window], "seconds": float}: safetensors with `hidden_states` [T, len(layers), H]
+           (vLLM's layer id k < L: the residual stream entering layer k; id L: the last layer's output
+           before the final norm) and `token_ids` [T]
+
 Workarounds for vLLM 0.32's CPU build: its rotary-embedding custom op is wrong for multi-head inputs
 (MLA's rope part), so custom ops run with `-rotary_embedding`; the CPU backend reserves
 `gpu_memory_utilization` of the node's RAM, so it is 0.5 rather than 0.92.
@@ -55,6 +61,40 @@ def run(job: dict) -> dict:
     return result
 
 
+def harvest(job: dict) -> dict:
+    """Prefill every window once through vLLM's `extract_hidden_states` method; one file per window."""
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
+        cleanup_hidden_states,
+        load_hidden_states,
+    )
+    from vllm.inputs import TokensPrompt
+
+    longest = max(len(w) for w in job["windows"])
+    llm = LLM(model=job["target"], skip_tokenizer_init=True, enforce_eager=True, dtype=job.get("dtype", "float32"),
+              max_model_len=longest + 8, seed=0, gpu_memory_utilization=job.get("gpu_memory_utilization", 0.5),
+              compilation_config={"custom_ops": ["all", "-rotary_embedding"]},
+              **job.get("parallel", {}),
+              speculative_config={"method": "extract_hidden_states", "num_speculative_tokens": 1,
+                                  "draft_model_config": {"hf_config": {
+                                      "eagle_aux_hidden_state_layer_ids": job["layers"]}}},
+              kv_transfer_config=KVTransferConfig(
+                  kv_connector="CPUHiddenStatesConnector", kv_connector_module_path="vllm_cpu_connector",
+                  kv_role="kv_producer", kv_connector_extra_config={"shared_storage_path": job["out_dir"]}))
+    t0 = time.perf_counter()
+    outs = llm.generate([TokensPrompt(prompt_token_ids=w) for w in job["windows"]],
+                        SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
+    files = []
+    for o in outs:
+        path = o.kv_transfer_params["hidden_states_path"]
+        load_hidden_states(path)  # waits for the connector's write to finish
+        cleanup_hidden_states(path, keep_hidden_states=True)
+        files.append(path)
+    return {"files": files, "seconds": time.perf_counter() - t0}
+
+
 if __name__ == "__main__":
     job_path, out_path = Path(sys.argv[1]), Path(sys.argv[2])
-    out_path.write_text(json.dumps(run(json.loads(job_path.read_text()))))
+    job = json.loads(job_path.read_text())
+    out_path.write_text(json.dumps(harvest(job) if job.get("mode") == "harvest" else run(job)))

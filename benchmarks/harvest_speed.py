@@ -1,0 +1,64 @@
+"""Harvest throughput: vLLM's hidden-state extraction (`recycle harvest`) against the in-process teacher.
+
+Both compute the same features for the same windows (distill's plan for --tokens/--seq-len/--batch): vLLM
+prefills every window once (`extract_hidden_states`, timed inside its job from the first request to the
+last file); the in-process teacher runs transformers' forward per micro-batch, as `distill` does without a
+cache. Also reports the cache's bytes per token.
+
+    RECYCLE_VLLM_PYTHON=/tmp/vllm-venv/bin/python python benchmarks/harvest_speed.py --tokens 64k
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from distill.harvest import HarvestOptions, harvest, plan  # noqa: E402
+from distill.teacher import Teacher  # noqa: E402
+from recycle.preflight import parse_tokens  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default=str(ROOT / "fixtures/deepseek_v3_mtp"))
+    ap.add_argument("--tokens", default="64k")
+    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--aux", default="2,5,9", help="aux layer ids (EAGLE-3), or '' for the last state only")
+    ap.add_argument("--work", default="/tmp/recycle-harvest-speed")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    torch.set_num_threads(torch.get_num_threads())
+    aux = tuple(int(x) for x in args.aux.split(",") if x)
+    opts = HarvestOptions(target=args.target, out=str(Path(args.work) / "cache"), tokens=parse_tokens(args.tokens),
+                          seq_len=args.seq_len, batch=args.batch, aux_layers=aux, overwrite=True)
+    rec = harvest(opts)
+    from transformers import AutoTokenizer
+
+    batches = plan(opts, AutoTokenizer.from_pretrained(args.target))
+    teacher = Teacher(args.target, torch.device("cpu"), list(aux), "fp32")
+    t0 = time.perf_counter()
+    for _, ids in batches:
+        teacher.features(ids)
+    in_process = time.perf_counter() - t0
+    report = {"target": args.target, "tokens": rec["tokens"], "seq_len": args.seq_len, "batch": args.batch,
+              "aux_layers": list(aux), "vllm_tokens_per_s": rec["vllm_tokens_per_s"],
+              "harvest_wall_s": rec["seconds"], "in_process_tokens_per_s": round(rec["tokens"] / in_process),
+              "cache_bytes_per_token": rec["bytes_per_token"], "threads": torch.get_num_threads()}
+    print(json.dumps(report, indent=1))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1))
+    shutil.rmtree(args.work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
