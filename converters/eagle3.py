@@ -43,7 +43,8 @@ hnorm/eh_proj into a full decoder block. So only part of the mapping is exact:
 `attention="mla"` (MLA sources only) writes vLLM's `Eagle3DeepseekV2ForCausalLM` instead: config
 `model_type: deepseek_v2` (vLLM turns any `deepseek_v3` draft config into its MTP model); the
 midlayer keeps the block's MLA attention, so MLA targets pair with it on engines whose KV cache needs
-one attention kind (vLLM's CPU backend). Its attention maps far closer:
+one attention kind (vLLM's CPU backend). More of its attention is copied exactly (acceptance barely
+differs from the Llama fold's: BENCHMARKS.md, "EAGLE-3 midlayer"):
 
     midlayer.self_attn.q_a_proj       ← [q_a·diag(ln1)·eh_proj_e , q_a]   (or q_proj)    approx
     midlayer.self_attn.kv_a_proj_with_mqa ← [kv_a·diag(ln1)·eh_proj_e , kv_a]            approx
