@@ -79,11 +79,11 @@ def vllm_python(install: bool = True) -> Path:
     return py
 
 
-def root_cause(stderr: str) -> str:
+def root_cause(output: str) -> str:
     """The engine's own error line (an engine-core process's, not the parent's "initialization failed")."""
     # vLLM prefixes a worker's lines with "(Worker pid=N) ERROR date [file:line] " or "[rank0]: "
     lines = [re.sub(r"^(\(\w+ pid=\d+\) \w+ [\d-]+ [\d:]+ \[[^\]]+\] |\[rank\d+\]: )", "", ln).strip()
-             for ln in stderr.splitlines()]
+             for ln in output.splitlines()]
     causes = [ln for ln in lines if re.match(r"^[A-Za-z_.]*(Error|Exception): ", ln)
               and not re.search(r"initialization failed|See (the )?(stack trace|root cause)", ln)]
     return (causes[0] if causes else " | ".join(lines[-3:]))[-600:]
@@ -105,5 +105,6 @@ def run_job(job: dict, *, timeout: float | None = None, python: Path | None = No
         res = subprocess.run([str(py), str(JOB_SCRIPT), str(job_path), str(out_path)], capture_output=True, text=True,
                              timeout=timeout, env=env)
         if res.returncode != 0 or not out_path.is_file():
-            raise RecycleError(f"vLLM job failed (exit {res.returncode}): {root_cause(res.stderr)}")
+            # vLLM's logger writes to stdout, a traceback to stderr: the root cause may be in either
+            raise RecycleError(f"vLLM job failed (exit {res.returncode}): {root_cause(res.stdout + res.stderr)}")
         return json.loads(out_path.read_text(encoding="utf-8"))
