@@ -149,9 +149,6 @@ def convert_checkpoint(source: str | os.PathLike, to: str, out: str | os.PathLik
         raise RecycleError("--draft-vocab/--vocab-corpus apply to --to eagle3 only")
     if eagle3_attention is not None and to != "eagle3":
         raise RecycleError("--eagle3-attention applies to --to eagle3 only")
-    if eagle3_attention is not None and eagle3_attention not in eagle3.ATTENTION:
-        choices = ", ".join(eagle3.ATTENTION)
-        raise RecycleError(f"unknown --eagle3-attention '{eagle3_attention}' (choose from {choices})")
     if vocab_corpus is not None and draft_vocab is None:
         raise RecycleError("--vocab-corpus needs --draft-vocab N")
     if (calibrate is not None or target is not None or data is not None) and to != "medusa":

@@ -204,7 +204,7 @@ def convert(w: RoleWeights, *, draft_ids: torch.Tensor | None = None, dtype_name
     """Role weights (module 0) → the EAGLE-3 state dict and config (hybrid Llama/speculators, or
     vLLM's DeepSeek EAGLE-3 for `attention="mla"`)."""
     if attention not in ATTENTION:
-        raise RecycleError(f"unknown EAGLE-3 attention '{attention}' (choose from {', '.join(ATTENTION)})")
+        raise RecycleError(f"unknown --eagle3-attention '{attention}' (choose from {', '.join(ATTENTION)})")
     m0 = w.modules[0]
     h, vocab = w.hidden_size, w.vocab_size
     leaves, block = m0.leaves, m0.block

@@ -66,8 +66,8 @@ def fingerprint(target: str | os.PathLike) -> dict:
             "num_hidden_layers": int(ck.config.get("num_hidden_layers", 0))}
 
 
-def manifest_for(opts: HarvestOptions, keys: list[str]) -> dict:
-    return {"format": FORMAT, "target": str(Path(opts.target).resolve()), "fingerprint": fingerprint(opts.target),
+def manifest_for(opts: HarvestOptions, keys: list[str], fp: dict | None = None) -> dict:
+    return {"format": FORMAT, "target": str(Path(opts.target).resolve()), "fingerprint": fp or fingerprint(opts.target),
             "aux_layers": list(opts.aux_layers), "data": opts.data, "seq_len": opts.seq_len, "batch": opts.batch,
             "seed": opts.seed, "tokens": opts.tokens, "keys": keys, "dtype": "bfloat16"}
 
@@ -138,7 +138,8 @@ def harvest(opts: HarvestOptions, progress=None) -> dict:
     out = Path(opts.out)
     if out.exists() and not opts.overwrite:
         raise RecycleError(f"{out}: exists (pass --overwrite to replace it)")
-    n_layers = fingerprint(opts.target)["num_hidden_layers"]
+    fp = fingerprint(opts.target)
+    n_layers = fp["num_hidden_layers"]
     bad = [i for i in opts.aux_layers if not 0 <= i <= n_layers]
     if bad:
         raise RecycleError(f"aux layer {bad[0]}: the target has {n_layers} layers")
@@ -169,7 +170,7 @@ def harvest(opts: HarvestOptions, progress=None) -> dict:
                 progress(key)
         shutil.rmtree(work / "raw")
         tokens = sum(int(ids.numel()) for _, ids in batches)
-        manifest = manifest_for(opts, [k for k, _ in batches])
+        manifest = manifest_for(opts, [k for k, _ in batches], fp)
         manifest["engine"] = {"seconds": round(res["seconds"], 3), "tokens_per_s": round(tokens / res["seconds"])}
         (work / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
         if out.exists():

