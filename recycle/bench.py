@@ -27,16 +27,17 @@ from pathlib import Path
 
 import torch
 
-from recycle.decoding import DecodeStats, Drafter, MaskCache, Target, generate, load_target
+from recycle.decoding import (
+    DecodeStats,
+    Drafter,
+    MaskCache,
+    Target,
+    generate,
+    load_target,
+)
 from recycle.decoding.drafting import load_engine
 from recycle.errors import RecycleError
 
-# Peak memory bandwidth (GB/s) of common accelerators, matched on the device name (gpt-fast habit).
-PEAK_BANDWIDTH_GBS = {
-    "H200": 4800.0, "H100 SXM": 3350.0, "H100 PCIe": 2000.0, "H100": 3350.0, "A100-SXM4-80GB": 2039.0,
-    "A100 80GB PCIe": 1935.0, "A100": 1555.0, "L40S": 864.0, "L4": 300.0, "A10G": 600.0, "A10": 600.0,
-    "RTX 4090": 1008.0, "RTX 3090": 936.0, "V100": 900.0, "T4": 320.0,
-}  # fmt: skip
 Progress = Callable[[int, int, str], None]
 
 
@@ -72,10 +73,11 @@ def resolve_device(name: str | None) -> torch.device:
 
 
 def peak_bandwidth(device: torch.device) -> float | None:
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((v for k, v in PEAK_BANDWIDTH_GBS.items() if k in name), None)
+    """The device's datasheet bandwidth in GB/s (recycle.hardware), None on CPU or an unlisted card."""
+    from recycle.hardware import detect
+
+    g = detect(device)
+    return g.bandwidth_gbs if g is not None else None
 
 
 def _summary(stats: list[DecodeStats]) -> dict:
@@ -193,8 +195,28 @@ def check_options(opts: BenchOptions) -> None:
     parse_shape(opts.tree, 1)
 
 
-def run_bench(opts: BenchOptions, progress: Progress | None = None) -> dict:
-    """Benchmark one drafter against AR decoding of its target; returns the JSON-ready report."""
+@dataclass
+class Session:
+    """A loaded target with one drafting engine, its tokenizer and the encoded prompts (bench and plan)."""
+
+    model: torch.nn.Module
+    target: Target
+    masks: MaskCache
+    engine: Drafter
+    encoded: list[list[int]]
+    eos: int | None
+
+    def engine_for(self, tree: str, opts: BenchOptions) -> Drafter:
+        """Another engine of the same drafter with another tree shape."""
+        from recycle.decoding.target import quiet_transformers
+
+        with quiet_transformers():
+            return load_engine(opts.drafter, self.target, self.masks, tree=tree, native=opts.native,
+                               target_dir=opts.target)
+
+
+def open_session(opts: BenchOptions) -> Session:
+    """Load the target, the drafter (checked against the target) and the tokenizer; encode the prompts."""
     from transformers import AutoTokenizer
 
     from recycle.decoding.target import quiet_transformers
@@ -220,6 +242,17 @@ def run_bench(opts: BenchOptions, progress: Progress | None = None) -> dict:
     if any(not ids for ids in encoded):
         raise RecycleError("a prompt encodes to no tokens")
     eos = getattr(tokenizer, "eos_token_id", None) if opts.stop_at_eos else None
+    return Session(model, target, masks, engine, encoded, eos)
+
+
+def run_bench(opts: BenchOptions, progress: Progress | None = None) -> dict:
+    """Benchmark one drafter against AR decoding of its target; returns the JSON-ready report."""
+    from recycle.prompts import default_prompts
+
+    ses = open_session(opts)
+    model, target, masks, engine, encoded, eos = ses.model, ses.target, ses.masks, ses.engine, ses.encoded, ses.eos
+    device, tdir = target.device, Path(opts.target)
+    prompts = opts.prompts if opts.prompts is not None else default_prompts()
     ar_drafter = Drafter()
     run = dict(temperature=opts.temperature, seed=opts.seed, eos=eos, masks=masks)
     if opts.warmup:

@@ -13,11 +13,18 @@ from typing import Annotated
 import typer
 from rich.console import Console
 from rich.panel import Panel
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+)
 from rich.table import Table
 
 from recycle import __version__
 from recycle.errors import RecycleError
+
 
 def _conventional_help() -> None:
     """typer ≥ 0.2x writes a required argument as `{NAME}` in usage lines and every parameter's type
@@ -524,6 +531,125 @@ def bench(
         render_bench(data)
 
 
+# -- plan (issue 18) -------------------------------------------------------------------------------
+
+
+def render_plan(data: dict) -> None:
+    """Rich report: per prompt set the candidates (predicted and, where run, measured) and the pick;
+    then the roofline per GPU: the best shape per batch size and each shape's crossover batch."""
+    head = Table.grid(padding=(0, 2))
+    head.add_column(style="bold")
+    head.add_column()
+    head.add_row("target", data["target"])
+    head.add_row("drafter", f"{data['drafter'] or '(the target’s own MTP modules)'}  [dim]{data['drafter_kind']}[/dim]")
+    head.add_row("measured on", f"{data['device']} {data['dtype']}, {data['threads']} thread(s), "
+                 f"≤{data['max_new_tokens']} new tokens, verify cost at context {data['context_measured']}")
+    vs = data["verify_s"]
+    head.add_row("verify n tokens", "  ".join(f"n={n}: {vs[n - 1] * 1e3:.1f} ms" for n in (1, 2, 4, 8, 16, len(vs))
+                                              if n <= len(vs)))
+    out.print(Panel(head, title="recycle plan", expand=False))
+    for name, st in data["sets"].items():
+        t = table(f"{name} ({st['prompts']} prompts): acceptance by depth "
+                  + " ".join(f"{a:.2f}" for a in st["acceptance_by_depth"]))
+        for col in ("shape", "τ", "draft", "verify", "AR steps", "predicted", "measured"):
+            t.add_column(col, justify="left" if col == "shape" else "right")
+        pick = st["recommended"]["shape"]
+        for r in st["candidates"]:
+            mark = "[bold green]" if r["shape"] == pick else ""
+            t.add_row(f"{mark}{r['shape']}", f"{r['tau']:.2f}", f"{r['c_draft']:.2f}", f"{r['c_verify']:.2f}",
+                      f"{r['cost']:.2f}", f"{mark}{r['predicted']:.2f}×",
+                      f"{r['measured']:.2f}×" if r["measured"] is not None else "")
+        out.print(t)
+        out.print(f"[bold]recommended for {name}:[/bold] {st['recommended']['reason']}")
+    rf = data["roofline"]
+    tg = rf["target"]
+    out.print(f"[dim]roofline of {rf['config']}: {fmt_count(tg['active_params'])} active / "
+              f"{fmt_count(tg['stored_params'])} stored params, {tg['weight_bytes']:g} B/weight, "
+              f"{fmt_bytes(int(tg['kv_bytes_per_token']))} KV per token, context {rf['context']}, "
+              f"η_mem {rf['eta_mem']}, η_flops {rf['eta_flops']}; drafter: {rf['drafter']['source']}[/dim]")
+    for g in rf["gpus"]:
+        for name, st in g["sets"].items():
+            batches = list(st["best"])
+            many = "" if g["count"] == 1 else f" ×{g['count']}"
+            t = table(f"{g['title']}{many} · {name}: speedup by batch size")
+            t.add_column("shape")
+            for b in batches:
+                t.add_column(f"B={b}", justify="right")
+            t.add_column("< 1× from B", justify="right")
+            for c in st["candidates"]:
+                t.add_row(c["shape"], *[("[bold]" if st["best"][b] == c["shape"] else "") + f"{c['speedup'][b]:.2f}"
+                                        for b in batches],
+                          str(c["crossover_batch"]) if c["crossover_batch"] else "> 4096")
+            out.print(t)
+    if data.get("plot"):
+        out.print(f"plot: {data['plot']}")
+
+
+@app.command()
+@user_errors
+def plan(
+    drafter: Annotated[Path | None, typer.Argument(help="Drafter directory (from `recycle convert`), or the target "
+                                                   "directory itself for its native MTP modules.",
+                                                   metavar="DRAFTER_DIR")] = None,
+    target: Annotated[Path, typer.Option("--target", help="Target model directory.", metavar="TARGET_DIR")] = ...,
+    prompts: Annotated[str | None, typer.Option("--prompts", help="As bench: JSONL or a corpus name; one "
+                                                "recommendation per prompt set (default: stdlib code and text).")] = None,
+    gpus: Annotated[str, typer.Option("--gpu", help="GPUs for the roofline, comma-separated (H100, H200, H100-PCIe, "
+                                      "A100, A100-40GB, L40S, L4, RTX4090).")] = ",".join(
+        ("H100", "H200", "A100", "L40S", "RTX4090")),
+    batch: Annotated[str, typer.Option("--batch", help="Batch sizes for the roofline table, e.g. 1,8,32,128.")] = "1,8,32,128",
+    context: Annotated[int, typer.Option("--context", help="Tokens cached per sequence in the roofline.")] = 2048,
+    model_config: Annotated[str | None, typer.Option("--model-config", help="Roofline this config.json instead of "
+                                                     "the target's (e.g. the full-size model a small stand-in "
+                                                     "was measured for).")] = None,
+    max_chain: Annotated[int, typer.Option("--max-chain", help="Longest chain measured (every shorter chain is "
+                                           "derived from it).")] = 8,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", help="New tokens per prompt.")] = 64,
+    device: Annotated[str | None, typer.Option("--device", help="cpu or cuda (default: cuda when available).")] = None,
+    dtype: Annotated[str, typer.Option("--dtype", help="fp32, bf16 or fp16.")] = "fp32",
+    native_mtp: Annotated[bool, typer.Option("--native-mtp", help="Draft with the target's own MTP modules.")] = False,
+    plot_out: Annotated[Path | None, typer.Option("--plot", help="Write speedup against batch size (PNG).",
+                                                  metavar="OUT.png")] = None,
+    threads: Annotated[int | None, typer.Option("--threads", help="torch CPU threads (default: torch's choice).")] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Choose the number of speculative tokens and the tree from measured acceptance, and predict the
+    speedup across batch sizes and GPUs (roofline of the target's config).
+
+    Measures per prompt set the drafter's per-depth acceptance along its longest chain and a few trees,
+    the draft cost per step and the verification cost of 1 … 32 tokens; predicts τ and speedup for
+    chain:1 … 8 and the trees, recommends one per set with the reason, and tables (and plots) the
+    speedup per GPU and batch size with the batch size where speculation stops paying.
+
+    Example: `recycle plan /tmp/ds-eagle --target fixtures/deepseek_v3_mtp --gpu H100,L40S --plot plan.png`
+    """
+    from recycle.preflight import drafter_dir, model_dir
+
+    if drafter is not None:
+        drafter_dir(drafter)
+    model_dir(target)
+    from recycle.bench import BenchOptions, set_threads
+    from recycle.plan import PlanOptions, check_options, parse_batches, run_plan
+    from recycle.prompts import prompt_set
+
+    set_threads(threads)
+    opts = PlanOptions(
+        bench=BenchOptions(drafter=str(drafter) if drafter is not None else None, target=str(target),
+                           prompts=prompt_set(prompts) if prompts is not None else None,
+                           max_new_tokens=max_new_tokens, device=device, dtype=dtype, native=native_mtp),
+        gpus=[g for g in gpus.split(",") if g.strip()], batches=parse_batches(batch), context=context,
+        max_chain=max_chain, model_config=model_config, plot=str(plot_out) if plot_out is not None else None,
+    )
+    check_options(opts)
+    with Reporter("measuring") as bar:
+        data = run_plan(opts, progress=lambda i, n, label: bar.update(i, n, description=label, force=True,
+                                                                     line=f"plan: {label} ({i}/{n})"))
+    if json_out:
+        print_json(data)
+    else:
+        render_plan(data)
+
+
 # -- push (issue 7) -------------------------------------------------------------------------------
 
 
@@ -694,7 +820,8 @@ def distill(
     data_name(data)
     output = output or output_alias
     from distill.losses import LossConfig
-    from distill.train import DistillOptions, distill as run_distill
+    from distill.train import DistillOptions
+    from distill.train import distill as run_distill
 
     opts = DistillOptions(
         drafter=str(drafter), target=str(target), tokens=budget, out=str(output) if output else None,
@@ -758,7 +885,13 @@ def harvest(
     Example: `recycle harvest fixtures/deepseek_v3_mtp --tokens 64k -o /tmp/ds-cache`, then
     `recycle distill /tmp/ds-eagle --target fixtures/deepseek_v3_mtp --tokens 64k --cache-hidden /tmp/ds-cache`
     """
-    from recycle.preflight import data_name, drafter_dir, model_dir, output_dir, parse_tokens
+    from recycle.preflight import (
+        data_name,
+        drafter_dir,
+        model_dir,
+        output_dir,
+        parse_tokens,
+    )
 
     budget = parse_tokens(tokens)
     model_dir(target, "TARGET_DIR")
@@ -774,7 +907,8 @@ def harvest(
 
         if drafter_format(drafter) == "eagle3":
             aux = tuple(load_json(drafter / "config.json", "drafter config.json")["eagle_aux_hidden_state_layer_ids"])
-    from distill.harvest import HarvestOptions, harvest as run_harvest
+    from distill.harvest import HarvestOptions
+    from distill.harvest import harvest as run_harvest
 
     parallel = {k: v for k, v in (("tensor_parallel_size", tensor_parallel_size),
                                   ("pipeline_parallel_size", pipeline_parallel_size),

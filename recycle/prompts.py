@@ -6,7 +6,7 @@ headers; natural-language prompts are the opening sentences of those modules' an
 docstrings. Both are text, so any target's tokenizer can encode them. `--prompts` takes a corpus
 name (`stdlib`: code and English, the default; `py:PACKAGE`: code from an installed package's
 held-out files, e.g. the post-trained fixture's domain `py:transformers`) or the user's own JSONL,
-one `{"prompt": "..."}` per line.
+one `{"prompt": "..."}` per line (optionally `"set": "NAME"`: bench and plan report per set).
 """
 
 from __future__ import annotations
@@ -105,7 +105,10 @@ def read_jsonl(path: str | Path) -> list[tuple[str, str]]:
             raise RecycleError(f"{p}:{i}: not JSON ({e.msg})") from None
         if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str) or not obj["prompt"]:
             raise RecycleError(f'{p}:{i}: expected {{"prompt": "..."}} with a non-empty string')
-        out.append(("user", obj["prompt"]))
+        group = obj.get("set", "user")
+        if not isinstance(group, str) or not group:
+            raise RecycleError(f'{p}:{i}: "set" must be a non-empty string (the prompt set it belongs to)')
+        out.append((group, obj["prompt"]))
     if not out:
         raise RecycleError(f"{p}: holds no prompts")
     return out

@@ -1,0 +1,65 @@
+"""Accelerators as data: peak memory bandwidth, dense bf16 tensor FLOPs and memory, with sources.
+
+One table serves `recycle bench` (achieved bandwidth against the device's peak) and `recycle plan`
+(the roofline across GPUs). Figures are the vendors' datasheet numbers for dense (not 2:4-sparse)
+bf16 tensor math; a device is matched on the name torch reports.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from recycle.errors import RecycleError
+
+
+@dataclass(frozen=True)
+class GPU:
+    key: str  # the name `--gpu` takes
+    title: str
+    bandwidth_gbs: float  # peak HBM/GDDR bandwidth, GB/s
+    bf16_tflops: float  # peak dense bf16 tensor throughput, TFLOP/s
+    memory_gb: float
+    names: tuple[str, ...]  # substrings of torch.cuda.get_device_name() that identify it (first match wins)
+    source: str
+
+
+GPUS: tuple[GPU, ...] = (
+    GPU("H200", "NVIDIA H200 SXM 141GB", 4800.0, 989.0, 141.0, ("H200",),
+        "NVIDIA H200 Tensor Core GPU datasheet (2024): 4.8 TB/s, BF16 1,979 TFLOPS with sparsity"),
+    GPU("H100-PCIe", "NVIDIA H100 PCIe 80GB", 2000.0, 756.0, 80.0, ("H100 PCIe",),
+        "NVIDIA H100 Tensor Core GPU datasheet (2023): 2 TB/s, BF16 1,513 TFLOPS with sparsity"),
+    GPU("H100", "NVIDIA H100 SXM 80GB", 3350.0, 989.0, 80.0, ("H100",),
+        "NVIDIA H100 Tensor Core GPU datasheet (2023): 3.35 TB/s, BF16 1,979 TFLOPS with sparsity"),
+    GPU("A100-40GB", "NVIDIA A100 SXM 40GB", 1555.0, 312.0, 40.0, ("A100-SXM4-40GB", "A100-PCIE-40GB"),
+        "NVIDIA A100 Tensor Core GPU datasheet (2021): 1,555 GB/s, BF16 312 TFLOPS"),
+    GPU("A100", "NVIDIA A100 SXM 80GB", 2039.0, 312.0, 80.0, ("A100",),
+        "NVIDIA A100 Tensor Core GPU datasheet (2021): 2,039 GB/s, BF16 312 TFLOPS"),
+    GPU("L40S", "NVIDIA L40S 48GB", 864.0, 362.0, 48.0, ("L40S",),
+        "NVIDIA L40S datasheet (2023): 864 GB/s, BF16 362.05 TFLOPS (733 with sparsity)"),
+    GPU("L4", "NVIDIA L4 24GB", 300.0, 121.0, 24.0, ("L4",),
+        "NVIDIA L4 datasheet (2023): 300 GB/s, BF16 242 TFLOPS with sparsity"),
+    GPU("RTX4090", "NVIDIA GeForce RTX 4090 24GB", 1008.0, 165.2, 24.0, ("RTX 4090",),
+        "NVIDIA Ada Lovelace architecture whitepaper v2.1, Appendix A: 1,008 GB/s, "
+        "BF16 tensor 165.2 TFLOPS with FP32 accumulate"),
+)  # fmt: skip
+
+
+def gpu(key: str) -> GPU:
+    """A table entry by `--gpu` name (case-insensitive); unknown names list the known ones."""
+    for g in GPUS:
+        if g.key.lower() == key.strip().lower():
+            return g
+    raise RecycleError(f"--gpu {key!r}: unknown GPU; known: {', '.join(g.key for g in GPUS)}")
+
+
+def detect(device: torch.device) -> GPU | None:
+    """The table entry for a CUDA device, by the name torch reports (None on CPU or an unlisted card)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((g for g in GPUS if any(n in name for n in g.names)), None)
+
+
+__all__ = ["GPU", "GPUS", "gpu", "detect"]
