@@ -3,9 +3,11 @@
 Both compute the same features for the same windows (distill's plan for --tokens/--seq-len/--batch): vLLM
 prefills every window once (`extract_hidden_states`, timed inside its job from the first request to the
 last file); the in-process teacher runs transformers' forward per micro-batch, as `distill` does without a
-cache. Also reports the cache's bytes per token.
+cache. Also reports the cache's bytes per token. With `--distill`, also distill tokens/s: an EAGLE-3 drafter
+(`--to eagle3`, the aux layers harvested) trained from the harvested cache without the trunk, against the
+same distillation with the target in the process (fp32, the same windows).
 
-    RECYCLE_VLLM_PYTHON=/tmp/vllm-venv/bin/python python benchmarks/harvest_speed.py --tokens 64k
+    RECYCLE_VLLM_PYTHON=/tmp/vllm-venv/bin/python python benchmarks/harvest_speed.py --tokens 64k [--distill [--online 4]]
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ def main() -> None:
     ap.add_argument("--aux", default="2,5,9", help="aux layer ids (EAGLE-3), or '' for the last state only")
     ap.add_argument("--work", default="/tmp/recycle-harvest-speed")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--distill", action="store_true", help="also time distill from the cache against in-process")
+    ap.add_argument("--online", type=int, default=0, help="with --distill: also distill --online N (vLLM alongside)")
     args = ap.parse_args()
     torch.set_num_threads(torch.get_num_threads())
     aux = tuple(int(x) for x in args.aux.split(",") if x)
@@ -54,10 +58,34 @@ def main() -> None:
               "aux_layers": list(aux), "vllm_tokens_per_s": rec["vllm_tokens_per_s"],
               "harvest_wall_s": rec["seconds"], "in_process_tokens_per_s": round(rec["tokens"] / in_process),
               "cache_bytes_per_token": rec["bytes_per_token"], "threads": torch.get_num_threads()}
+    if args.distill:
+        report["distill"] = distill_speed(args, opts)
     print(json.dumps(report, indent=1))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
     shutil.rmtree(args.work, ignore_errors=True)
+
+
+def distill_speed(args, opts: HarvestOptions) -> dict:
+    """tokens/s of the same distillation with the target in the process and from the harvested cache."""
+    from converters.api import convert_checkpoint
+    from distill.train import DistillOptions, distill
+
+    e3 = convert_checkpoint(args.target, "eagle3", Path(args.work) / "e3", overwrite=True)["out"]
+    aux = tuple(json.loads((Path(e3) / "config.json").read_text())["eagle_aux_hidden_state_layer_ids"])
+    if aux != opts.aux_layers:
+        raise SystemExit(f"--aux {opts.aux_layers} is not the drafter's {aux}")
+    run = dict(drafter=e3, target=args.target, tokens=opts.tokens, seq_len=args.seq_len, batch=args.batch,
+               eval_every=10**9, precision="fp32")
+    out = {}
+    runs = [("in_process", {}), ("from_cache", {"cache_hidden": opts.out})]
+    if args.online:
+        runs.append((f"online_{args.online}", {"cache_hidden": str(Path(args.work) / "online"), "online": args.online}))
+    for name, extra in runs:
+        r = distill(DistillOptions(out=str(Path(args.work) / name), **run, **extra))
+        out[name] = {"tokens_per_s": r["tokens_per_s"], "wall_s": r["wall_s"], "trunk_loaded": r["trunk_loaded"],
+                     "target_forward_share": r["target_forward_share"], "timing": r["timing"], "online": r["online"]}
+    return out
 
 
 if __name__ == "__main__":

@@ -5,9 +5,10 @@ and, for EAGLE-3, the aux layers' residual streams. Here vLLM computes them (its
 method, so the target may be spread over as many GPUs as vLLM's own parallelism arguments say) and
 recycle writes them in the one `--cache-hidden` format (`distill.teacher.store_features`), under the keys
 the distiller will ask for: the windows are planned exactly as `distill` plans its steps (same data
-stream, seed, batch, sequence length and token budget). `distill --cache-hidden CACHE` then reads every
-step's features from the cache; `manifest.json` says what the cache holds, and distill refuses a cache
-made for other options.
+stream, seed, batch, sequence length and token budget), plus distill's held-out rows under `eval` (their
+greedy continuations written by vLLM first, as distill's own teacher writes them). `distill --cache-hidden
+CACHE` then reads every step's features from the cache and never builds the target (only its embedding
+and head); `manifest.json` says what the cache holds, and distill refuses a cache made for other options.
 
 vLLM's layer ids: k < L is the residual stream entering layer k (transformers' `hidden_states[k]`); L is
 the last layer's output *before* the final norm, so the target's final norm (read alone through the lazy
@@ -20,6 +21,7 @@ import hashlib
 import json
 import os
 import shutil
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -27,9 +29,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from distill.data import PackedStream, data_source
+from distill.data import PackedStream, data_source, heldout_batch
 from distill.teacher import store_features
-from distill.train import micro_batches, plan_batch
+from distill.train import EVAL_KEY, eval_prompt_len, micro_batches, plan_batch
 from recycle.checkpoint import Checkpoint, load_json
 from recycle.errors import RecycleError
 from recycle.families import match
@@ -50,6 +52,8 @@ class HarvestOptions:
     aux_layers: tuple[int, ...] = ()  # EAGLE-3's eagle_aux_hidden_state_layer_ids (transformers' hidden_states ids)
     overwrite: bool = False
     parallel: dict | None = None  # vLLM's own names: tensor_parallel_size, pipeline_parallel_size, ...
+    eval_rows: int = 16  # distill's held-out rows (its --eval-rows / eval_prompt_len defaults)
+    eval_prompt_len: int = 64
 
 
 def fingerprint(target: str | os.PathLike) -> dict:
@@ -69,12 +73,15 @@ def fingerprint(target: str | os.PathLike) -> dict:
 def manifest_for(opts: HarvestOptions, keys: list[str], fp: dict | None = None) -> dict:
     return {"format": FORMAT, "target": str(Path(opts.target).resolve()), "fingerprint": fp or fingerprint(opts.target),
             "aux_layers": list(opts.aux_layers), "data": opts.data, "seq_len": opts.seq_len, "batch": opts.batch,
-            "seed": opts.seed, "tokens": opts.tokens, "keys": keys, "dtype": "bfloat16"}
+            "seed": opts.seed, "tokens": opts.tokens, "keys": keys, "dtype": "bfloat16",
+            "eval_rows": opts.eval_rows, "eval_prompt_len": opts.eval_prompt_len}
 
 
 def check_manifest(cache: Path, *, target: str, aux_layers: list[int], data: str | None, seq_len: int, batch: int,
-                   seed: int, tokens: int, world: int, self_distill: bool) -> None:
-    """Refuse (exit 2) a harvested cache made for other distill options: its keys would name other windows."""
+                   seed: int, tokens: int, world: int, self_distill: bool, eval_rows: int = 16,
+                   eval_prompt_len: int = 64) -> dict:
+    """Refuse (exit 2) a harvested cache made for other distill options: its keys would name other windows.
+    Returns the manifest."""
     m = load_json(cache / MANIFEST, "cache manifest")
     if world != 1:
         raise RecycleError(f"--cache-hidden {cache}: a harvested cache holds one process's windows; run distill "
@@ -82,7 +89,8 @@ def check_manifest(cache: Path, *, target: str, aux_layers: list[int], data: str
     if self_distill:
         raise RecycleError(f"--cache-hidden {cache}: harvested on the data's own text; --self-distill trains on the "
                            "target's continuations, which this cache does not hold")
-    want = {"aux_layers": list(aux_layers), "data": data, "seq_len": seq_len, "batch": batch, "seed": seed}
+    want = {"aux_layers": list(aux_layers), "data": data, "seq_len": seq_len, "batch": batch, "seed": seed,
+            "eval_rows": eval_rows, "eval_prompt_len": eval_prompt_len}
     got = {k: m.get(k) for k in want}
     if got != want:
         diff = ", ".join(f"{k} {got[k]} (distill: {want[k]})" for k in want if got[k] != want[k])
@@ -91,6 +99,15 @@ def check_manifest(cache: Path, *, target: str, aux_layers: list[int], data: str
         raise RecycleError(f"--cache-hidden {cache}: harvested {m.get('tokens')} tokens, distill asks for {tokens}")
     if m.get("fingerprint") != fingerprint(target):
         raise RecycleError(f"--cache-hidden {cache}: harvested from another target than {target}")
+    if not isinstance(m.get("eval"), dict) or not (cache / f"{EVAL_KEY}.safetensors").is_file():
+        raise RecycleError(f"--cache-hidden {cache}: it holds no held-out rows (an older harvest); harvest again")
+    return m
+
+
+def eval_rows(opts: HarvestOptions, tokenizer) -> tuple[torch.Tensor, int]:
+    """distill's held-out rows and how many tokens of each stay as the prompt (0: scored as they are)."""
+    ev = heldout_batch(tokenizer, opts.seq_len, opts.eval_rows, opts.data)
+    return ev, eval_prompt_len(ev.shape[1], opts.eval_prompt_len)
 
 
 def plan(opts: HarvestOptions, tokenizer) -> list[tuple[str, torch.Tensor]]:
@@ -128,50 +145,89 @@ def final_norm(target: str | os.PathLike):
     return apply
 
 
+class _Job:
+    """What both modes share: the checked target, distill's windows, the (vLLM-regenerated) held-out rows,
+    the captured layers, and the conversion of vLLM's per-window files into one cache file per key."""
+
+    def __init__(self, opts: HarvestOptions) -> None:
+        from transformers import AutoTokenizer
+
+        self.opts = opts
+        self.fp = fingerprint(opts.target)
+        self.n_layers = n = self.fp["num_hidden_layers"]
+        bad = [i for i in opts.aux_layers if not 0 <= i <= n]
+        if bad:
+            raise RecycleError(f"aux layer {bad[0]}: the target has {n} layers")
+        self.tokenizer = AutoTokenizer.from_pretrained(opts.target)
+        self.batches = plan(opts, self.tokenizer)
+        self.norm = final_norm(opts.target)
+        self.layers = [*opts.aux_layers, n] if n not in opts.aux_layers else list(opts.aux_layers)
+        self.eval, self.prompt = eval_rows(opts, self.tokenizer)
+        self.target = str(Path(opts.target).resolve())
+
+    def regenerate_eval(self) -> None:
+        """The held-out rows' continuations, written by the target in vLLM (greedy, as distill does)."""
+        from recycle.engines.vllm_env import run_job
+
+        if not self.prompt:
+            return
+        ev, p = self.eval, self.prompt
+        gen = run_job({"target": self.target, "prompt_ids": ev[:, :p].tolist(), "max_new_tokens": ev.shape[1] - p,
+                       "max_model_len": ev.shape[1] + 8, "runs": [{"name": "eval", "speculative_config": None}]})["eval"]
+        if "error" in gen:
+            raise RecycleError(f"vLLM: {gen['error']}")
+        self.eval = torch.cat([ev[:, :p], torch.tensor(gen["tokens"], dtype=ev.dtype)], dim=1)
+
+    def manifest(self, extra: dict | None = None) -> dict:
+        m = manifest_for(self.opts, [k for k, _ in self.batches], self.fp)
+        m["eval"] = {"rows": int(self.eval.shape[0]), "seq_len": int(self.eval.shape[1]), "prompt_len": self.prompt,
+                     "continuation": "vLLM greedy" if self.prompt else "none (the held-out text itself)"}
+        return m | (extra or {})
+
+    def job(self, raw: Path, **how) -> dict:
+        return {"mode": "harvest", "target": self.target, "layers": self.layers, "out_dir": str(raw.resolve()),
+                "parallel": self.opts.parallel or {}, **how}
+
+    def store(self, dest: Path, ids: torch.Tensor, files: list[str]) -> None:
+        """One key's cache file from vLLM's per-window files (which are then removed)."""
+        hs = torch.stack([load_file(f)["hidden_states"] for f in files])  # [n, T, len(layers), H]
+        n, layers = self.n_layers, self.layers
+        last = self.norm(hs[:, :, layers.index(n)])
+        aux = None
+        if self.opts.aux_layers:  # transformers' hidden_states[L] is the normed state
+            aux = torch.cat([self.norm(hs[:, :, layers.index(i)]) if i == n else hs[:, :, layers.index(i)]
+                             for i in self.opts.aux_layers], dim=-1)
+        store_features(dest, ids, last, aux)
+        for f in files:
+            Path(f).unlink(missing_ok=True)
+
+
 def harvest(opts: HarvestOptions, progress=None) -> dict:
     """Run the target in vLLM over distill's windows and write the cache directory (atomically)."""
-    from transformers import AutoTokenizer
-
     from recycle.engines.vllm_env import run_job
 
     started = time.perf_counter()
     out = Path(opts.out)
     if out.exists() and not opts.overwrite:
         raise RecycleError(f"{out}: exists (pass --overwrite to replace it)")
-    fp = fingerprint(opts.target)
-    n_layers = fp["num_hidden_layers"]
-    bad = [i for i in opts.aux_layers if not 0 <= i <= n_layers]
-    if bad:
-        raise RecycleError(f"aux layer {bad[0]}: the target has {n_layers} layers")
-    tokenizer = AutoTokenizer.from_pretrained(opts.target)
-    batches = plan(opts, tokenizer)
-    norm = final_norm(opts.target)
+    job = _Job(opts)
     work = out.parent / f".{out.name}.harvesting-{os.getpid()}"
     shutil.rmtree(work, ignore_errors=True)
     (work / "raw").mkdir(parents=True)
     try:
-        layers = [*opts.aux_layers, n_layers] if n_layers not in opts.aux_layers else list(opts.aux_layers)
+        job.regenerate_eval()
+        batches = [*job.batches, (EVAL_KEY, job.eval)]
         windows = [row.tolist() for _, ids in batches for row in ids]
-        res = run_job({"mode": "harvest", "target": str(Path(opts.target).resolve()), "windows": windows,
-                       "layers": layers, "out_dir": str((work / "raw").resolve()), "parallel": opts.parallel or {}},
-                      env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
+        res = run_job(job.job(work / "raw", windows=windows), env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
         files = iter(res["files"])
-        last_i = layers.index(n_layers)
         for key, ids in batches:
-            states = [load_file(next(files))["hidden_states"] for _ in range(ids.shape[0])]
-            hs = torch.stack(states)  # [n, T, len(layers), H]
-            last = norm(hs[:, :, last_i])
-            aux = None
-            if opts.aux_layers:  # transformers' hidden_states[L] is the normed state
-                aux = torch.cat([norm(hs[:, :, layers.index(i)]) if i == n_layers else hs[:, :, layers.index(i)]
-                                 for i in opts.aux_layers], dim=-1)
-            store_features(work / f"{key}.safetensors", ids, last, aux)
+            job.store(work / f"{key}.safetensors", ids, [next(files) for _ in range(ids.shape[0])])
             if progress is not None:
                 progress(key)
         shutil.rmtree(work / "raw")
-        tokens = sum(int(ids.numel()) for _, ids in batches)
-        manifest = manifest_for(opts, [k for k, _ in batches], fp)
-        manifest["engine"] = {"seconds": round(res["seconds"], 3), "tokens_per_s": round(tokens / res["seconds"])}
+        tokens = sum(int(ids.numel()) for _, ids in job.batches)
+        manifest = job.manifest({"engine": {"seconds": round(res["seconds"], 3),
+                                            "tokens_per_s": round(tokens / res["seconds"])}})
         (work / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
         if out.exists():
             shutil.rmtree(out)
@@ -183,3 +239,110 @@ def harvest(opts: HarvestOptions, progress=None) -> dict:
             "vllm_seconds": manifest["engine"]["seconds"], "vllm_tokens_per_s": manifest["engine"]["tokens_per_s"],
             "seconds": round(time.perf_counter() - started, 3), "options": asdict(opts) | {"aux_layers": list(opts.aux_layers)},
             "bytes_per_token": round(size / max(1, tokens))}
+
+
+class OnlineHarvest:
+    """Online mode: vLLM computes each step's features while distill trains, at most `ahead` keys ahead.
+
+    A thread feeds one key's windows at a time to a vLLM job that stays up (`vllm_job.py`'s feed
+    protocol) whenever fewer than `ahead` unconsumed key files are in the cache directory, and turns
+    vLLM's per-window files into the key's cache file; the consumer (`Teacher` with this producer)
+    waits for each key and deletes it once read. Disk stays at about `ahead` keys plus the held-out
+    rows, whatever the token budget. `begin(step)` starts feeding at a resumed run's step.
+    """
+
+    POLL_S = 0.01
+
+    def __init__(self, opts: HarvestOptions, ahead: int) -> None:
+        if ahead < 1:
+            raise RecycleError("--online: keep at least 1 step's windows ahead")
+        self.opts, self.ahead = opts, ahead
+        self.job = _Job(opts)
+        self.dir = Path(opts.out)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        for old in self.dir.glob("*.safetensors"):  # another run's keys: their windows are produced again
+            old.unlink()
+        (self.dir / MANIFEST).write_text(json.dumps(self.job.manifest({"online": {"ahead": ahead}}), indent=1) + "\n")
+        self.feed = self.dir / ".feed"
+        shutil.rmtree(self.feed, ignore_errors=True)
+        (self.feed / "raw").mkdir(parents=True)
+        self.error: BaseException | None = None
+        self.max_present = 0
+        self.max_bytes = 0
+        self.done = False
+        self._start_step: int | None = None
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="recycle-online-harvest", daemon=True)
+        self._thread.start()
+
+    def begin(self, step: int) -> None:
+        self._start_step = step
+
+    def close(self) -> None:
+        self._closed = True
+        (self.feed / "end").touch()
+        self._thread.join(timeout=60)
+        shutil.rmtree(self.feed, ignore_errors=True)
+
+    def wait(self, key: str) -> None:
+        """Block until `key`'s cache file exists; the producer's failure is raised here, once, as its own line."""
+        path = self.dir / f"{key}.safetensors"
+        while not path.exists():
+            if self.error is not None:
+                err, self.error = self.error, None
+                raise err if isinstance(err, RecycleError) else RecycleError(f"online harvest: {err}")
+            if self.done or not self._thread.is_alive():
+                raise RecycleError(f"online harvest: the producer stopped before {key}")
+            time.sleep(self.POLL_S)
+
+    def _present(self) -> list[Path]:
+        return [p for p in self.dir.glob("*.safetensors") if p.stem != EVAL_KEY]
+
+    def _run(self) -> None:
+        engine = threading.Thread(target=self._engine, name="recycle-online-vllm", daemon=True)
+        try:
+            self.job.regenerate_eval()
+            engine.start()
+            self._serve(0, EVAL_KEY, self.job.eval)
+            while self._start_step is None and not self._closed:
+                time.sleep(self.POLL_S)
+            n = 1
+            for key, ids in self.job.batches:
+                if self._closed:
+                    break
+                if int(key[1:9]) < (self._start_step or 0):
+                    continue
+                while len(self._present()) >= self.ahead and not self._closed:
+                    time.sleep(self.POLL_S)
+                self._serve(n, key, ids)
+                n += 1
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer, which raises it as one line
+            self.error = e
+        finally:
+            self.done = True
+            (self.feed / "end").touch()
+
+    def _engine(self) -> None:
+        from recycle.engines.vllm_env import run_job
+
+        try:
+            run_job(self.job.job(self.feed / "raw", feed_dir=str(self.feed.resolve()),
+                                 max_window=max(self.opts.seq_len, int(self.job.eval.shape[1]))),
+                    env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
+        except BaseException as e:  # noqa: BLE001
+            self.error = e
+
+    def _serve(self, n: int, key: str, ids: torch.Tensor) -> None:
+        tmp = self.feed / f".{n:06d}.tmp"
+        tmp.write_text(json.dumps({"windows": ids.tolist()}))
+        tmp.rename(self.feed / f"{n:06d}.json")
+        done = self.feed / f"{n:06d}.done.json"
+        while not done.exists():
+            if self.error is not None or self._closed:
+                raise self.error or RecycleError("online harvest: closed")
+            time.sleep(self.POLL_S)
+        files = json.loads(done.read_text())["files"]
+        self.job.store(self.dir / f"{key}.safetensors", ids, files)
+        present = self._present()
+        self.max_present = max(self.max_present, len(present))
+        self.max_bytes = max(self.max_bytes, sum(p.stat().st_size for p in present))

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
+from torch import nn
 
 from recycle.decoding.target import load_target
 from recycle.errors import RecycleError
@@ -42,20 +43,58 @@ def autocast(device: torch.device, precision: str):
     return contextlib.nullcontext()
 
 
+def target_io(target_dir: str | os.PathLike, device: torch.device) -> tuple[nn.Embedding, nn.Linear]:
+    """The target's input embedding and LM head alone, through the lazy reader (names from the family
+    table's trunk roles; a tied head is the embedding): what a drafter needs of a target it never runs."""
+    from recycle.checkpoint import Checkpoint
+    from recycle.families import LLAMA_TRUNK, match
+
+    ck = Checkpoint(target_dir)
+    try:
+        trunk = match(ck).family.trunk
+    except RecycleError:  # a target without MTP modules (a drafter's target need not carry any)
+        trunk = LLAMA_TRUNK
+    found = {}
+    for role in ("embed", "head"):
+        names = trunk.get(role) or LLAMA_TRUNK[role]
+        name = next((n for n in names if n in ck.tensors), None)
+        if name is None:
+            raise RecycleError(f"{target_dir}: no {role} tensor ({', '.join(names)})")
+        found[role] = ck.get(name).to(device=device, dtype=torch.float32)
+    embed = nn.Embedding.from_pretrained(found["embed"], freeze=True)
+    head = nn.Linear(found["head"].shape[1], found["head"].shape[0], bias=False, device=device)
+    head.weight = nn.Parameter(found["head"], requires_grad=False)
+    return embed, head
+
+
 class Teacher:
-    """Wraps the frozen target; `teacher(ids, key)` → TeacherOut (from the cache when `key` is stored)."""
+    """Wraps the frozen target; `teacher(ids, key)` → TeacherOut (from the cache when `key` is stored).
+
+    `trunk=False` (a cache `recycle harvest` filled): the target's layers are never loaded, only its
+    config, embedding and LM head (`target_io`); every key must be in the cache. A drafter for a target
+    no process holds then trains on one device."""
 
     def __init__(self, target_dir: str | os.PathLike, device: torch.device, aux_layers: list[int] | None = None,
-                 precision: str = "bf16", cache_dir: str | os.PathLike | None = None) -> None:
+                 precision: str = "bf16", cache_dir: str | os.PathLike | None = None, trunk: bool = True,
+                 producer=None) -> None:
         self.device, self.precision = device, precision
-        self.model = load_target(target_dir, device=device, dtype=torch.float32)
-        for p in self.model.parameters():
-            p.requires_grad_(False)
-        self.decoder = self.model.get_decoder()
-        self.head = self.model.get_output_embeddings()
-        self.embed = self.model.get_input_embeddings()
-        self.config = self.model.config
-        self.num_layers = len(self.decoder.layers)
+        self.producer = producer  # distill.harvest.OnlineHarvest: wait for each key, delete it once read
+        if trunk:
+            self.model = load_target(target_dir, device=device, dtype=torch.float32)
+            for p in self.model.parameters():
+                p.requires_grad_(False)
+            self.decoder = self.model.get_decoder()
+            self.head = self.model.get_output_embeddings()
+            self.embed = self.model.get_input_embeddings()
+            self.config = self.model.config
+            self.num_layers = len(self.decoder.layers)
+        else:
+            from transformers import AutoConfig
+
+            self.model = self.decoder = None
+            self.config = AutoConfig.from_pretrained(target_dir)
+            self.embed, self.head = target_io(target_dir, device)
+            self.num_layers = int(self.config.num_hidden_layers)
         self.aux_layers = list(aux_layers or [])
         for i in self.aux_layers:
             if not 0 <= i <= self.num_layers:
@@ -70,6 +109,9 @@ class Teacher:
 
     @torch.no_grad()
     def features(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.decoder is None:
+            raise RecycleError(f"--cache-hidden {self.cache_dir}: a window is missing from the harvested cache and "
+                               "the target is not loaded here; harvest again with distill's options")
         with autocast(self.device, self.precision):
             out = self.decoder(input_ids=ids, use_cache=False, output_hidden_states=bool(self.aux_layers))
         last = out.last_hidden_state
@@ -88,7 +130,11 @@ class Teacher:
     @torch.no_grad()
     def __call__(self, ids: torch.Tensor, key: str | None = None) -> TeacherOut:
         ids = ids.to(self.device)
+        if self.producer is not None and key is not None:
+            self.producer.wait(key)
         cached = self._load(key, ids) if key is not None and self.cache_dir is not None else None
+        if self.producer is not None and key is not None and key != "eval":
+            self._path(key).unlink(missing_ok=True)  # consumed: online mode keeps disk flat
         if cached is not None:
             last, aux = cached
             self.cache_hits += 1
@@ -97,6 +143,16 @@ class Teacher:
             if key is not None and self.cache_dir is not None:
                 self._store(key, ids, last, aux)
         return TeacherOut(last, aux, self.logits(last))
+
+    def cached_ids(self, key: str) -> torch.Tensor:
+        """The token ids stored under `key` (a harvested cache's evaluation rows)."""
+        if self.producer is not None:
+            self.producer.wait(key)
+        path = self._path(key)
+        try:
+            return load_file(str(path))["input_ids"]
+        except Exception as e:  # noqa: BLE001 - missing or torn: the cache is unusable for this
+            raise RecycleError(f"--cache-hidden {self.cache_dir}: no readable {path.name} ({type(e).__name__})") from None
 
     def _load(self, key: str, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         path = self._path(key)

@@ -92,6 +92,8 @@ class DistillOptions:
     resume: bool = False
     state_dir: str | None = None
     cache_hidden: str | None = None
+    online: int | None = None  # harvest in vLLM while training into cache_hidden, this many steps' keys ahead
+    vllm_parallel: dict | None = None  # with online: vLLM's own parallelism arguments
     device: str | None = None
     precision: str | None = None  # None: bf16 where the device has native bf16, else fp32
     seed: int = 0
@@ -192,6 +194,16 @@ def plan_batch(remaining: int, rows: int, seq_len: int) -> list[int]:
     return [seq_len] * full + ([rest] if rest else [])
 
 
+EVAL_KEY = "eval"  # the held-out rows' key in a --cache-hidden directory `recycle harvest` filled
+
+
+def eval_prompt_len(length: int, wanted: int, steps: int = 1) -> int:
+    """How many tokens of each held-out row stay as the prompt (the target writes the rest); 0 when the
+    rows are too short to continue, and then they are scored on the held-out text itself."""
+    p = min(wanted, length // 4)
+    return p if p >= 1 and length - p > steps + 1 else 0
+
+
 def micro_batches(step: int, lengths: list[int], rank: int, world: int, seq_len: int) -> list[tuple[list[int], int, str]]:
     """(row indices, length, cache key) of one rank's share of a step: its full rows together, each cut row
     alone. `--cache-hidden` files are named by these keys, which is how `recycle harvest` fills a cache ahead."""
@@ -265,6 +277,14 @@ class Distiller:
                 raise RecycleError(f"{name} must be at least 1")
         if not (o.lr > 0 and math.isfinite(o.lr)):
             raise RecycleError("--lr must be a positive number")
+        if o.online is not None:
+            if o.online < 1:
+                raise RecycleError("--online must be at least 1 (steps' windows kept ahead)")
+            if not o.cache_hidden:
+                raise RecycleError("--online needs --cache-hidden DIR (where the windows pass through)")
+            if o.self_distill or self.world > 1:
+                raise RecycleError("--online trains one process on the data's own text: not with --self-distill "
+                                   "or torchrun")
         self.source = data_source(o.data)
         if not (src / "config.json").is_file():
             raise RecycleError(f"{src}: not a drafter directory (no config.json)")
@@ -312,13 +332,26 @@ class Distiller:
             tcfg = load_json(Path(o.target) / "config.json", "target config.json")
             n = int(tcfg.get("num_hidden_layers", 0))
             aux = cfg.get("eagle_aux_hidden_state_layer_ids") or [min(2, n), n // 2, max(n - 3, 0)]
+        harvested = None
+        self.producer = None
+        if o.online:  # vLLM computes each step's features while this process trains, `online` keys ahead
+            from distill.harvest import HarvestOptions, OnlineHarvest
+
+            self.producer = OnlineHarvest(HarvestOptions(
+                target=o.target, out=o.cache_hidden, tokens=o.tokens, data=o.data, seq_len=o.seq_len, batch=o.batch,
+                seed=o.seed, aux_layers=tuple(aux or ()), eval_rows=o.eval_rows, eval_prompt_len=o.eval_prompt_len,
+                parallel=o.vllm_parallel), o.online)
+            self.producer.wait(EVAL_KEY)  # vLLM's engine start and the held-out rows come first
         if o.cache_hidden and (Path(o.cache_hidden) / "manifest.json").is_file():  # made by `recycle harvest`
             from distill.harvest import check_manifest
 
-            check_manifest(Path(o.cache_hidden), target=o.target, aux_layers=aux or [], data=o.data,
-                           seq_len=o.seq_len, batch=o.batch, seed=o.seed, tokens=o.tokens, world=self.world,
-                           self_distill=o.self_distill)
-        self.teacher = Teacher(o.target, self.device, aux, self.precision, o.cache_hidden)
+            harvested = check_manifest(Path(o.cache_hidden), target=o.target, aux_layers=aux or [], data=o.data,
+                                       seq_len=o.seq_len, batch=o.batch, seed=o.seed, tokens=o.tokens,
+                                       world=self.world, self_distill=o.self_distill, eval_rows=o.eval_rows,
+                                       eval_prompt_len=o.eval_prompt_len)
+        # A harvested cache holds every window and the evaluation rows: the trunk is never loaded.
+        self.teacher = Teacher(o.target, self.device, aux, self.precision, o.cache_hidden, trunk=harvested is None,
+                               producer=self.producer)
         self._check_fit(model)
         self.target_io = adopt_target_io(self.fmt, model, self.teacher)
         model.to(self.device).train()
@@ -343,12 +376,15 @@ class Distiller:
         global_tokens = o.batch * self.world * o.seq_len
         self.total_steps = max(1, math.ceil(o.tokens / global_tokens))
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(self.total_steps, o.warmup, o.min_lr))
+        if harvested is not None:  # vLLM wrote the held-out continuations and their features
+            self.eval_prompt = int(harvested["eval"]["prompt_len"])
+            self.eval_ids = self.teacher.cached_ids(EVAL_KEY).to(self.device)
+            self.eval_teacher = self.teacher(self.eval_ids, EVAL_KEY)
+            return
         ev = heldout_batch(self.tokenizer, o.seq_len, o.eval_rows, o.data)
-        self.eval_prompt = min(o.eval_prompt_len, ev.shape[1] // 4)
-        if self.eval_prompt >= 1 and ev.shape[1] - self.eval_prompt > self.unroller.steps + 1:
+        self.eval_prompt = eval_prompt_len(ev.shape[1], o.eval_prompt_len, self.unroller.steps)
+        if self.eval_prompt:
             ev = regenerate(self.teacher.model, ev, self.eval_prompt, 0.0, o.seed)  # the text greedy decoding verifies
-        else:
-            self.eval_prompt = 0  # too short to continue: scored on the held-out text itself
         self.eval_ids = ev.to(self.device)
         self.eval_teacher = self.teacher(self.eval_ids)
 
@@ -530,6 +566,8 @@ class Distiller:
         self.best: dict | None = None
         self.t_start = time.perf_counter()
         resumed = o.resume and self._restore()
+        if self.producer is not None:
+            self.producer.begin(self.step)
         if not resumed:
             torch.manual_seed(o.seed)
             self.before = self.agreement()
@@ -626,6 +664,10 @@ class Distiller:
             "precision": self.precision,
             "resumed": resumed,
             "cache_hits": self.teacher.cache_hits,
+            "trunk_loaded": self.teacher.model is not None,
+            "online": None if self.producer is None else {
+                "ahead": self.producer.ahead, "max_key_files": self.producer.max_present,
+                "max_key_bytes": self.producer.max_bytes},
         }
 
     # -- outputs ----------------------------------------------------------------------------------
@@ -746,6 +788,8 @@ def distill(opts: DistillOptions, progress: Callable[[dict], None] | None = None
         record = d.run(progress)
     finally:
         torch.set_num_threads(threads)  # --threads is this run's, not the caller's process-wide setting
+        if getattr(d, "producer", None) is not None:
+            d.producer.close()  # the online vLLM job ends with the run, whatever ended it
     record["out"] = str(d.out)
     record["state_dir"] = str(d.state_dir)
     return record

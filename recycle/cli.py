@@ -781,7 +781,12 @@ def distill(
     output_alias: Annotated[Path | None, typer.Option("--out", hidden=True, help="Old name of --output.")] = None,
     resume: Annotated[bool, typer.Option("--resume", help="Continue from the last checkpoint in OUT.distill/.")] = False,
     cache_hidden: Annotated[Path | None, typer.Option("--cache-hidden", help="Store/reuse the target's features "
-                                                      "per batch (safetensors) here.")] = None,
+                                                      "per batch (safetensors) here; a `recycle harvest` "
+                                                      "cache is read without loading the target.")] = None,
+    online: Annotated[int | None, typer.Option("--online", help="Harvest in vLLM while training, at most N steps' "
+                                               "windows ahead in --cache-hidden; consumed windows are deleted "
+                                               "(disk stays flat). The target is never loaded here.",
+                                               metavar="N")] = None,
     seq_len: Annotated[int, typer.Option("--seq-len", help="Tokens per packed sequence.")] = 256,
     batch: Annotated[int, typer.Option("--batch", help="Sequences per step (per rank).")] = 8,
     lr: Annotated[float, typer.Option("--lr", help="Peak AdamW learning rate.")] = 5e-4,
@@ -830,7 +835,7 @@ def distill(
         loss=LossConfig(ce_weight, kl_weight, feature_weight, step_decay), init=init,
         checkpoint_every=checkpoint_every, eval_every=eval_every, resume=resume,
         cache_hidden=str(cache_hidden) if cache_hidden else None, device=device, precision=precision, seed=seed,
-        threads=threads, overwrite=overwrite,
+        threads=threads, overwrite=overwrite, online=online,
     )
     log = lambda msg: print(f"recycle: {msg}", file=sys.stderr, flush=True)  # noqa: E731
     if int(os.environ.get("RANK", "0")) != 0:  # torchrun: rank 0 reports and writes

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -19,7 +20,14 @@ from typer.testing import CliRunner
 
 from converters.api import convert_checkpoint
 from distill.data import PackedStream, Position, data_source, load_texts, regenerate
-from distill.losses import LossConfig, StepOutput, ce_to_labels, distill_loss, kl_to_target, step_weights
+from distill.losses import (
+    LossConfig,
+    StepOutput,
+    ce_to_labels,
+    distill_loss,
+    kl_to_target,
+    step_weights,
+)
 from distill.train import DistillOptions, distill, parse_tokens, plan_batch
 from recycle.cli import app
 from recycle.drafters import load_drafter
@@ -301,4 +309,131 @@ def test_distill_refuses_a_harvested_cache_made_for_other_options(converted: dic
     assert res.exit_code == 2 and "harvested for other options: seq_len 64 (distill: 128)" in res.stderr
     res = run_cli("distill", *args, "--tokens", "6000", "--seq-len", "64", "--batch", "4")
     assert res.exit_code == 2 and "harvested 3000 tokens, distill asks for 6000" in res.stderr
+    assert not (tmp_path / "o").exists()
+
+
+def _harvest_in_process(opts, aux: tuple[int, ...]) -> None:
+    """A cache exactly as `recycle harvest` lays it out (keys, eval rows, manifest), with the features
+    computed by the in-process teacher instead of vLLM: what the trunk-less path reads, without vLLM."""
+    from transformers import AutoTokenizer
+
+    from distill.harvest import eval_rows, manifest_for, plan
+    from distill.teacher import Teacher, store_features
+
+    out = Path(opts.out)
+    out.mkdir()
+    tok = AutoTokenizer.from_pretrained(opts.target)
+    teacher = Teacher(opts.target, torch.device("cpu"), list(aux), "fp32")
+    batches = plan(opts, tok)
+    ev, prompt = eval_rows(opts, tok)
+    ev = regenerate(teacher.model, ev, prompt, 0.0, opts.seed) if prompt else ev
+    for key, ids in [*batches, ("eval", ev)]:
+        store_features(out / f"{key}.safetensors", ids, *teacher.features(ids))
+    manifest = manifest_for(opts, [k for k, _ in batches])
+    manifest["eval"] = {"rows": int(ev.shape[0]), "seq_len": int(ev.shape[1]), "prompt_len": prompt}
+    (out / "manifest.json").write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("fmt", ["eagle", "eagle3_mla"])
+def test_distill_from_a_harvested_cache_never_loads_the_trunk(converted: dict[str, Path], tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch, fmt: str) -> None:
+    """With a harvested cache the target's layers are never built (only its config, embedding and head are
+    read), and training follows the in-process run: same windows, same held-out rows, same losses."""
+    from distill.harvest import HarvestOptions
+
+    common = dict(tokens=1200, seq_len=48, batch=2, seed=0, eval_rows=2)
+    aux = tuple(json.loads((converted[fmt] / "config.json").read_text()).get("eagle_aux_hidden_state_layer_ids", ()))
+    _harvest_in_process(HarvestOptions(target=str(FIXTURE), out=str(tmp_path / "cache"), aux_layers=aux,
+                                       eval_prompt_len=64, **common), aux)
+    run = dict(drafter=str(converted[fmt]), target=str(FIXTURE), eval_every=4, precision="fp32", threads=1, **common)
+    b = distill(DistillOptions(out=str(tmp_path / "b"), **run))
+
+    def no_trunk(*a, **k):
+        raise AssertionError("the trunk was loaded")
+
+    monkeypatch.setattr("distill.teacher.load_target", no_trunk)
+    a = distill(DistillOptions(out=str(tmp_path / "a"), cache_hidden=str(tmp_path / "cache"), **run))
+    assert a["trunk_loaded"] is False and b["trunk_loaded"] is True
+    assert a["heldout"] == b["heldout"]
+
+    def curve(r: dict, key: str) -> list:
+        return [json.loads(x)[key] for x in (Path(r["state_dir"]) / "metrics.jsonl").read_text().splitlines()
+                if key in json.loads(x)]
+
+    la, lb = curve(a, "loss"), curve(b, "loss")
+    assert len(la) == len(lb) >= 10
+    assert max(abs(x - y) / abs(y) for x, y in zip(la, lb)) < 2e-3  # the cache holds bf16 features
+    assert a["final"]["heldout_agreement_before"] == pytest.approx(b["final"]["heldout_agreement_before"], abs=0.02)
+
+
+def _fake_vllm(job: dict, env=None, **kw) -> dict:
+    """vLLM's two jobs as `recycle harvest` uses them, computed by transformers (fp32): greedy continuations,
+    and the feed protocol of the online extraction job (layer id k < L: the stream entering layer k; L:
+    the last layer's output before the final norm)."""
+    from safetensors.torch import save_file
+
+    from recycle.decoding.target import load_target
+
+    model = load_target(job["target"])
+    if "runs" in job:
+        ids = torch.tensor(job["prompt_ids"])
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                             max_new_tokens=job["max_new_tokens"], min_new_tokens=job["max_new_tokens"])
+        return {"eval": {"tokens": out[:, ids.shape[1]:].tolist()}}
+    feed, raw, n = Path(job["feed_dir"]), Path(job["out_dir"]), 0
+    grabbed = {}
+    model.model.norm.register_forward_pre_hook(lambda m, a: grabbed.__setitem__("pre", a[0]))
+    while True:
+        chunk = feed / f"{n:06d}.json"
+        while not chunk.exists() and not (feed / "end").exists():
+            time.sleep(0.01)
+        if not chunk.exists():
+            return {"files": [], "seconds": 0.0}
+        files = []
+        for i, w in enumerate(json.loads(chunk.read_text())["windows"]):
+            with torch.no_grad():
+                hs = model.model(input_ids=torch.tensor([w]), output_hidden_states=True).hidden_states
+            L = len(hs) - 1
+            states = torch.stack([hs[k][0] if k < L else grabbed["pre"][0] for k in job["layers"]], dim=1)
+            files.append(str(raw / f"{n}-{i}.safetensors"))
+            save_file({"hidden_states": states.contiguous(), "token_ids": torch.tensor(w)}, files[-1])
+        (feed / f"{n:06d}.done.json").write_text(json.dumps({"files": files}))
+        n += 1
+
+
+def test_online_harvest_keeps_disk_bounded_and_deletes_what_it_consumed(converted: dict[str, Path], tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """`distill --online K`: the producer stays at most K keys ahead, every consumed key is deleted, the trunk
+    is never loaded in the training process, and training follows the in-process run (vLLM stood in for by
+    transformers here; tests/engines/test_harvest.py runs the real one)."""
+    common = dict(tokens=1200, seq_len=48, batch=2, seed=0, eval_rows=2)
+    run = dict(drafter=str(converted["eagle"]), target=str(FIXTURE), eval_every=4, precision="fp32", threads=1, **common)
+    b = distill(DistillOptions(out=str(tmp_path / "b"), **run))
+    monkeypatch.setattr("recycle.engines.vllm_env.run_job", _fake_vllm)
+    real_load = __import__("distill.teacher", fromlist=["x"]).load_target
+
+    def guarded(*a, **k):  # the producer's stand-in engine may load the target; the training process may not
+        if threading.current_thread() is threading.main_thread():
+            raise AssertionError("the trunk was loaded in the training process")
+        return real_load(*a, **k)
+
+    monkeypatch.setattr("distill.teacher.load_target", guarded)
+    a = distill(DistillOptions(out=str(tmp_path / "a"), cache_hidden=str(tmp_path / "online"), online=2, **run))
+    assert a["trunk_loaded"] is False and 1 <= a["online"]["max_key_files"] <= 2
+    assert sorted(p.name for p in (tmp_path / "online").iterdir()) == ["eval.safetensors", "manifest.json"]
+    assert a["heldout"] == b["heldout"]
+
+    def losses(r: dict) -> list[float]:
+        return [json.loads(x)["loss"] for x in (Path(r["state_dir"]) / "metrics.jsonl").read_text().splitlines()]
+
+    la, lb = losses(a), losses(b)
+    assert len(la) == len(lb) >= 10 and max(abs(x - y) / abs(y) for x, y in zip(la, lb)) < 2e-3
+
+
+def test_online_needs_a_cache_dir_and_one_process(converted: dict[str, Path], tmp_path: Path) -> None:
+    args = [str(converted["eagle"]), "--target", str(FIXTURE), "--tokens", "1000", "-o", str(tmp_path / "o")]
+    res = run_cli("distill", *args, "--online", "2")
+    assert res.exit_code == 2 and "--online needs --cache-hidden" in res.stderr
+    res = run_cli("distill", *args, "--online", "0", "--cache-hidden", str(tmp_path / "c"))
+    assert res.exit_code == 2 and "--online must be at least 1" in res.stderr
     assert not (tmp_path / "o").exists()

@@ -13,6 +13,9 @@ imports only the standard library and vLLM. `recycle.engines.vllm_env` writes th
     result {"files": [path per window], "seconds": float}: safetensors with `hidden_states` [T, len(layers), H]
            (vLLM's layer id k < L: the residual stream entering layer k; id L: the last layer's output
            before the final norm) and `token_ids` [T]
+  and, with "feed_dir": DIR instead of "windows" (online harvesting, `distill --online`): the engine stays up
+  and serves chunks as they come: DIR/NNNNNN.json {"windows": [[int]]} is answered by DIR/NNNNNN.done.json
+  {"files": [...]}, in order, until DIR/end appears (or the process that started the job is gone).
 
 Workarounds for vLLM 0.32's CPU build: its rotary-embedding custom op is wrong for multi-head inputs
 (MLA's rope part), so custom ops run with `-rotary_embedding`; the CPU backend reserves
@@ -22,6 +25,7 @@ Workarounds for vLLM 0.32's CPU build: its rotary-embedding custom op is wrong f
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -71,7 +75,7 @@ def harvest(job: dict) -> dict:
     )
     from vllm.inputs import TokensPrompt
 
-    longest = max(len(w) for w in job["windows"])
+    longest = job["max_window"] if "feed_dir" in job else max(len(w) for w in job["windows"])
     llm = LLM(model=job["target"], skip_tokenizer_init=True, enforce_eager=True, dtype=job.get("dtype", "float32"),
               max_model_len=longest + 8, seed=0, gpu_memory_utilization=job.get("gpu_memory_utilization", 0.5),
               compilation_config={"custom_ops": ["all", "-rotary_embedding"]},
@@ -82,16 +86,34 @@ def harvest(job: dict) -> dict:
               kv_transfer_config=KVTransferConfig(
                   kv_connector="CPUHiddenStatesConnector", kv_connector_module_path="vllm_cpu_connector",
                   kv_role="kv_producer", kv_connector_extra_config={"shared_storage_path": job["out_dir"]}))
+    def extract(windows: list[list[int]]) -> list[str]:
+        outs = llm.generate([TokensPrompt(prompt_token_ids=w) for w in windows],
+                            SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
+        files = []
+        for o in outs:
+            path = o.kv_transfer_params["hidden_states_path"]
+            load_hidden_states(path)  # waits for the connector's write to finish
+            cleanup_hidden_states(path, keep_hidden_states=True)
+            files.append(path)
+        return files
+
     t0 = time.perf_counter()
-    outs = llm.generate([TokensPrompt(prompt_token_ids=w) for w in job["windows"]],
-                        SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
-    files = []
-    for o in outs:
-        path = o.kv_transfer_params["hidden_states_path"]
-        load_hidden_states(path)  # waits for the connector's write to finish
-        cleanup_hidden_states(path, keep_hidden_states=True)
-        files.append(path)
-    return {"files": files, "seconds": time.perf_counter() - t0}
+    if "feed_dir" not in job:
+        return {"files": extract(job["windows"]), "seconds": time.perf_counter() - t0}
+    feed, parent, n, busy = Path(job["feed_dir"]), os.getppid(), 0, 0.0
+    while True:
+        chunk = feed / f"{n:06d}.json"
+        while not chunk.exists() and not (feed / "end").exists() and os.getppid() == parent:
+            time.sleep(0.01)
+        if not chunk.exists():
+            return {"files": [], "seconds": busy, "chunks": n}
+        t1 = time.perf_counter()
+        files = extract(json.loads(chunk.read_text())["windows"])
+        busy += time.perf_counter() - t1
+        tmp = feed / f".{n:06d}.done.tmp"
+        tmp.write_text(json.dumps({"files": files}))
+        tmp.rename(feed / f"{n:06d}.done.json")
+        n += 1
 
 
 if __name__ == "__main__":

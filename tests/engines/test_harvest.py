@@ -66,8 +66,12 @@ def test_distilling_from_a_harvested_cache_matches_in_process(tmp_path):
     run = dict(drafter=e3, target=str(d), eval_every=10**6, precision="fp32", threads=2, **common)
     a = distill(DistillOptions(out=str(tmp_path / "a"), cache_hidden=str(tmp_path / "cache"), **run))
     b = distill(DistillOptions(out=str(tmp_path / "b"), cache_hidden=str(tmp_path / "own"), **run))
-    assert a["cache_hits"] == len(json.loads((tmp_path / "cache" / "manifest.json").read_text())["keys"])
+    manifest = json.loads((tmp_path / "cache" / "manifest.json").read_text())
+    assert a["cache_hits"] == len(manifest["keys"]) + 1  # every step's windows and the held-out rows
     assert b["cache_hits"] == 0
+    assert a["trunk_loaded"] is False and b["trunk_loaded"] is True
+    # vLLM wrote the held-out continuations; greedy in fp32, they are transformers' tokens
+    assert manifest["eval"]["prompt_len"] == 16 and a["heldout"] == b["heldout"]
 
     def losses(r: dict) -> list[float]:
         return [json.loads(x)["loss"] for x in (Path(r["state_dir"]) / "metrics.jsonl").read_text().splitlines()]
@@ -75,3 +79,12 @@ def test_distilling_from_a_harvested_cache_matches_in_process(tmp_path):
     la, lb = losses(a), losses(b)
     assert len(la) == len(lb) >= 10
     assert max(abs(x - y) / abs(y) for x, y in zip(la, lb)) < 1e-3
+
+    # Online: vLLM stays up and computes each step's windows while distill trains, at most 2 keys ahead;
+    # every consumed key file is deleted, so the directory ends with the held-out rows and the manifest.
+    c = distill(DistillOptions(out=str(tmp_path / "c"), cache_hidden=str(tmp_path / "online"), online=2, **run))
+    assert c["trunk_loaded"] is False and c["online"]["ahead"] == 2
+    assert 1 <= c["online"]["max_key_files"] <= 2
+    assert sorted(p.name for p in (tmp_path / "online").iterdir()) == ["eval.safetensors", "manifest.json"]
+    lc = losses(c)
+    assert len(lc) == len(lb) and max(abs(x - y) / abs(y) for x, y in zip(lc, lb)) < 1e-3
