@@ -320,13 +320,11 @@ def _row(shape: str, tau: float, draft: float, verify_s: float, t_ar: float, run
 
 def _roofline(opts: PlanOptions, ses: Session, sets: dict, chain_max: Drafter, engines) -> dict:
     """Speedup per GPU, batch size and candidate; the crossover batch size where it drops below 1×."""
-    from recycle.checkpoint import load_json
-
     if opts.model_config is not None:
         cfg = _model_config(opts.model_config)
         source = opts.model_config
-    else:
-        cfg = load_json(Path(opts.bench.target) / "config.json", "config.json")
+    else:  # the config transformers built the target from (a Meta-layout checkpoint's is mapped onto Llama's)
+        cfg = ses.model.config.to_dict()
         source = opts.bench.target
     tcost = roofline.target_cost(cfg)
     if opts.model_config is not None or not isinstance(_pass_module(chain_max), torch.nn.Module):

@@ -176,3 +176,23 @@ def test_jsonl_prompt_sets(tmp_path: Path):
 
     with pytest.raises(RecycleError, match='"set"'):
         read_jsonl(p)
+
+
+@pytest.mark.parametrize("kind", ["native-mtp", "medusa", "parallel-heads"])
+def test_plan_runs_for_every_drafter_kind(kind: str, tmp_path: Path):
+    """Heads that draft in one pass and to a fixed depth (Medusa, Meta's parallel heads) and the native
+    modules; a Meta-layout target's roofline reads the config transformers built it from."""
+    target = FIXTURE.parent / "meta_mtp_parallel" if kind == "parallel-heads" else FIXTURE
+    drafter = target
+    if kind == "medusa":
+        from converters.api import convert_checkpoint
+
+        drafter = Path(convert_checkpoint(FIXTURE, "medusa", tmp_path / "medusa")["out"])
+    res = run_cli("plan", str(drafter), "--target", str(target), "--prompts", _one_prompt(tmp_path), "--max-chain", "2",
+                  "--max-new-tokens", "6", "--gpu", "H100", "--batch", "1", "--json", "--threads", "1")
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.stdout)
+    rows = {r["shape"]: r for r in data["sets"]["user"]["candidates"]}
+    assert "chain:1" in rows and data["roofline"]["drafter"]["active_params"] > 0
+    single = kind != "native-mtp"
+    assert all(r["passes"] == 1 for r in rows.values()) == single
