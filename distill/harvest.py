@@ -54,6 +54,9 @@ class HarvestOptions:
     parallel: dict | None = None  # vLLM's own names: tensor_parallel_size, pipeline_parallel_size, ...
     eval_rows: int = 16  # distill's held-out rows (its --eval-rows / eval_prompt_len defaults)
     eval_prompt_len: int = 64
+    self_distill: bool = False  # the windows are the target's own continuations after prompt_len tokens
+    prompt_len: int = 64
+    sd_temperature: float = 0.0
 
 
 def fingerprint(target: str | os.PathLike) -> dict:
@@ -74,21 +77,30 @@ def manifest_for(opts: HarvestOptions, keys: list[str], fp: dict | None = None) 
     return {"format": FORMAT, "target": str(Path(opts.target).resolve()), "fingerprint": fp or fingerprint(opts.target),
             "aux_layers": list(opts.aux_layers), "data": opts.data, "seq_len": opts.seq_len, "batch": opts.batch,
             "seed": opts.seed, "tokens": opts.tokens, "keys": keys, "dtype": "bfloat16",
-            "eval_rows": opts.eval_rows, "eval_prompt_len": opts.eval_prompt_len}
+            "eval_rows": opts.eval_rows, "eval_prompt_len": opts.eval_prompt_len,
+            "self_distill": {"prompt_len": opts.prompt_len, "temperature": opts.sd_temperature,
+                             "continuation": "vLLM"} if opts.self_distill else None}
 
 
 def check_manifest(cache: Path, *, target: str, aux_layers: list[int], data: str | None, seq_len: int, batch: int,
                    seed: int, tokens: int, world: int, self_distill: bool, eval_rows: int = 16,
-                   eval_prompt_len: int = 64) -> dict:
+                   eval_prompt_len: int = 64, prompt_len: int = 64, sd_temperature: float = 0.0) -> dict:
     """Refuse (exit 2) a harvested cache made for other distill options: its keys would name other windows.
     Returns the manifest."""
     m = load_json(cache / MANIFEST, "cache manifest")
     if world != 1:
         raise RecycleError(f"--cache-hidden {cache}: a harvested cache holds one process's windows; run distill "
                            "without torchrun (the target is not in the process anyway)")
-    if self_distill:
+    sd = m.get("self_distill")
+    if self_distill and sd is None:
         raise RecycleError(f"--cache-hidden {cache}: harvested on the data's own text; --self-distill trains on the "
-                           "target's continuations, which this cache does not hold")
+                           "target's continuations: harvest with --self-distill")
+    if sd is not None and not self_distill:
+        raise RecycleError(f"--cache-hidden {cache}: harvested with --self-distill (the target's continuations); "
+                           "pass --self-distill to train on them")
+    if sd is not None and (sd.get("prompt_len"), sd.get("temperature")) != (prompt_len, sd_temperature):
+        raise RecycleError(f"--cache-hidden {cache}: harvested with --prompt-len {sd.get('prompt_len')} "
+                           f"--sd-temperature {sd.get('temperature')} (distill: {prompt_len}, {sd_temperature})")
     want = {"aux_layers": list(aux_layers), "data": data, "seq_len": seq_len, "batch": batch, "seed": seed,
             "eval_rows": eval_rows, "eval_prompt_len": eval_prompt_len}
     got = {k: m.get(k) for k in want}
@@ -178,6 +190,32 @@ class _Job:
             raise RecycleError(f"vLLM: {gen['error']}")
         self.eval = torch.cat([ev[:, :p], torch.tensor(gen["tokens"], dtype=ev.dtype)], dim=1)
 
+    def regenerate_windows(self) -> None:
+        """--self-distill: every window keeps its first prompt_len tokens and the target in vLLM writes the
+        rest (as distill's in-process teacher does with transformers; sampled windows are the same law,
+        not the same draws)."""
+        from recycle.engines.vllm_env import run_job
+
+        if not self.opts.self_distill:
+            return
+        p = self.opts.prompt_len
+        if not 1 <= p < self.opts.seq_len:
+            raise RecycleError(f"--prompt-len must be in [1, {self.opts.seq_len - 1}], got {p}")
+        # distill continues whole rows and then cuts the budget's last ones: a cut row is a prefix of that
+        # (no shorter than the prompt: then it is the data's own text)
+        todo = [row for _, ids in self.batches for row in ids if len(row) > p]
+        gen = run_job({"target": self.target, "prompt_ids": [r[:p].tolist() for r in todo],
+                       "max_new_tokens_each": [len(r) - p for r in todo], "temperature": self.opts.sd_temperature,
+                       "seed": self.opts.seed, "max_model_len": self.opts.seq_len + 8,
+                       "runs": [{"name": "windows", "speculative_config": None}]})["windows"]
+        if "error" in gen:
+            raise RecycleError(f"vLLM: {gen['error']}")
+        it = iter(gen["tokens"])
+        self.batches = [(key, ids if ids.shape[1] <= p else
+                         torch.cat([ids[:, :p], torch.tensor([next(it) for _ in range(ids.shape[0])], dtype=ids.dtype)],
+                                   dim=1))
+                        for key, ids in self.batches]
+
     def manifest(self, extra: dict | None = None) -> dict:
         m = manifest_for(self.opts, [k for k, _ in self.batches], self.fp)
         m["eval"] = {"rows": int(self.eval.shape[0]), "seq_len": int(self.eval.shape[1]), "prompt_len": self.prompt,
@@ -216,6 +254,7 @@ def harvest(opts: HarvestOptions, progress=None) -> dict:
     (work / "raw").mkdir(parents=True)
     try:
         job.regenerate_eval()
+        job.regenerate_windows()
         batches = [*job.batches, (EVAL_KEY, job.eval)]
         windows = [row.tolist() for _, ids in batches for row in ids]
         res = run_job(job.job(work / "raw", windows=windows), env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
@@ -256,6 +295,8 @@ class OnlineHarvest:
     def __init__(self, opts: HarvestOptions, ahead: int) -> None:
         if ahead < 1:
             raise RecycleError("--online: keep at least 1 step's windows ahead")
+        if opts.self_distill:
+            raise RecycleError("--online reads the data's own text; harvest --self-distill ahead instead")
         self.opts, self.ahead = opts, ahead
         self.job = _Job(opts)
         self.dir = Path(opts.out)

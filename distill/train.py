@@ -333,6 +333,7 @@ class Distiller:
             n = int(tcfg.get("num_hidden_layers", 0))
             aux = cfg.get("eagle_aux_hidden_state_layer_ids") or [min(2, n), n // 2, max(n - 3, 0)]
         harvested = None
+        self.harvested = False
         self.producer = None
         if o.online:  # vLLM computes each step's features while this process trains, `online` keys ahead
             from distill.harvest import HarvestOptions, OnlineHarvest
@@ -348,7 +349,9 @@ class Distiller:
             harvested = check_manifest(Path(o.cache_hidden), target=o.target, aux_layers=aux or [], data=o.data,
                                        seq_len=o.seq_len, batch=o.batch, seed=o.seed, tokens=o.tokens,
                                        world=self.world, self_distill=o.self_distill, eval_rows=o.eval_rows,
-                                       eval_prompt_len=o.eval_prompt_len)
+                                       eval_prompt_len=o.eval_prompt_len, prompt_len=o.prompt_len,
+                                       sd_temperature=o.sd_temperature)
+        self.harvested = harvested is not None
         # A harvested cache holds every window and the evaluation rows: the trunk is never loaded.
         self.teacher = Teacher(o.target, self.device, aux, self.precision, o.cache_hidden, trunk=harvested is None,
                                producer=self.producer)
@@ -517,15 +520,19 @@ class Distiller:
         t0 = time.perf_counter()
         lengths = plan_batch(o.tokens - self.tokens, o.batch * self.world, o.seq_len)
         rows = self.stream.take(len(lengths))
-        if o.self_distill:  # the target's generation is teacher compute, timed on its own
+        keys = micro_batches(self.step, lengths, self.rank, self.world, o.seq_len)
+        written = {}
+        if o.self_distill and self.harvested:  # vLLM wrote the continuations: the cache holds each key's rows
+            written = {key: self.teacher.cached_ids(key) for _, _, key in keys}
+        elif o.self_distill:  # the target's generation is teacher compute, timed on its own
             tg = time.perf_counter()
             rows = regenerate(self.teacher.model, rows, o.prompt_len, o.sd_temperature, o.seed * 1_000_003 + self.step)
             self.timing["generate_s"] += time.perf_counter() - tg
             t0 += time.perf_counter() - tg
         anchors = [max(0, self.unroller.positions(n)) for n in lengths]
         total_anchor = max(1, sum(anchors))
-        micro = [(rows[idx, :n].to(self.device), key, sum(anchors[i] for i in idx))
-                 for idx, n, key in micro_batches(self.step, lengths, self.rank, self.world, o.seq_len)]
+        micro = [(written.get(key, rows[idx, :n]).to(self.device), key, sum(anchors[i] for i in idx))
+                 for idx, n, key in keys]
         self.timing["data_s"] += time.perf_counter() - t0
         self.opt.zero_grad(set_to_none=True)
         loss, infos = 0.0, []

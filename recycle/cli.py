@@ -875,6 +875,11 @@ def harvest(
     seq_len: Annotated[int, typer.Option("--seq-len", help="As distill's --seq-len.")] = 256,
     batch: Annotated[int, typer.Option("--batch", help="As distill's --batch.")] = 8,
     seed: Annotated[int, typer.Option("--seed", help="As distill's --seed (the data order).")] = 0,
+    self_distill: Annotated[bool, typer.Option("--self-distill", help="As distill's: vLLM writes each window after "
+                                               "its first --prompt-len tokens; distill --self-distill reads them.")] = False,
+    prompt_len: Annotated[int, typer.Option("--prompt-len", help="As distill's --prompt-len.")] = 64,
+    sd_temperature: Annotated[float, typer.Option("--sd-temperature", help="As distill's --sd-temperature "
+                                                  "(0: greedy).")] = 0.0,
     tensor_parallel_size: Annotated[int, typer.Option("--tensor-parallel-size", help="vLLM's own.")] = 1,
     pipeline_parallel_size: Annotated[int, typer.Option("--pipeline-parallel-size", help="vLLM's own.")] = 1,
     data_parallel_size: Annotated[int, typer.Option("--data-parallel-size", help="vLLM's own.")] = 1,
@@ -919,7 +924,8 @@ def harvest(
                                   ("pipeline_parallel_size", pipeline_parallel_size),
                                   ("data_parallel_size", data_parallel_size)) if v != 1}
     opts = HarvestOptions(target=str(target), out=str(output), tokens=budget, data=data, seq_len=seq_len, batch=batch,
-                          seed=seed, aux_layers=aux, overwrite=overwrite, parallel=parallel)
+                          seed=seed, aux_layers=aux, overwrite=overwrite, parallel=parallel, self_distill=self_distill,
+                          prompt_len=prompt_len, sd_temperature=sd_temperature)
     if json_out:
         print_json(run_harvest(opts))
         return

@@ -375,28 +375,41 @@ def _fake_vllm(job: dict, env=None, **kw) -> dict:
     from recycle.decoding.target import load_target
 
     model = load_target(job["target"])
-    if "runs" in job:
-        ids = torch.tensor(job["prompt_ids"])
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                             max_new_tokens=job["max_new_tokens"], min_new_tokens=job["max_new_tokens"])
-        return {"eval": {"tokens": out[:, ids.shape[1]:].tolist()}}
-    feed, raw, n = Path(job["feed_dir"]), Path(job["out_dir"]), 0
+    if "runs" in job:  # greedy continuations (vLLM's run job, temperature 0)
+        assert job.get("temperature", 0.0) == 0.0
+        each = job.get("max_new_tokens_each") or [job["max_new_tokens"]] * len(job["prompt_ids"])
+        tokens = []
+        for p, n in zip(job["prompt_ids"], each):
+            ids = torch.tensor([p])
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n,
+                                 min_new_tokens=n)
+            tokens.append(out[0, len(p):].tolist())
+        return {job["runs"][0]["name"]: {"tokens": tokens}}
+    raw = Path(job["out_dir"])
     grabbed = {}
     model.model.norm.register_forward_pre_hook(lambda m, a: grabbed.__setitem__("pre", a[0]))
+
+    def extract(windows: list[list[int]], tag: str) -> list[str]:
+        files = []
+        for i, w in enumerate(windows):
+            with torch.no_grad():
+                hs = model.model(input_ids=torch.tensor([w]), output_hidden_states=True).hidden_states
+            L = len(hs) - 1
+            states = torch.stack([hs[k][0] if k < L else grabbed["pre"][0] for k in job["layers"]], dim=1)
+            files.append(str(raw / f"{tag}-{i}.safetensors"))
+            save_file({"hidden_states": states.contiguous(), "token_ids": torch.tensor(w)}, files[-1])
+        return files
+
+    if "windows" in job:
+        return {"files": extract(job["windows"], "w"), "seconds": 1.0}
+    feed, n = Path(job["feed_dir"]), 0
     while True:
         chunk = feed / f"{n:06d}.json"
         while not chunk.exists() and not (feed / "end").exists():
             time.sleep(0.01)
         if not chunk.exists():
             return {"files": [], "seconds": 0.0}
-        files = []
-        for i, w in enumerate(json.loads(chunk.read_text())["windows"]):
-            with torch.no_grad():
-                hs = model.model(input_ids=torch.tensor([w]), output_hidden_states=True).hidden_states
-            L = len(hs) - 1
-            states = torch.stack([hs[k][0] if k < L else grabbed["pre"][0] for k in job["layers"]], dim=1)
-            files.append(str(raw / f"{n}-{i}.safetensors"))
-            save_file({"hidden_states": states.contiguous(), "token_ids": torch.tensor(w)}, files[-1])
+        files = extract(json.loads(chunk.read_text())["windows"], str(n))
         (feed / f"{n:06d}.done.json").write_text(json.dumps({"files": files}))
         n += 1
 
@@ -437,3 +450,33 @@ def test_online_needs_a_cache_dir_and_one_process(converted: dict[str, Path], tm
     res = run_cli("distill", *args, "--online", "0", "--cache-hidden", str(tmp_path / "c"))
     assert res.exit_code == 2 and "--online must be at least 1" in res.stderr
     assert not (tmp_path / "o").exists()
+
+
+def test_self_distill_from_a_harvested_cache(converted: dict[str, Path], tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """`recycle harvest --self-distill`: the engine writes every window after its first --prompt-len tokens and
+    distill --self-distill trains on the cached rows without the trunk: greedy, the same rows and losses as
+    the in-process self-distillation (transformers stands in for vLLM). The options must agree."""
+    from distill.harvest import HarvestOptions, harvest
+
+    common = dict(tokens=600, seq_len=48, batch=2, seed=0, eval_rows=2)
+    monkeypatch.setattr("recycle.engines.vllm_env.run_job", _fake_vllm)
+    harvest(HarvestOptions(target=str(FIXTURE), out=str(tmp_path / "cache"), self_distill=True, prompt_len=16,
+                           **common))
+    run = dict(drafter=str(converted["eagle"]), target=str(FIXTURE), eval_every=3, precision="fp32", threads=1,
+               self_distill=True, prompt_len=16, **common)
+    a = distill(DistillOptions(out=str(tmp_path / "a"), cache_hidden=str(tmp_path / "cache"), **run))
+    b = distill(DistillOptions(out=str(tmp_path / "b"), **run))
+    assert a["trunk_loaded"] is False and a["cache_hits"] >= 2
+
+    def losses(r: dict) -> list[float]:
+        return [json.loads(x)["loss"] for x in (Path(r["state_dir"]) / "metrics.jsonl").read_text().splitlines()]
+
+    la, lb = losses(a), losses(b)
+    assert len(la) == len(lb) >= 5 and max(abs(x - y) / abs(y) for x, y in zip(la, lb)) < 2e-3
+    args = [str(converted["eagle"]), "--target", str(FIXTURE), "--cache-hidden", str(tmp_path / "cache"), "--tokens",
+            "600", "--seq-len", "48", "--batch", "2", "-o", str(tmp_path / "c")]
+    res = run_cli("distill", *args)
+    assert res.exit_code == 2 and "harvested with --self-distill" in res.stderr
+    res = run_cli("distill", *args, "--self-distill", "--prompt-len", "8")
+    assert res.exit_code == 2 and "harvested with --prompt-len 16" in res.stderr

@@ -3,7 +3,8 @@
 This file runs inside vLLM's own virtual environment (vLLM pins an older transformers than recycle), so it
 imports only the standard library and vLLM. `recycle.engines.vllm_env` writes the job and reads the result:
 
-    job    {"target": DIR, "prompt_ids": [[int]], "max_new_tokens": N,
+    job    {"target": DIR, "prompt_ids": [[int]], "max_new_tokens": N (or "max_new_tokens_each": [N]),
+            "temperature": T (0: greedy), "seed": S,
             "runs": [{"name": str, "speculative_config": {...} | null}], "max_model_len": int}
     result {name: {"tokens": [[int]], "seconds": float, "accepted_per_pos": [int], "drafts": int,
                    "draft_tokens": int, "accepted": int}} or {name: {"error": "..."}}
@@ -39,7 +40,10 @@ def run(job: dict) -> dict:
     from vllm.inputs import TokensPrompt
 
     prompts = [TokensPrompt(prompt_token_ids=ids) for ids in job["prompt_ids"]]
-    params = SamplingParams(temperature=0.0, max_tokens=job["max_new_tokens"], ignore_eos=True)
+    t, seed = job.get("temperature", 0.0), job.get("seed", 0)
+    each = job.get("max_new_tokens_each") or [job["max_new_tokens"]] * len(prompts)
+    params = [SamplingParams(temperature=t, max_tokens=n, min_tokens=n, ignore_eos=True, seed=seed + i if t > 0 else None)
+              for i, n in enumerate(each)]
     common = dict(model=job["target"], skip_tokenizer_init=True, enforce_eager=True, dtype=job.get("dtype", "float32"),
                   max_model_len=job.get("max_model_len", 1024), disable_log_stats=False, seed=0,
                   gpu_memory_utilization=job.get("gpu_memory_utilization", 0.5),
