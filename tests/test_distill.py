@@ -480,3 +480,32 @@ def test_self_distill_from_a_harvested_cache(converted: dict[str, Path], tmp_pat
     assert res.exit_code == 2 and "harvested with --self-distill" in res.stderr
     res = run_cli("distill", *args, "--self-distill", "--prompt-len", "8")
     assert res.exit_code == 2 and "harvested with --prompt-len 16" in res.stderr
+
+
+def test_online_resume_restarts_the_producer_at_the_checkpoint(converted: dict[str, Path], tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run stopped mid-way (here by an exception after step 5; a SIGKILL leaves the same checkpoint) resumes
+    with `--resume`: the producer starts feeding at the checkpoint's step and the result is the uninterrupted
+    run's, bit for bit."""
+    monkeypatch.setattr("recycle.engines.vllm_env.run_job", _fake_vllm)
+    opts = dict(drafter=str(converted["medusa"]), target=str(FIXTURE), tokens=12 * 2 * 48, seq_len=48, batch=2,
+                eval_rows=2, checkpoint_every=3, eval_every=1000, threads=1, online=2)
+
+    class Stop(Exception):
+        pass
+
+    def stop_after_5(row: dict) -> None:
+        if row["step"] == 5:
+            raise Stop
+
+    out = tmp_path / "stopped"
+    with pytest.raises(Stop):
+        distill(DistillOptions(out=str(out), cache_hidden=str(tmp_path / "c1"), **opts), progress=stop_after_5)
+    rec = distill(DistillOptions(out=str(out), cache_hidden=str(tmp_path / "c1"), resume=True, **opts))
+    assert rec["resumed"] and rec["steps"] == 12
+    ref = distill(DistillOptions(out=str(tmp_path / "ref"), cache_hidden=str(tmp_path / "c2"), **opts))
+    assert ref["steps"] == 12
+    a, b = load_file(str(out / "model.safetensors")), load_file(str(tmp_path / "ref" / "model.safetensors"))
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    assert sorted(p.name for p in (tmp_path / "c1").iterdir()) == ["eval.safetensors", "manifest.json"]
