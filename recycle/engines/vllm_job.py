@@ -20,7 +20,8 @@ imports only the standard library and vLLM. `recycle.engines.vllm_env` writes th
 
 Workarounds for vLLM 0.32's CPU build: its rotary-embedding custom op is wrong for multi-head inputs
 (MLA's rope part), so custom ops run with `-rotary_embedding`; the CPU backend reserves
-`gpu_memory_utilization` of the node's RAM, so it is 0.5 rather than 0.92.
+`gpu_memory_utilization` of the node's RAM, so it is 0.5 rather than 0.92; on a CPU with AMX tiles it picks
+the AMX MLA backend, which takes only bf16/fp16/int8 weights, so fp32 MLA targets ask for CPU_MLA (`cpu_mla`).
 """
 
 from __future__ import annotations
@@ -35,6 +36,16 @@ METRICS = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_
            "vllm:spec_decode_num_accepted_tokens": "accepted"}
 
 
+def cpu_mla(target: str, dtype: str) -> dict:
+    """LLM kwargs that keep an fp32 MLA target off vLLM's AMX MLA backend (which refuses fp32 weights)."""
+    from vllm.platforms import current_platform
+
+    config = json.loads((Path(target) / "config.json").read_text())
+    if current_platform.is_cpu() and dtype == "float32" and config.get("kv_lora_rank"):
+        return {"attention_config": {"backend": "CPU_MLA"}}
+    return {}
+
+
 def run(job: dict) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -42,15 +53,19 @@ def run(job: dict) -> dict:
     prompts = [TokensPrompt(prompt_token_ids=ids) for ids in job["prompt_ids"]]
     t, seed = job.get("temperature", 0.0), job.get("seed", 0)
     each = job.get("max_new_tokens_each") or [job["max_new_tokens"]] * len(prompts)
-    params = [SamplingParams(temperature=t, max_tokens=n, min_tokens=n, ignore_eos=True, seed=seed + i if t > 0 else None)
+    params = [SamplingParams(temperature=t, max_tokens=n, ignore_eos=True, seed=seed + i if t > 0 else None)
               for i, n in enumerate(each)]
     common = dict(model=job["target"], skip_tokenizer_init=True, enforce_eager=True, dtype=job.get("dtype", "float32"),
                   max_model_len=job.get("max_model_len", 1024), disable_log_stats=False, seed=0,
                   gpu_memory_utilization=job.get("gpu_memory_utilization", 0.5),
                   compilation_config={"custom_ops": ["all", "-rotary_embedding"]})
+    common.update(cpu_mla(job["target"], common["dtype"]))
     result: dict = {}
     for spec in job["runs"]:
         extra = {"speculative_config": spec["speculative_config"]} if spec.get("speculative_config") else {}
+        if extra and "attention_config" in common:  # a draft picks its own backend unless told (vLLM never inherits it)
+            extra["speculative_config"] = {"attention_backend": common["attention_config"]["backend"],
+                                           **extra["speculative_config"]}
         t0 = time.perf_counter()
         try:
             llm = LLM(**common, **extra)
@@ -80,7 +95,8 @@ def harvest(job: dict) -> dict:
     from vllm.inputs import TokensPrompt
 
     longest = job["max_window"] if "feed_dir" in job else max(len(w) for w in job["windows"])
-    llm = LLM(model=job["target"], skip_tokenizer_init=True, enforce_eager=True, dtype=job.get("dtype", "float32"),
+    dtype = job.get("dtype", "float32")
+    llm = LLM(model=job["target"], skip_tokenizer_init=True, enforce_eager=True, dtype=dtype, **cpu_mla(job["target"], dtype),
               max_model_len=longest + 8, seed=0, gpu_memory_utilization=job.get("gpu_memory_utilization", 0.5),
               compilation_config={"custom_ops": ["all", "-rotary_embedding"]},
               **job.get("parallel", {}),
