@@ -34,6 +34,7 @@ class TeacherOut:
     last: torch.Tensor  # [B, L, H] final-normed hidden states
     aux: torch.Tensor | None  # [B, L, A·H] concatenated aux layers (EAGLE-3), else None
     logits: torch.Tensor  # [B, L, V] float32
+    kv: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None  # Gemma 4 assistants: {attention type: (K, V)}
 
 
 def autocast(device: torch.device, precision: str):
@@ -76,7 +77,9 @@ class Teacher:
 
     def __init__(self, target_dir: str | os.PathLike, device: torch.device, aux_layers: list[int] | None = None,
                  precision: str = "bf16", cache_dir: str | os.PathLike | None = None, trunk: bool = True,
-                 producer=None) -> None:
+                 producer=None, kv: bool = False) -> None:
+        """`kv`: also return the K/V a Gemma 4 assistant attends (`recycle.drafters.gemma4.kv_source_layers`);
+        they are never cached, so it needs the trunk."""
         self.device, self.precision = device, precision
         self.producer = producer  # distill.harvest.OnlineHarvest: wait for each key, delete it once read
         if trunk:
@@ -95,6 +98,18 @@ class Teacher:
             self.config = AutoConfig.from_pretrained(target_dir)
             self.embed, self.head = target_io(target_dir, device)
             self.num_layers = int(self.config.num_hidden_layers)
+        self.kv_layers: dict[str, int] = {}
+        if kv:
+            from recycle.drafters.gemma4 import kv_source_layers
+
+            if self.decoder is None or cache_dir is not None:
+                raise RecycleError("a Gemma 4 assistant trains on the target's own K/V cache, which is not harvested "
+                                   "or cached: run it with the target loaded and without --cache-hidden")
+            self.kv_layers = kv_source_layers(self.config)
+            window = getattr(self.config, "sliding_window", None)
+            self.max_len = window - 1 if window and "sliding_attention" in self.kv_layers else None
+        # Gemma's logits pass through cap·tanh(x/cap) in the model's own forward; the teacher applies its head itself
+        self.softcap = getattr(self.config, "final_logit_softcapping", None)
         self.aux_layers = list(aux_layers or [])
         for i in self.aux_layers:
             if not 0 <= i <= self.num_layers:
@@ -119,9 +134,27 @@ class Teacher:
         return last, aux
 
     @torch.no_grad()
+    def features_and_kv(self, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+        """The final-normed states and the K/V the target cached in its `kv_layers` (whole windows: the sliding
+        layers keep everything only within their window, so longer windows are refused)."""
+        from transformers import DynamicCache
+
+        if self.max_len is not None and ids.shape[1] > self.max_len:
+            raise RecycleError(f"--seq-len {ids.shape[1]}: longer than the target's sliding window allows "
+                               f"({self.max_len}) for training its assistant")
+        cache = DynamicCache(config=self.config)
+        with autocast(self.device, self.precision):
+            out = self.decoder(input_ids=ids, past_key_values=cache, use_cache=True)
+        layers = cache.layers
+        return out.last_hidden_state, {t: (layers[i].keys, layers[i].values) for t, i in self.kv_layers.items()}
+
+    @torch.no_grad()
     def logits(self, last: torch.Tensor) -> torch.Tensor:
         with autocast(self.device, self.precision):
-            return self.head(last).float()
+            logits = self.head(last).float()
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
 
     def _path(self, key: str) -> Path:
         assert self.cache_dir is not None
@@ -130,6 +163,9 @@ class Teacher:
     @torch.no_grad()
     def __call__(self, ids: torch.Tensor, key: str | None = None) -> TeacherOut:
         ids = ids.to(self.device)
+        if self.kv_layers:
+            last, kv = self.features_and_kv(ids)
+            return TeacherOut(last, None, self.logits(last), kv)
         if self.producer is not None and key is not None:
             self.producer.wait(key)
         cached = self._load(key, ids) if key is not None and self.cache_dir is not None else None

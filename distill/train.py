@@ -58,6 +58,7 @@ from distill.unroll import Unroller, make_unroller
 from recycle import __version__
 from recycle.checkpoint import load_json
 from recycle.corpus import is_corpus_name
+from recycle.drafters import ASSISTANT_FORMAT
 from recycle.errors import RecycleError
 from recycle.preflight import parse_tokens  # noqa: F401  (the CLI and benchmarks take it from here too)
 
@@ -354,7 +355,7 @@ class Distiller:
         self.harvested = harvested is not None
         # A harvested cache holds every window and the evaluation rows: the trunk is never loaded.
         self.teacher = Teacher(o.target, self.device, aux, self.precision, o.cache_hidden, trunk=harvested is None,
-                               producer=self.producer)
+                               producer=self.producer, kv=self.fmt == ASSISTANT_FORMAT)
         self._check_fit(model)
         self.target_io = adopt_target_io(self.fmt, model, self.teacher)
         model.to(self.device).train()
@@ -393,6 +394,11 @@ class Distiller:
 
     def _check_fit(self, model) -> None:
         tcfg = self.teacher.config
+        if self.fmt == ASSISTANT_FORMAT:
+            from recycle.drafters.gemma4 import check_fits
+
+            check_fits(model, tcfg, where=str(self.opts.drafter))
+            return
         h, v = int(tcfg.hidden_size), int(tcfg.vocab_size)
         if self.fmt == "eagle" and (model.config.hidden_size != h or model.config.vocab_size != v):
             raise RecycleError(f"{self.opts.drafter}: drafter (hidden {model.config.hidden_size}, vocab "
@@ -478,7 +484,7 @@ class Distiller:
         self.model.eval()
         with autocast(self.device, self.precision):
             te = self.eval_teacher
-            steps = self.unroller.unroll(self.eval_ids, te.last, te.aux, te.logits)
+            steps = self.unroller.unroll(self.eval_ids, te.last, te.aux, te.logits, kv=te.kv)
             agree = [float((s.logits.argmax(-1) == s.target_logits.argmax(-1)).float().mean()) for s in steps]
         self.model.train()
         return agree
@@ -493,7 +499,7 @@ class Distiller:
             return 0.0, None
         with autocast(self.device, self.precision):
             steps = self.unroller.unroll(ids, te.last, te.aux, te.logits,
-                                         with_features=bool(self.opts.loss.feature_weight))
+                                         with_features=bool(self.opts.loss.feature_weight), kv=te.kv)
             loss, info = distill_loss(steps, self.opts.loss)
         (loss * weight).backward()
         self._sync()

@@ -16,6 +16,9 @@ be fed when drafting:
           grown per step, a [T, (k+1)T] mask: causal block, then diagonal blocks), the mask the
           decoder's tree levels use; as SpecForge's TTT.
   medusa  head k reads the target's state at anchor i; no chaining.
+  gemma4-assistant  a Gemma 4 assistant, as the decoder's AssistantEngine drafts: every step of anchor i
+          sits at position i+1 and attends the target's K/V at positions ≤ i (no cache of its own); step 0
+          reads [E(t_{i+1}); h_i], step k the step-(k−1) projected output with E(t_{i+k+1}).
 
 Frozen: the eagle drafter's embedding and LM head(s) (copies of the target's, as EAGLE freezes
 them and as `nextn/` engines take the target's own), EAGLE-3's embedding (the target's) and its
@@ -36,7 +39,7 @@ from distill.losses import StepOutput
 from recycle.drafters import Eagle3Drafter, EagleDrafter, MedusaDrafter
 from recycle.mtp import to_checkpoint_layout
 
-DEFAULT_STEPS = {"eagle": 3, "eagle3": 3}  # medusa: its number of heads
+DEFAULT_STEPS = {"eagle": 3, "eagle3": 3, "gemma4-assistant": 4}  # medusa: its number of heads
 
 
 def _init_std(model: nn.Module) -> float:
@@ -80,7 +83,7 @@ class Unroller(ABC):
 
     @abstractmethod
     def unroll(self, ids: torch.Tensor, last: torch.Tensor, aux: torch.Tensor | None,
-               logits: torch.Tensor, with_features: bool = False) -> list[StepOutput]:
+               logits: torch.Tensor, with_features: bool = False, kv: dict | None = None) -> list[StepOutput]:
         """The drafter's outputs for K unrolled steps at every anchor (each format defines its own)."""
 
     def file_state(self) -> dict[str, torch.Tensor]:
@@ -99,7 +102,7 @@ class EagleUnroller(Unroller):
         leaf = name.rsplit(".", 1)[0].split(".")[-1]
         return leaf in ("embed", "head")
 
-    def unroll(self, ids, last, aux, logits, with_features=False):
+    def unroll(self, ids, last, aux, logits, with_features=False, kv=None):
         m: EagleDrafter = self.model
         k_steps, t = self.steps, self.positions(ids.shape[1])
         out = m(last[:, :t], ids[:, :t + k_steps], steps=k_steps)
@@ -148,7 +151,7 @@ class Eagle3Unroller(Unroller):
         blocks += [torch.eye(t, dtype=torch.bool, device=device)] * k
         return torch.cat(blocks, dim=1)[None, None]
 
-    def unroll(self, ids, last, aux, logits, with_features=False):
+    def unroll(self, ids, last, aux, logits, with_features=False, kv=None):
         m: Eagle3Drafter = self.model
         lyr = m.midlayer
         b, length = ids.shape
@@ -191,7 +194,7 @@ class MedusaUnroller(Unroller):
             else:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
 
-    def unroll(self, ids, last, aux, logits, with_features=False):
+    def unroll(self, ids, last, aux, logits, with_features=False, kv=None):
         m: MedusaDrafter = self.model
         t = self.positions(ids.shape[1])
         h = last[:, :t]
@@ -200,6 +203,42 @@ class MedusaUnroller(Unroller):
             draft = m.lm_heads[k](m.blocks[k](h))
             steps.append(StepOutput(_rows(draft), _rows(logits[:, k + 1:k + 1 + t]), ids[:, k + 2:k + 2 + t].reshape(-1)))
         return steps
+
+
+def strictly_before(t: int, length: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Additive mask [1, 1, t, length]: row r (position r+1) sees the target's K/V at positions ≤ r."""
+    allow = torch.ones(t, length, dtype=torch.bool, device=device).tril_()
+    return torch.zeros(allow.shape, dtype=dtype, device=device).masked_fill_(~allow, torch.finfo(dtype).min)[None, None]
+
+
+class AssistantUnroller(Unroller):
+    fmt = "gemma4-assistant"
+
+    def __init__(self, model: nn.Module, steps: int, embed: nn.Module) -> None:
+        super().__init__(model, steps)
+        self.embed = embed  # the target's (scaled) embedding: the assistant reads the target's token vectors
+
+    def unroll(self, ids, last, aux, logits, with_features=False, kv=None):
+        from recycle.drafters.gemma4 import step
+
+        if kv is None:
+            raise ValueError("a Gemma 4 assistant needs the target's K/V (Teacher(kv=True))")
+        b, length = ids.shape
+        t = self.positions(length)
+        pos = torch.arange(1, t + 1, device=ids.device)[None].expand(b, t)
+        mask = strictly_before(t, length, last.dtype, ids.device)
+        state, steps = last[:, :t], []
+        for k in range(self.steps):
+            x = torch.cat([self.embed(ids[:, k + 1:k + 1 + t]).to(state.dtype), state], dim=-1)
+            draft, state = step(self.model, x, pos, kv, mask)
+            steps.append(StepOutput(_rows(draft), _rows(logits[:, k + 1:k + 1 + t]), ids[:, k + 2:k + 2 + t].reshape(-1)))
+        return steps
+
+    def file_state(self):
+        """The assistant's stored names: the head is tied to its embedding; centroids only when it uses them."""
+        m = self.model
+        return {k: v.detach() for k, v in m.state_dict().items() if k != "lm_head.weight"
+                and (m.config.use_ordered_embeddings or not k.startswith("masked_embedding."))}
 
 
 def make_unroller(fmt: str, model: nn.Module, steps: int | None, embed: nn.Module | None = None,
@@ -216,4 +255,6 @@ def make_unroller(fmt: str, model: nn.Module, steps: int | None, embed: nn.Modul
         raise RecycleError("--draft-steps must be at least 1")
     if fmt == "eagle":
         return EagleUnroller(model, k)
+    if fmt == "gemma4-assistant":
+        return AssistantUnroller(model, k, embed)
     return Eagle3Unroller(model, k, embed, aux_layers or [])

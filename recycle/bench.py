@@ -122,11 +122,14 @@ def _param_bytes(module: torch.nn.Module) -> int:
 
 
 def hf_peers(model: torch.nn.Module, prompts: list[list[int]], ours: list[list[int]], opts: BenchOptions,
-             eos: int | None, progress: Progress | None) -> list[dict]:
+             eos: int | None, progress: Progress | None, assistant: torch.nn.Module | None = None) -> list[dict]:
     """transformers' own decoding on the same target and prompts: plain, use_mtp (where the target
-    declares MTP layers) and prompt lookup; tokens/s and whether greedy output equals ours."""
+    declares MTP layers), `assistant_model=` (a Gemma 4 assistant) and prompt lookup; tokens/s and
+    whether greedy output equals ours."""
     cfg = model.config
     methods: list[tuple[str, dict]] = [("hf greedy", {})]
+    if assistant is not None:
+        methods.append(("hf assistant_model", {"assistant_model": assistant}))
     n_mtp = int(getattr(cfg, "num_mtp_layers", 0) or getattr(cfg, "num_nextn_predict_layers", 0) or 0)
     if n_mtp and hasattr(cfg, "num_mtp_layers"):
         base = int(cfg.num_hidden_layers)
@@ -312,7 +315,7 @@ def run_bench(opts: BenchOptions, progress: Progress | None = None) -> dict:
             "spec_gbs": nbytes * sp_sum["target_forwards"] / sp_sum["seconds"] / 1e9,
         }
     if opts.compare_hf:
-        report["hf"] = hf_peers(model, encoded, ours, opts, eos, progress)
+        report["hf"] = hf_peers(model, encoded, ours, opts, eos, progress, assistant=getattr(engine, "assistant", None))
         for r in report["hf"]:
             r["speedup_vs_our_ar"] = r["tokens_per_s"] / ar_sum["tokens_per_s"] if r["tokens_per_s"] else None
     return report

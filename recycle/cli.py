@@ -490,7 +490,8 @@ def bench(
     dtype: Annotated[str, typer.Option("--dtype", help="fp32, bf16 or fp16.")] = "fp32",
     native_mtp: Annotated[bool, typer.Option("--native-mtp", help="Draft with the target's own MTP modules.")] = False,
     compare_hf: Annotated[bool, typer.Option("--compare-hf", help="Also time transformers' generate: plain, "
-                                             "use_mtp (where supported) and prompt lookup.")] = False,
+                                             "use_mtp (where supported), assistant_model= (a Gemma 4 assistant) "
+                                             "and prompt lookup.")] = False,
     seed: Annotated[int, typer.Option("--seed", help="Seed for sampling.")] = 0,
     repeats: Annotated[int, typer.Option("--repeats", help="Time each prompt N times per decoder, keep the fastest.")] = 1,
     threads: Annotated[int | None, typer.Option("--threads", help="torch CPU threads (default: torch's choice).")] = None,
@@ -763,7 +764,8 @@ def render_distill(data: dict) -> None:
 @app.command()
 @user_errors
 def distill(
-    drafter: Annotated[Path, typer.Argument(help="Drafter directory (from `recycle convert`).", metavar="DRAFTER_DIR")],
+    drafter: Annotated[Path, typer.Argument(help="Drafter directory (from `recycle convert`, or a Gemma 4 assistant: "
+                                            "re-aligned in its own layout).", metavar="DRAFTER_DIR")],
     target: Annotated[Path, typer.Option("--target", help="Target model directory (frozen teacher): the source, or "
                                          "its post-trained / fine-tuned build.", metavar="TARGET_DIR")] = ...,
     tokens: Annotated[str, typer.Option("--tokens", help="Budget in target tokens read: 300k, 2M, 1.5B ...")] = "2M",

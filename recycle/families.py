@@ -330,6 +330,11 @@ FAMILIES: tuple[Family, ...] = (
 
 BY_NAME = {f.name: f for f in FAMILIES}
 
+# Targets whose multi-token predictor ships as a separate model: what to pass instead.
+_GEMMA4 = ("Gemma 4 ships its MTP drafter as a separate assistant model (model_type gemma4_assistant, e.g. "
+           "google/gemma-4-E2B-it-assistant): pass that directory")
+DRAFTER_ELSEWHERE = {"gemma4": _GEMMA4, "gemma4_text": _GEMMA4}
+
 
 @dataclass
 class MTPModule:
@@ -503,6 +508,8 @@ def match(ckpt: Checkpoint, family: str | None = None) -> MTPMatch:
                 break
     if best is None:
         what = model_type or ",".join(sorted(archs)) or "no model_type"
+        if model_type in DRAFTER_ELSEWHERE:
+            raise RecycleError(f"{ckpt.path}: {model_type} stores no MTP modules; {DRAFTER_ELSEWHERE[model_type]}")
         raise RecycleError(
             f"{ckpt.path}: unknown layout ({what}): no MTP family in the table fits its config or tensor names"
         )

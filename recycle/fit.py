@@ -17,6 +17,7 @@ from recycle.families import first_value, merged_config
 
 TOKENIZER_FILE = "tokenizer.json"
 HIDDEN_KEYS = ("hidden_size", "dim")  # transformers' name, Meta's params.json name
+BACKBONE_KEY = "backbone_hidden_size"
 
 
 def tokenizer_fingerprint(directory: str | Path) -> str | None:
@@ -41,7 +42,8 @@ def check_fit(base: Mapping, target: Mapping, base_dir: str | Path | None, targe
     both directories hold a tokenizer.json, the same tokenizer."""
     b, t = merged_config(base), merged_config(target)
     for what_dim, keys in (("hidden size", HIDDEN_KEYS), ("vocabulary", ("vocab_size",))):
-        x, y = first_value(b, keys), first_value(t, keys)
+        # a drafter narrower than its target (Gemma 4's assistants) declares the target's width it reads
+        x, y = first_value(b, (BACKBONE_KEY,) + keys if what_dim == "hidden size" else keys), first_value(t, keys)
         if x is not None and y is not None and x != y:
             raise RecycleError(f"{what}: {what_dim} {x} does not fit the target's {y}")
     if base_dir is not None and target_dir is not None:

@@ -13,6 +13,7 @@ Engines:
   Eagle3Engine     the EAGLE-3 layer run recursively, EAGLE-2 style
   MedusaEngine     Medusa heads over the target's last hidden state
   ParallelEngine   Meta's parallel heads: blocks over the trunk state, each with its own KV cache
+  AssistantEngine  Gemma 4's assistant: Q-only layers over the target's own KV cache (`bind`)
 """
 
 from __future__ import annotations
@@ -44,6 +45,9 @@ class Drafter:
     kind = "ar"
     taps: tuple[str, ...] = ()
     shape: Shape = 0
+
+    def bind(self, cache: DynamicCache) -> None:
+        """The target's KV cache for this generation (only engines that attend it keep it)."""
 
     def start(self, ids: list[int], feats: dict[str, torch.Tensor]) -> None:
         pass
@@ -362,6 +366,59 @@ class ParallelEngine(Drafter):
         return per_level_tree(root, self.shape, [self.heads.head(f[0, -1:]) for f in feats[:depth]], temperature, gen)
 
 
+class AssistantEngine(Drafter):
+    """A Gemma 4 assistant (`recycle.drafters.gemma4`): every node of the round sits at the root's position
+    C and attends the target's cached K/V at positions < C; a node's input is [target embedding of its
+    token; its parent's projected output] (the root's: the target's last committed state). Nodes do not
+    see each other, so a tree costs one assistant call per level and nothing is ever cropped."""
+
+    kind = "gemma4-assistant"
+    taps = ("last",)
+
+    def __init__(self, assistant: nn.Module, shape: Shape, masks: MaskCache, target: Target) -> None:
+        from recycle.drafters.gemma4 import kv_source_layers
+
+        self.assistant, self.shape, self.masks, self.embed = assistant, shape, masks, target.embed
+        self.sources = kv_source_layers(target.config)
+        self.window = getattr(target.config, "sliding_window", None)
+
+    def bind(self, cache: DynamicCache) -> None:
+        self.cache = cache
+
+    def start(self, ids: list[int], feats: dict[str, torch.Tensor]) -> None:
+        self.n = len(ids)
+        self.h = feats["last"][-1:]
+
+    def commit(self, tokens: list[int], feats: dict[str, torch.Tensor]) -> None:
+        self.n += len(tokens)
+        self.h = feats["last"][-1:]
+
+    def propose(self, root: int, temperature: float = 0.0, gen: torch.Generator | None = None) -> Tree:
+        from recycle.drafters.gemma4 import step
+        from recycle.errors import RecycleError
+
+        C = self.n
+        depth = self.shape if isinstance(self.shape, int) else self.shape.depth
+        if self.window is not None and "sliding_attention" in self.sources and C + depth >= self.window:
+            raise RecycleError(f"position {C}: past the target's sliding window ({self.window}); recycle's decoder "
+                               "keeps whole sliding-layer caches only within it")
+        layers = self.cache.layers
+        kv = {t: (layers[i].keys[..., :C, :], layers[i].values[..., :C, :]) for t, i in self.sources.items()}
+        ex = Expander(root, self.shape, temperature, gen)
+        out: dict[int, torch.Tensor] = {-1: self.h[0]}  # node -> its projected output (-1: the root's input)
+        while not ex.done():
+            front = ex.frontier()
+            dev = self.h.device
+            tokens = torch.tensor([ex.tok[f] for f in front], device=dev)
+            inputs = torch.cat([self.embed(tokens), torch.stack([out[ex.par[f]] for f in front])], dim=-1)[None]
+            pos = torch.full((1, len(front)), C, dtype=torch.long, device=dev)
+            logits, nxt = step(self.assistant, inputs, pos, kv, None)
+            for i, f in enumerate(front):
+                out[f] = nxt[0, i]
+            ex.expand(logits[0])
+        return ex.tree()[0]
+
+
 def parse_shape(value: str | None, default: Shape, max_depth: int | None = None) -> Shape:
     """`--tree`: chain[:N], dynamic[:DEPTH,TOPK,TOTAL], or Medusa-style choices (JSON list or file)."""
     from recycle.decoding.tree import parse_dynamic, parse_tree_option
@@ -406,6 +463,17 @@ def load_engine(drafter_dir: str | None, target: Target, masks: MaskCache, tree:
         return Drafter()
     dtype = target.dtype
     same = drafter_dir is not None and target_dir is not None and Path(drafter_dir).resolve() == Path(target_dir).resolve()
+    from recycle.drafters.gemma4 import is_assistant_dir
+
+    if drafter_dir is not None and not same and is_assistant_dir(drafter_dir):
+        from recycle.drafters.gemma4 import check_fits, load_assistant
+
+        assistant = load_assistant(drafter_dir, dtype).to(target.device)
+        check_fits(assistant, target.config, where=str(drafter_dir))
+        shape = parse_shape(tree, DEFAULT_DYNAMIC)
+        if assistant.generation_config.num_assistant_tokens is None:  # transformers' assistant_model= reads it
+            assistant.generation_config.num_assistant_tokens = shape if isinstance(shape, int) else shape.depth
+        return AssistantEngine(assistant, shape, masks, target)
     if native or same:
         from recycle.checkpoint import Checkpoint
         from recycle.families import match

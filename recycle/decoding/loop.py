@@ -88,6 +88,7 @@ def generate(
     _sync(dev)
     t0 = time.perf_counter()
     cache = target.new_cache()
+    drafter.bind(cache)
     ids = torch.tensor([prompt], device=dev)
     pos = torch.arange(len(prompt), device=dev)[None]
     logits, feats = target.forward(ids, pos, None, cache, logits_for=slice(-1, None))

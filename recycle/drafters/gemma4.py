@@ -1,0 +1,166 @@
+"""Gemma 4's MTP assistants (`gemma4_assistant`): load one, check it fits its target, run one drafting step.
+
+Google ships Gemma 4's multi-token predictor as a separate model per instruct target
+(`Gemma4AssistantForCausalLM`). It is already a drafter, so recycle runs it as transformers defines it:
+  * one step reads `[target_embed(last token); last hidden]` (the target's scaled embedding and its
+    final-normed state, 2·H_target wide) through `pre_projection`;
+  * its layers are Q-only: every layer attends the K/V the target itself cached, taken from the target's
+    last non-shared layer of each attention type (full, sliding), at the positions before the last token;
+  * the position id stays that of the last committed token for the whole round, and the assistant keeps
+    no cache of its own, so every node of a draft tree is one row, independent of its siblings;
+  * `post_projection` maps the output back to the target's width: the next step's "last hidden";
+  * logits from the tied head (`use_ordered_embeddings`: centroid-masked logits, transformers' own module).
+
+transformers 5.23.0 cannot build an assistant: `Gemma4TextConfig.kv_sharing_modes` raises for a config
+whose every layer reuses K/V, which is what every assistant's text config is (5.22.2 and 5.24.0 build it).
+`assistant_kv_modes()` answers "reuse" for every layer there, as 5.24.0 does, while the constructor runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from recycle.errors import RecycleError
+
+MODEL_TYPE = "gemma4_assistant"
+TARGET_TYPES = ("gemma4", "gemma4_text")
+WEIGHTS = "model.safetensors"
+
+
+def is_assistant_dir(path: str | Path) -> bool:
+    """Whether a directory's config.json declares a Gemma 4 assistant."""
+    cfg = Path(path) / "config.json"
+    try:
+        return json.loads(cfg.read_text(encoding="utf-8")).get("model_type") == MODEL_TYPE
+    except (OSError, json.JSONDecodeError):
+        return False
+
+
+def is_gemma4_target(config) -> bool:
+    return getattr(config, "model_type", None) in TARGET_TYPES
+
+
+@contextlib.contextmanager
+def assistant_kv_modes() -> Iterator[None]:
+    """transformers 5.23.0 workaround (see the module docstring); a no-op where the installed version copes."""
+    from transformers.models.gemma4 import configuration_gemma4 as cg
+
+    cls = cg.Gemma4TextConfig
+    original = cls.__dict__["kv_sharing_modes"]
+
+    def modes(self) -> list[str | None]:
+        if self.num_kv_shared_layers == self.num_hidden_layers:
+            return ["reuse"] * self.num_hidden_layers
+        return original.fget(self)
+
+    cls.kv_sharing_modes = property(modes)
+    try:
+        yield
+    finally:
+        cls.kv_sharing_modes = original
+
+
+def new_assistant(config) -> nn.Module:
+    """A Gemma4AssistantForCausalLM from its config (random weights), under the 5.23.0 workaround."""
+    from transformers import Gemma4AssistantForCausalLM
+
+    with assistant_kv_modes():
+        return Gemma4AssistantForCausalLM(config)
+
+
+def load_assistant(path: str | Path, dtype: torch.dtype | None = None) -> nn.Module:
+    """The assistant a directory holds (config.json + model.safetensors; the head is tied to the embedding)."""
+    from safetensors.torch import load_file
+    from transformers import Gemma4AssistantConfig
+
+    d = Path(path)
+    if not (d / WEIGHTS).is_file():
+        raise RecycleError(f"{d / WEIGHTS}: missing")
+    try:
+        config = Gemma4AssistantConfig.from_pretrained(d)
+    except Exception as e:  # noqa: BLE001 - whatever a malformed config makes transformers raise
+        raise RecycleError(f"{d}/config.json: not a Gemma 4 assistant config ({' '.join(str(e).split())[:160]})") from None
+    config.get_text_config()._attn_implementation = "sdpa"
+    try:
+        state = load_file(str(d / WEIGHTS))
+    except Exception as e:  # noqa: BLE001 - a truncated or foreign file
+        raise RecycleError(f"{d / WEIGHTS}: corrupt or unreadable safetensors ({' '.join(str(e).split())[:160]})") from None
+    model = new_assistant(config)
+    state.setdefault("lm_head.weight", state.get("model.embed_tokens.weight"))
+    try:
+        missing, unexpected = model.load_state_dict(state, strict=False)
+    except RuntimeError as e:
+        raise RecycleError(f"{d}: weights do not fit the assistant's config ({str(e).splitlines()[1].strip()})") from None
+    missing = [k for k in missing if not k.endswith("layer_scalar")]
+    if missing or unexpected:
+        raise RecycleError(f"{d}: assistant weights missing {missing[:3]} / unexpected {unexpected[:3]}")
+    bad = [k for k, v in state.items() if v is not None and v.is_floating_point() and not torch.isfinite(v).all()]
+    if bad:
+        raise RecycleError(f"{d}: non-finite values in {bad[0]}")
+    model.tie_weights()
+    if (d / "generation_config.json").is_file():  # num_assistant_tokens, for transformers' assistant_model=
+        from transformers import GenerationConfig
+
+        model.generation_config = GenerationConfig.from_pretrained(d)
+    return model.to(dtype or torch.float32).eval()
+
+
+def kv_source_layers(config) -> dict[str, int]:
+    """The target layer whose K/V the assistant attends, per attention type: the last layer of that type
+    before the target's own KV-shared tail (transformers' "store" layers)."""
+    types = list(config.layer_types)
+    first_shared = len(types) - int(getattr(config, "num_kv_shared_layers", 0) or 0)
+    out: dict[str, int] = {}
+    for i, t in enumerate(types[:first_shared]):
+        out[t] = i
+    return out
+
+
+def check_fits(assistant: nn.Module, target_config, where: str = "assistant") -> None:
+    """Exit-2 reasons an assistant cannot draft for a target: width, vocabulary, or attention geometry."""
+    a, t = assistant.config, target_config
+    if not is_gemma4_target(t):
+        raise RecycleError(f"{where}: a Gemma 4 assistant drafts for a Gemma 4 target, not {t.model_type!r}")
+    text = a.get_text_config()
+    if a.backbone_hidden_size != t.hidden_size:
+        raise RecycleError(f"{where}: backbone_hidden_size {a.backbone_hidden_size} does not match the target's "
+                           f"hidden size {t.hidden_size}")
+    if text.vocab_size != t.vocab_size:
+        raise RecycleError(f"{where}: vocabulary {text.vocab_size} does not match the target's {t.vocab_size}")
+    sources = kv_source_layers(t)
+    for i, kind in enumerate(text.layer_types):
+        if kind not in sources:
+            raise RecycleError(f"{where}: layer {i} attends {kind} K/V; the target caches none")
+        mine, theirs = text.per_layer_config[i], t.per_layer_config[sources[kind]]
+        if (mine.head_dim, mine.num_key_value_heads) != (theirs.head_dim, theirs.num_key_value_heads):
+            raise RecycleError(f"{where}: layer {i} ({kind}) expects {mine.num_key_value_heads} K/V heads of "
+                               f"{mine.head_dim}; the target caches {theirs.num_key_value_heads} of {theirs.head_dim}")
+
+
+def step(assistant: nn.Module, inputs: torch.Tensor, positions: torch.Tensor,
+         kv: dict[str, tuple[torch.Tensor, torch.Tensor]], mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One assistant step over rows: inputs [B, N, 2·Hb] = [target embedding; state], positions [B, N],
+    kv {type: (keys, values) [B, kvh, S, d]}, mask: additive [B|1, 1, N, S] (None: every row sees all S).
+
+    Returns (logits [B, N, V], next state [B, N, Hb]); what transformers' forward does, with the mask given
+    explicitly (its own builds a bidirectional mask from a padding mask, one row per query).
+    """
+    x = assistant.pre_projection(inputs)
+    if mask is None:
+        s = next(iter(kv.values()))[0].shape[-2]
+        mask = x.new_zeros(1, 1, x.shape[1], s)
+    # logits_to_keep as a slice: transformers 5.23.0 otherwise "optimises" a multi-row call by slicing the
+    # per-layer inputs, which an assistant does not have (None[...] raises)
+    out = assistant.model(inputs_embeds=x, attention_mask={k: mask for k in kv}, position_ids=positions,
+                          shared_kv_states=kv, use_cache=False, logits_to_keep=slice(None)).last_hidden_state
+    if assistant.config.use_ordered_embeddings:
+        logits = assistant.masked_embedding(out, assistant.lm_head.weight)
+    else:
+        logits = assistant.lm_head(out)
+    return logits, assistant.post_projection(out)
