@@ -235,10 +235,9 @@ class AssistantUnroller(Unroller):
         return steps
 
     def file_state(self):
-        """The assistant's stored names: the head is tied to its embedding; centroids only when it uses them."""
-        m = self.model
-        return {k: v.detach() for k, v in m.state_dict().items() if k != "lm_head.weight"
-                and (m.config.use_ordered_embeddings or not k.startswith("masked_embedding."))}
+        from recycle.drafters.gemma4 import stored_state
+
+        return stored_state(self.model)
 
 
 def make_unroller(fmt: str, model: nn.Module, steps: int | None, embed: nn.Module | None = None,

@@ -111,6 +111,13 @@ def load_assistant(path: str | Path, dtype: torch.dtype | None = None) -> nn.Mod
     return model.to(dtype or torch.float32).eval()
 
 
+def stored_state(assistant: nn.Module) -> dict[str, torch.Tensor]:
+    """The tensors an assistant's model.safetensors holds: the head is tied to its embedding (not stored), the
+    centroid tables only when the assistant uses them."""
+    return {k: v.detach() for k, v in assistant.state_dict().items() if k != "lm_head.weight"
+            and (assistant.config.use_ordered_embeddings or not k.startswith("masked_embedding."))}
+
+
 def kv_source_layers(config) -> dict[str, int]:
     """The target layer whose K/V the assistant attends, per attention type: the last layer of that type
     before the target's own KV-shared tail (transformers' "store" layers)."""
