@@ -89,3 +89,24 @@ def test_interrupted_fixture_build_leaves_nothing(tmp_path: Path) -> None:
     proc.kill()
     proc.wait()
     assert building.exists() and not out.exists()
+
+
+def test_gemma4_fixture_build_runs(tmp_path: Path) -> None:
+    """Two steps of each Gemma 4 phase: the three directories, stored in the committed fixtures' layouts."""
+    from safetensors import safe_open
+
+    from recycle.drafters.gemma4 import load_assistant
+
+    _run("fixtures/build_gemma4.py", "--out", str(tmp_path), "--target-steps", "2", "--assistant-steps", "2",
+         "--post-steps", "2", "--batch", "2", "--seq", "64")
+
+    def keys(d: Path) -> set[str]:
+        with safe_open(str(d / "model.safetensors"), "pt") as f:
+            return set(f.keys())
+
+    for name in ("gemma4_target", "gemma4_assistant", "gemma4_target_posttrained"):
+        assert keys(tmp_path / name) == keys(ROOT / "fixtures" / name), name
+        assert json.loads((tmp_path / name / "build_report.json").read_text())["steps"] == 2
+    load_assistant(tmp_path / "gemma4_assistant")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gemma4_assistant", "gemma4_target",
+                                                          "gemma4_target_posttrained"]
