@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from recycle.decoding.target import load_target
+from recycle.decoding.target import load_target, softcap
 from recycle.errors import RecycleError
 
 
@@ -108,8 +108,6 @@ class Teacher:
             self.kv_layers = kv_source_layers(self.config)
             window = getattr(self.config, "sliding_window", None)
             self.max_len = window - 1 if window and "sliding_attention" in self.kv_layers else None
-        # Gemma's logits pass through cap·tanh(x/cap) in the model's own forward; the teacher applies its head itself
-        self.softcap = getattr(self.config, "final_logit_softcapping", None)
         self.aux_layers = list(aux_layers or [])
         for i in self.aux_layers:
             if not 0 <= i <= self.num_layers:
@@ -151,10 +149,7 @@ class Teacher:
     @torch.no_grad()
     def logits(self, last: torch.Tensor) -> torch.Tensor:
         with autocast(self.device, self.precision):
-            logits = self.head(last).float()
-        if self.softcap:
-            logits = torch.tanh(logits / self.softcap) * self.softcap
-        return logits
+            return softcap(self.head(last).float(), self.config)
 
     def _path(self, key: str) -> Path:
         assert self.cache_dir is not None

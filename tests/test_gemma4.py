@@ -12,7 +12,8 @@ import torch
 
 from recycle.decoding import MaskCache, Target, generate, load_target
 from recycle.decoding.drafting import AssistantEngine, Drafter, load_engine
-from recycle.drafters.gemma4 import assistant_kv_modes, load_assistant, new_assistant, step
+from recycle.drafters import load_drafter
+from recycle.drafters.gemma4 import assistant_kv_modes, new_assistant, step
 from recycle.errors import RecycleError
 from tests.cli_helpers import assert_bad_input, run_cli
 from tests.test_decoding import _exact_marginals, chi2_sf
@@ -25,7 +26,7 @@ POSTTRAINED = FIXTURES / "gemma4_target_posttrained"
 @pytest.fixture(scope="module")
 def pair():
     model = load_target(TARGET)
-    return model, load_assistant(ASSISTANT)
+    return model, load_drafter(ASSISTANT)
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +43,7 @@ def test_workaround_builds_an_assistant_and_restores_transformers():
     from transformers import Gemma4TextConfig
 
     before = Gemma4TextConfig.__dict__["kv_sharing_modes"]
-    a = load_assistant(ASSISTANT)
+    a = load_drafter(ASSISTANT)
     assert all(lyr.self_attn.is_kv_shared_layer for lyr in a.model.layers)
     assert Gemma4TextConfig.__dict__["kv_sharing_modes"] is before
     with assistant_kv_modes():
@@ -201,7 +202,7 @@ def test_distill_realigns_the_assistant_in_its_own_layout(tmp_path):
     assert json.loads((out / "recycle.json").read_text())["distillation"][0]["target"] == str(POSTTRAINED.resolve())
     with assistant_kv_modes():  # transformers 5.23.0 needs the workaround to build any assistant
         Gemma4AssistantForCausalLM.from_pretrained(out)
-    load_assistant(out)
+    load_drafter(out)
 
 
 def test_bench_cli_reports_the_assistant(tmp_path):

@@ -95,7 +95,7 @@ def test_gemma4_fixture_build_runs(tmp_path: Path) -> None:
     """Two steps of each Gemma 4 phase: the three directories, stored in the committed fixtures' layouts."""
     from safetensors import safe_open
 
-    from recycle.drafters.gemma4 import load_assistant
+    from recycle.drafters import load_drafter
 
     _run("fixtures/build_gemma4.py", "--out", str(tmp_path), "--target-steps", "2", "--assistant-steps", "2",
          "--post-steps", "2", "--batch", "2", "--seq", "64")
@@ -107,6 +107,6 @@ def test_gemma4_fixture_build_runs(tmp_path: Path) -> None:
     for name in ("gemma4_target", "gemma4_assistant", "gemma4_target_posttrained"):
         assert keys(tmp_path / name) == keys(ROOT / "fixtures" / name), name
         assert json.loads((tmp_path / name / "build_report.json").read_text())["steps"] == 2
-    load_assistant(tmp_path / "gemma4_assistant")
+    load_drafter(tmp_path / "gemma4_assistant")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["gemma4_assistant", "gemma4_target",
                                                           "gemma4_target_posttrained"]

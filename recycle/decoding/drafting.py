@@ -463,17 +463,6 @@ def load_engine(drafter_dir: str | None, target: Target, masks: MaskCache, tree:
         return Drafter()
     dtype = target.dtype
     same = drafter_dir is not None and target_dir is not None and Path(drafter_dir).resolve() == Path(target_dir).resolve()
-    from recycle.drafters.gemma4 import is_assistant_dir
-
-    if drafter_dir is not None and not same and is_assistant_dir(drafter_dir):
-        from recycle.drafters.gemma4 import check_fits, load_assistant
-
-        assistant = load_assistant(drafter_dir, dtype).to(target.device)
-        check_fits(assistant, target.config, where=str(drafter_dir))
-        shape = parse_shape(tree, DEFAULT_DYNAMIC)
-        if assistant.generation_config.num_assistant_tokens is None:  # transformers' assistant_model= reads it
-            assistant.generation_config.num_assistant_tokens = shape if isinstance(shape, int) else shape.depth
-        return AssistantEngine(assistant, shape, masks, target)
     if native or same:
         from recycle.checkpoint import Checkpoint
         from recycle.families import match
@@ -491,7 +480,7 @@ def load_engine(drafter_dir: str | None, target: Target, masks: MaskCache, tree:
         mtp.to(target.device)
         # Past the stored depth the modules are chained again, module k mod n, as vLLM's `mtp` does.
         return MTPStack(mtp, parse_shape(tree, mtp.depth), masks, kind="native-mtp", reuse="cycle")
-    from recycle.drafters import drafter_format, load_drafter
+    from recycle.drafters import ASSISTANT_FORMAT, drafter_format, load_drafter
 
     d = Path(drafter_dir)
     if not d.is_dir():
@@ -499,6 +488,14 @@ def load_engine(drafter_dir: str | None, target: Target, masks: MaskCache, tree:
     fmt = drafter_format(d)
     model = load_drafter(d, dtype=dtype).to(target.device)
     vocab = getattr(target.config, "vocab_size", None)
+    if fmt == ASSISTANT_FORMAT:
+        from recycle.drafters.gemma4 import check_fits
+
+        check_fits(model, target.config, where=str(d))
+        shape = parse_shape(tree, DEFAULT_DYNAMIC)
+        if model.generation_config.num_assistant_tokens is None:  # transformers' assistant_model= reads it
+            model.generation_config.num_assistant_tokens = shape if isinstance(shape, int) else shape.depth
+        return AssistantEngine(model, shape, masks, target)
     if fmt == "eagle":
         if model.config.vocab_size != vocab or model.config.hidden_size != target.config.hidden_size:
             raise RecycleError(f"{d}: drafter (vocab {model.config.vocab_size}, hidden {model.config.hidden_size}) "

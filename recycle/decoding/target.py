@@ -84,6 +84,13 @@ def _first_sentence(e: BaseException, limit: int = 200) -> str:
     return text if len(text) <= limit else text[:limit].rsplit(" ", 1)[0] + " …"
 
 
+def softcap(logits: torch.Tensor, config) -> torch.Tensor:
+    """cap·tanh(logits/cap) where the config sets `final_logit_softcapping` (Gemma): what the model's own forward
+    does after its head, which the decoder and the distiller call directly."""
+    cap = getattr(config, "final_logit_softcapping", None)
+    return torch.tanh(logits / cap) * cap if cap else logits
+
+
 class Target:
     """Runs the target over tokens at given positions with a given mask and cache; returns logits and taps."""
 
@@ -93,8 +100,6 @@ class Target:
         self.decoder = model.get_decoder()
         self.head = model.get_output_embeddings()
         self.embed = model.get_input_embeddings()
-        # Gemma's logits pass through cap·tanh(x/cap) in the model's own forward; the decoder calls the head itself
-        self.softcap = getattr(self.config, "final_logit_softcapping", None)
         self._captured: dict[str, torch.Tensor] = {}
         self._hooks: list = []
         self.taps: tuple[str, ...] = ()
@@ -167,7 +172,4 @@ class Target:
             else:
                 feats[tap] = self._captured.pop(tap)[0]
         h = hidden if logits_for is None else hidden[logits_for]
-        logits = self.head(h).float()
-        if self.softcap:
-            logits = torch.tanh(logits / self.softcap) * self.softcap
-        return logits, feats
+        return softcap(self.head(h).float(), self.config), feats

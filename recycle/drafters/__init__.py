@@ -61,15 +61,11 @@ def config_format(cfg: dict) -> str | None:
 
 
 def load_drafter(path: str | os.PathLike, dtype: torch.dtype | None = None, attn_implementation: str = "sdpa"):
-    """The drafter module a directory written by `recycle convert` (or the distiller) holds."""
+    """The drafter module a directory written by `recycle convert` (or the distiller) holds, or a Gemma 4 assistant."""
     d = Path(path)
     if not d.is_dir():
         raise RecycleError(f"{d}: no such drafter directory")
     fmt = drafter_format(d)
-    if fmt == ASSISTANT_FORMAT:
-        from recycle.drafters.gemma4 import load_assistant
-
-        return load_assistant(d, dtype)
     cfg = _json(d / "config.json")
     if not (d / WEIGHTS).is_file():
         raise RecycleError(f"{d / WEIGHTS}: missing")
@@ -82,6 +78,10 @@ def load_drafter(path: str | os.PathLike, dtype: torch.dtype | None = None, attn
             return build_eagle(cfg, state, dtype, attn_implementation)
         if fmt == "eagle3":
             return build_eagle3(cfg, state, dtype, attn_implementation)
+        if fmt == ASSISTANT_FORMAT:
+            from recycle.drafters.gemma4 import build_assistant
+
+            return build_assistant(d, state, dtype)
         return build_medusa(cfg, state, dtype)
     except (RuntimeError, KeyError, ValueError) as e:
         raise RecycleError(f"{d}: weights do not fit the {fmt} drafter ({str(e).splitlines()[0]})") from None

@@ -19,7 +19,6 @@ whose every layer reuses K/V, which is what every assistant's text config is (5.
 from __future__ import annotations
 
 import contextlib
-import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -28,18 +27,7 @@ from torch import nn
 
 from recycle.errors import RecycleError
 
-MODEL_TYPE = "gemma4_assistant"
 TARGET_TYPES = ("gemma4", "gemma4_text")
-WEIGHTS = "model.safetensors"
-
-
-def is_assistant_dir(path: str | Path) -> bool:
-    """Whether a directory's config.json declares a Gemma 4 assistant."""
-    cfg = Path(path) / "config.json"
-    try:
-        return json.loads(cfg.read_text(encoding="utf-8")).get("model_type") == MODEL_TYPE
-    except (OSError, json.JSONDecodeError):
-        return False
 
 
 def is_gemma4_target(config) -> bool:
@@ -74,40 +62,29 @@ def new_assistant(config) -> nn.Module:
         return Gemma4AssistantForCausalLM(config)
 
 
-def load_assistant(path: str | Path, dtype: torch.dtype | None = None) -> nn.Module:
-    """The assistant a directory holds (config.json + model.safetensors; the head is tied to the embedding)."""
-    from safetensors.torch import load_file
-    from transformers import Gemma4AssistantConfig
+def build_assistant(directory: Path, state: dict[str, torch.Tensor], dtype: torch.dtype | None = None) -> nn.Module:
+    """The assistant from its directory's config (and generation config) and its stored tensors (`load_drafter`
+    reads them); the head is tied to the embedding, so it is not stored."""
+    from transformers import Gemma4AssistantConfig, GenerationConfig
 
-    d = Path(path)
-    if not (d / WEIGHTS).is_file():
-        raise RecycleError(f"{d / WEIGHTS}: missing")
     try:
-        config = Gemma4AssistantConfig.from_pretrained(d)
+        config = Gemma4AssistantConfig.from_pretrained(directory)
     except Exception as e:  # noqa: BLE001 - whatever a malformed config makes transformers raise
-        raise RecycleError(f"{d}/config.json: not a Gemma 4 assistant config ({' '.join(str(e).split())[:160]})") from None
+        raise RecycleError(f"{directory}/config.json: not a Gemma 4 assistant config "
+                           f"({' '.join(str(e).split())[:160]})") from None
     config.get_text_config()._attn_implementation = "sdpa"
-    try:
-        state = load_file(str(d / WEIGHTS))
-    except Exception as e:  # noqa: BLE001 - a truncated or foreign file
-        raise RecycleError(f"{d / WEIGHTS}: corrupt or unreadable safetensors ({' '.join(str(e).split())[:160]})") from None
+    bad = [k for k, v in state.items() if v.is_floating_point() and not torch.isfinite(v).all()]
+    if bad:
+        raise RecycleError(f"{directory}: non-finite values in {bad[0]}")
     model = new_assistant(config)
-    state.setdefault("lm_head.weight", state.get("model.embed_tokens.weight"))
-    try:
-        missing, unexpected = model.load_state_dict(state, strict=False)
-    except RuntimeError as e:
-        raise RecycleError(f"{d}: weights do not fit the assistant's config ({str(e).splitlines()[1].strip()})") from None
+    missing, unexpected = model.load_state_dict({"lm_head.weight": state.get("model.embed_tokens.weight"), **state},
+                                                strict=False)
     missing = [k for k in missing if not k.endswith("layer_scalar")]
     if missing or unexpected:
-        raise RecycleError(f"{d}: assistant weights missing {missing[:3]} / unexpected {unexpected[:3]}")
-    bad = [k for k, v in state.items() if v is not None and v.is_floating_point() and not torch.isfinite(v).all()]
-    if bad:
-        raise RecycleError(f"{d}: non-finite values in {bad[0]}")
+        raise RecycleError(f"{directory}: assistant weights missing {missing[:3]} / unexpected {unexpected[:3]}")
     model.tie_weights()
-    if (d / "generation_config.json").is_file():  # num_assistant_tokens, for transformers' assistant_model=
-        from transformers import GenerationConfig
-
-        model.generation_config = GenerationConfig.from_pretrained(d)
+    if (directory / "generation_config.json").is_file():  # num_assistant_tokens, for transformers' assistant_model=
+        model.generation_config = GenerationConfig.from_pretrained(directory)
     return model.to(dtype or torch.float32).eval()
 
 

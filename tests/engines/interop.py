@@ -92,9 +92,9 @@ def _ar_tokens(target: Path, ids: list[list[int]], new_tokens: int) -> list[list
 
 def make_outputs(fixture: Path, work: Path, distill_tokens: int, calibrate_tokens: int) -> dict[str, tuple]:
     """name → (target dir, drafter dir or None, vLLM method, what it is)."""
-    assistant = fixture.parent / "gemma4_assistant"
     if fixture.name == "gemma4_target":  # Gemma 4's drafter is its own model: nothing to convert
-        return {"assistant": (fixture, assistant, "mtp", "Gemma 4 assistant (`gemma4_assistant`, as shipped)")}
+        return {"assistant": (fixture, fixture.parent / "gemma4_assistant", "mtp",
+                              "Gemma 4 assistant (`gemma4_assistant`, as shipped)")}
     mla = "kv_a_proj_with_mqa" in " ".join(match(Checkpoint(fixture)).modules[0].names)
     eagle = convert_checkpoint(fixture, "eagle", work / "eagle", layouts="overlay", overwrite=True)["out"]
     dropped = derive(fixture, work / "dropped", 0, overwrite=True)["out"]
