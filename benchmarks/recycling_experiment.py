@@ -9,6 +9,12 @@ modules are the original's; the drafter is converted from the base and distilled
 
     python benchmarks/recycling_experiment.py --stale --formats eagle --threads 2
 
+Gemma 4 assistant → EAGLE-3 (the fold) and Medusa (calibrated), against scratch (issue 19):
+
+    python benchmarks/recycling_experiment.py --source fixtures/gemma4_assistant --target fixtures/gemma4_target \
+        --formats eagle3,medusa --calibrate 64k --tokens 512k --marks 0,64k,128k,256k,512k --threads 2 \
+        --work /tmp/recycle-gemma --plot benchmarks/recycling_gemma4.png --title "Gemma 4 assistant → EAGLE-3 / Medusa"
+
 Writes WORK/experiment.json (every record and bench result), a PNG, and prints the markdown tables
 that BENCHMARKS.md holds.
 """
@@ -91,6 +97,7 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=5e-4)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--plot", default=None)
+    ap.add_argument("--title", default=None, help="the plot's title")
     a = ap.parse_args()
     base, posttrained = str(ROOT / "fixtures/deepseek_v3_mtp"), str(ROOT / "fixtures/deepseek_v3_mtp_posttrained")
     defaults = dict(target=base, work="/tmp/recycle-experiment", tokens="512k", marks="0,64k,128k,256k,512k",
@@ -121,8 +128,9 @@ def main() -> None:
                              calibrate=parse_tokens(a.calibrate) if getattr(a, "calibrate", None) else None)
     t0 = time.perf_counter()
     result = run_experiment(opts, log=lambda s: print(s, flush=True))
-    plot(result, a.plot, title=("stale MTP: base modules on the post-trained fixture, transformers-domain prompts"
-                                if a.stale else "recycled vs scratch drafters on the trained DeepSeek-V3 fixture"))
+    plot(result, a.plot, title=a.title or ("stale MTP: base modules on the post-trained fixture, transformers-domain "
+                                           "prompts" if a.stale else
+                                           "recycled vs scratch drafters on the trained DeepSeek-V3 fixture"))
     print(f"\nwall time {time.perf_counter() - t0:.0f} s; plot {a.plot}; data {Path(a.work) / 'experiment.json'}\n")
     print(markdown(result))
     print(json.dumps(result["summary"], indent=1))

@@ -13,9 +13,9 @@ from datetime import datetime, timezone
 
 import torch
 
-from converters import eagle, eagle3, medusa
+from converters import assistant, eagle, eagle3, medusa
 from converters.calibrate import DEFAULT_STEPS as CALIBRATE_STEPS
-from converters.roles import APPROX, EXACT, FRESH, Lazy, Plan, RoleWeights, gather
+from converters.roles import APPROX, EXACT, FRESH, Backbone, Lazy, Plan, RoleWeights, backbone, gather
 from converters.writer import OutputDir, Progress, ST_DTYPES
 from recycle import __version__
 from recycle.checkpoint import Checkpoint
@@ -53,8 +53,25 @@ def parse_layouts(to: str, layouts: str | Iterable[str] | None) -> tuple[str, ..
 
 
 def plan_for(w: RoleWeights, to: str, *, dtype: str, heads: int | None, draft_ids: torch.Tensor | None,
-             layouts: tuple[str, ...] | None = None, attention: str = "llama") -> Plan:
+             layouts: tuple[str, ...] | None = None, attention: str = "llama", bb: Backbone | None = None) -> Plan:
     name = DTYPE_NAMES[dtype]
+    if w.family.kind == "drafter":  # a Gemma 4 assistant: EAGLE-3 by the fold, Medusa by calibration
+        if to == "eagle":
+            raise RecycleError(f"{w.ckpt.path}: a {w.family.title} has no MTP block for --to eagle; use --to eagle3 "
+                               "or --to medusa")
+        if bb is None:
+            raise RecycleError(f"{w.ckpt.path}: a {w.family.title} reads its target's states, norm and head: pass "
+                               f"--target (the model it drafts for){' with --calibrate TOKENS' if to == 'medusa' else ''}")
+        from recycle.drafters.gemma4 import TARGET_TYPES
+
+        if bb.config.get("model_type") not in TARGET_TYPES:
+            raise RecycleError(f"--target {bb.path}: a Gemma 4 assistant drafts for a Gemma 4 model, not "
+                               f"{bb.config.get('model_type')!r}")
+        if to == "eagle3":
+            if attention != "llama":
+                raise RecycleError("--eagle3-attention mla needs an MLA source; an assistant folds into the llama one")
+            return assistant.convert(w, bb, draft_ids=draft_ids, dtype_name=name)
+        return medusa.convert(w, heads=medusa.DEFAULT_HEADS if heads is None else heads, dtype_name=name, backbone=bb)
     if to != "medusa" and w.family.kind != "mtp":
         raise RecycleError(f"{w.ckpt.path}: family '{w.family.name}' holds {w.family.kind.replace('_', ' ')}, not "
                            f"sequential MTP modules: there is no embedding input for --to {to}; use --to medusa")
@@ -151,9 +168,11 @@ def convert_checkpoint(source: str | os.PathLike, to: str, out: str | os.PathLik
         raise RecycleError("--eagle3-attention applies to --to eagle3 only")
     if vocab_corpus is not None and draft_vocab is None:
         raise RecycleError("--vocab-corpus needs --draft-vocab N")
-    if (calibrate is not None or target is not None or data is not None) and to != "medusa":
-        raise RecycleError("--calibrate/--target/--data apply to --to medusa only")
-    if (target is not None or data is not None) and calibrate is None:
+    if (calibrate is not None or data is not None) and to != "medusa":
+        raise RecycleError("--calibrate/--data apply to --to medusa only")
+    if target is not None and to == "eagle":
+        raise RecycleError("--target applies to --to medusa (with --calibrate) and --to eagle3 (from an assistant)")
+    if (target is not None or data is not None) and calibrate is None and to == "medusa":
         raise RecycleError("--target/--data need --calibrate TOKENS")
     if calibrate is not None and calibrate < 1:
         raise RecycleError("--calibrate must be at least 1 token")
@@ -166,13 +185,22 @@ def convert_checkpoint(source: str | os.PathLike, to: str, out: str | os.PathLik
 
         check_fit(ckpt.config, checkpoint_dir(target), ckpt.path, target, f"--target {target}")
     w = gather(ckpt)
+    drafter = w.family.kind == "drafter"
+    if target is not None and to == "eagle3" and not drafter:
+        raise RecycleError("--target with --to eagle3 is for a Gemma 4 assistant source (MTP modules carry their "
+                           "trunk's norm and head)")
+    if drafter and to == "medusa" and calibrate is None:
+        raise RecycleError(f"{ckpt.path}: Medusa heads from a {w.family.title} are fitted to it: pass --calibrate "
+                           "TOKENS --target TARGET")
+    bb = backbone(target) if drafter and target is not None else None
     draft_ids = None
     if draft_vocab is not None:
         from converters.vocab import draft_vocab as top_tokens
 
-        draft_ids = top_tokens(ckpt.path, draft_vocab, w.vocab_size, vocab_corpus)
+        # an assistant ships no tokenizer: its target's is the one it shares
+        draft_ids = top_tokens(bb.path if bb is not None else ckpt.path, draft_vocab, w.vocab_size, vocab_corpus)
     plan = plan_for(w, to, dtype=dtype, heads=heads, draft_ids=draft_ids, layouts=chosen,
-                    attention=eagle3_attention or "llama")
+                    attention=eagle3_attention or "llama", bb=bb)
     if not plan.tensors:
         raise RecycleError(f"--layouts {','.join(chosen or ())}: nothing to write ({'; '.join(plan.notes)})")
     calibration = None

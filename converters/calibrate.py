@@ -7,9 +7,11 @@ of the next token, which a Medusa head never sees. Neither maps exactly onto `h 
 so the ResBlock is *fitted*: on calibration text, the target gives h_p and the source head its
 feature y_p (the normed input of its LM head) for the token the Medusa head will predict; W, b
 (from zero: Medusa's identity init) minimise KL(softmax(L y) ‖ softmax(L (h + SiLU(W h + b)))) with L
-the head's own LM head, kept as it is. A sequential module is fed the
-target's own greedy tokens, so its output is a function of h_p that a ResBlock can approach. Fit and held-out error go into recycle.json; the tensors are
-`approx`.
+the head's own LM head, kept as it is. A sequential module (or a Gemma 4 assistant's
+chain) is fed the target's own greedy tokens, so its output is a function of h_p that a ResBlock can approach.
+An assistant is narrower than its target and reads the target's K/V: its feature is its final-normed output
+and its LM head its own tied head, while the Medusa heads score with the target's head. Fit and held-out error
+go into recycle.json; the tensors are `approx`.
 
 `collect` runs the models (the caller's part); `fit` is a pure function of the cached features.
 """
@@ -32,13 +34,15 @@ HELDOUT = 0.1  # share of the positions kept out of the fit to report its error
 
 @dataclass
 class Features:
-    """Calibration set: target states h [N, H], and per calibrated head its source feature [N, H] and LM head [V, H]."""
+    """Calibration set: target states h [N, H], and per calibrated head its source feature [N, h], the Medusa
+    head's LM head [V, H] and, where the source scores with another one (an assistant's [V, h]), that head."""
 
     h: torch.Tensor
     targets: list[torch.Tensor]
     lm_heads: list[torch.Tensor]
     tokens: int = 0
     notes: list[str] = field(default_factory=list)
+    source_heads: list[torch.Tensor] | None = None
 
 
 @dataclass
@@ -52,12 +56,13 @@ def _resblock(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor
     return h + F.silu(h @ w.T + b)
 
 
-def _scores(h: torch.Tensor, y: torch.Tensor, lm: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> dict:
+def _scores(h: torch.Tensor, y: torch.Tensor, lm: torch.Tensor, src: torch.Tensor, w: torch.Tensor,
+            b: torch.Tensor) -> dict:
     """Held-out KL(source ‖ Medusa) and top-1 agreement of the Medusa head with the source head."""
     with torch.no_grad():
         kl, agree, n = 0.0, 0, 0
         for s in range(0, h.shape[0], MINIBATCH):
-            t = F.log_softmax(y[s:s + MINIBATCH] @ lm.T, -1)
+            t = F.log_softmax(y[s:s + MINIBATCH] @ src.T, -1)
             d = F.log_softmax(_resblock(h[s:s + MINIBATCH], w, b) @ lm.T, -1)
             kl += float((t.exp() * (t - d)).sum())
             agree += int((t.argmax(-1) == d.argmax(-1)).sum())
@@ -75,22 +80,22 @@ def fit(feats: Features, steps: int = DEFAULT_STEPS, lr: float = DEFAULT_LR, see
     h = feats.h.float()
     out = []
     gen = torch.Generator().manual_seed(seed + 1)
-    for y, lm in zip(feats.targets, feats.lm_heads):
-        y, lm = y.float(), lm.float()
+    for y, lm, src in zip(feats.targets, feats.lm_heads, feats.source_heads or feats.lm_heads):
+        y, lm, src = y.float(), lm.float(), src.float()
         w = torch.zeros(h.shape[1], h.shape[1], requires_grad=True)
         b = torch.zeros(h.shape[1], requires_grad=True)
-        before = _scores(h[held], y[held], lm, w.detach(), b.detach())
+        before = _scores(h[held], y[held], lm, src, w.detach(), b.detach())
         opt = torch.optim.Adam([w, b], lr=lr)
         for _ in range(steps):
             idx = train[torch.randint(0, len(train), (min(MINIBATCH, len(train)),), generator=gen)]
             with torch.no_grad():
-                target = F.log_softmax(y[idx] @ lm.T, -1)
+                target = F.log_softmax(y[idx] @ src.T, -1)
             draft = F.log_softmax(_resblock(h[idx], w, b) @ lm.T, -1)
             loss = (target.exp() * (target - draft)).sum(-1).mean()
             opt.zero_grad()
             loss.backward()
             opt.step()
-        after = _scores(h[held], y[held], lm, w.detach(), b.detach())
+        after = _scores(h[held], y[held], lm, src, w.detach(), b.detach())
         out.append(Fitted(w.detach().clone(), b.detach().clone(),
                           {"heldout_positions": len(held), "fit_positions": len(train), "identity": before,
                            "calibrated": after}))
@@ -140,12 +145,22 @@ def collect(source: str | Path, target: str | Path, heads: int, tokens: int, dat
     with quiet_transformers():
         tok = AutoTokenizer.from_pretrained(target)
     tok.model_max_length = 1 << 62
+    source_heads = None
     if kind == "parallel_heads":
         from recycle.drafters.parallel import ParallelHeads
 
         src = ParallelHeads.from_checkpoint(source, model)
         depth = min(heads, src.num_heads)
         lm = [model.get_output_embeddings().weight] * depth
+    elif kind == "drafter":  # a Gemma 4 assistant chains as deep as asked
+        from recycle.drafters import load_drafter
+        from recycle.drafters.gemma4 import check_fits
+
+        src = load_drafter(source)
+        check_fits(src, model.config, f"--target {target}")
+        depth = heads
+        lm = [model.get_output_embeddings().weight] * depth
+        source_heads = [src.lm_head.weight] * depth
     else:
         from recycle.mtp import MTP
 
@@ -161,6 +176,15 @@ def collect(source: str | Path, target: str | Path, heads: int, tokens: int, dat
             out = model.get_decoder()(input_ids=w[:, :seq_len], use_cache=False, output_hidden_states=True)
             h = out.last_hidden_state
             feats = src.features(out.hidden_states[layer])
+        elif kind == "drafter":
+            from recycle.drafters.gemma4 import target_states_and_kv, teacher_forced
+
+            full, kv = target_states_and_kv(model.get_decoder(), model.config, w)
+            h = full[:, :seq_len]
+            greedy = model.get_output_embeddings()(full).argmax(-1)
+            chain = teacher_forced(src, model.get_input_embeddings(), torch.cat([w[:, :1], greedy[:, :-1]], 1), full,
+                                   kv, depth, seq_len)
+            feats = [normed for _, normed in chain]
         else:  # the tokens the modules read are the target's own greedy ones: a function of h_p, as a Medusa head needs
             full = model.get_decoder()(input_ids=w[:, :seq_len + depth], use_cache=False).last_hidden_state
             h = full[:, :seq_len]
@@ -172,8 +196,11 @@ def collect(source: str | Path, target: str | Path, heads: int, tokens: int, dat
                 feats.append(norm(mo.states[j]) if norm is not None else mo.states[j])
         hs.append(h.reshape(-1, h.shape[-1]))
         for j in range(depth):
-            ys[j].append(feats[j].reshape(-1, h.shape[-1]))
+            ys[j].append(feats[j].reshape(-1, feats[j].shape[-1]))
     past = f"heads {depth}..{heads - 1} are past the source's {depth} head(s): not calibrated (identity ResBlocks)"
     notes = [] if depth == heads else [past]
+    if kind == "drafter" and src.config.use_ordered_embeddings:
+        notes.append("the assistant's centroid-masked logits approximated by its full tied head for the fit")
     return Features(torch.cat(hs), [torch.cat(y) for y in ys], [t.detach() for t in lm],
-                    tokens=int(wins.shape[0] * seq_len), notes=notes)
+                    tokens=int(wins.shape[0] * seq_len), notes=notes,
+                    source_heads=[t.detach() for t in source_heads] if source_heads else None)

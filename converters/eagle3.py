@@ -51,6 +51,9 @@ differs from the Llama fold's: BENCHMARKS.md, "EAGLE-3 midlayer"):
     midlayer.self_attn.{q_a_layernorm, q_b_proj, kv_a_layernorm, kv_b_proj, o_proj}      exact
                                         (RoPE included: the same interleaved rotary dims)
 Only vLLM loads this variant (speculators and SGLang's EAGLE-3 readers expect the Llama layer).
+
+A Gemma 4 assistant is no MTP module: converters/assistant.py folds it (same layout and config, through
+`llama_config` and `draft_head`).
 """
 
 from __future__ import annotations
@@ -191,6 +194,19 @@ def vocab_maps(draft_ids: torch.Tensor | None, vocab: int) -> tuple[torch.Tensor
     return ids - torch.arange(ids.numel()), t2d
 
 
+def draft_head(head: Lazy, draft_ids: torch.Tensor | None, vocab: int) -> dict[str, Lazy]:
+    """lm_head over the draft vocabulary (rows of `head` in d2t order) and, for a reduced one, d2t and t2d."""
+    if draft_ids is None:  # a full vocabulary carries no maps (vLLM refuses them there)
+        return {"lm_head.weight": head}
+    d2t, t2d = vocab_maps(draft_ids, vocab)
+    vd, sel = d2t.numel(), draft_ids.clone()
+    note = f"top-{vd} tokens by corpus frequency"
+    return {"lm_head.weight": head.derive((vd, head.shape[1]), lambda t: t.index_select(0, sel), EXACT,
+                                          f"rows of the {vd} draft-vocabulary ids"),
+            "d2t": Lazy((vd,), lambda: d2t, (), APPROX, f"{note}: int64 offsets", dtype=torch.long),
+            "t2d": Lazy((vocab,), lambda: t2d, (), APPROX, f"{note}: kept-token mask", dtype=torch.bool)}
+
+
 def _mla_attention(block: dict[str, Lazy]) -> dict[str, Lazy] | None:
     """The block's MLA attention tensors by their name under `self_attn.`, or None if it is not MLA."""
     a = "self_attn."
@@ -244,16 +260,8 @@ def convert(w: RoleWeights, *, draft_ids: torch.Tensor | None = None, dtype_name
 
     fc = Lazy((h, 3 * h), make_fc, proj.sources + hnorm.sources, APPROX,
               f"slot 3 (aux layer {aux[2]}) = eh_proj[:, H:]·diag(hnorm); slots 1-2 zero")
-    d2t, t2d = vocab_maps(draft_ids, vocab)
-    vd = d2t.numel()
-    head = leaves["head"]
-    if draft_ids is None:
-        lm_head = head
-    else:
-        sel = draft_ids.clone()
-        lm_head = head.derive((vd, h), lambda t: t.index_select(0, sel), EXACT, f"rows of the {vd} draft-vocabulary ids")
-    vocab_kind = EXACT if draft_ids is None else APPROX
-    vocab_note = "full vocabulary" if draft_ids is None else f"top-{vd} tokens by corpus frequency"
+    head_tensors = draft_head(leaves["head"], draft_ids, vocab)
+    vd = head_tensors["lm_head.weight"].shape[0]
     final = leaves.get("final_norm")
     tensors: dict[str, Lazy] = {
         "fc.weight": fc,
@@ -271,41 +279,57 @@ def convert(w: RoleWeights, *, draft_ids: torch.Tensor | None = None, dtype_name
         "midlayer.mlp.up_proj.weight": mlp["up"],
         "midlayer.mlp.down_proj.weight": mlp["down"],
         "norm.weight": final if final is not None else ones((h,), "the family has no final norm"),
-        "lm_head.weight": lm_head,
+        **head_tensors,
     }
-    if draft_ids is not None:  # a full vocabulary carries no maps (vLLM refuses them there)
-        tensors["d2t"] = Lazy((vd,), lambda: d2t, (), vocab_kind, f"{vocab_note}: int64 offsets", dtype=torch.long)
-        tensors["t2d"] = Lazy((vocab,), lambda: t2d, (), vocab_kind, f"{vocab_note}: kept-token mask",
-                              dtype=torch.bool)
     cfg = w.config
     if mla is not None:
         return _mla_plan(w, tensors, mla, two_h, inter, aux, vd, dtype_name)
     theta = _rope_theta(cfg)
+    config = llama_config(
+        hidden=h, intermediate=inter, heads=dims["heads"], kv_heads=dims["kv_heads"], head_dim=dims["head_dim"],
+        vocab=vocab, draft_vocab=vd, eps=w.eps, max_positions=int(cfg.get("max_position_embeddings") or 4096),
+        theta=theta, aux=aux, dtype_name=dtype_name, norm_before_residual=False,
+        verifier=verifier or str(w.ckpt.path.resolve()), verifier_architectures=w.ckpt.config.get("architectures"),
+        speculative_tokens=speculative_tokens)
+    plan = Plan(tensors={WEIGHTS: tensors}, jsons={"config.json": config})
+    if len(w.modules) > 1:
+        plan.notes.append(f"initialised from MTP module 0 of {len(w.modules)}")
+    if n_layers < 3:
+        plan.notes.append(f"trunk has {n_layers} layers: aux layer ids {aux} include the final state, "
+                          "which vLLM does not capture")
+    return plan
+
+
+def llama_config(*, hidden: int, intermediate: int, heads: int, kv_heads: int, head_dim: int, vocab: int,
+                 draft_vocab: int, eps: float, max_positions: int, theta: float, aux: list[int], dtype_name: str,
+                 norm_before_residual: bool, verifier: str, verifier_architectures: list | None,
+                 speculative_tokens: int = DEFAULT_SPEC_TOKENS, target_hidden: int | None = None) -> dict:
+    """config.json of a Llama-midlayer EAGLE-3 drafter: the flat keys vLLM/SGLang read and the speculators ones."""
     layer = {
         "model_type": "llama",
         "architectures": ["LlamaForCausalLM"],
-        "hidden_size": h,
-        "intermediate_size": inter,
-        "num_attention_heads": dims["heads"],
-        "num_key_value_heads": dims["kv_heads"],
-        "head_dim": dims["head_dim"],
+        "hidden_size": hidden,
+        "intermediate_size": intermediate,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
         "num_hidden_layers": 1,
         "vocab_size": vocab,
-        "rms_norm_eps": w.eps,
+        "rms_norm_eps": eps,
         "hidden_act": "silu",
-        "max_position_embeddings": int(cfg.get("max_position_embeddings") or 4096),
+        "max_position_embeddings": max_positions,
         "rope_theta": theta,
         "rope_parameters": {"rope_type": "default", "rope_theta": theta},
         "attention_bias": False,
         "mlp_bias": False,
         "tie_word_embeddings": False,
     }
-    config = {
+    return {
         **layer,
         "architectures": ["LlamaForCausalLMEagle3"],
-        "draft_vocab_size": vd,
-        "target_hidden_size": h,
-        "norm_before_residual": False,
+        "draft_vocab_size": draft_vocab,
+        "target_hidden_size": target_hidden or hidden,
+        "norm_before_residual": norm_before_residual,
         "eagle_aux_hidden_state_layer_ids": aux,
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": aux, "use_aux_hidden_state": True},
         "torch_dtype": dtype_name,
@@ -317,17 +341,9 @@ def convert(w: RoleWeights, *, draft_ids: torch.Tensor | None = None, dtype_name
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": speculative_tokens,
                                   "verifier_accept_k": 1, "accept_tolerance": 0.0}],
             "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": verifier or str(w.ckpt.path.resolve()),
-                         "architectures": list(w.ckpt.config.get("architectures") or [])},
+            "verifier": {"name_or_path": verifier, "architectures": list(verifier_architectures or [])},
         },
     }
-    plan = Plan(tensors={WEIGHTS: tensors}, jsons={"config.json": config})
-    if len(w.modules) > 1:
-        plan.notes.append(f"initialised from MTP module 0 of {len(w.modules)}")
-    if n_layers < 3:
-        plan.notes.append(f"trunk has {n_layers} layers: aux layer ids {aux} include the final state, "
-                          "which vLLM does not capture")
-    return plan
 
 
 def _mla_plan(w: RoleWeights, tensors: dict[str, Lazy], mla: dict[str, Lazy], two_h, inter: int, aux: list[int],

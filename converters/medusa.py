@@ -13,13 +13,17 @@ One config.json carries both key sets (`model_type: medusa`, `MedusaModel`, `num
     lm_heads.i / i.1.weight         ← head of MTP module min(i, n-1)         exact (shared head: the trunk's lm_head)
     blocks.i.layers.0.weight / bias ← zeros: ResBlock = identity            fresh (Medusa's own init)
 
+From a Gemma 4 assistant (narrower than its target, `backbone` = the target): every lm_heads.i is the
+target's head at the target's width, and `--calibrate` (required there) fits the ResBlocks to the
+assistant's chain.
+
 The MTP block, norms and projection have no counterpart in a Medusa head (it reads only the
 target's last hidden state), so nothing else carries over; the heads need training to look ahead.
 """
 
 from __future__ import annotations
 
-from converters.roles import Lazy, Plan, RoleWeights, zeros
+from converters.roles import Backbone, Lazy, Plan, RoleWeights, zeros
 from recycle.errors import RecycleError
 
 WEIGHTS = "model.safetensors"
@@ -29,17 +33,19 @@ LAYERS = 1
 
 
 def convert(w: RoleWeights, *, heads: int = DEFAULT_HEADS, dtype_name: str = "bfloat16",
-            base_model: str | None = None) -> Plan:
+            base_model: str | None = None, backbone: Backbone | None = None) -> Plan:
+    """`backbone`: the target of a drafter narrower than it (a Gemma 4 assistant): the heads take its width
+    and its LM head, and only calibration (converters.calibrate) teaches them what the assistant predicts."""
     if heads < 1:
         raise RecycleError(f"--heads must be at least 1, got {heads}")
-    h, vocab = w.hidden_size, w.vocab_size
+    h, vocab = backbone.hidden_size if backbone is not None else w.hidden_size, w.vocab_size
     note = "ResBlock zero-initialised (identity), as Medusa initialises it"
     weight = zeros((h, h), note)
     bias = zeros((h,), note)
     vllm: dict[str, Lazy] = {}
     fd: dict[str, Lazy] = {}
     for i in range(heads):
-        head = w.modules[min(i, len(w.modules) - 1)].leaves["head"]
+        head = backbone.head if backbone is not None else w.modules[min(i, len(w.modules) - 1)].leaves["head"]
         for j in range(LAYERS):
             vllm[f"blocks.{i}.layers.{j}.weight"] = weight
             vllm[f"blocks.{i}.layers.{j}.bias"] = bias
@@ -58,11 +64,11 @@ def convert(w: RoleWeights, *, heads: int = DEFAULT_HEADS, dtype_name: str = "bf
         "original_lm_head": False,
         "medusa_num_heads": heads,
         "medusa_num_layers": LAYERS,
-        "base_model_name_or_path": base_model or str(w.ckpt.path.resolve()),
+        "base_model_name_or_path": base_model or str((backbone.path if backbone else w.ckpt.path).resolve()),
         "torch_dtype": dtype_name,
     }
     plan = Plan(tensors={WEIGHTS: vllm, FD_WEIGHTS: fd}, jsons={"config.json": config})
-    if heads > len(w.modules):
+    if backbone is None and heads > len(w.modules):
         plan.notes.append(f"{heads} heads from {len(w.modules)} MTP module(s): heads past the stored depth "
                           "reuse the last module's head")
     return plan

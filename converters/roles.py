@@ -13,21 +13,25 @@ plan of (name → Lazy, config) and nothing is held in memory longer than one te
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from recycle.checkpoint import DTYPES, SCALE_SUFFIX, Checkpoint, Span
 from recycle.errors import RecycleError
-from recycle.families import Family, MTPMatch, MTPModule, first_value, match
+from recycle.families import Family, MTPMatch, MTPModule, first_value, match, merged_config
 
 EXACT, APPROX, FRESH = "exact", "approx", "fresh"
 LEAF_SHAPES = {"embed_norm": ("H",), "hidden_norm": ("H",), "proj": ("H", "2H"), "final_norm": ("H",),
                "head": ("V", "H"), "embed": ("V", "H")}
 # Roles a module must fill, by family kind: sequential MTP modules read an embedding and a hidden state
-# through their own norms and projection; parallel heads read the trunk state alone.
-REQUIRED = {"mtp": ("embed_norm", "hidden_norm", "proj", "head", "embed"), "parallel_heads": ("head", "embed")}
+# through their own norms and projection; parallel heads read the
+# trunk state alone; an assistant (Gemma 4) reads both through its pre-projection, into a narrower width.
+REQUIRED = {"mtp": ("embed_norm", "hidden_norm", "proj", "head", "embed"), "parallel_heads": ("head", "embed"),
+            "drafter": ("proj", "head", "embed")}
 FINITE_CHUNK = 1 << 24  # elements per NaN/Inf check slice (a bool mask of a 129k×7k head would be 0.9 GB)
 NONFINITE_BITS = {torch.bfloat16: 0x7F80, torch.float16: 0x7C00}  # |bits| ≥ this: exponent all ones, Inf or NaN
 BITS_CHUNK = 1 << 18  # elements per 16-bit check slice: its integer copy stays in cache (4× faster than 1 << 24)
@@ -171,7 +175,9 @@ def gather(ckpt: Checkpoint, family: str | None = None) -> RoleWeights:
     v = first_value(m.config, fam.vocab_keys)
     if not isinstance(h, int) or not isinstance(v, int):
         raise RecycleError(f"{ckpt.path}: config.json lacks hidden_size/vocab_size")
-    dims = {"H": h, "2H": 2 * h, "V": v}
+    dims = {**m.dims(), "H": h, "2H": 2 * h, "V": v}
+    if "Hb" in dims:
+        dims["2Hb"] = 2 * dims["Hb"]
     eps = float(m.config.get("rms_norm_eps") or m.config.get("layer_norm_epsilon") or 1e-6)
     modules = []
     cache: dict[tuple[str, str], Lazy] = {}  # one Lazy per (source tensor, form): shared tensors are read once
@@ -191,7 +197,7 @@ def gather(ckpt: Checkpoint, family: str | None = None) -> RoleWeights:
             name = mod.tensor(role)
             if name is None:
                 continue
-            want = tuple(dims[s] for s in LEAF_SHAPES[role])
+            want = tuple(dims[s] for s in fam.shapes.get(role, LEAF_SHAPES[role]))
             got = ckpt.tensors[name].shape
             if got != want:
                 raise RecycleError(f"{ckpt.path}: {name} ({role}) has shape {list(got)}, config.json implies {list(want)}")
@@ -209,6 +215,50 @@ def gather(ckpt: Checkpoint, family: str | None = None) -> RoleWeights:
             raise RecycleError(f"{ckpt.path}: MTP module {mod.index} stores no decoder block under {mod.prefix}")
         modules.append(ModuleWeights(mod.index, mod.prefix, leaves, block, mod, plain))
     return RoleWeights(ckpt, m, modules, h, v, eps)
+
+
+@dataclass
+class Backbone:
+    """What a converter needs of the model a narrower drafter (a Gemma 4 assistant) drafts for: its width,
+    depth, final norm and LM head, read lazily from `--target` (the assistant stores none of them)."""
+
+    path: Path
+    hidden_size: int
+    num_layers: int
+    final_norm: Lazy
+    head: Lazy
+    embed: Lazy  # the input embedding, as stored (Gemma scales it by sqrt(hidden_size) when it runs)
+    ckpt: Checkpoint
+    config: dict  # the text model's config (merged)
+    prefix: str  # where the text model's tensors live ("model.", "model.language_model.")
+
+    def tensor(self, name: str) -> Lazy:
+        """A tensor of the text model by its name under `prefix`; RecycleError when absent."""
+        full = f"{self.prefix}{name}"
+        if full not in self.ckpt.tensors:
+            raise RecycleError(f"{self.path}: no tensor {full}")
+        return stored(self.ckpt, full)
+
+
+TEXT_PREFIXES = ("model.language_model.", "model.", "")  # multimodal wrapper, causal LM, bare model
+
+
+def backbone(path: str | os.PathLike) -> Backbone:
+    """The target's final norm and head (its tied embedding when it stores no lm_head), by transformers' names."""
+    ckpt = Checkpoint(path)
+    cfg = merged_config(ckpt.config)
+    h, n = cfg.get("hidden_size"), cfg.get("num_hidden_layers")
+    if not isinstance(h, int) or not isinstance(n, int):
+        raise RecycleError(f"{ckpt.path}/config.json: no hidden_size/num_hidden_layers for the target")
+    for prefix in TEXT_PREFIXES:
+        norm = f"{prefix}norm.weight"
+        embed = f"{prefix}embed_tokens.weight"
+        if norm in ckpt.tensors and embed in ckpt.tensors:
+            head = "lm_head.weight" if "lm_head.weight" in ckpt.tensors else embed
+            return Backbone(ckpt.path, h, n, stored(ckpt, norm), stored(ckpt, head), stored(ckpt, embed), ckpt, cfg,
+                            prefix)
+    raise RecycleError(f"{ckpt.path}: no final norm and LM head under transformers' names (model.norm.weight, "
+                       "model.embed_tokens.weight, and lm_head.weight unless tied)")
 
 
 def same_values(ckpt: Checkpoint, a: str, b: str) -> bool:

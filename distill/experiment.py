@@ -28,6 +28,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from distill.train import DistillOptions, distill
+from recycle.drafters import ASSISTANT_FORMAT, config_format
+from recycle.preflight import checkpoint_dir
 
 FORMATS = ("eagle", "eagle3", "medusa")
 INITS = ("recycled", "scratch")
@@ -114,20 +116,26 @@ def run_experiment(opts: ExperimentOptions, log: Callable[[str], None] = print) 
     def save() -> None:
         (work / "experiment.json").write_text(json.dumps(result, indent=1))
 
-    native = bench_tau(None, opts.target, prompts, opts.max_new_tokens)
+    # A Gemma 4 target's MTP is its separate assistant: that is the native chain here, and the converters
+    # read the target for what the assistant does not store
+    assistant = opts.source if opts.source and config_format(checkpoint_dir(opts.source)) == ASSISTANT_FORMAT else None
+    native = bench_tau(assistant, opts.target, prompts, opts.max_new_tokens,
+                       tree=f"chain:{opts.chain or 3}" if assistant else None)
     chain = opts.chain or len(native["acceptance"])
     if chain != len(native["acceptance"]):
-        native = bench_tau(None, opts.target, prompts, opts.max_new_tokens, tree=f"chain:{chain}")
+        native = bench_tau(assistant, opts.target, prompts, opts.max_new_tokens, tree=f"chain:{chain}")
     result["native"] = native
     log(f"native MTP of the target {native['tree']}: tau {native['tau']:.3f} acc {_r(native['acceptance'])}")
     if opts.reference:
-        ref = bench_tau(None, opts.reference, prompts, opts.max_new_tokens, tree=f"chain:{chain}")
+        ref = bench_tau(assistant, opts.reference, prompts, opts.max_new_tokens, tree=f"chain:{chain}")
         result["reference"] = {"checkpoint": opts.reference, **ref}
         log(f"reference pairing {ref['tree']}: tau {ref['tau']:.3f} acc {_r(ref['acceptance'])}")
     save()
     for fmt in opts.formats:
         src = work / f"{fmt}-converted"
         calibration = {"calibrate": opts.calibrate} if fmt == "medusa" and opts.calibrate else {}
+        if assistant and (fmt == "eagle3" or calibration):
+            calibration["target"] = opts.target
         convert_checkpoint(opts.source or opts.target, fmt, src, overwrite=True, **calibration)
         plan = [(init, opts.tokens, opts.marks) for init in INITS]
         if opts.scratch_tokens:

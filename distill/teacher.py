@@ -135,16 +135,13 @@ class Teacher:
     def features_and_kv(self, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
         """The final-normed states and the K/V the target cached in its `kv_layers` (whole windows: the sliding
         layers keep everything only within their window, so longer windows are refused)."""
-        from transformers import DynamicCache
+        from recycle.drafters.gemma4 import target_states_and_kv
 
         if self.max_len is not None and ids.shape[1] > self.max_len:
             raise RecycleError(f"--seq-len {ids.shape[1]}: longer than the target's sliding window allows "
                                f"({self.max_len}) for training its assistant")
-        cache = DynamicCache(config=self.config)
         with autocast(self.device, self.precision):
-            out = self.decoder(input_ids=ids, past_key_values=cache, use_cache=True)
-        layers = cache.layers
-        return out.last_hidden_state, {t: (layers[i].keys, layers[i].values) for t, i in self.kv_layers.items()}
+            return target_states_and_kv(self.decoder, self.config, ids, self.kv_layers)
 
     @torch.no_grad()
     def logits(self, last: torch.Tensor) -> torch.Tensor:

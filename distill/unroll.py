@@ -205,12 +205,6 @@ class MedusaUnroller(Unroller):
         return steps
 
 
-def strictly_before(t: int, length: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Additive mask [1, 1, t, length]: row r (position r+1) sees the target's K/V at positions ≤ r."""
-    allow = torch.ones(t, length, dtype=torch.bool, device=device).tril_()
-    return torch.zeros(allow.shape, dtype=dtype, device=device).masked_fill_(~allow, torch.finfo(dtype).min)[None, None]
-
-
 class AssistantUnroller(Unroller):
     fmt = "gemma4-assistant"
 
@@ -219,20 +213,13 @@ class AssistantUnroller(Unroller):
         self.embed = embed  # the target's (scaled) embedding: the assistant reads the target's token vectors
 
     def unroll(self, ids, last, aux, logits, with_features=False, kv=None):
-        from recycle.drafters.gemma4 import step
+        from recycle.drafters.gemma4 import teacher_forced
 
         if kv is None:
             raise ValueError("a Gemma 4 assistant needs the target's K/V (Teacher(kv=True))")
-        b, length = ids.shape
-        t = self.positions(length)
-        pos = torch.arange(1, t + 1, device=ids.device)[None].expand(b, t)
-        mask = strictly_before(t, length, last.dtype, ids.device)
-        state, steps = last[:, :t], []
-        for k in range(self.steps):
-            x = torch.cat([self.embed(ids[:, k + 1:k + 1 + t]).to(state.dtype), state], dim=-1)
-            draft, state = step(self.model, x, pos, kv, mask)
-            steps.append(StepOutput(_rows(draft), _rows(logits[:, k + 1:k + 1 + t]), ids[:, k + 2:k + 2 + t].reshape(-1)))
-        return steps
+        t = self.positions(ids.shape[1])
+        return [StepOutput(_rows(draft), _rows(logits[:, k + 1:k + 1 + t]), ids[:, k + 2:k + 2 + t].reshape(-1))
+                for k, (draft, _) in enumerate(teacher_forced(self.model, self.embed, ids, last, kv, self.steps, t))]
 
     def file_state(self):
         from recycle.drafters.gemma4 import stored_state

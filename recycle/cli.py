@@ -342,8 +342,9 @@ def convert(
                                                   "head on this many tokens (e.g. 64k) instead of the identity.",
                                                   metavar="TOKENS")] = None,
     target: Annotated[Path | None, typer.Option("--target", help="With --calibrate: the model whose hidden states "
-                                                "the heads read (default: the checkpoint itself).",
-                                                metavar="TARGET_DIR")] = None,
+                                                "the heads read (default: the checkpoint itself). From a Gemma 4 "
+                                                "assistant (--to eagle3, or medusa with --calibrate): the Gemma 4 "
+                                                "model it drafts for.", metavar="TARGET_DIR")] = None,
     data: Annotated[str | None, typer.Option("--data", help="With --calibrate: calibration text, as distill's "
                                              "--data (default: the stdlib train split).")] = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing output directory.")] = False,
@@ -355,6 +356,9 @@ def convert(
     atomically (nothing appears unless everything was written), never touches the source.
 
     Example: `recycle convert fixtures/deepseek_v3_mtp --to eagle -o /tmp/ds-eagle`
+
+    A Gemma 4 assistant: `recycle convert fixtures/gemma4_assistant --to eagle3 --target fixtures/gemma4_target
+    -o /tmp/g4-eagle3`
     """
     from recycle.preflight import checkpoint_dir, data_name, output_dir, parse_tokens
 

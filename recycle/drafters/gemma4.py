@@ -127,24 +127,66 @@ def check_fits(assistant: nn.Module, target_config, where: str = "assistant") ->
                                f"{mine.head_dim}; the target caches {theirs.num_key_value_heads} of {theirs.head_dim}")
 
 
-def step(assistant: nn.Module, inputs: torch.Tensor, positions: torch.Tensor,
-         kv: dict[str, tuple[torch.Tensor, torch.Tensor]], mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """One assistant step over rows: inputs [B, N, 2·Hb] = [target embedding; state], positions [B, N],
-    kv {type: (keys, values) [B, kvh, S, d]}, mask: additive [B|1, 1, N, S] (None: every row sees all S).
-
-    Returns (logits [B, N, V], next state [B, N, Hb]); what transformers' forward does, with the mask given
-    explicitly (its own builds a bidirectional mask from a padding mask, one row per query).
-    """
+def hidden(assistant: nn.Module, inputs: torch.Tensor, positions: torch.Tensor,
+           kv: dict[str, tuple[torch.Tensor, torch.Tensor]], mask: torch.Tensor | None) -> torch.Tensor:
+    """The assistant's final-normed output [B, N, h] for rows of inputs [B, N, 2·Hb] = [target embedding; state]
+    at positions [B, N], attending kv {type: (keys, values) [B, kvh, S, d]} under an additive mask [B|1, 1, N, S]
+    (None: every row sees all S); what transformers' forward does, with the mask given explicitly (its own builds a
+    bidirectional mask from a padding mask, one row per query)."""
     x = assistant.pre_projection(inputs)
     if mask is None:
         s = next(iter(kv.values()))[0].shape[-2]
         mask = x.new_zeros(1, 1, x.shape[1], s)
     # logits_to_keep as a slice: transformers 5.23.0 otherwise "optimises" a multi-row call by slicing the
     # per-layer inputs, which an assistant does not have (None[...] raises)
-    out = assistant.model(inputs_embeds=x, attention_mask={k: mask for k in kv}, position_ids=positions,
-                          shared_kv_states=kv, use_cache=False, logits_to_keep=slice(None)).last_hidden_state
+    return assistant.model(inputs_embeds=x, attention_mask={k: mask for k in kv}, position_ids=positions,
+                           shared_kv_states=kv, use_cache=False, logits_to_keep=slice(None)).last_hidden_state
+
+
+def head(assistant: nn.Module, out: torch.Tensor) -> torch.Tensor:
+    """Logits of final-normed outputs: the tied head, or its centroid-masked form (`use_ordered_embeddings`)."""
     if assistant.config.use_ordered_embeddings:
-        logits = assistant.masked_embedding(out, assistant.lm_head.weight)
-    else:
-        logits = assistant.lm_head(out)
-    return logits, assistant.post_projection(out)
+        return assistant.masked_embedding(out, assistant.lm_head.weight)
+    return assistant.lm_head(out)
+
+
+def step(assistant: nn.Module, inputs: torch.Tensor, positions: torch.Tensor,
+         kv: dict[str, tuple[torch.Tensor, torch.Tensor]], mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One drafting step (see `hidden`): (logits [B, N, V], next state [B, N, Hb] = post_projection(output))."""
+    out = hidden(assistant, inputs, positions, kv, mask)
+    return head(assistant, out), assistant.post_projection(out)
+
+
+def strictly_before(t: int, length: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Additive mask [1, 1, t, length]: row r (position r+1) sees the target's K/V at positions ≤ r."""
+    allow = torch.ones(t, length, dtype=torch.bool, device=device).tril_()
+    return torch.zeros(allow.shape, dtype=dtype, device=device).masked_fill_(~allow, torch.finfo(dtype).min)[None, None]
+
+
+def teacher_forced(assistant: nn.Module, embed: nn.Module, ids: torch.Tensor, last: torch.Tensor,
+                   kv: dict[str, tuple[torch.Tensor, torch.Tensor]], steps: int, rows: int
+                   ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A chain of `steps` at every anchor r < rows of a window: step k reads token r+k+1 of `ids` (the window
+    itself, or the target's greedy tokens) and predicts token r+k+2; the first step reads the target's state at r,
+    later ones the previous step's. Returns (logits [B, rows, V], final-normed output [B, rows, h]) per step."""
+    b, length = ids.shape
+    pos = torch.arange(1, rows + 1, device=ids.device)[None].expand(b, rows)
+    mask = strictly_before(rows, length, last.dtype, ids.device)
+    state, out = last[:, :rows], []
+    for k in range(steps):
+        x = torch.cat([embed(ids[:, k + 1:k + 1 + rows]).to(state.dtype), state], dim=-1)
+        normed = hidden(assistant, x, pos, kv, mask)
+        state = assistant.post_projection(normed)
+        out.append((head(assistant, normed), normed))
+    return out
+
+
+def target_states_and_kv(decoder: nn.Module, config, ids: torch.Tensor, layers: dict[str, int] | None = None
+                         ) -> tuple[torch.Tensor, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+    """The target's final-normed states and the K/V its assistant attends (`kv_source_layers`), for whole windows."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=config)
+    out = decoder(input_ids=ids, past_key_values=cache, use_cache=True)
+    return out.last_hidden_state, {t: (cache.layers[i].keys, cache.layers[i].values)
+                                   for t, i in (layers or kv_source_layers(config)).items()}

@@ -92,9 +92,18 @@ def _ar_tokens(target: Path, ids: list[list[int]], new_tokens: int) -> list[list
 
 def make_outputs(fixture: Path, work: Path, distill_tokens: int, calibrate_tokens: int) -> dict[str, tuple]:
     """name → (target dir, drafter dir or None, vLLM method, what it is)."""
-    if fixture.name == "gemma4_target":  # Gemma 4's drafter is its own model: nothing to convert
-        return {"assistant": (fixture, fixture.parent / "gemma4_assistant", "mtp",
-                              "Gemma 4 assistant (`gemma4_assistant`, as shipped)")}
+    if fixture.name == "gemma4_target":  # Gemma 4's drafter is its own model, and what convert makes of it
+        assistant = fixture.parent / "gemma4_assistant"
+        e3 = convert_checkpoint(assistant, "eagle3", work / "eagle3", overwrite=True, target=fixture)["out"]
+        e3d = distill(DistillOptions(drafter=e3, target=str(fixture), tokens=distill_tokens,
+                                     out=str(work / "eagle3-d"), overwrite=True, eval_every=10**6))["out"]
+        medusa = convert_checkpoint(assistant, "medusa", work / "medusa", overwrite=True, calibrate=calibrate_tokens,
+                                    target=fixture)["out"]
+        return {"assistant": (fixture, assistant, "mtp", "Gemma 4 assistant (`gemma4_assistant`, as shipped)"),
+                "eagle3": (fixture, Path(e3d), "eagle3",
+                           f"EAGLE-3 folded from the assistant, distilled {distill_tokens // 1000}k tokens"),
+                "medusa": (fixture, Path(medusa), "medusa",
+                           f"Medusa from the assistant, calibrated on {calibrate_tokens // 1000}k tokens")}
     mla = "kv_a_proj_with_mqa" in " ".join(match(Checkpoint(fixture)).modules[0].names)
     eagle = convert_checkpoint(fixture, "eagle", work / "eagle", layouts="overlay", overwrite=True)["out"]
     dropped = derive(fixture, work / "dropped", 0, overwrite=True)["out"]
