@@ -410,7 +410,9 @@ def _fake_vllm(job: dict, env=None, **kw) -> dict:
         if not chunk.exists():
             return {"files": [], "seconds": 0.0}
         files = extract(json.loads(chunk.read_text())["windows"], str(n))
-        (feed / f"{n:06d}.done.json").write_text(json.dumps({"files": files}))
+        tmp = feed / f".{n:06d}.done.tmp"  # atomic, as the real job answers: the consumer may look any time
+        tmp.write_text(json.dumps({"files": files}))
+        tmp.rename(feed / f"{n:06d}.done.json")
         n += 1
 
 
