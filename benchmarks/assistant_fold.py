@@ -21,8 +21,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from converters import assistant as fold  # noqa: E402
-from converters.roles import backbone, gather  # noqa: E402
+from recycle.converters import assistant as fold  # noqa: E402
+from recycle.converters.roles import backbone, gather  # noqa: E402
 from recycle.checkpoint import Checkpoint  # noqa: E402
 from recycle.drafters.eagle3 import build_eagle3  # noqa: E402
 from recycle.decoding.target import load_target  # noqa: E402

@@ -41,8 +41,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from converters.roles import EXACT, Lazy  # noqa: E402
-from converters.writer import OutputDir  # noqa: E402
+from recycle.converters.roles import EXACT, Lazy  # noqa: E402
+from recycle.converters.writer import OutputDir  # noqa: E402
 
 H, V = 7168, 129280  # DeepSeek-V3's hidden size and vocabulary: the defaults
 BLOCK = 128
@@ -256,7 +256,7 @@ def evict(files: list[Path]) -> None:
 
 def mtp_names(ckpt: Path) -> tuple[list[str], int]:
     """The tensors convert reads (every MTP tensor and scale) and their bytes; no handle outlives the call."""
-    from converters.roles import gather
+    from recycle.converters.roles import gather
     from recycle.checkpoint import Checkpoint
 
     w = gather(Checkpoint(ckpt))

@@ -21,7 +21,7 @@ from torch.profiler import ProfilerActivity, profile
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from converters.api import convert_checkpoint  # noqa: E402
+from recycle.converters.api import convert_checkpoint  # noqa: E402
 from recycle.bench import BenchOptions, open_session  # noqa: E402
 from recycle.decoding import Drafter, generate  # noqa: E402
 

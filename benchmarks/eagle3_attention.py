@@ -14,8 +14,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from converters.api import convert_checkpoint  # noqa: E402
-from distill.train import DistillOptions, distill, parse_tokens  # noqa: E402
+from recycle.converters.api import convert_checkpoint  # noqa: E402
+from recycle.distill.train import DistillOptions, distill, parse_tokens  # noqa: E402
 from recycle.bench import BenchOptions, run_bench  # noqa: E402
 from recycle.prompts import prompt_set  # noqa: E402
 

@@ -23,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from distill.train import DistillOptions, distill  # noqa: E402
+from recycle.distill.train import DistillOptions, distill  # noqa: E402
 from recycle.bench import BenchOptions, run_bench  # noqa: E402
 from recycle.preflight import parse_tokens  # noqa: E402
 from recycle.prompts import prompt_set  # noqa: E402

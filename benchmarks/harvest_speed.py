@@ -24,8 +24,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from distill.harvest import HarvestOptions, harvest, plan  # noqa: E402
-from distill.teacher import Teacher  # noqa: E402
+from recycle.distill.harvest import HarvestOptions, harvest, plan  # noqa: E402
+from recycle.distill.teacher import Teacher  # noqa: E402
 from recycle.preflight import parse_tokens  # noqa: E402
 
 
@@ -68,8 +68,8 @@ def main() -> None:
 
 def distill_speed(args, opts: HarvestOptions) -> dict:
     """tokens/s of the same distillation with the target in the process and from the harvested cache."""
-    from converters.api import convert_checkpoint
-    from distill.train import DistillOptions, distill
+    from recycle.converters.api import convert_checkpoint
+    from recycle.distill.train import DistillOptions, distill
 
     e3 = convert_checkpoint(args.target, "eagle3", Path(args.work) / "e3", overwrite=True)["out"]
     aux = tuple(json.loads((Path(e3) / "config.json").read_text())["eagle_aux_hidden_state_layer_ids"])

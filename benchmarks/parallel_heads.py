@@ -21,7 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from converters.api import convert_checkpoint  # noqa: E402
+from recycle.converters.api import convert_checkpoint  # noqa: E402
 from recycle.bench import BenchOptions, run_bench  # noqa: E402
 from recycle.decoding.tree import DEFAULT_MEDUSA_CHOICES  # noqa: E402
 from recycle.preflight import parse_tokens  # noqa: E402

@@ -113,7 +113,7 @@ def slab(name: str, cfg: dict, context: int) -> dict:
 def fixture(prompts: str | None, out: dict, max_new: int = 128, limit: int | None = None, dtype: str = "bf16",
             trees: tuple[str, ...] = ("chain:1", "chain:2", "chain:3", "chain:4", "dynamic:3,2,6"),
             with_plan: bool = True) -> None:
-    from converters.api import convert_checkpoint
+    from recycle.converters.api import convert_checkpoint
     from recycle.bench import BenchOptions, run_bench
     from recycle.plan import PlanOptions, run_plan
     from recycle.prompts import prompt_set

@@ -20,7 +20,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from converters.api import convert_checkpoint  # noqa: E402
+from recycle.converters.api import convert_checkpoint  # noqa: E402
 from recycle.bench import BenchOptions, run_bench  # noqa: E402
 from recycle.plan import PlanOptions, run_plan  # noqa: E402
 from recycle.prompts import default_prompts  # noqa: E402

@@ -30,8 +30,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from distill.experiment import FORMATS, ExperimentOptions, plot, run_experiment  # noqa: E402
-from distill.train import parse_tokens  # noqa: E402
+from recycle.distill.experiment import FORMATS, ExperimentOptions, plot, run_experiment  # noqa: E402
+from recycle.distill.train import parse_tokens  # noqa: E402
 
 
 def markdown(result: dict) -> str:

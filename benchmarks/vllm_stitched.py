@@ -42,7 +42,7 @@ def main() -> None:
     sys.path.insert(0, str(ROOT))
     from transformers import AutoTokenizer
 
-    from converters.api import stitch_overlay
+    from recycle.converters.api import stitch_overlay
     from fixtures.derive import derive
     from recycle.bench import BenchOptions, run_bench
     from recycle.prompts import prompt_set

@@ -13,10 +13,10 @@ from datetime import datetime, timezone
 
 import torch
 
-from converters import assistant, eagle, eagle3, medusa
-from converters.calibrate import DEFAULT_STEPS as CALIBRATE_STEPS
-from converters.roles import APPROX, EXACT, FRESH, Backbone, Lazy, Plan, RoleWeights, backbone, gather
-from converters.writer import OutputDir, Progress, ST_DTYPES
+from recycle.converters import assistant, eagle, eagle3, medusa
+from recycle.converters.calibrate import DEFAULT_STEPS as CALIBRATE_STEPS
+from recycle.converters.roles import APPROX, EXACT, FRESH, Backbone, Lazy, Plan, RoleWeights, backbone, gather
+from recycle.converters.writer import OutputDir, Progress, ST_DTYPES
 from recycle import __version__
 from recycle.checkpoint import Checkpoint
 from recycle.errors import RecycleError
@@ -119,10 +119,10 @@ def provenance(w: RoleWeights, to: str, dtype: str, options: dict, plan: Plan, r
 
 def calibrated(plan: Plan, source: str | os.PathLike, target: str | os.PathLike, heads: int, tokens: int,
                data: str | None, steps: int) -> dict:
-    """Replace the plan's identity ResBlocks by ones fitted to the source's heads (converters.calibrate);
+    """Replace the plan's identity ResBlocks by ones fitted to the source's heads (recycle.converters.calibrate);
     returns the record for recycle.json."""
-    from converters import calibrate
-    from converters.medusa import FD_WEIGHTS, LAYERS, WEIGHTS
+    from recycle.converters import calibrate
+    from recycle.converters.medusa import FD_WEIGHTS, LAYERS, WEIGHTS
 
     feats = calibrate.collect(source, target, heads, tokens, data)
     fitted = calibrate.fit(feats, steps=steps)
@@ -195,7 +195,7 @@ def convert_checkpoint(source: str | os.PathLike, to: str, out: str | os.PathLik
     bb = backbone(target) if drafter and target is not None else None
     draft_ids = None
     if draft_vocab is not None:
-        from converters.vocab import draft_vocab as top_tokens
+        from recycle.converters.vocab import draft_vocab as top_tokens
 
         # an assistant ships no tokenizer: its target's is the one it shares
         draft_ids = top_tokens(bb.path if bb is not None else ckpt.path, draft_vocab, w.vocab_size, vocab_corpus)
@@ -239,7 +239,7 @@ def convert_checkpoint(source: str | os.PathLike, to: str, out: str | os.PathLik
 
 def stitch_overlay(overlay: str | os.PathLike, target: str | os.PathLike, out: str | os.PathLike, *,
                    overwrite: bool = False, progress: Progress | None = None) -> dict:
-    from converters.overlay import stitch
+    from recycle.converters.overlay import stitch
 
     return stitch(overlay, target, out, overwrite=overwrite, progress=progress)
 

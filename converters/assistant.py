@@ -53,8 +53,8 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
-from converters.eagle3 import DEFAULT_SPEC_TOKENS, WEIGHTS, aux_layer_ids, draft_head, llama_config
-from converters.roles import APPROX, Backbone, Lazy, Plan, RoleWeights
+from recycle.converters.eagle3 import DEFAULT_SPEC_TOKENS, WEIGHTS, aux_layer_ids, draft_head, llama_config
+from recycle.converters.roles import APPROX, Backbone, Lazy, Plan, RoleWeights
 from recycle.errors import RecycleError
 
 GELU_SILU = 1.702  # gelu(x) ≈ x·sigmoid(1.702x) = silu(1.702x)/1.702

@@ -12,7 +12,7 @@
 3. `mtp_overlay/`: every stored MTP tensor under its original name, byte for byte (FP8 weights
    keep their `_scale_inv`; `--dtype` does not apply, so the tensors match the target's
    quantization), the index fragment `mtp.safetensors.index.json` and the source's config.json
-   as stored; `converters.overlay.stitch` puts them back
+   as stored; `recycle.converters.overlay.stitch` puts them back
    into a copy of the target for vLLM `method: "mtp"` / llama.cpp `draft-mtp`.
 
     mapping (per module k)                          kind
@@ -27,7 +27,7 @@
 
 from __future__ import annotations
 
-from converters.roles import Lazy, Plan, RoleWeights, raw, same_values
+from recycle.converters.roles import Lazy, Plan, RoleWeights, raw, same_values
 from recycle.checkpoint import STORAGE_KEYS
 
 ARCHITECTURE = "RecycleEagleDrafter"

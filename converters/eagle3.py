@@ -60,7 +60,7 @@ from __future__ import annotations
 
 import torch
 
-from converters.roles import APPROX, EXACT, Lazy, Plan, RoleWeights, block_norm, normal, ones, zeros
+from recycle.converters.roles import APPROX, EXACT, Lazy, Plan, RoleWeights, block_norm, normal, ones, zeros
 from recycle.errors import RecycleError
 
 WEIGHTS = "model.safetensors"

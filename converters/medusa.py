@@ -23,7 +23,7 @@ target's last hidden state), so nothing else carries over; the heads need traini
 
 from __future__ import annotations
 
-from converters.roles import Backbone, Lazy, Plan, RoleWeights, zeros
+from recycle.converters.roles import Backbone, Lazy, Plan, RoleWeights, zeros
 from recycle.errors import RecycleError
 
 WEIGHTS = "model.safetensors"
@@ -35,7 +35,7 @@ LAYERS = 1
 def convert(w: RoleWeights, *, heads: int = DEFAULT_HEADS, dtype_name: str = "bfloat16",
             base_model: str | None = None, backbone: Backbone | None = None) -> Plan:
     """`backbone`: the target of a drafter narrower than it (a Gemma 4 assistant): the heads take its width
-    and its LM head, and only calibration (converters.calibrate) teaches them what the assistant predicts."""
+    and its LM head, and only calibration (recycle.converters.calibrate) teaches them what the assistant predicts."""
     if heads < 1:
         raise RecycleError(f"--heads must be at least 1, got {heads}")
     h, vocab = backbone.hidden_size if backbone is not None else w.hidden_size, w.vocab_size

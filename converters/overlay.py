@@ -26,9 +26,9 @@ from pathlib import Path
 
 import torch
 
-from converters.eagle import OVERLAY_INDEX
-from converters.roles import raw
-from converters.writer import OutputDir, Progress
+from recycle.converters.eagle import OVERLAY_INDEX
+from recycle.converters.roles import raw
+from recycle.converters.writer import OutputDir, Progress
 from recycle.checkpoint import INDEX_FILE, Checkpoint
 from recycle.errors import RecycleError
 from recycle.families import MTPMatch, match

@@ -26,7 +26,7 @@ from typing import BinaryIO
 
 import torch
 
-from converters.roles import Lazy, nbytes
+from recycle.converters.roles import Lazy, nbytes
 from recycle.checkpoint import Span, read_ahead
 from recycle.errors import RecycleError
 from recycle.preflight import output_dir

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from distill.train import DistillOptions, distill
+from recycle.distill.train import DistillOptions, distill
 from recycle.drafters import ASSISTANT_FORMAT, config_format
 from recycle.preflight import checkpoint_dir
 
@@ -100,7 +100,7 @@ def _estimate(snapshot: Path) -> list[float] | None:
 
 
 def run_experiment(opts: ExperimentOptions, log: Callable[[str], None] = print) -> dict:
-    from converters.api import convert_checkpoint
+    from recycle.converters.api import convert_checkpoint
     from recycle.prompts import code_prompts
 
     work = Path(opts.work)

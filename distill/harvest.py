@@ -3,7 +3,7 @@
 Distillation needs, per training window, the target's final-normed last state (eagle, medusa, native MTP)
 and, for EAGLE-3, the aux layers' residual streams. Here vLLM computes them (its `extract_hidden_states`
 method, so the target may be spread over as many GPUs as vLLM's own parallelism arguments say) and
-recycle writes them in the one `--cache-hidden` format (`distill.teacher.store_features`), under the keys
+recycle writes them in the one `--cache-hidden` format (`recycle.distill.teacher.store_features`), under the keys
 the distiller will ask for: the windows are planned exactly as `distill` plans its steps (same data
 stream, seed, batch, sequence length and token budget), plus distill's held-out rows under `eval` (their
 greedy continuations written by vLLM first, as distill's own teacher writes them). `distill --cache-hidden
@@ -29,9 +29,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from distill.data import PackedStream, data_source, heldout_batch
-from distill.teacher import store_features
-from distill.train import EVAL_KEY, eval_prompt_len, micro_batches, plan_batch
+from recycle.distill.data import PackedStream, data_source, heldout_batch
+from recycle.distill.teacher import store_features
+from recycle.distill.train import EVAL_KEY, eval_prompt_len, micro_batches, plan_batch
 from recycle.checkpoint import Checkpoint, load_json
 from recycle.errors import RecycleError
 from recycle.families import match

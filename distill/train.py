@@ -1,8 +1,8 @@
 """`recycle distill`: frozen-target distillation of a drafter directory, to an exact token budget.
 
 The loop, per optimizer step: take `batch` packed sequences (per rank) → the frozen target gives
-features and logits (no grad, bf16 autocast) → the drafter unrolls K draft steps (`distill.unroll`)
-→ `distill.losses` → backward → gradient all-reduce (several ranks) → clip → AdamW → LR schedule.
+features and logits (no grad, bf16 autocast) → the drafter unrolls K draft steps (`recycle.distill.unroll`)
+→ `recycle.distill.losses` → backward → gradient all-reduce (several ranks) → clip → AdamW → LR schedule.
 
 Choices and why:
   * Budget in *target tokens read* (`--tokens 2M`): the target's forward is the cost that scales
@@ -51,10 +51,10 @@ import torch
 import torch.distributed as dist
 from safetensors import safe_open
 
-from distill.data import PackedStream, Position, data_source, heldout_batch, regenerate
-from distill.losses import LossConfig, distill_loss
-from distill.teacher import Teacher, autocast
-from distill.unroll import Unroller, make_unroller
+from recycle.distill.data import PackedStream, Position, data_source, heldout_batch, regenerate
+from recycle.distill.losses import LossConfig, distill_loss
+from recycle.distill.teacher import Teacher, autocast
+from recycle.distill.unroll import Unroller, make_unroller
 from recycle import __version__
 from recycle.checkpoint import load_json
 from recycle.corpus import is_corpus_name
@@ -260,7 +260,7 @@ class Distiller:
     # -- setup ------------------------------------------------------------------------------------
 
     def _validate(self) -> None:
-        from converters.writer import OutputDir
+        from recycle.converters.writer import OutputDir
 
         o = self.opts
         src, tgt = Path(o.drafter).expanduser(), Path(o.target).expanduser()
@@ -337,7 +337,7 @@ class Distiller:
         self.harvested = False
         self.producer = None
         if o.online:  # vLLM computes each step's features while this process trains, `online` keys ahead
-            from distill.harvest import HarvestOptions, OnlineHarvest
+            from recycle.distill.harvest import HarvestOptions, OnlineHarvest
 
             self.producer = OnlineHarvest(HarvestOptions(
                 target=o.target, out=o.cache_hidden, tokens=o.tokens, data=o.data, seq_len=o.seq_len, batch=o.batch,
@@ -345,7 +345,7 @@ class Distiller:
                 parallel=o.vllm_parallel), o.online)
             self.producer.wait(EVAL_KEY)  # vLLM's engine start and the held-out rows come first
         if o.cache_hidden and (Path(o.cache_hidden) / "manifest.json").is_file():  # made by `recycle harvest`
-            from distill.harvest import check_manifest
+            from recycle.distill.harvest import check_manifest
 
             harvested = check_manifest(Path(o.cache_hidden), target=o.target, aux_layers=aux or [], data=o.data,
                                        seq_len=o.seq_len, batch=o.batch, seed=o.seed, tokens=o.tokens,
@@ -690,7 +690,7 @@ class Distiller:
         agree = self.agreement()
         record = {"snapshot_tokens": tokens, "tokens": self.tokens, "init": self.opts.init, "heldout_agree": agree,
                   "heldout_estimate": expected_length(agree)}
-        from converters.writer import OutputDir
+        from recycle.converters.writer import OutputDir
 
         write_drafter(self.opts.drafter, OutputDir(root / f"tokens_{tokens}", overwrite=True), self.unroller, record)
 
@@ -759,7 +759,7 @@ def _derived_files(src: Path, unroller: Unroller, main: dict[str, torch.Tensor])
 def write_drafter(src_dir: str | os.PathLike, writer, unroller: Unroller, record: dict) -> dict[str, int]:
     """The trained drafter in exactly its input's layout (same files, same key sets and dtypes),
     through the one atomic writer, with `record` appended to recycle.json's `distillation` list."""
-    from converters.roles import Lazy
+    from recycle.converters.roles import Lazy
 
     src = Path(src_dir)
     main = unroller.file_state()

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from distill.losses import StepOutput
+from recycle.distill.losses import StepOutput
 from recycle.drafters import Eagle3Drafter, EagleDrafter, MedusaDrafter
 from recycle.mtp import to_checkpoint_layout
 

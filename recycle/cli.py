@@ -368,7 +368,7 @@ def convert(
     if target is not None:
         checkpoint_dir(target)
     data_name(data)
-    from converters.api import convert_checkpoint
+    from recycle.converters.api import convert_checkpoint
 
     data = _with_progress(json_out, "writing tensors", lambda progress: convert_checkpoint(
         ckpt, to, output, heads=heads, draft_vocab=draft_vocab, vocab_corpus=vocab_corpus, dtype=dtype,
@@ -405,7 +405,7 @@ def stitch(
     checkpoint_dir(overlay)
     checkpoint_dir(target)
     output_dir(output, overwrite, (overlay, target))
-    from converters.api import stitch_overlay
+    from recycle.converters.api import stitch_overlay
 
     data = _with_progress(json_out, "stitching", lambda progress: stitch_overlay(
         overlay, target, output, overwrite=overwrite, progress=progress))
@@ -830,9 +830,9 @@ def distill(
     model_dir(target)
     data_name(data)
     output = output or output_alias
-    from distill.losses import LossConfig
-    from distill.train import DistillOptions
-    from distill.train import distill as run_distill
+    from recycle.distill.losses import LossConfig
+    from recycle.distill.train import DistillOptions
+    from recycle.distill.train import distill as run_distill
 
     opts = DistillOptions(
         drafter=str(drafter), target=str(target), tokens=budget, out=str(output) if output else None,
@@ -923,8 +923,8 @@ def harvest(
 
         if drafter_format(drafter) == "eagle3":
             aux = tuple(load_json(drafter / "config.json", "drafter config.json")["eagle_aux_hidden_state_layer_ids"])
-    from distill.harvest import HarvestOptions
-    from distill.harvest import harvest as run_harvest
+    from recycle.distill.harvest import HarvestOptions
+    from recycle.distill.harvest import harvest as run_harvest
 
     parallel = {k: v for k, v in (("tensor_parallel_size", tensor_parallel_size),
                                   ("pipeline_parallel_size", pipeline_parallel_size),

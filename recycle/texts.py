@@ -3,7 +3,7 @@
 A path (a text file, JSONL with a `text` field, a directory of text files, a dataset saved with
 `datasets.save_to_disk`, imported only then) gives up the tail of its text as the held-out side; a
 built-in corpus (`stdlib`, `py:PACKAGE`: `recycle.corpus`) has its train/held-out split by file. Both
-distillation (`distill.data`) and calibration (`converters.calibrate`) read text through here.
+distillation (`recycle.distill.data`) and calibration (`recycle.converters.calibrate`) read text through here.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from converters.api import convert_checkpoint
+from recycle.converters.api import convert_checkpoint
 from recycle.decoding import Drafter, MaskCache, Target, generate, load_target
 from recycle.decoding.drafting import load_engine
 from recycle.drafters import load_drafter

@@ -17,7 +17,7 @@ runner = CliRunner()
 
 @pytest.fixture(scope="module")
 def eagle_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from converters.api import convert_checkpoint
+    from recycle.converters.api import convert_checkpoint
 
     out = tmp_path_factory.mktemp("bench") / "eagle"
     convert_checkpoint(FIXTURE, "eagle", out)

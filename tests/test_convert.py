@@ -17,8 +17,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from tests.cli_helpers import assert_bad_input, run_cli
 
-from converters.api import convert_checkpoint
-from converters.eagle3 import aux_layer_ids
+from recycle.converters.api import convert_checkpoint
+from recycle.converters.eagle3 import aux_layer_ids
 from recycle.checkpoint import Checkpoint
 from recycle.drafters import Eagle3Drafter, EagleDrafter, MedusaDrafter, load_drafter
 from recycle.errors import RecycleError
@@ -481,7 +481,7 @@ def test_fp8_dequantization_is_bit_exact(family_dir, converted, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_nonfinite_scan_finds_every_code(dtype):
-    from converters.roles import FINITE_CHUNK, check_finite
+    from recycle.converters.roles import FINITE_CHUNK, check_finite
 
     big = torch.finfo(dtype).max
     ok = torch.tensor([0.0, -0.0, big, -big, torch.finfo(dtype).tiny], dtype=dtype)
@@ -497,7 +497,7 @@ def test_overlay_bytes_copied_without_kernel_copy(family_dir, tmp_path, monkeypa
     """Where copy_file_range is refused (other filesystems, old kernels) the bytes are read and written."""
     import errno
 
-    from converters.writer import copy_span
+    from recycle.converters.writer import copy_span
     from recycle.checkpoint import Span
 
     def refuse(*a, **k):

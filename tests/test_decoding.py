@@ -33,7 +33,7 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def drafter_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    from converters.api import convert_checkpoint
+    from recycle.converters.api import convert_checkpoint
 
     root = tmp_path_factory.mktemp("drafters")
     for fmt in ("eagle", "eagle3", "medusa"):
@@ -170,7 +170,7 @@ def test_greedy_identical_to_ar_on_default_prompts(target, tokenizer, drafter_di
 @pytest.mark.parametrize("fmt", [None, "eagle", "eagle3", "medusa"])
 def test_glm_greedy_identical_to_ar(glm_target, tokenizer, fmt, tmp_path_factory):
     """The second trained family (GQA target, one MTP module): every drafter kind is lossless on it too."""
-    from converters.api import convert_checkpoint
+    from recycle.converters.api import convert_checkpoint
     from recycle.prompts import default_prompts
 
     d = None

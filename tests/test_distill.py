@@ -18,9 +18,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
-from converters.api import convert_checkpoint
-from distill.data import PackedStream, Position, data_source, load_texts, regenerate
-from distill.losses import (
+from recycle.converters.api import convert_checkpoint
+from recycle.distill.data import PackedStream, Position, data_source, load_texts, regenerate
+from recycle.distill.losses import (
     LossConfig,
     StepOutput,
     ce_to_labels,
@@ -28,7 +28,7 @@ from distill.losses import (
     kl_to_target,
     step_weights,
 )
-from distill.train import DistillOptions, distill, parse_tokens, plan_batch
+from recycle.distill.train import DistillOptions, distill, parse_tokens, plan_batch
 from recycle.cli import app
 from recycle.drafters import load_drafter
 from recycle.errors import RecycleError
@@ -298,7 +298,7 @@ def test_existing_checkpoint_needs_resume_or_overwrite(converted: dict[str, Path
 def test_distill_refuses_a_harvested_cache_made_for_other_options(converted: dict[str, Path], tmp_path: Path) -> None:
     """A `recycle harvest` cache names its files by distill's step keys: other windows under the same keys
     must be refused (one line, exit 2), not trained on."""
-    from distill.harvest import HarvestOptions, manifest_for
+    from recycle.distill.harvest import HarvestOptions, manifest_for
 
     cache = tmp_path / "cache"
     cache.mkdir()
@@ -317,8 +317,8 @@ def _harvest_in_process(opts, aux: tuple[int, ...]) -> None:
     computed by the in-process teacher instead of vLLM: what the trunk-less path reads, without vLLM."""
     from transformers import AutoTokenizer
 
-    from distill.harvest import eval_rows, manifest_for, plan
-    from distill.teacher import Teacher, store_features
+    from recycle.distill.harvest import eval_rows, manifest_for, plan
+    from recycle.distill.teacher import Teacher, store_features
 
     out = Path(opts.out)
     out.mkdir()
@@ -339,7 +339,7 @@ def test_distill_from_a_harvested_cache_never_loads_the_trunk(converted: dict[st
                                                               monkeypatch: pytest.MonkeyPatch, fmt: str) -> None:
     """With a harvested cache the target's layers are never built (only its config, embedding and head are
     read), and training follows the in-process run: same windows, same held-out rows, same losses."""
-    from distill.harvest import HarvestOptions
+    from recycle.distill.harvest import HarvestOptions
 
     common = dict(tokens=1200, seq_len=48, batch=2, seed=0, eval_rows=2)
     aux = tuple(json.loads((converted[fmt] / "config.json").read_text()).get("eagle_aux_hidden_state_layer_ids", ()))
@@ -351,7 +351,7 @@ def test_distill_from_a_harvested_cache_never_loads_the_trunk(converted: dict[st
     def no_trunk(*a, **k):
         raise AssertionError("the trunk was loaded")
 
-    monkeypatch.setattr("distill.teacher.load_target", no_trunk)
+    monkeypatch.setattr("recycle.distill.teacher.load_target", no_trunk)
     a = distill(DistillOptions(out=str(tmp_path / "a"), cache_hidden=str(tmp_path / "cache"), **run))
     assert a["trunk_loaded"] is False and b["trunk_loaded"] is True
     assert a["heldout"] == b["heldout"]
@@ -425,14 +425,14 @@ def test_online_harvest_keeps_disk_bounded_and_deletes_what_it_consumed(converte
     run = dict(drafter=str(converted["eagle"]), target=str(FIXTURE), eval_every=4, precision="fp32", threads=1, **common)
     b = distill(DistillOptions(out=str(tmp_path / "b"), **run))
     monkeypatch.setattr("recycle.engines.vllm_env.run_job", _fake_vllm)
-    real_load = __import__("distill.teacher", fromlist=["x"]).load_target
+    real_load = __import__("recycle.distill.teacher", fromlist=["x"]).load_target
 
     def guarded(*a, **k):  # the producer's stand-in engine may load the target; the training process may not
         if threading.current_thread() is threading.main_thread():
             raise AssertionError("the trunk was loaded in the training process")
         return real_load(*a, **k)
 
-    monkeypatch.setattr("distill.teacher.load_target", guarded)
+    monkeypatch.setattr("recycle.distill.teacher.load_target", guarded)
     a = distill(DistillOptions(out=str(tmp_path / "a"), cache_hidden=str(tmp_path / "online"), online=2, **run))
     assert a["trunk_loaded"] is False and 1 <= a["online"]["max_key_files"] <= 2
     assert sorted(p.name for p in (tmp_path / "online").iterdir()) == ["eval.safetensors", "manifest.json"]
@@ -459,7 +459,7 @@ def test_self_distill_from_a_harvested_cache(converted: dict[str, Path], tmp_pat
     """`recycle harvest --self-distill`: the engine writes every window after its first --prompt-len tokens and
     distill --self-distill trains on the cached rows without the trunk: greedy, the same rows and losses as
     the in-process self-distillation (transformers stands in for vLLM). The options must agree."""
-    from distill.harvest import HarvestOptions, harvest
+    from recycle.distill.harvest import HarvestOptions, harvest
 
     common = dict(tokens=600, seq_len=48, batch=2, seed=0, eval_rows=2)
     monkeypatch.setattr("recycle.engines.vllm_env.run_job", _fake_vllm)

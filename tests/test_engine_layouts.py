@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
-from converters.api import convert_checkpoint, stitch_overlay
+from recycle.converters.api import convert_checkpoint, stitch_overlay
 from fixtures.derive import derive
 from recycle.checkpoint import Checkpoint
 from tests.trained import TRAINED

@@ -14,7 +14,7 @@ import pytest
 import torch
 from tests.cli_helpers import assert_bad_input, run_cli
 
-from converters.api import convert_checkpoint
+from recycle.converters.api import convert_checkpoint
 from tests.trained import FIXTURE
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -157,8 +157,8 @@ def test_assistant_sampling_follows_the_target_law():
 def test_training_rows_are_the_decoder_s_rows(pair, prompts):
     """Anchor i of a training step k (distill's unroller) is what the decoder computes at position i+1 at chain
     step k, and the teacher's logits are the target's own (soft-capped)."""
-    from distill.teacher import Teacher
-    from distill.unroll import make_unroller
+    from recycle.distill.teacher import Teacher
+    from recycle.distill.unroll import make_unroller
 
     model, a = pair
     teacher = Teacher(TARGET, torch.device("cpu"), precision="fp32", kv=True)

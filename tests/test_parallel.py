@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from converters.api import convert_checkpoint
+from recycle.converters.api import convert_checkpoint
 from fixtures.build_parallel import PARAMS, ParallelLM, llama_config, save
 from recycle.audit import inspect_checkpoint
 from recycle.decoding import Drafter, MaskCache, Target, generate, load_target

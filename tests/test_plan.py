@@ -89,7 +89,7 @@ def test_gpu_table_lookup_and_bench_bandwidth():
 
 @pytest.fixture(scope="module")
 def plan_report(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
-    from converters.api import convert_checkpoint
+    from recycle.converters.api import convert_checkpoint
 
     tmp = tmp_path_factory.mktemp("plan")
     convert_checkpoint(FIXTURE, "eagle", tmp / "eagle")
@@ -157,7 +157,7 @@ def test_plan_bad_options_exit_2(extra, needle, tmp_path: Path):
 
 
 def test_plan_drafter_that_does_not_fit_exits_2(tmp_path: Path):
-    from converters.api import convert_checkpoint
+    from recycle.converters.api import convert_checkpoint
 
     convert_checkpoint(FIXTURE, "eagle", tmp_path / "eagle")
     other = FIXTURE.parent / "meta_mtp_parallel"  # hidden 256 against the drafter's 128
@@ -185,7 +185,7 @@ def test_plan_runs_for_every_drafter_kind(kind: str, tmp_path: Path):
     target = FIXTURE.parent / "meta_mtp_parallel" if kind == "parallel-heads" else FIXTURE
     drafter = target
     if kind == "medusa":
-        from converters.api import convert_checkpoint
+        from recycle.converters.api import convert_checkpoint
 
         drafter = Path(convert_checkpoint(FIXTURE, "medusa", tmp_path / "medusa")["out"])
     res = run_cli("plan", str(drafter), "--target", str(target), "--prompts", _one_prompt(tmp_path), "--max-chain", "2",

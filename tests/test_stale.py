@@ -15,9 +15,9 @@ import torch
 from safetensors.torch import load_file
 from tests.cli_helpers import assert_bad_input, run_cli
 
-from converters.api import convert_checkpoint
-from distill.data import data_source, heldout_batch, split_tail
-from distill.train import DistillOptions, default_precision, distill, expected_length
+from recycle.converters.api import convert_checkpoint
+from recycle.distill.data import data_source, heldout_batch, split_tail
+from recycle.distill.train import DistillOptions, default_precision, distill, expected_length
 from fixtures.derive import derive
 from recycle.audit import inspect_checkpoint
 from recycle.bench import BenchOptions, run_bench

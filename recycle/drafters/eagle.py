@@ -9,7 +9,7 @@ projection) plus two things drafting needs:
     step k-1, exactly as EAGLE feeds its own output feature back. Within the stored depth step k
     *is* MTP depth k+1, so the first step's logits equal the MTP module's.
 
-Directory layout (written by `converters.eagle`): config.json (the source's model config plus a
+Directory layout (written by `recycle.converters.eagle`): config.json (the source's model config plus a
 `recycle` block), model.safetensors with `embed.weight`, `head.weight`,
 `layers.{k}.{embed_norm,hidden_norm,proj,final_norm}.weight` and `layers.{k}.block.*` in the
 source checkpoint's block layout (per-expert tensors); a module whose head/embedding differs from

@@ -15,8 +15,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from converters.api import convert_checkpoint, stitch_overlay
-from distill.train import DistillOptions, distill
+from recycle.converters.api import convert_checkpoint, stitch_overlay
+from recycle.distill.train import DistillOptions, distill
 from fixtures.derive import derive
 from recycle.bench import BenchOptions, run_bench
 from recycle.checkpoint import Checkpoint

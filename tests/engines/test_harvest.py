@@ -9,10 +9,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from converters.api import convert_checkpoint
-from distill.harvest import HarvestOptions, harvest
-from distill.teacher import Teacher
-from distill.train import DistillOptions, distill
+from recycle.converters.api import convert_checkpoint
+from recycle.distill.harvest import HarvestOptions, harvest
+from recycle.distill.teacher import Teacher
+from recycle.distill.train import DistillOptions, distill
 from recycle.engines.vllm_env import run_job
 from recycle.errors import RecycleError
 from tests.trained import TRAINED
