@@ -53,8 +53,9 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
-from recycle.converters.eagle3 import DEFAULT_SPEC_TOKENS, WEIGHTS, aux_layer_ids, draft_head, llama_config
+from recycle.converters.eagle3 import DEFAULT_SPEC_TOKENS, WEIGHTS, draft_head, llama_config
 from recycle.converters.roles import APPROX, Backbone, Lazy, Plan, RoleWeights
+from recycle.drafters.eagle3 import fold_aux_layers
 from recycle.errors import RecycleError
 
 GELU_SILU = 1.702  # gelu(x) ≈ x·sigmoid(1.702x) = silu(1.702x)/1.702
@@ -200,6 +201,20 @@ def fold(src: Sources, *, a: int, big: int, heads: int, kv_heads: int, head_dim:
     return tensors, notes
 
 
+def require_target(w: RoleWeights, req, to: str) -> Backbone:
+    """The assistant's target (`--target`), which it reads states, norm and head from: a Gemma 4 model."""
+    from recycle.drafters.gemma4 import TARGET_TYPES
+
+    bb = req.backbone
+    if bb is None:
+        raise RecycleError(f"{w.ckpt.path}: a {w.family.title} reads its target's states, norm and head: pass "
+                           f"--target (the model it drafts for){' with --calibrate TOKENS' if to == 'medusa' else ''}")
+    if bb.config.get("model_type") not in TARGET_TYPES:
+        raise RecycleError(f"--target {bb.path}: a Gemma 4 assistant drafts for a Gemma 4 model, not "
+                           f"{bb.config.get('model_type')!r}")
+    return bb
+
+
 def convert(w: RoleWeights, bb: Backbone, *, draft_ids: torch.Tensor | None = None, dtype_name: str = "bfloat16",
             speculative_tokens: int = DEFAULT_SPEC_TOKENS, layer: int | None = None) -> Plan:
     """Role weights of a Gemma 4 assistant + its target's backbone → the EAGLE-3 plan (Llama midlayer, width H).
@@ -246,7 +261,7 @@ def convert(w: RoleWeights, bb: Backbone, *, draft_ids: torch.Tensor | None = No
         s for lz in src.kv.values() for s in lz.sources)
     shapes = {
         "fc.weight": ((big, 3 * big), src.proj.sources + src.target_norm.sources,
-                      f"slot 3 (aux layer {aux_layer_ids(bb.num_layers)[2]}) = [P_h·diag(target final norm); small "
+                      f"slot 3 (aux layer {fold_aux_layers(bb.num_layers)[2]}) = [P_h·diag(target final norm); small "
                       "complement]: the whole aux state, P_h·h first; slots 1-2 zero"),
         "midlayer.hidden_norm.weight": ((big,), src.proj.sources + src.target_norm.sources, "fc gain ‖M‖_F/sqrt(H)"),
         "midlayer.input_layernorm.weight": ((big,), (), "ones: the embedding's scale is folded into q and v"),
@@ -276,7 +291,7 @@ def convert(w: RoleWeights, bb: Backbone, *, draft_ids: torch.Tensor | None = No
         hidden=big, intermediate=src.layer["mlp.gate_proj.weight"].shape[0], heads=heads + extra * group,
         kv_heads=kv_heads + extra, head_dim=d, vocab=w.vocab_size, draft_vocab=tensors["lm_head.weight"].shape[0],
         eps=w.eps, max_positions=int(cfg.get("max_position_embeddings") or 4096),
-        theta=float(rope.get("rope_theta") or 10000.0), aux=aux_layer_ids(bb.num_layers), dtype_name=dtype_name,
+        theta=float(rope.get("rope_theta") or 10000.0), aux=fold_aux_layers(bb.num_layers), dtype_name=dtype_name,
         norm_before_residual=True, verifier=str(bb.path.resolve()),
         verifier_architectures=bb.ckpt.config.get("architectures"), speculative_tokens=speculative_tokens)
     plan = Plan(tensors={WEIGHTS: tensors}, jsons={"config.json": config}, notes=notes)

@@ -153,11 +153,11 @@ def collect(source: str | Path, target: str | Path, heads: int, tokens: int, dat
         depth = min(heads, src.num_heads)
         lm = [model.get_output_embeddings().weight] * depth
     elif kind == "drafter":  # a Gemma 4 assistant chains as deep as asked
-        from recycle.drafters import load_drafter
-        from recycle.drafters.gemma4 import check_fits
+        from recycle.drafters import load_drafter, of_directory
+        from recycle.fit import check_drafter
 
+        check_drafter(of_directory(source), ckpt.config, model.config.to_dict(), source, target, f"--target {target}")
         src = load_drafter(source)
-        check_fits(src, model.config, f"--target {target}")
         depth = heads
         lm = [model.get_output_embeddings().weight] * depth
         source_heads = [src.lm_head.weight] * depth
@@ -204,3 +204,32 @@ def collect(source: str | Path, target: str | Path, heads: int, tokens: int, dat
     return Features(torch.cat(hs), [torch.cat(y) for y in ys], [t.detach() for t in lm],
                     tokens=int(wins.shape[0] * seq_len), notes=notes,
                     source_heads=[t.detach() for t in source_heads] if source_heads else None)
+
+
+def calibrate_medusa(plan, w, opts) -> dict:
+    """Medusa's record step (`DrafterFormat.calibrate`): replace the plan's identity ResBlocks by ones fitted to
+    the source's heads, in both of its layouts; returns the record for recycle.json."""
+    from recycle.converters.roles import APPROX, Lazy
+    from recycle.drafters.medusa import FD_WEIGHTS, WEIGHTS, faster_decoding_names
+    from recycle.converters.medusa import DEFAULT_HEADS, LAYERS
+
+    heads = opts.heads or DEFAULT_HEADS
+    target = opts.target or w.ckpt.path
+    feats = collect(w.ckpt.path, target, heads, opts.calibrate, opts.data)
+    fitted = fit(feats, steps=opts.calibrate_steps)
+    names = faster_decoding_names(heads, LAYERS)
+    for i, f in enumerate(fitted):
+        rep = f.report
+        note = (f"calibrated on {feats.tokens:,} tokens: held-out KL to the source head "
+                f"{rep['identity']['kl']:.3f} → {rep['calibrated']['kl']:.3f}, top-1 agreement "
+                f"{rep['identity']['top1_agreement']:.3f} → {rep['calibrated']['top1_agreement']:.3f}")
+        for p, t in (("weight", f.weight), ("bias", f.bias)):
+            lazy = Lazy(tuple(t.shape), (lambda t=t: t), (f"calibration: source head {i}",), APPROX, note)
+            name = f"blocks.{i}.layers.{LAYERS - 1}.{p}"
+            plan.tensors[WEIGHTS][name] = lazy
+            plan.tensors[FD_WEIGHTS][names[name]] = lazy
+    plan.notes.extend(feats.notes)
+    return {"tokens": feats.tokens, "data": opts.data or "stdlib", "target": str(Path(target).resolve()),
+            "steps": opts.calibrate_steps, "lr": DEFAULT_LR,
+            "objective": "KL(P_source_head ‖ P_medusa_head), the head's LM head fixed, ResBlock from the identity",
+            "heads": [f.report for f in fitted]}

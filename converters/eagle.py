@@ -27,8 +27,11 @@
 
 from __future__ import annotations
 
-from recycle.converters.roles import Lazy, Plan, RoleWeights, raw, same_values
+from collections.abc import Iterable
+
 from recycle.checkpoint import STORAGE_KEYS
+from recycle.converters.roles import Lazy, Plan, RoleWeights, raw, require_sequential, same_values
+from recycle.errors import RecycleError
 
 ARCHITECTURE = "RecycleEagleDrafter"
 WEIGHTS = "model.safetensors"
@@ -116,9 +119,25 @@ def overlay(w: RoleWeights) -> tuple[dict[str, Lazy], dict]:
     return tensors, index
 
 
-def convert(w: RoleWeights, *, dtype_name: str = "bfloat16", layouts: tuple[str, ...] = LAYOUT_NAMES) -> Plan:
-    """Role weights → the chosen layouts above (names from LAYOUT_NAMES)."""
-    plan = Plan(tensors={}, jsons={}, tokenizer_dirs=())
+def chosen_layouts(value: str | Iterable[str] | None) -> tuple[str, ...]:
+    """`--layouts recycle,nextn` → ("recycle", "nextn") in canonical order; None → all three."""
+    if value is None:
+        return LAYOUT_NAMES
+    names = [n.strip() for n in (value.split(",") if isinstance(value, str) else value) if n.strip()]
+    choices = f"a comma list of {', '.join(LAYOUT_NAMES)}"
+    if not names:
+        raise RecycleError(f"--layouts is empty ({choices})")
+    bad = [n for n in names if n not in LAYOUT_NAMES]
+    if bad:
+        raise RecycleError(f"unknown layout '{bad[0]}' in --layouts ({choices})")
+    return tuple(n for n in LAYOUT_NAMES if n in names)
+
+
+def convert(w: RoleWeights, req) -> Plan:
+    """Role weights → the layouts `--layouts` chose (`req`: converters.api.ConvertRequest)."""
+    require_sequential(w, "eagle")
+    layouts, dtype_name = chosen_layouts(req.options.layouts), req.dtype_name
+    plan = Plan(tensors={}, jsons={}, tokenizer_dirs=(), layouts=layouts)
     if "recycle" in layouts:
         plan.tensors[WEIGHTS] = drafter_tensors(w)
         plan.jsons["config.json"] = drafter_config(w, dtype_name)
@@ -147,3 +166,31 @@ def _add_nextn(plan: Plan, w: RoleWeights, dtype_name: str) -> None:
     if len(w.modules) > 1:
         plan.notes.append(f"nextn/ holds module 0 only (SGLang's NextN loader takes exactly one of the "
                           f"{len(w.modules)} modules)")
+
+
+def rewrite(src, main: dict, model) -> tuple[dict, list[str], list[str]]:
+    """The record's rewrite step: `nextn/` and `mtp_overlay/` from the trained modules, in their stored names,
+    shapes and dtypes. A layout whose key set cannot be rebuilt exactly (FP8 overlay tensors, a family whose
+    stored norms or concatenation are not canonical) is dropped with a note rather than shipped stale."""
+    from recycle.checkpoint import load_json
+    from recycle.converters.rewrite import stored_layout
+    from recycle.families import BY_NAME
+
+    files: dict[str, dict] = {}
+    dropped, notes = [], []
+    rc = load_json(src / "config.json", "drafter config.json").get("recycle", {})
+    fam = BY_NAME.get(rc.get("family", ""))
+    canonical = fam is not None and fam.norm == "w" and fam.concat_order == "eh"
+    for sub, base in (("nextn", 0), ("mtp_overlay", int(rc.get("source_num_hidden_layers", 0)))):
+        for p in sorted((src / sub).glob("*.safetensors")) if (src / sub).is_dir() else []:
+            head = stored_layout(p)
+            named = model.checkpoint_tensors(num_hidden_layers=base) if canonical else {}
+            ok = canonical and all(k in named and tuple(named[k].shape) == shp and dt.is_floating_point
+                                   and dt.itemsize >= 2 for k, (shp, dt) in head.items())
+            if ok:
+                files[f"{sub}/{p.name}"] = {k: named[k] for k in head}
+            else:
+                dropped.append(sub)
+                notes.append(f"{sub}/ dropped: its tensors cannot be rebuilt exactly from the trained weights "
+                             "(FP8 or non-canonical norms/concat); re-export it from the distilled drafter")
+    return files, dropped, notes

@@ -60,7 +60,9 @@ from __future__ import annotations
 
 import torch
 
-from recycle.converters.roles import APPROX, EXACT, Lazy, Plan, RoleWeights, block_norm, normal, ones, zeros
+from recycle.converters.roles import (APPROX, EXACT, Lazy, Plan, RoleWeights, block_norm, normal, ones,
+                                     require_sequential, zeros)
+from recycle.drafters.eagle3 import fold_aux_layers
 from recycle.errors import RecycleError
 
 WEIGHTS = "model.safetensors"
@@ -69,19 +71,6 @@ MLA_CONFIG_KEYS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_h
                    "rope_interleave", "rope_scaling", "rope_parameters", "num_key_value_heads")
 SPECULATORS_VERSION = "0.9.0"  # the speculators release the output is validated against
 DEFAULT_SPEC_TOKENS = 3
-
-
-def aux_layer_ids(n: int) -> list[int]:
-    """Three distinct capture layers like the engine default [2, N//2, N-3], but ending at N-1
-    (the deepest state vLLM captures), since MTP modules were trained on the last state.
-    Trunks of fewer than 3 layers use [0, 1, 2] (2 = N: the final state, which speculators
-    accepts but vLLM does not capture)."""
-    if n < 3:
-        return [0, 1, 2]
-    last = n - 1
-    mid = n // 2 if n // 2 < last else last - 1
-    first = 2 if 2 < mid else mid - 1
-    return [first, mid, last]
 
 
 def _get(block: dict[str, Lazy], *names: str) -> Lazy | None:
@@ -214,9 +203,26 @@ def _mla_attention(block: dict[str, Lazy]) -> dict[str, Lazy] | None:
     return mla if "kv_a_proj_with_mqa.weight" in mla else None
 
 
-def convert(w: RoleWeights, *, draft_ids: torch.Tensor | None = None, dtype_name: str = "bfloat16",
-            verifier: str | None = None, speculative_tokens: int = DEFAULT_SPEC_TOKENS,
-            attention: str = "llama") -> Plan:
+def convert(w: RoleWeights, req) -> Plan:
+    """The format record's converter (`req`: converters.api.ConvertRequest): MTP module 0 folded into the
+    midlayer (`fold`), or a Gemma 4 assistant's layer (`converters.assistant`, which needs its target)."""
+    attention = req.options.eagle3_attention or "llama"
+    if w.family.kind == "drafter":
+        from recycle.converters import assistant
+
+        bb = assistant.require_target(w, req, "eagle3")
+        if attention != "llama":
+            raise RecycleError("--eagle3-attention mla needs an MLA source; an assistant folds into the llama one")
+        return assistant.convert(w, bb, draft_ids=req.draft_ids, dtype_name=req.dtype_name)
+    require_sequential(w, "eagle3")
+    if req.options.target is not None:
+        raise RecycleError("--target with --to eagle3 is for a Gemma 4 assistant source (MTP modules carry their "
+                           "trunk's norm and head)")
+    return fold(w, draft_ids=req.draft_ids, dtype_name=req.dtype_name, attention=attention)
+
+
+def fold(w: RoleWeights, *, draft_ids: torch.Tensor | None = None, dtype_name: str = "bfloat16",
+         verifier: str | None = None, speculative_tokens: int = DEFAULT_SPEC_TOKENS, attention: str = "llama") -> Plan:
     """Role weights (module 0) → the EAGLE-3 state dict and config (hybrid Llama/speculators, or
     vLLM's DeepSeek EAGLE-3 for `attention="mla"`)."""
     if attention not in ATTENTION:
@@ -251,7 +257,7 @@ def convert(w: RoleWeights, *, draft_ids: torch.Tensor | None = None, dtype_name
 
     hnorm = leaves["hidden_norm"]
     n_layers = w.num_hidden_layers
-    aux = aux_layer_ids(n_layers)
+    aux = fold_aux_layers(n_layers)
 
     def make_fc() -> torch.Tensor:
         fc = torch.zeros(h, 3 * h)

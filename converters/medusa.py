@@ -24,16 +24,30 @@ target's last hidden state), so nothing else carries over; the heads need traini
 from __future__ import annotations
 
 from recycle.converters.roles import Backbone, Lazy, Plan, RoleWeights, zeros
+from recycle.drafters.medusa import FD_WEIGHTS, WEIGHTS, faster_decoding_names
 from recycle.errors import RecycleError
 
-WEIGHTS = "model.safetensors"
-FD_WEIGHTS = "medusa_lm_head.safetensors"
 DEFAULT_HEADS = 3
 LAYERS = 1
 
 
-def convert(w: RoleWeights, *, heads: int = DEFAULT_HEADS, dtype_name: str = "bfloat16",
-            base_model: str | None = None, backbone: Backbone | None = None) -> Plan:
+def convert(w: RoleWeights, req) -> Plan:
+    """The format record's converter (`req`: converters.api.ConvertRequest). From a Gemma 4 assistant the heads
+    are built at its target's width (`--target`) and must be calibrated to it."""
+    backbone = None
+    if w.family.kind == "drafter":
+        from recycle.converters.assistant import require_target
+
+        backbone = require_target(w, req, "medusa")
+        if req.options.calibrate is None:
+            raise RecycleError(f"{w.ckpt.path}: Medusa heads from a {w.family.title} are fitted to it: pass "
+                               "--calibrate TOKENS --target TARGET")
+    heads = DEFAULT_HEADS if req.options.heads is None else req.options.heads
+    return heads_plan(w, heads=heads, dtype_name=req.dtype_name, backbone=backbone)
+
+
+def heads_plan(w: RoleWeights, *, heads: int = DEFAULT_HEADS, dtype_name: str = "bfloat16",
+               base_model: str | None = None, backbone: Backbone | None = None) -> Plan:
     """`backbone`: the target of a drafter narrower than it (a Gemma 4 assistant): the heads take its width
     and its LM head, and only calibration (recycle.converters.calibrate) teaches them what the assistant predicts."""
     if heads < 1:
@@ -43,16 +57,13 @@ def convert(w: RoleWeights, *, heads: int = DEFAULT_HEADS, dtype_name: str = "bf
     weight = zeros((h, h), note)
     bias = zeros((h,), note)
     vllm: dict[str, Lazy] = {}
-    fd: dict[str, Lazy] = {}
     for i in range(heads):
-        head = backbone.head if backbone is not None else w.modules[min(i, len(w.modules) - 1)].leaves["head"]
         for j in range(LAYERS):
             vllm[f"blocks.{i}.layers.{j}.weight"] = weight
             vllm[f"blocks.{i}.layers.{j}.bias"] = bias
-            fd[f"{i}.{j}.linear.weight"] = weight
-            fd[f"{i}.{j}.linear.bias"] = bias
-        vllm[f"lm_heads.{i}.weight"] = head
-        fd[f"{i}.{LAYERS}.weight"] = head
+        vllm[f"lm_heads.{i}.weight"] = (backbone.head if backbone is not None
+                                        else w.modules[min(i, len(w.modules) - 1)].leaves["head"])
+    fd = {faster: vllm[name] for name, faster in faster_decoding_names(heads, LAYERS).items()}
     config = {
         "model_type": "medusa",
         "architectures": ["MedusaModel"],
@@ -72,3 +83,12 @@ def convert(w: RoleWeights, *, heads: int = DEFAULT_HEADS, dtype_name: str = "bf
         plan.notes.append(f"{heads} heads from {len(w.modules)} MTP module(s): heads past the stored depth "
                           "reuse the last module's head")
     return plan
+
+
+def rewrite(src, main: dict, model) -> tuple[dict, list[str], list[str]]:
+    """The record's rewrite step: the FasterDecoding file from the trained vLLM-layout weights, where the
+    directory has one."""
+    if not (src / FD_WEIGHTS).is_file():
+        return {}, [], []
+    names = faster_decoding_names(model.num_heads, len(model.blocks[0].layers))
+    return {FD_WEIGHTS: {names[k]: v for k, v in main.items()}}, [], []

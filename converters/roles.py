@@ -284,6 +284,18 @@ class Plan:
     jsons: dict[str, dict]  # relative file -> object (config.json, index files)
     tokenizer_dirs: tuple[str, ...] = ("",)  # subfolders that get the source's tokenizer files
     notes: list[str] = field(default_factory=list)
+    layouts: tuple[str, ...] = ()  # the layouts chosen among a format's several (`--layouts`); () where it has one
+
+
+def require_sequential(w: RoleWeights, to: str) -> None:
+    """Formats built on the MTP block itself (EAGLE, EAGLE-3) need sequential modules with an embedding input."""
+    if w.family.kind == "mtp":
+        return
+    if w.family.kind == "drafter":
+        raise RecycleError(f"{w.ckpt.path}: a {w.family.title} has no MTP block for --to {to}; use --to eagle3 "
+                           "or --to medusa")
+    raise RecycleError(f"{w.ckpt.path}: family '{w.family.name}' holds {w.family.kind.replace('_', ' ')}, not "
+                       f"sequential MTP modules: there is no embedding input for --to {to}; use --to medusa")
 
 
 def zeros(shape: tuple[int, ...], note: str) -> Lazy:

@@ -27,15 +27,10 @@ from typing import BinaryIO
 import torch
 
 from recycle.converters.roles import Lazy, nbytes
-from recycle.checkpoint import Span, read_ahead
+from recycle.checkpoint import ST_NAMES, Span, read_ahead
 from recycle.errors import RecycleError
 from recycle.preflight import output_dir
 
-ST_DTYPES: dict[torch.dtype, str] = {
-    torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
-}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "generation_config.json")
 Progress = Callable[[int, int], None]
@@ -203,7 +198,7 @@ class OutputDir:
         for name, lazy in plan:
             dt = out_dtype[id(lazy)]
             size = nbytes(lazy.shape, dt)
-            header[name] = {"dtype": ST_DTYPES[dt], "shape": list(lazy.shape), "data_offsets": [offset, offset + size]}
+            header[name] = {"dtype": ST_NAMES[dt], "shape": list(lazy.shape), "data_offsets": [offset, offset + size]}
             offset += size
         blob = json.dumps(header, separators=(",", ":")).encode("utf-8")
         blob += b" " * (-len(blob) % 8)

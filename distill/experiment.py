@@ -28,10 +28,10 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from recycle.distill.train import DistillOptions, distill
-from recycle.drafters import ASSISTANT_FORMAT, config_format
+from recycle.drafters import convertible, get, of_config
 from recycle.preflight import checkpoint_dir
 
-FORMATS = ("eagle", "eagle3", "medusa")
+FORMATS = convertible()
 INITS = ("recycled", "scratch")
 
 
@@ -116,9 +116,9 @@ def run_experiment(opts: ExperimentOptions, log: Callable[[str], None] = print) 
     def save() -> None:
         (work / "experiment.json").write_text(json.dumps(result, indent=1))
 
-    # A Gemma 4 target's MTP is its separate assistant: that is the native chain here, and the converters
-    # read the target for what the assistant does not store
-    assistant = opts.source if opts.source and config_format(checkpoint_dir(opts.source)) == ASSISTANT_FORMAT else None
+    # A source that is itself a drafter (Gemma 4's separate assistant) is the native chain here, and the
+    # converters read the target for what it does not store
+    assistant = opts.source if opts.source and of_config(checkpoint_dir(opts.source)) is not None else None
     native = bench_tau(assistant, opts.target, prompts, opts.max_new_tokens,
                        tree=f"chain:{opts.chain or 3}" if assistant else None)
     chain = opts.chain or len(native["acceptance"])
@@ -133,8 +133,9 @@ def run_experiment(opts: ExperimentOptions, log: Callable[[str], None] = print) 
     save()
     for fmt in opts.formats:
         src = work / f"{fmt}-converted"
-        calibration = {"calibrate": opts.calibrate} if fmt == "medusa" and opts.calibrate else {}
-        if assistant and (fmt == "eagle3" or calibration):
+        takes = get(fmt).options
+        calibration = {"calibrate": opts.calibrate} if opts.calibrate and "calibrate" in takes else {}
+        if assistant and "target" in takes and (calibration or "calibrate" not in takes):
             calibration["target"] = opts.target
         convert_checkpoint(opts.source or opts.target, fmt, src, overwrite=True, **calibration)
         plan = [(init, opts.tokens, opts.marks) for init in INITS]
@@ -156,7 +157,7 @@ def run_experiment(opts: ExperimentOptions, log: Callable[[str], None] = print) 
                 d = snap / f"tokens_{mark}"
                 m = bench_tau(str(d), opts.target, prompts, opts.max_new_tokens)
                 point = {"tokens": mark, **m, "estimate": _estimate(d)}
-                if fmt == "eagle":
+                if get(fmt).native_chain:
                     point["chain"] = bench_tau(str(d), opts.target, prompts, opts.max_new_tokens, tree=f"chain:{chain}")
                 curve.append(point)
                 log(f"  {name} @ {mark}: tau {m['tau']:.3f} acc {_r(m['acceptance'])}"
@@ -220,7 +221,8 @@ def plot(result: dict, path: str | Path, title: str | None = None) -> None:
     import matplotlib.pyplot as plt
 
     fmts = [f for f in FORMATS if f"{f}-recycled" in result["runs"]]
-    has_chain = bool(result["runs"].get("eagle-recycled", {}).get("curve", [{}])[0].get("chain"))
+    chained = next((f for f in fmts if result["runs"][f"{f}-recycled"]["curve"][0].get("chain")), None)
+    has_chain = chained is not None
     panels = len(fmts) + 2 * has_chain
     fig, axes = plt.subplots(1, panels, figsize=(4.4 * panels, 3.9), squeeze=False)
     styles = {"recycled": "o-", "scratch": "s--", "scratch-long": "^:"}
@@ -256,11 +258,12 @@ def plot(result: dict, path: str | Path, title: str | None = None) -> None:
     if has_chain:
         tau_ax, acc_ax = axes[0][len(fmts)], axes[0][len(fmts) + 1]
         for init, style in styles.items():
-            run = result["runs"].get(f"eagle-{init}")
+            run = result["runs"].get(f"{chained}-{init}")
             if not run:
                 continue
             xs = [p["tokens"] for p in run["curve"]]
-            tau_ax.plot(xs, [p["chain"]["tau"] for p in run["curve"]], style, color=colors[init], label=f"eagle {init}")
+            tau_ax.plot(xs, [p["chain"]["tau"] for p in run["curve"]], style, color=colors[init],
+                        label=f"{chained} {init}")
             depths = max(len(p["chain"]["acceptance"]) for p in run["curve"])
             for d in range(depths):  # a depth never tried at a mark (nothing accepted before it) is left out
                 acc_ax.plot(xs, [p["chain"]["acceptance"][d] if d < len(p["chain"]["acceptance"]) else float("nan")
@@ -269,7 +272,7 @@ def plot(result: dict, path: str | Path, title: str | None = None) -> None:
         refs(tau_ax)
         refs(acc_ax, depth=0)
         tree = result["native"]["tree"]
-        tau_ax.set_title(f"--to eagle on the native tree ({tree})")
+        tau_ax.set_title(f"--to {chained} on the native tree ({tree})")
         axis(tau_ax, "held-out τ")
         acc_ax.set_title("acceptance per depth (same chain)")
         axis(acc_ax, "acceptance rate")

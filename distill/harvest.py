@@ -23,40 +23,22 @@ import os
 import shutil
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 
-from recycle.distill.data import PackedStream, data_source, heldout_batch
-from recycle.distill.teacher import store_features
-from recycle.distill.train import EVAL_KEY, eval_prompt_len, micro_batches, plan_batch
 from recycle.checkpoint import Checkpoint, load_json
+from recycle.distill.data import PackedStream, data_source, heldout_batch
+from recycle.distill.schedule import EVAL_KEY, Schedule, eval_prompt_len
+from recycle.distill.teacher import store_features
 from recycle.errors import RecycleError
 from recycle.families import match
+from recycle.options import DataOptions, HarvestOptions
 
 MANIFEST = "manifest.json"
 FORMAT = "recycle-hidden-cache/1"
-
-
-@dataclass
-class HarvestOptions:
-    target: str
-    out: str
-    tokens: int
-    data: str | None = None
-    seq_len: int = 256
-    batch: int = 8
-    seed: int = 0
-    aux_layers: tuple[int, ...] = ()  # EAGLE-3's eagle_aux_hidden_state_layer_ids (transformers' hidden_states ids)
-    overwrite: bool = False
-    parallel: dict | None = None  # vLLM's own names: tensor_parallel_size, pipeline_parallel_size, ...
-    eval_rows: int = 16  # distill's held-out rows (its --eval-rows / eval_prompt_len defaults)
-    eval_prompt_len: int = 64
-    self_distill: bool = False  # the windows are the target's own continuations after prompt_len tokens
-    prompt_len: int = 64
-    sd_temperature: float = 0.0
 
 
 def fingerprint(target: str | os.PathLike) -> dict:
@@ -82,9 +64,7 @@ def manifest_for(opts: HarvestOptions, keys: list[str], fp: dict | None = None) 
                              "continuation": "vLLM"} if opts.self_distill else None}
 
 
-def check_manifest(cache: Path, *, target: str, aux_layers: list[int], data: str | None, seq_len: int, batch: int,
-                   seed: int, tokens: int, world: int, self_distill: bool, eval_rows: int = 16,
-                   eval_prompt_len: int = 64, prompt_len: int = 64, sd_temperature: float = 0.0) -> dict:
+def check_manifest(cache: Path, opts: DataOptions, aux_layers: list[int], world: int) -> dict:
     """Refuse (exit 2) a harvested cache made for other distill options: its keys would name other windows.
     Returns the manifest."""
     m = load_json(cache / MANIFEST, "cache manifest")
@@ -92,25 +72,27 @@ def check_manifest(cache: Path, *, target: str, aux_layers: list[int], data: str
         raise RecycleError(f"--cache-hidden {cache}: a harvested cache holds one process's windows; run distill "
                            "without torchrun (the target is not in the process anyway)")
     sd = m.get("self_distill")
-    if self_distill and sd is None:
+    if opts.self_distill and sd is None:
         raise RecycleError(f"--cache-hidden {cache}: harvested on the data's own text; --self-distill trains on the "
                            "target's continuations: harvest with --self-distill")
-    if sd is not None and not self_distill:
+    if sd is not None and not opts.self_distill:
         raise RecycleError(f"--cache-hidden {cache}: harvested with --self-distill (the target's continuations); "
                            "pass --self-distill to train on them")
-    if sd is not None and (sd.get("prompt_len"), sd.get("temperature")) != (prompt_len, sd_temperature):
+    if sd is not None and (sd.get("prompt_len"), sd.get("temperature")) != (opts.prompt_len, opts.sd_temperature):
         raise RecycleError(f"--cache-hidden {cache}: harvested with --prompt-len {sd.get('prompt_len')} "
-                           f"--sd-temperature {sd.get('temperature')} (distill: {prompt_len}, {sd_temperature})")
-    want = {"aux_layers": list(aux_layers), "data": data, "seq_len": seq_len, "batch": batch, "seed": seed,
-            "eval_rows": eval_rows, "eval_prompt_len": eval_prompt_len}
+                           f"--sd-temperature {sd.get('temperature')} (distill: {opts.prompt_len}, "
+                           f"{opts.sd_temperature})")
+    want = {"aux_layers": list(aux_layers), "data": opts.data, "seq_len": opts.seq_len, "batch": opts.batch,
+            "seed": opts.seed, "eval_rows": opts.eval_rows, "eval_prompt_len": opts.eval_prompt_len}
     got = {k: m.get(k) for k in want}
     if got != want:
         diff = ", ".join(f"{k} {got[k]} (distill: {want[k]})" for k in want if got[k] != want[k])
         raise RecycleError(f"--cache-hidden {cache}: harvested for other options: {diff}")
-    if m.get("tokens", 0) < tokens:
-        raise RecycleError(f"--cache-hidden {cache}: harvested {m.get('tokens')} tokens, distill asks for {tokens}")
-    if m.get("fingerprint") != fingerprint(target):
-        raise RecycleError(f"--cache-hidden {cache}: harvested from another target than {target}")
+    if m.get("tokens", 0) < opts.tokens:
+        raise RecycleError(f"--cache-hidden {cache}: harvested {m.get('tokens')} tokens, distill asks for "
+                           f"{opts.tokens}")
+    if m.get("fingerprint") != fingerprint(opts.target):
+        raise RecycleError(f"--cache-hidden {cache}: harvested from another target than {opts.target}")
     if not isinstance(m.get("eval"), dict) or not (cache / f"{EVAL_KEY}.safetensors").is_file():
         raise RecycleError(f"--cache-hidden {cache}: it holds no held-out rows (an older harvest); harvest again")
     return m
@@ -125,13 +107,10 @@ def eval_rows(opts: HarvestOptions, tokenizer) -> tuple[torch.Tensor, int]:
 def plan(opts: HarvestOptions, tokenizer) -> list[tuple[str, torch.Tensor]]:
     """(cache key, ids [n, T]) for every micro-batch distill will run, in order (one rank)."""
     stream = PackedStream(data_source(opts.data).train, tokenizer, opts.seq_len, opts.seed)
-    out, done, step = [], 0, 0
-    while done < opts.tokens:
-        lengths = plan_batch(opts.tokens - done, opts.batch, opts.seq_len)
-        rows = stream.take(len(lengths))
-        out += [(key, rows[idx, :n]) for idx, n, key in micro_batches(step, lengths, 0, 1, opts.seq_len)]
-        done += sum(lengths)
-        step += 1
+    out = []
+    for step in Schedule(opts.tokens, opts.batch, opts.seq_len).steps():
+        rows = stream.take(len(step.lengths))
+        out += [(mb.key, rows[list(mb.rows), :mb.length]) for mb in step.micro_batches()]
     return out
 
 

@@ -35,18 +35,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-DEFAULT_CE_WEIGHT = 0.1
-DEFAULT_KL_WEIGHT = 1.0
-DEFAULT_FEATURE_WEIGHT = 0.0
-DEFAULT_DECAY = 0.8
-
-
-@dataclass(frozen=True)
-class LossConfig:
-    ce_weight: float = DEFAULT_CE_WEIGHT
-    kl_weight: float = DEFAULT_KL_WEIGHT
-    feature_weight: float = DEFAULT_FEATURE_WEIGHT
-    decay: float = DEFAULT_DECAY
+from recycle.options import LossConfig  # noqa: F401  (its defaults are explained above)
 
 
 def step_weights(steps: int, decay: float) -> list[float]:

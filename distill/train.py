@@ -35,73 +35,31 @@ Choices and why:
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import random
-import shutil
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from datetime import datetime, timezone
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
 
-from recycle.distill.data import PackedStream, Position, data_source, heldout_batch, regenerate
-from recycle.distill.losses import LossConfig, distill_loss
-from recycle.distill.teacher import Teacher, autocast
-from recycle.distill.unroll import Unroller, make_unroller
 from recycle import __version__
 from recycle.checkpoint import load_json
 from recycle.corpus import is_corpus_name
-from recycle.drafters import ASSISTANT_FORMAT
+from recycle.distill import state
+from recycle.distill.data import PackedStream, Position, data_source, heldout_batch, regenerate
+from recycle.distill.losses import distill_loss
+from recycle.distill.schedule import EVAL_KEY, Schedule, Step, eval_prompt_len
+from recycle.distill.teacher import Teacher, autocast
+from recycle.distill.unroll import Unroller
 from recycle.errors import RecycleError
+from recycle.options import DistillOptions, LossConfig
 from recycle.preflight import parse_tokens  # noqa: F401  (the CLI and benchmarks take it from here too)
 
-CHECKPOINT = "checkpoint.pt"
-METRICS = "metrics.jsonl"
-
-
-@dataclass
-class DistillOptions:
-    drafter: str
-    target: str
-    tokens: int
-    out: str | None = None  # default: DRAFTER-distilled beside the input
-    data: str | None = None
-    self_distill: bool = False
-    prompt_len: int = 64
-    sd_temperature: float = 0.0
-    seq_len: int = 256
-    batch: int = 8  # sequences per rank per step
-    lr: float = 5e-4
-    warmup: float = 0.05
-    min_lr: float = 0.1  # fraction of lr at the end of the cosine
-    weight_decay: float = 0.0
-    clip: float = 0.5
-    draft_steps: int | None = None
-    loss: LossConfig = field(default_factory=LossConfig)
-    init: str = "recycled"  # or "scratch"
-    checkpoint_every: int = 50
-    eval_every: int = 25
-    eval_rows: int = 16
-    eval_prompt_len: int = 64  # the held-out rows keep this many tokens; the target writes the rest
-    resume: bool = False
-    state_dir: str | None = None
-    cache_hidden: str | None = None
-    online: int | None = None  # harvest in vLLM while training into cache_hidden, this many steps' keys ahead
-    vllm_parallel: dict | None = None  # with online: vLLM's own parallelism arguments
-    device: str | None = None
-    precision: str | None = None  # None: bf16 where the device has native bf16, else fp32
-    seed: int = 0
-    threads: int | None = None
-    overwrite: bool = False
-    snapshots: tuple[int, ...] = ()  # token counts at which to write a drafter dir (the experiment)
-    snapshot_dir: str | None = None
+__all__ = ["DistillOptions", "Distiller", "distill", "default_precision", "expected_length", "parse_tokens"]
 
 
 def default_precision(device: torch.device) -> str:
@@ -157,97 +115,6 @@ def lr_lambda(total_steps: int, warmup: float, min_lr: float) -> Callable[[int],
     return f
 
 
-def _rng_state() -> dict:
-    """RNG states as tensors and plain containers, so the checkpoint loads with weights_only=True."""
-    kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    return {"torch": torch.get_rng_state(), "python": random.getstate(),
-            "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss)],
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
-
-
-def _set_rng(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    kind, keys, pos, has_gauss, gauss_np = state["numpy"]
-    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss_np))
-    if state.get("cuda") is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def atomic_save(obj: dict, path: Path) -> None:
-    """torch.save to a temp file, fsync, rename: a kill mid-write leaves the previous checkpoint."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-# -- what a step consumes -------------------------------------------------------------------------
-
-def plan_batch(remaining: int, rows: int, seq_len: int) -> list[int]:
-    """Row lengths of the next global batch: `rows` full rows, or fewer plus one cut row at the end."""
-    if remaining >= rows * seq_len:
-        return [seq_len] * rows
-    full, rest = divmod(remaining, seq_len)
-    return [seq_len] * full + ([rest] if rest else [])
-
-
-EVAL_KEY = "eval"  # the held-out rows' key in a --cache-hidden directory `recycle harvest` filled
-
-
-def eval_prompt_len(length: int, wanted: int, steps: int = 1) -> int:
-    """How many tokens of each held-out row stay as the prompt (the target writes the rest); 0 when the
-    rows are too short to continue, and then they are scored on the held-out text itself."""
-    p = min(wanted, length // 4)
-    return p if p >= 1 and length - p > steps + 1 else 0
-
-
-def micro_batches(step: int, lengths: list[int], rank: int, world: int, seq_len: int) -> list[tuple[list[int], int, str]]:
-    """(row indices, length, cache key) of one rank's share of a step: its full rows together, each cut row
-    alone. `--cache-hidden` files are named by these keys, which is how `recycle harvest` fills a cache ahead."""
-    mine = list(range(rank, len(lengths), world))
-    full = [i for i in mine if lengths[i] == seq_len]
-    out = [(full, seq_len, f"s{step:08d}r{rank}f")] if full else []
-    return out + [([i], lengths[i], f"s{step:08d}c{i}") for i in mine if lengths[i] != seq_len]
-
-
-def _fingerprint(opts: DistillOptions, world: int) -> dict:
-    """Options a resumed run must share with the one it continues."""
-    return {"drafter": str(Path(opts.drafter).resolve()), "target": str(Path(opts.target).resolve()),
-            "tokens": opts.tokens, "seq_len": opts.seq_len, "batch": opts.batch, "world": world,
-            "init": opts.init, "data": opts.data, "self_distill": opts.self_distill, "seed": opts.seed,
-            "draft_steps": opts.draft_steps, "eval_rows": opts.eval_rows, "eval_prompt_len": opts.eval_prompt_len}
-
-
-def adopt_target_io(fmt: str, model: torch.nn.Module, teacher: Teacher) -> dict:
-    """An EAGLE drafter's frozen embedding and LM head(s) become the target's own.
-
-    They are copies of the source checkpoint's; when the target has moved since (post-training, a
-    fine-tune), drafting against it with the old ones both feeds the module stale token vectors and
-    scores its output with a head the target no longer has. Returns, per role, the relative
-    Frobenius distance of the drafter's copy from the target's and whether it was replaced.
-    """
-    if fmt != "eagle":
-        return {}
-    pairs = {"embed": [model.embed] + [lyr.embed for lyr in model.layers if lyr.embed is not None],
-             "head": [model.head] + [lyr.head for lyr in model.layers if lyr.head is not None]}
-    theirs = {"embed": teacher.embed.weight, "head": teacher.head.weight}
-    out = {}
-    with torch.no_grad():
-        for role, modules in pairs.items():
-            ref = theirs[role].detach().float().cpu()
-            dist = max(float((m.weight.detach().float().cpu() - ref).norm() / ref.norm().clamp_min(1e-12))
-                       for m in modules)
-            if dist > 0:
-                for m in modules:
-                    m.weight.copy_(ref.to(m.weight.dtype))
-            out[role] = {"relative_difference": round(dist, 6), "replaced_by_target": dist > 0}
-    return out
-
-
 class Distiller:
     """One distillation run (build → train → write); `run()` returns the summary/record dict."""
 
@@ -260,39 +127,29 @@ class Distiller:
     # -- setup ------------------------------------------------------------------------------------
 
     def _validate(self) -> None:
+        """Every check that needs no model: options, paths, the drafter's format and its fit to the target."""
         from recycle.converters.writer import OutputDir
+        from recycle.drafters import of_directory
+        from recycle.fit import check_drafter
 
         o = self.opts
+        if o.loss is None:
+            o.loss = LossConfig()
+        o.validate()
         src, tgt = Path(o.drafter).expanduser(), Path(o.target).expanduser()
         if not src.is_dir():
             raise RecycleError(f"{src}: no such drafter directory")
         if not (tgt / "config.json").is_file():
             raise RecycleError(f"--target {tgt}: not a model directory (no config.json)")
-        if o.init not in ("recycled", "scratch"):
-            raise RecycleError(f"--init {o.init!r}: choose recycled or scratch")
-        if o.precision not in (None, "bf16", "fp32"):
-            raise RecycleError(f"--precision {o.precision!r}: choose bf16 or fp32")
-        for name, v in (("--batch", o.batch), ("--checkpoint-every", o.checkpoint_every),
-                        ("--eval-every", o.eval_every)):
-            if v < 1:
-                raise RecycleError(f"{name} must be at least 1")
-        if not (o.lr > 0 and math.isfinite(o.lr)):
-            raise RecycleError("--lr must be a positive number")
-        if o.online is not None:
-            if o.online < 1:
-                raise RecycleError("--online must be at least 1 (steps' windows kept ahead)")
-            if not o.cache_hidden:
-                raise RecycleError("--online needs --cache-hidden DIR (where the windows pass through)")
-            if o.self_distill or self.world > 1:
-                raise RecycleError("--online trains one process on the data's own text: not with --self-distill "
-                                   "or torchrun")
+        if o.online is not None and self.world > 1:
+            raise RecycleError("--online trains one process: not under torchrun")
         self.source = data_source(o.data)
         if not (src / "config.json").is_file():
             raise RecycleError(f"{src}: not a drafter directory (no config.json)")
-        from recycle.fit import check_fit
-
-        check_fit(load_json(src / "config.json", "drafter config.json"), load_json(tgt / "config.json", "target config.json"),
-                  src, tgt, str(src))
+        self.fmt = of_directory(src)
+        self.drafter_config = load_json(src / "config.json", "drafter config.json")
+        self.target_config = load_json(tgt / "config.json", "target config.json")
+        check_drafter(self.fmt, self.drafter_config, self.target_config, src, tgt, str(src))
         out = Path(o.out).expanduser() if o.out else src.resolve().parent / f"{src.resolve().name}-distilled"
         self.out = out.resolve()
         self.writer = OutputDir(self.out, overwrite=o.overwrite or o.resume, protect=(src, tgt))
@@ -306,38 +163,36 @@ class Distiller:
                 probe.unlink()
             except OSError as e:
                 raise RecycleError(f"{self.state_dir}: cannot write the run's state here ({e.strerror or e})") from None
-            if (self.state_dir / CHECKPOINT).is_file() and not o.resume:
+            if (self.state_dir / state.CHECKPOINT).is_file() and not o.resume:
                 if not o.overwrite:
-                    raise RecycleError(f"{self.state_dir / CHECKPOINT}: an earlier run's checkpoint exists; "
+                    raise RecycleError(f"{self.state_dir / state.CHECKPOINT}: an earlier run's checkpoint exists; "
                                        "pass --resume to continue it or --overwrite to start over")
-                (self.state_dir / CHECKPOINT).unlink()
-                (self.state_dir / METRICS).unlink(missing_ok=True)
+                (self.state_dir / state.CHECKPOINT).unlink()
+                (self.state_dir / state.METRICS).unlink(missing_ok=True)
 
     def _build(self) -> None:
         from transformers import AutoTokenizer
 
         from recycle.decoding.target import quiet_transformers
-        from recycle.drafters import drafter_format, load_drafter
+        from recycle.drafters import load_drafter
 
         o = self.opts
         if o.threads:
             torch.set_num_threads(o.threads)
         self.device = _device(o.device, self.rank)
         self.precision = o.precision or default_precision(self.device)
-        self.fmt = drafter_format(o.drafter)
         with quiet_transformers():
             model = load_drafter(o.drafter, dtype=torch.float32)
-        cfg = load_json(Path(o.drafter) / "config.json", "drafter config.json")
-        aux = None
-        if self.fmt == "eagle3":
-            tcfg = load_json(Path(o.target) / "config.json", "target config.json")
-            n = int(tcfg.get("num_hidden_layers", 0))
-            aux = cfg.get("eagle_aux_hidden_state_layer_ids") or [min(2, n), n // 2, max(n - 3, 0)]
+        aux = self.fmt.reads(self.drafter_config, self.target_config).aux_layers
+        aux = list(aux) if aux is not None else None
+        unroller_cls: type[Unroller] = self.fmt.resolve("unroller")
+        self.schedule = Schedule(o.tokens, o.batch, o.seq_len, self.world)
         harvested = None
         self.harvested = False
         self.producer = None
         if o.online:  # vLLM computes each step's features while this process trains, `online` keys ahead
-            from recycle.distill.harvest import HarvestOptions, OnlineHarvest
+            from recycle.distill.harvest import OnlineHarvest
+            from recycle.options import HarvestOptions
 
             self.producer = OnlineHarvest(HarvestOptions(
                 target=o.target, out=o.cache_hidden, tokens=o.tokens, data=o.data, seq_len=o.seq_len, batch=o.batch,
@@ -347,19 +202,14 @@ class Distiller:
         if o.cache_hidden and (Path(o.cache_hidden) / "manifest.json").is_file():  # made by `recycle harvest`
             from recycle.distill.harvest import check_manifest
 
-            harvested = check_manifest(Path(o.cache_hidden), target=o.target, aux_layers=aux or [], data=o.data,
-                                       seq_len=o.seq_len, batch=o.batch, seed=o.seed, tokens=o.tokens,
-                                       world=self.world, self_distill=o.self_distill, eval_rows=o.eval_rows,
-                                       eval_prompt_len=o.eval_prompt_len, prompt_len=o.prompt_len,
-                                       sd_temperature=o.sd_temperature)
+            harvested = check_manifest(Path(o.cache_hidden), o, aux_layers=aux or [], world=self.world)
         self.harvested = harvested is not None
         # A harvested cache holds every window and the evaluation rows: the trunk is never loaded.
         self.teacher = Teacher(o.target, self.device, aux, self.precision, o.cache_hidden, trunk=harvested is None,
-                               producer=self.producer, kv=self.fmt == ASSISTANT_FORMAT)
-        self._check_fit(model)
-        self.target_io = adopt_target_io(self.fmt, model, self.teacher)
+                               producer=self.producer, kv=unroller_cls.needs_kv)
         model.to(self.device).train()
-        self.unroller: Unroller = make_unroller(self.fmt, model, o.draft_steps, self.teacher.embed, aux)
+        self.unroller = unroller_cls.make(model, o.draft_steps, self.teacher.embed, aux)
+        self.target_io = self.unroller.adopt_target_io(self.teacher.embed.weight, self.teacher.head.weight)
         if o.init == "scratch":
             self.unroller.reinit(o.seed)
         self.model = model
@@ -377,9 +227,8 @@ class Distiller:
         params = self.unroller.trainable()
         self.opt = torch.optim.AdamW(params, lr=o.lr, betas=(0.9, 0.95), weight_decay=o.weight_decay,
                                      foreach=True)
-        global_tokens = o.batch * self.world * o.seq_len
-        self.total_steps = max(1, math.ceil(o.tokens / global_tokens))
-        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(self.total_steps, o.warmup, o.min_lr))
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(self.schedule.total_steps, o.warmup,
+                                                                           o.min_lr))
         if harvested is not None:  # vLLM wrote the held-out continuations and their features
             self.eval_prompt = int(harvested["eval"]["prompt_len"])
             self.eval_ids = self.teacher.cached_ids(EVAL_KEY).to(self.device)
@@ -392,82 +241,35 @@ class Distiller:
         self.eval_ids = ev.to(self.device)
         self.eval_teacher = self.teacher(self.eval_ids)
 
-    def _check_fit(self, model) -> None:
-        tcfg = self.teacher.config
-        if self.fmt == ASSISTANT_FORMAT:
-            from recycle.drafters.gemma4 import check_fits
-
-            check_fits(model, tcfg, where=str(self.opts.drafter))
-            return
-        h, v = int(tcfg.hidden_size), int(tcfg.vocab_size)
-        if self.fmt == "eagle" and (model.config.hidden_size != h or model.config.vocab_size != v):
-            raise RecycleError(f"{self.opts.drafter}: drafter (hidden {model.config.hidden_size}, vocab "
-                               f"{model.config.vocab_size}) does not fit the target (hidden {h}, vocab {v})")
-        if self.fmt == "eagle3" and (model.fc.in_features != len(self.teacher.aux_layers) * h
-                                     or model.config.vocab_size != v):
-            raise RecycleError(f"{self.opts.drafter}: EAGLE-3 drafter does not fit the target (fc width or vocab)")
-        if self.fmt == "medusa" and (model.lm_heads[0].in_features != h or model.lm_heads[0].out_features != v):
-            raise RecycleError(f"{self.opts.drafter}: Medusa heads do not fit the target (hidden {h}, vocab {v})")
-
     # -- state ------------------------------------------------------------------------------------
 
     def _checkpoint(self) -> None:
-        state = {
-            "version": 1, "fingerprint": _fingerprint(self.opts, self.world), "step": self.step,
-            "tokens": self.tokens, "data": asdict(self.stream.pos), "model": self.model.state_dict(),
-            "optimizer": self.opt.state_dict(), "scheduler": self.sched.state_dict(), "rng": _rng_state(),
+        state.save_checkpoint(self.state_dir, {
+            "step": self.step, "tokens": self.tokens, "data": asdict(self.stream.pos), "model": self.model.state_dict(),
+            "optimizer": self.opt.state_dict(), "scheduler": self.sched.state_dict(), "rng": state.rng_state(),
             "timing": dict(self.timing), "wall_s": self.wall_before + time.perf_counter() - self.t_start,
             "before": self.before, "history": self.history[-1] if self.history else None, "best": self.best,
-        }
-        atomic_save(state, self.state_dir / CHECKPOINT)
+        }, state.fingerprint(self.opts, self.world))
 
     def _restore(self) -> bool:
-        path = self.state_dir / CHECKPOINT
-        if not path.is_file():
+        saved = state.load_checkpoint(self.state_dir, self.device, state.fingerprint(self.opts, self.world))
+        if saved is None:
             return False
-        try:
-            # weights_only: tensors and plain containers only; a planted pickle cannot run code here
-            state = torch.load(path, map_location=self.device, weights_only=True)
-        except Exception as e:
-            raise RecycleError(f"{path}: unreadable or unsafe checkpoint ({type(e).__name__}: "
-                               f"{' '.join(str(e).split())[:120]}); remove it to start over") from None
-        if not isinstance(state, dict) or not isinstance(state.get("fingerprint"), dict):
-            raise RecycleError(f"{path}: not a recycle distill checkpoint; remove it to start over")
-        want = _fingerprint(self.opts, self.world)
-        diff = sorted(k for k in want if state["fingerprint"].get(k) != want[k])
-        if diff:
-            raise RecycleError(f"{path}: the checkpoint is from a run with other options ({', '.join(diff)}); "
-                               "use the same options or --overwrite to start over")
-        self.model.load_state_dict(state["model"])
-        self.opt.load_state_dict(state["optimizer"])
-        self.sched.load_state_dict(state["scheduler"])
-        self.step, self.tokens = int(state["step"]), int(state["tokens"])
-        self.stream.seek(Position(**state["data"]))
-        _set_rng(state["rng"])
-        self.timing.update(state["timing"])
-        self.wall_before = float(state["wall_s"])
-        self.before = state["before"]
-        self.best = state["best"]
-        self._truncate_metrics()
+        self.model.load_state_dict(saved["model"])
+        self.opt.load_state_dict(saved["optimizer"])
+        self.sched.load_state_dict(saved["scheduler"])
+        self.step, self.tokens = int(saved["step"]), int(saved["tokens"])
+        self.stream.seek(Position(**saved["data"]))
+        state.set_rng(saved["rng"])
+        self.timing.update(saved["timing"])
+        self.wall_before = float(saved["wall_s"])
+        self.before = saved["before"]
+        self.best = saved["best"]
+        if self.is_main:
+            state.truncate_metrics(self.state_dir, self.step)
         if self.log:
             self.log(f"resuming from step {self.step} (tokens {self.tokens:,})")
         return True
-
-    def _truncate_metrics(self) -> None:
-        """Drop metrics rows written after the checkpoint: the resumed run writes those steps again."""
-        path = self.state_dir / METRICS
-        if not (self.is_main and path.is_file()):
-            return
-        keep = []
-        for line in path.read_text(encoding="utf-8").splitlines():
-            try:
-                if int(json.loads(line).get("step", 0)) <= self.step:
-                    keep.append(line)
-            except (ValueError, AttributeError):
-                continue  # a torn last line from the kill
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text("".join(f"{line}\n" for line in keep), encoding="utf-8")
-        os.replace(tmp, path)
 
     def _consider(self, agree: list[float]) -> None:
         """Keep the current weights if their held-out estimate beats the best so far (the input counts)."""
@@ -521,12 +323,12 @@ class Distiller:
             p.grad = flat[off:off + n].view_as(p)
             off += n
 
-    def train_step(self) -> dict:
+    def train_step(self, step: Step) -> dict:
         o = self.opts
         t0 = time.perf_counter()
-        lengths = plan_batch(o.tokens - self.tokens, o.batch * self.world, o.seq_len)
+        lengths = step.lengths
         rows = self.stream.take(len(lengths))
-        keys = micro_batches(self.step, lengths, self.rank, self.world, o.seq_len)
+        keys = [(list(mb.rows), mb.length, mb.key) for mb in step.micro_batches(self.rank, self.world)]
         written = {}
         if o.self_distill and self.harvested:  # vLLM wrote the continuations: the cache holds each key's rows
             written = {key: self.teacher.cached_ids(key) for _, _, key in keys}
@@ -586,14 +388,13 @@ class Distiller:
             self.before = self.agreement()
             self._consider(self.before)
         start_tokens = self.tokens
-        metrics = self.state_dir / METRICS
         snaps = sorted(n for n in o.snapshots if n > self.tokens)
         if self.is_main and 0 in o.snapshots and not resumed:
             self._snapshot(0)
         t_run = time.perf_counter()
         last: dict = {}
-        while self.tokens < o.tokens:
-            row = self.train_step()
+        for step in self.schedule.steps(self.step):
+            row = self.train_step(step)
             t0 = time.perf_counter()
             if self.is_main:
                 if self.step % o.eval_every == 0 or self.tokens >= o.tokens:
@@ -603,8 +404,7 @@ class Distiller:
                 elapsed = self.wall_before + time.perf_counter() - self.t_start
                 row["wall_s"] = round(elapsed, 3)
                 row["tokens_per_s"] = (self.tokens - start_tokens) / max(1e-9, time.perf_counter() - t_run)
-                with metrics.open("a", encoding="utf-8") as f:
-                    f.write(json.dumps(row) + "\n")
+                state.append_metrics(self.state_dir, row)
                 while snaps and self.tokens >= snaps[0]:
                     self._snapshot(snaps.pop(0))
                 if self.step % o.checkpoint_every == 0 and self.tokens < o.tokens:
@@ -624,7 +424,7 @@ class Distiller:
         record = self._record(last, final, wall, resumed)
         if self.is_main:
             self._write(record)
-            (self.state_dir / CHECKPOINT).unlink(missing_ok=True)
+            (self.state_dir / state.CHECKPOINT).unlink(missing_ok=True)
         if self.world > 1:
             dist.barrier()
         return record
@@ -692,104 +492,15 @@ class Distiller:
                   "heldout_estimate": expected_length(agree)}
         from recycle.converters.writer import OutputDir
 
-        write_drafter(self.opts.drafter, OutputDir(root / f"tokens_{tokens}", overwrite=True), self.unroller, record)
+        self._write_to(OutputDir(root / f"tokens_{tokens}", overwrite=True), record)
 
     def _write(self, record: dict) -> None:
-        write_drafter(self.opts.drafter, self.writer, self.unroller, record)
+        self._write_to(self.writer, record)
 
+    def _write_to(self, writer, record: dict) -> None:
+        from recycle.converters.rewrite import write_drafter
 
-# -- writing a drafter directory in its input's format --------------------------------------------
-
-def _header(path: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    out = {}
-    with safe_open(str(path), "pt") as f:
-        for k in f.keys():
-            sl = f.get_slice(k)
-            out[k] = (tuple(sl.get_shape()), _ST[sl.get_dtype()])
-    return out
-
-
-_ST = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32,
-       "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "F64": torch.float64,
-       "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
-
-
-def _derived_files(src: Path, unroller: Unroller, main: dict[str, torch.Tensor]) -> tuple[dict, list[str], list[str]]:
-    """Trained values for every other safetensors layout the converter wrote beside model.safetensors.
-
-    Returns ({rel file: {name: tensor}}, dropped directories, notes). A layout whose key set cannot be
-    rebuilt exactly from the trained weights (e.g. FP8 overlay tensors, non-canonical norm styles) is
-    dropped with a note rather than shipped stale.
-    """
-    files: dict[str, dict[str, torch.Tensor]] = {}
-    dropped, notes = [], []
-    fmt = unroller.fmt
-    if fmt == "medusa" and (src / "medusa_lm_head.safetensors").is_file():
-        m = unroller.model
-        fd = {}
-        for i in range(m.num_heads):
-            layers = len(m.blocks[i].layers)
-            for j in range(layers):
-                fd[f"{i}.{j}.linear.weight"] = main[f"blocks.{i}.layers.{j}.weight"]
-                fd[f"{i}.{j}.linear.bias"] = main[f"blocks.{i}.layers.{j}.bias"]
-            fd[f"{i}.{layers}.weight"] = main[f"lm_heads.{i}.weight"]
-        files["medusa_lm_head.safetensors"] = fd
-    if fmt == "eagle":
-        from recycle.families import BY_NAME
-
-        m = unroller.model
-        rc = load_json(src / "config.json", "drafter config.json").get("recycle", {})
-        fam = BY_NAME.get(rc.get("family", ""))
-        canonical = fam is not None and fam.norm == "w" and fam.concat_order == "eh"
-        for sub, base in (("nextn", 0), ("mtp_overlay", int(rc.get("source_num_hidden_layers", 0)))):
-            for p in sorted((src / sub).glob("*.safetensors")) if (src / sub).is_dir() else []:
-                head = _header(p)
-                named = m.checkpoint_tensors(num_hidden_layers=base) if canonical else {}
-                ok = canonical and all(k in named and tuple(named[k].shape) == shp and dt.is_floating_point
-                                       and dt.itemsize >= 2 for k, (shp, dt) in head.items())
-                if ok:
-                    files[f"{sub}/{p.name}"] = {k: named[k] for k in head}
-                else:
-                    dropped.append(sub)
-                    notes.append(f"{sub}/ dropped: its tensors cannot be rebuilt exactly from the trained weights "
-                                 "(FP8 or non-canonical norms/concat); re-export it from the distilled drafter")
-    return files, dropped, notes
-
-
-def write_drafter(src_dir: str | os.PathLike, writer, unroller: Unroller, record: dict) -> dict[str, int]:
-    """The trained drafter in exactly its input's layout (same files, same key sets and dtypes),
-    through the one atomic writer, with `record` appended to recycle.json's `distillation` list."""
-    from recycle.converters.roles import Lazy
-
-    src = Path(src_dir)
-    main = unroller.file_state()
-    planned = {"model.safetensors": main}
-    extra, dropped, notes = _derived_files(src, unroller, main)
-    planned.update(extra)
-    tensors: dict[str, dict[str, Lazy]] = {}
-    for rel, state in planned.items():
-        head = _header(src / rel)
-        if set(head) != set(state):
-            missing, unknown = sorted(set(head) - set(state)), sorted(set(state) - set(head))
-            raise RecycleError(f"{src / rel}: trained weights do not match the stored key set "
-                               f"(missing {missing[:3]}, unexpected {unknown[:3]})")
-        tensors[rel] = {k: Lazy(shp, (lambda t=state[k], d=dt: t.detach().to("cpu", d).contiguous()), (k,),
-                                "exact", dtype=dt) for k, (shp, dt) in head.items()}
-    prov_path = src / "recycle.json"
-    prov = load_json(prov_path, "recycle.json") if prov_path.is_file() else {}
-    rec = dict(record)
-    if notes:
-        rec["notes"] = notes
-    prov.setdefault("distillation", []).append(rec)
-    with writer as d:
-        d.write_safetensors(tensors, torch.float32, metadata={"recycle_format": unroller.fmt, "recycle_distilled": "1"})
-        for p in sorted(src.rglob("*")):
-            rel = p.relative_to(src).as_posix()
-            if not p.is_file() or rel in tensors or rel == "recycle.json" or rel.split("/")[0] in dropped:
-                continue
-            d.copy_file(p, rel)
-        d.write_json("recycle.json", prov)
-        return dict(d.files)
+        write_drafter(self.opts.drafter, writer, self.fmt, self.unroller.file_state(), self.model, record)
 
 
 def distill(opts: DistillOptions, progress: Callable[[dict], None] | None = None,
@@ -806,7 +517,3 @@ def distill(opts: DistillOptions, progress: Callable[[dict], None] | None = None
     record["out"] = str(d.out)
     record["state_dir"] = str(d.state_dir)
     return record
-
-
-def remove_state(path: str | os.PathLike) -> None:
-    shutil.rmtree(path, ignore_errors=True)

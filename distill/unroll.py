@@ -37,10 +37,8 @@ from transformers import DynamicCache
 
 from recycle.distill.losses import StepOutput
 from recycle.drafters import Eagle3Drafter, EagleDrafter, MedusaDrafter
+from recycle.errors import RecycleError
 from recycle.mtp import to_checkpoint_layout
-
-DEFAULT_STEPS = {"eagle": 3, "eagle3": 3, "gemma4-assistant": 4}  # medusa: its number of heads
-
 
 def _init_std(model: nn.Module) -> float:
     cfg = getattr(model, "config", None)
@@ -48,16 +46,35 @@ def _init_std(model: nn.Module) -> float:
 
 
 class Unroller(ABC):
-    """Base: a drafter module, its format, K steps, and what the teacher must provide."""
+    """Base: a drafter module, K steps, and what the teacher must provide. A format's record names its class."""
 
-    fmt = ""
+    default_steps = 3
+    needs_kv = False  # the teacher must hand over the target's K/V (a Gemma 4 assistant attends it)
+    aux_layers: list[int] | None = None
 
     def __init__(self, model: nn.Module, steps: int) -> None:
         self.model, self.steps = model, steps
         for name, p in model.named_parameters():
             p.requires_grad_(not self.frozen(name))
 
-    aux_layers: list[int] | None = None
+    @classmethod
+    def steps_for(cls, model: nn.Module, steps: int | None) -> int:
+        """`--draft-steps` for this drafter (None: the format's default)."""
+        k = steps or cls.default_steps
+        if k < 1:
+            raise RecycleError("--draft-steps must be at least 1")
+        return k
+
+    @classmethod
+    def make(cls, model: nn.Module, steps: int | None, embed: nn.Module | None = None,
+             aux_layers: list[int] | None = None) -> Unroller:
+        """The unroller for `model`; `embed` is the target's embedding, `aux_layers` the layers it taps."""
+        return cls(model, cls.steps_for(model, steps))
+
+    def adopt_target_io(self, embed: torch.Tensor, head: torch.Tensor) -> dict:
+        """Make the drafter's frozen copies of the target's embedding / LM head the target's own; returns, per
+        role, how far its copy was. Formats that carry no copies (they borrow the target's) keep nothing."""
+        return {}
 
     def frozen(self, name: str) -> bool:
         return False
@@ -96,7 +113,26 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 class EagleUnroller(Unroller):
-    fmt = "eagle"
+    def adopt_target_io(self, embed: torch.Tensor, head: torch.Tensor) -> dict:
+        """An EAGLE drafter's frozen embedding and LM head(s) are copies of its source's; when the target moved
+        away (post-training, a fine-tune), drafting against it with the old ones both feeds the module stale token
+        vectors and scores its output with a head the target no longer has. Returns, per role, the relative
+        Frobenius distance of the drafter's copy from the target's and whether it was replaced."""
+        m: EagleDrafter = self.model
+        pairs = {"embed": [m.embed] + [lyr.embed for lyr in m.layers if lyr.embed is not None],
+                 "head": [m.head] + [lyr.head for lyr in m.layers if lyr.head is not None]}
+        theirs = {"embed": embed, "head": head}
+        out = {}
+        with torch.no_grad():
+            for role, modules in pairs.items():
+                ref = theirs[role].detach().float().cpu()
+                dist = max(float((mod.weight.detach().float().cpu() - ref).norm() / ref.norm().clamp_min(1e-12))
+                           for mod in modules)
+                if dist > 0:
+                    for mod in modules:
+                        mod.weight.copy_(ref.to(mod.weight.dtype))
+                out[role] = {"relative_difference": round(dist, 6), "replaced_by_target": dist > 0}
+        return out
 
     def frozen(self, name: str) -> bool:
         leaf = name.rsplit(".", 1)[0].split(".")[-1]
@@ -129,7 +165,9 @@ class EagleUnroller(Unroller):
 
 
 class Eagle3Unroller(Unroller):
-    fmt = "eagle3"
+    @classmethod
+    def make(cls, model, steps, embed=None, aux_layers=None):
+        return cls(model, cls.steps_for(model, steps), embed, aux_layers or [])
 
     def __init__(self, model: Eagle3Drafter, steps: int, embed: nn.Module, aux_layers: list[int]) -> None:
         super().__init__(model, steps)
@@ -183,7 +221,13 @@ class Eagle3Unroller(Unroller):
 
 
 class MedusaUnroller(Unroller):
-    fmt = "medusa"
+    @classmethod
+    def steps_for(cls, model, steps):
+        """Medusa unrolls one step per head: all of them by default, never more."""
+        k = steps or model.num_heads
+        if k > model.num_heads:
+            raise RecycleError(f"--draft-steps {k}: this Medusa drafter has {model.num_heads} heads")
+        return super().steps_for(model, k)
 
     @torch.no_grad()
     def reinit(self, seed: int) -> None:
@@ -206,7 +250,12 @@ class MedusaUnroller(Unroller):
 
 
 class AssistantUnroller(Unroller):
-    fmt = "gemma4-assistant"
+    default_steps = 4
+    needs_kv = True
+
+    @classmethod
+    def make(cls, model, steps, embed=None, aux_layers=None):
+        return cls(model, cls.steps_for(model, steps), embed)
 
     def __init__(self, model: nn.Module, steps: int, embed: nn.Module) -> None:
         super().__init__(model, steps)
@@ -227,20 +276,10 @@ class AssistantUnroller(Unroller):
         return stored_state(self.model)
 
 
-def make_unroller(fmt: str, model: nn.Module, steps: int | None, embed: nn.Module | None = None,
+def make_unroller(fmt, model: nn.Module, steps: int | None, embed: nn.Module | None = None,
                   aux_layers: list[int] | None = None) -> Unroller:
-    from recycle.errors import RecycleError
+    """The unroller a format's record names (`fmt`: a DrafterFormat or its name), for `model`."""
+    from recycle.drafters import get
 
-    if fmt == "medusa":
-        k = steps or model.num_heads
-        if k > model.num_heads:
-            raise RecycleError(f"--draft-steps {k}: this Medusa drafter has {model.num_heads} heads")
-        return MedusaUnroller(model, k)
-    k = steps or DEFAULT_STEPS[fmt]
-    if k < 1:
-        raise RecycleError("--draft-steps must be at least 1")
-    if fmt == "eagle":
-        return EagleUnroller(model, k)
-    if fmt == "gemma4-assistant":
-        return AssistantUnroller(model, k, embed)
-    return Eagle3Unroller(model, k, embed, aux_layers or [])
+    fmt = get(fmt) if isinstance(fmt, str) else fmt
+    return fmt.resolve("unroller").make(model, steps, embed, aux_layers)

@@ -51,6 +51,10 @@ DTYPES: dict[str, tuple[float, torch.dtype | None]] = {
     "C64": (8, torch.complex64),
 }
 FP8_DTYPES = frozenset({"F8_E4M3", "F8_E5M2"})
+ST_NAMES: dict[torch.dtype, str] = {t: name for name, (_, t) in DTYPES.items() if t is not None}  # torch → safetensors
+# The names users give (--dtype, --precision) → torch's, and torch's own names (config.json's torch_dtype).
+SHORT_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+TORCH_NAMES: dict[str, str] = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 # Elements per dequantization step: the float32 buffer (1 MiB) stays in cache, 1.7× faster than
 # one 128-row block of a 7168-wide weight at a time.
 DEQUANT_CHUNK = 1 << 18

@@ -360,20 +360,20 @@ def convert(
     A Gemma 4 assistant: `recycle convert fixtures/gemma4_assistant --to eagle3 --target fixtures/gemma4_target
     -o /tmp/g4-eagle3`
     """
-    from recycle.preflight import checkpoint_dir, data_name, output_dir, parse_tokens
+    from recycle.options import ConvertOptions
+    from recycle.preflight import checkpoint_dir, output_dir, parse_tokens
 
     checkpoint_dir(ckpt)
     output_dir(output, overwrite, (ckpt,))
-    budget = parse_tokens(calibrate, "--calibrate") if calibrate is not None else None
     if target is not None:
         checkpoint_dir(target)
-    data_name(data)
-    from recycle.converters.api import convert_checkpoint
+    opts = ConvertOptions(source=str(ckpt), to=to, out=str(output), heads=heads, draft_vocab=draft_vocab,
+                          vocab_corpus=str(vocab_corpus) if vocab_corpus else None, dtype=dtype, overwrite=overwrite,
+                          layouts=layouts, calibrate=parse_tokens(calibrate, "--calibrate") if calibrate else None,
+                          target=str(target) if target else None, data=data, eagle3_attention=eagle3_attention)
+    from recycle.converters.api import convert as run_convert
 
-    data = _with_progress(json_out, "writing tensors", lambda progress: convert_checkpoint(
-        ckpt, to, output, heads=heads, draft_vocab=draft_vocab, vocab_corpus=vocab_corpus, dtype=dtype,
-        overwrite=overwrite, progress=progress, layouts=layouts, calibrate=budget, target=target, data=data,
-        eagle3_attention=eagle3_attention))
+    data = _with_progress(json_out, "writing tensors", lambda progress: run_convert(opts, progress))
     if json_out:
         print_json(data)
     else:
@@ -830,9 +830,8 @@ def distill(
     model_dir(target)
     data_name(data)
     output = output or output_alias
-    from recycle.distill.losses import LossConfig
-    from recycle.distill.train import DistillOptions
     from recycle.distill.train import distill as run_distill
+    from recycle.options import DistillOptions, LossConfig
 
     opts = DistillOptions(
         drafter=str(drafter), target=str(target), tokens=budget, out=str(output) if output else None,
@@ -919,12 +918,13 @@ def harvest(
     if drafter is not None:
         drafter_dir(drafter)
         from recycle.checkpoint import load_json
-        from recycle.drafters import drafter_format
+        from recycle.drafters import of_directory
 
-        if drafter_format(drafter) == "eagle3":
-            aux = tuple(load_json(drafter / "config.json", "drafter config.json")["eagle_aux_hidden_state_layer_ids"])
-    from recycle.distill.harvest import HarvestOptions
+        reads = of_directory(drafter).reads(load_json(drafter / "config.json", "drafter config.json"),
+                                            load_json(target / "config.json", "target config.json"))
+        aux = tuple(reads.aux_layers or ())
     from recycle.distill.harvest import harvest as run_harvest
+    from recycle.options import HarvestOptions
 
     parallel = {k: v for k, v in (("tensor_parallel_size", tensor_parallel_size),
                                   ("pipeline_parallel_size", pipeline_parallel_size),

@@ -38,14 +38,42 @@ def tokenizer_fingerprint(directory: str | Path) -> str | None:
 
 def check_fit(base: Mapping, target: Mapping, base_dir: str | Path | None, target_dir: str | Path | None,
               what: str) -> None:
-    """RecycleError unless `base` (a config) has the target's hidden size and vocabulary, and, where
-    both directories hold a tokenizer.json, the same tokenizer."""
-    b, t = merged_config(base), merged_config(target)
-    for what_dim, keys in (("hidden size", HIDDEN_KEYS), ("vocabulary", ("vocab_size",))):
-        # a drafter narrower than its target (Gemma 4's assistants) declares the target's width it reads
-        x, y = first_value(b, (BACKBONE_KEY,) + keys if what_dim == "hidden size" else keys), first_value(t, keys)
+    """RecycleError unless `base` (a checkpoint's or an overlay's config) has the target's hidden size and
+    vocabulary, and, where both directories hold a tokenizer.json, the same tokenizer."""
+    b = merged_config(base)
+    _compare(first_value(b, (BACKBONE_KEY,) + HIDDEN_KEYS), first_value(b, ("vocab_size",)), (), None, target,
+             base_dir, target_dir, what)
+
+
+def check_drafter(fmt, drafter: Mapping, target: Mapping, drafter_dir: str | Path | None,
+                  target_dir: str | Path | None, what: str) -> None:
+    """The one fit check of a drafter (`fmt`, a `DrafterFormat`) against a target, from their configs alone (no
+    weights): the width and vocabulary it reads, the aux layers it taps, the model types it drafts for, the
+    tokenizer, and whatever its record adds (`fit_extra`). bench, plan, distill, harvest and calibration run it
+    before building a model."""
+    if fmt.reads is None:
+        return
+    r = fmt.reads(drafter, merged_config(target))
+    _compare(r.hidden, r.vocab, r.aux_layers or (), r.target_types, target, drafter_dir, target_dir, what, r.hidden_key)
+    if fmt.fit_extra is not None:
+        fmt.resolve("fit_extra")(dict(drafter), dict(target), what)
+
+
+def _compare(hidden: int | None, vocab: int | None, aux: tuple[int, ...] | list[int], types: tuple[str, ...] | None,
+             target: Mapping, base_dir: str | Path | None, target_dir: str | Path | None, what: str,
+             hidden_key: str = "hidden size") -> None:
+    t = merged_config(target)
+    if types is not None and t.get("model_type") not in types and target.get("model_type") not in types:
+        raise RecycleError(f"{what}: it drafts for {' or '.join(types)} models, not {t.get('model_type')!r}")
+    for what_dim, x, y in ((hidden_key, hidden, first_value(t, HIDDEN_KEYS)),
+                           ("vocabulary", vocab, first_value(t, ("vocab_size",)))):
         if x is not None and y is not None and x != y:
-            raise RecycleError(f"{what}: {what_dim} {x} does not fit the target's {y}")
+            theirs = "hidden size " if what_dim == BACKBONE_KEY else ""
+            raise RecycleError(f"{what}: {what_dim} {x} does not fit the target's {theirs}{y}")
+    n = first_value(t, ("num_hidden_layers", "n_layers"))
+    bad = [i for i in aux if n is not None and not 0 <= int(i) <= int(n)]
+    if bad:
+        raise RecycleError(f"{what}: it reads the target's layer {bad[0]}; the target has {n}")
     if base_dir is not None and target_dir is not None:
         fb, ft = tokenizer_fingerprint(base_dir), tokenizer_fingerprint(target_dir)
         if fb is not None and ft is not None and fb != ft:

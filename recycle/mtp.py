@@ -32,17 +32,10 @@ from transformers.masking_utils import create_causal_mask
 from recycle.checkpoint import SCALE_SUFFIX, STORAGE_KEYS, Checkpoint
 from recycle.errors import RecycleError
 from recycle.families import Family, MTPMatch, match
+from recycle.imports import import_object
 
 LEAF_ROLES = ("embed_norm", "hidden_norm", "proj", "final_norm", "head", "embed")
 REQUIRED_ROLES = ("embed_norm", "hidden_norm", "proj", "head", "embed")
-
-
-def import_object(dotted: str):
-    module, _, name = dotted.rpartition(".")
-    try:
-        return getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as e:
-        raise RecycleError(f"cannot import {dotted} from the installed transformers ({e})") from None
 
 
 def block_rotary(block_class: str, config: PretrainedConfig) -> nn.Module | None:

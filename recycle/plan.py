@@ -36,14 +36,9 @@ from recycle.hardware import GPUS, gpu
 Progress = Callable[[int, int, str], None]
 DEFAULT_GPUS = ("H100", "H200", "A100", "L40S", "RTX4090")
 DEFAULT_BATCHES = (1, 8, 32, 128)
-# Trees tried besides the chains, per drafter kind (the kind's bench default first). Medusa-style
-# heads draft one fixed-depth static tree; the recursive drafters grow EAGLE-2 dynamic trees.
-TREES = {
-    "medusa": (None,),
-    "parallel-heads": (None,),
-}
+# Trees tried besides the chains (the format's bench default first): formats with a static tree draft its one
+# fixed-depth Medusa-style tree; the recursive drafters grow EAGLE-2 dynamic trees.
 DYNAMIC_TREES = ("dynamic:3,2,6", "dynamic:2,2,4", "dynamic:4,2,8")
-SINGLE_PASS = {"medusa", "parallel-heads"}  # every head drafts in one pass
 
 
 @dataclass
@@ -155,7 +150,7 @@ def _shape_info(engine: Drafter) -> dict:
         nodes, depth = shape.total_tokens, shape.depth
     else:
         nodes, depth = len(shape.parents) - 1, shape.depth
-    passes = 1 if engine.kind in SINGLE_PASS else depth
+    passes = 1 if engine.format is not None and engine.format.single_pass else depth
     return {"passes": passes, "verify_tokens": nodes + 1, "pass_tokens": max(1, round(nodes / max(passes, 1)))}
 
 
@@ -211,7 +206,8 @@ def run_plan(opts: PlanOptions, progress: Progress | None = None) -> dict:
     limit = getattr(_pass_module(ses.engine), "num_heads", None)  # heads draft a fixed depth
     chain_max = ses.engine_for(f"chain:{min(opts.max_chain, limit or opts.max_chain)}", bopts)
     k_max = chain_max.shape
-    trees = [t for t in TREES.get(kind, (None,) + DYNAMIC_TREES)]
+    fmt = ses.engine.format
+    trees = [None] if fmt.static_tree else [None, *DYNAMIC_TREES]
     engines: list[tuple[str, Drafter]] = [("ar", Drafter()), ("chain:1", ses.engine_for("chain:1", bopts)),
                                           (f"chain:{k_max}", chain_max)]
     for t in trees:
@@ -254,7 +250,7 @@ def run_plan(opts: PlanOptions, progress: Progress | None = None) -> dict:
             tau = statistics.mean(min(n, k + 1) for n in lengths) if lengths else 1.0
             draft = d1 + (dk - d1) * (k - 1) / (k_max - 1) if k_max > 1 else d1
             rows.append(_row(f"chain:{k}", tau, draft, t_verify(k + 1), t_ar, runs.get(f"chain:{k}"),
-                             ar, {"passes": 1 if kind in SINGLE_PASS else k, "verify_tokens": k + 1, "pass_tokens": 1}))
+                             ar, {"passes": 1 if fmt.single_pass else k, "verify_tokens": k + 1, "pass_tokens": 1}))
         for name, r in runs.items():
             if name == "ar" or name.startswith("chain:"):
                 continue

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from tests.cli_helpers import assert_bad_input, run_cli
 
 from recycle.converters.api import convert_checkpoint
-from recycle.converters.eagle3 import aux_layer_ids
+from recycle.drafters.eagle3 import fold_aux_layers
 from recycle.checkpoint import Checkpoint
 from recycle.drafters import Eagle3Drafter, EagleDrafter, MedusaDrafter, load_drafter
 from recycle.errors import RecycleError
@@ -227,7 +227,7 @@ def test_eagle3_key_set_shapes_and_config(converted):
     assert Path(sc["verifier"]["name_or_path"]) == FIXTURE and sc["verifier"]["architectures"] == ["DeepseekV3ForCausalLM"]
     assert cfg["transformer_layer_config"]["vocab_size"] == v
     ids = cfg["eagle_aux_hidden_state_layer_ids"]
-    assert ids == aux_layer_ids(L) and len(set(ids)) == 3 and max(ids) == L - 1  # the last captured state
+    assert ids == fold_aux_layers(L) and len(set(ids)) == 3 and max(ids) == L - 1  # the last captured state
     hd, heads = cfg["head_dim"], cfg["num_attention_heads"]
     assert state["fc.weight"].shape == (h, 3 * h)
     assert state["midlayer.self_attn.q_proj.weight"].shape == (heads * hd, 2 * h)
@@ -241,7 +241,7 @@ def test_eagle3_key_set_shapes_and_config(converted):
     hidden, ids = _inputs()
     logits, _ = drafter(torch.randn(2, 10, 3 * h), inputs_embeds=src.get("lm_head.weight").float()[ids[:, 1:11]])
     assert logits.shape == (2, 10, v)
-    assert aux_layer_ids(61) == [2, 30, 60] and aux_layer_ids(4) == [1, 2, 3]
+    assert fold_aux_layers(61) == [2, 30, 60] and fold_aux_layers(4) == [1, 2, 3]
     rec = json.loads((d / "recycle.json").read_text())
     kinds = {r["tensor"]: r["kind"] for r in rec["mapping"]}
     assert kinds["norm.weight"] == kinds["lm_head.weight"] == "exact"
@@ -340,7 +340,7 @@ def test_eagle3_loads_with_speculators(converted, tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     out = json.loads(res.stdout.strip().splitlines()[-1])
     assert out == {"cls": "Eagle3DraftModel", "plain": "Eagle3DraftModel", "diff": [], "draft_vocab": 512,
-                   "aux": aux_layer_ids(L)}
+                   "aux": fold_aux_layers(L)}
 
 
 # -- Medusa -------------------------------------------------------------------------------------

@@ -28,7 +28,8 @@ from recycle.distill.losses import (
     kl_to_target,
     step_weights,
 )
-from recycle.distill.train import DistillOptions, distill, parse_tokens, plan_batch
+from recycle.distill.schedule import Schedule
+from recycle.distill.train import DistillOptions, distill, parse_tokens
 from recycle.cli import app
 from recycle.drafters import load_drafter
 from recycle.errors import RecycleError
@@ -69,6 +70,9 @@ def test_parse_tokens_rejects(text: str) -> None:
 
 
 def test_plan_batch_cuts_the_last_batch_exactly() -> None:
+    def plan_batch(remaining: int, rows: int, seq_len: int) -> list[int]:  # the schedule's first step
+        return list(Schedule(remaining, rows, seq_len).step(0).lengths)
+
     assert plan_batch(10_000, 4, 128) == [128] * 4
     assert plan_batch(300, 4, 128) == [128, 128, 44]
     assert plan_batch(256, 4, 128) == [128, 128]

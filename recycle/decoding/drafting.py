@@ -19,6 +19,7 @@ Engines:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -45,6 +46,7 @@ class Drafter:
     kind = "ar"
     taps: tuple[str, ...] = ()
     shape: Shape = 0
+    format = None  # the DrafterFormat record it drafts for (set by load_engine; None: AR decoding)
 
     def bind(self, cache: DynamicCache) -> None:
         """The target's KV cache for this generation (only engines that attend it keep it)."""
@@ -450,69 +452,91 @@ def parse_shape(value: str | None, default: Shape, max_depth: int | None = None)
 DEFAULT_DYNAMIC = DynamicTreeSpec()
 
 
+@dataclass
+class EngineRequest:
+    """What a format's engine factory (its record's `engine`) is given."""
+
+    source: Path  # the drafter directory, or the checkpoint whose own modules draft
+    target: Target
+    masks: MaskCache
+    tree: str | None  # --tree, unparsed
+    model: nn.Module | None = None  # the drafter module (directory formats), on the target's device
+    config: dict | None = None  # its config.json
+
+
+def _static_default(heads: int) -> StaticTree:
+    """Medusa's default tree, cut to the depth a set of heads reaches."""
+    from recycle.decoding.tree import DEFAULT_MEDUSA_CHOICES
+
+    return StaticTree.from_choices([c for c in DEFAULT_MEDUSA_CHOICES if len(c) <= heads])
+
+
+def eagle_engine(r: EngineRequest) -> Drafter:
+    return MTPStack(r.model, parse_shape(r.tree, DEFAULT_DYNAMIC), r.masks, kind="eagle", reuse="last")
+
+
+def eagle3_engine(r: EngineRequest) -> Drafter:
+    from recycle.drafters.eagle3 import aux_layers
+
+    aux = aux_layers(r.config, r.target.num_layers)
+    return Eagle3Engine(r.model, parse_shape(r.tree, DEFAULT_DYNAMIC), r.masks, r.target.embed, list(aux))
+
+
+def medusa_engine(r: EngineRequest) -> Drafter:
+    heads = r.model.num_heads
+    return MedusaEngine(r.model, parse_shape(r.tree, _static_default(heads), max_depth=heads), r.masks)
+
+
+def assistant_engine(r: EngineRequest) -> Drafter:
+    shape = parse_shape(r.tree, DEFAULT_DYNAMIC)
+    if r.model.generation_config.num_assistant_tokens is None:  # transformers' assistant_model= reads it
+        r.model.generation_config.num_assistant_tokens = shape if isinstance(shape, int) else shape.depth
+    return AssistantEngine(r.model, shape, r.masks, r.target)
+
+
+def native_mtp_engine(r: EngineRequest) -> Drafter:
+    from recycle.mtp import MTP
+
+    mtp = MTP.from_checkpoint(r.source, dtype=r.target.dtype).to(r.target.device)
+    # Past the stored depth the modules are chained again, module k mod n, as vLLM's `mtp` does.
+    return MTPStack(mtp, parse_shape(r.tree, mtp.depth), r.masks, kind="native-mtp", reuse="cycle")
+
+
+def parallel_engine(r: EngineRequest) -> Drafter:
+    from recycle.drafters.parallel import ParallelHeads
+
+    heads = ParallelHeads.from_checkpoint(r.source, r.target.model)
+    return ParallelEngine(heads, parse_shape(r.tree, _static_default(heads.num_heads), max_depth=heads.num_heads),
+                          r.masks, tap=f"layer:{r.target.num_layers - 1}")
+
+
 def load_engine(drafter_dir: str | None, target: Target, masks: MaskCache, tree: str | None = None,
                 native: bool = False, target_dir: str | None = None) -> Drafter:
-    """The drafting engine for a drafter directory (`recycle convert` output), the target's own MTP
-    modules (`native`, or DRAFTER_DIR = the target dir), or none (`drafter_dir` None: AR decoding)."""
-    from pathlib import Path
-
-    from recycle.decoding.tree import DEFAULT_MEDUSA_CHOICES
+    """The drafting engine for a drafter directory (its format's record builds the module and the engine, after
+    the one fit check), the target's own modules (`native`, or DRAFTER_DIR = the target dir: the family's
+    native format), or none (`drafter_dir` None: AR decoding)."""
+    from recycle.checkpoint import Checkpoint, load_json
+    from recycle.drafters import load_drafter, native_format, of_directory
     from recycle.errors import RecycleError
+    from recycle.families import match
+    from recycle.fit import check_drafter
 
     if drafter_dir is None and not native:
         return Drafter()
-    dtype = target.dtype
     same = drafter_dir is not None and target_dir is not None and Path(drafter_dir).resolve() == Path(target_dir).resolve()
     if native or same:
-        from recycle.checkpoint import Checkpoint
-        from recycle.families import match
-        from recycle.mtp import MTP
-
-        src = target_dir if drafter_dir is None else drafter_dir
-        if match(Checkpoint(src)).family.kind == "parallel_heads":
-            from recycle.drafters.parallel import ParallelHeads
-
-            heads = ParallelHeads.from_checkpoint(src, target.model)
-            default = StaticTree.from_choices([c for c in DEFAULT_MEDUSA_CHOICES if len(c) <= heads.num_heads])
-            return ParallelEngine(heads, parse_shape(tree, default, max_depth=heads.num_heads), masks,
-                                  tap=f"layer:{target.num_layers - 1}")
-        mtp = MTP.from_checkpoint(src, dtype=dtype)
-        mtp.to(target.device)
-        # Past the stored depth the modules are chained again, module k mod n, as vLLM's `mtp` does.
-        return MTPStack(mtp, parse_shape(tree, mtp.depth), masks, kind="native-mtp", reuse="cycle")
-    from recycle.drafters import ASSISTANT_FORMAT, drafter_format, load_drafter
-
-    d = Path(drafter_dir)
-    if not d.is_dir():
-        raise RecycleError(f"{d}: no such drafter directory")
-    fmt = drafter_format(d)
-    model = load_drafter(d, dtype=dtype).to(target.device)
-    vocab = getattr(target.config, "vocab_size", None)
-    if fmt == ASSISTANT_FORMAT:
-        from recycle.drafters.gemma4 import check_fits
-
-        check_fits(model, target.config, where=str(d))
-        shape = parse_shape(tree, DEFAULT_DYNAMIC)
-        if model.generation_config.num_assistant_tokens is None:  # transformers' assistant_model= reads it
-            model.generation_config.num_assistant_tokens = shape if isinstance(shape, int) else shape.depth
-        return AssistantEngine(model, shape, masks, target)
-    if fmt == "eagle":
-        if model.config.vocab_size != vocab or model.config.hidden_size != target.config.hidden_size:
-            raise RecycleError(f"{d}: drafter (vocab {model.config.vocab_size}, hidden {model.config.hidden_size}) "
-                               f"does not fit the target (vocab {vocab}, hidden {target.config.hidden_size})")
-        return MTPStack(model, parse_shape(tree, DEFAULT_DYNAMIC), masks, kind="eagle", reuse="last")
-    if fmt == "eagle3":
-        from recycle.checkpoint import load_json
-
+        src = Path(target_dir if drafter_dir is None else drafter_dir)
+        fmt = native_format(match(Checkpoint(src)).family.kind, src)
+        req = EngineRequest(src, target, masks, tree)
+    else:
+        d = Path(drafter_dir)
+        if not d.is_dir():
+            raise RecycleError(f"{d}: no such drafter directory")
+        fmt = of_directory(d)
         cfg = load_json(d / "config.json", "drafter config.json")
-        n = target.num_layers
-        aux = cfg.get("eagle_aux_hidden_state_layer_ids") or (cfg.get("eagle_config") or {}).get(
-            "eagle_aux_hidden_state_layer_ids") or [min(2, n), n // 2, max(n - 3, 0)]
-        if model.config.vocab_size != vocab or model.fc.in_features != len(aux) * target.config.hidden_size:
-            raise RecycleError(f"{d}: EAGLE-3 drafter does not fit the target (vocab or fc width)")
-        return Eagle3Engine(model, parse_shape(tree, DEFAULT_DYNAMIC), masks, target.embed, [int(i) for i in aux])
-    heads = model.num_heads
-    if model.lm_heads[0].out_features != vocab:
-        raise RecycleError(f"{d}: Medusa heads predict {model.lm_heads[0].out_features} tokens; the target has {vocab}")
-    default = StaticTree.from_choices([c for c in DEFAULT_MEDUSA_CHOICES if len(c) <= heads])
-    return MedusaEngine(model, parse_shape(tree, default, max_depth=heads), masks)
+        check_drafter(fmt, cfg, target.config.to_dict(), d, target_dir, str(d))
+        model = load_drafter(d, dtype=target.dtype).to(target.device)
+        req = EngineRequest(d, target, masks, tree, model, cfg)
+    engine = fmt.resolve("engine")(req)
+    engine.format = fmt
+    return engine

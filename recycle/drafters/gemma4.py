@@ -25,9 +25,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from recycle.drafters.format import DrafterFormat, Layout, Reads
 from recycle.errors import RecycleError
 
 TARGET_TYPES = ("gemma4", "gemma4_text")
+ASSISTANT_TYPE, ASSISTANT_FORMAT = "gemma4_assistant", "gemma4-assistant"  # config model_type; format name
 
 
 def is_gemma4_target(config) -> bool:
@@ -106,17 +108,20 @@ def kv_source_layers(config) -> dict[str, int]:
     return out
 
 
-def check_fits(assistant: nn.Module, target_config, where: str = "assistant") -> None:
-    """Exit-2 reasons an assistant cannot draft for a target: width, vocabulary, or attention geometry."""
-    a, t = assistant.config, target_config
-    if not is_gemma4_target(t):
-        raise RecycleError(f"{where}: a Gemma 4 assistant drafts for a Gemma 4 target, not {t.model_type!r}")
+def check_fits(assistant_config, target_config, where: str = "assistant") -> None:
+    """The assistant's part of the fit check (`recycle.fit.check_drafter` has compared width and vocabulary):
+    every assistant layer attends K/V of a type the target caches, with its head count and size. Configs may be
+    transformers objects or config.json dicts."""
+    from transformers import AutoConfig, Gemma4AssistantConfig
+
+    a, t = assistant_config, target_config
+    if isinstance(a, dict):
+        with assistant_kv_modes():
+            a = Gemma4AssistantConfig.from_dict(a)
+    if isinstance(t, dict):
+        t = AutoConfig.for_model(**t)
+    t = t.get_text_config()
     text = a.get_text_config()
-    if a.backbone_hidden_size != t.hidden_size:
-        raise RecycleError(f"{where}: backbone_hidden_size {a.backbone_hidden_size} does not match the target's "
-                           f"hidden size {t.hidden_size}")
-    if text.vocab_size != t.vocab_size:
-        raise RecycleError(f"{where}: vocabulary {text.vocab_size} does not match the target's {t.vocab_size}")
     sources = kv_source_layers(t)
     for i, kind in enumerate(text.layer_types):
         if kind not in sources:
@@ -190,3 +195,28 @@ def target_states_and_kv(decoder: nn.Module, config, ids: torch.Tensor, layers: 
     out = decoder(input_ids=ids, past_key_values=cache, use_cache=True)
     return out.last_hidden_state, {t: (cache.layers[i].keys, cache.layers[i].values)
                                    for t, i in (layers or kv_source_layers(config)).items()}
+
+
+def build(directory: Path, config: dict, state: dict[str, torch.Tensor], dtype: torch.dtype | None = None,
+          attn_implementation: str = "sdpa") -> nn.Module:
+    return build_assistant(directory, state, dtype)
+
+
+def _reads(config: dict, target: dict) -> Reads:
+    text = config.get("text_config") or {}
+    return Reads(config.get("backbone_hidden_size"), text.get("vocab_size"), target_types=TARGET_TYPES,
+                 hidden_key="backbone_hidden_size")
+
+
+FORMAT = DrafterFormat(
+    name=ASSISTANT_FORMAT,
+    title="Gemma 4 assistant",
+    summary="a Gemma 4 assistant (Q-only layers over the target's own KV cache)",
+    detect=lambda cfg: cfg.get("model_type") == ASSISTANT_TYPE,
+    reads=_reads,
+    fit_extra="recycle.drafters.gemma4:check_fits",
+    build=build,
+    engine="recycle.decoding.drafting:assistant_engine",
+    unroller="recycle.distill.unroll:AssistantUnroller",
+    layouts={"model.safetensors": Layout("Gemma4AssistantForCausalLM (transformers' assistant_model=, vLLM method mtp)")},
+)

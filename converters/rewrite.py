@@ -1,0 +1,65 @@
+"""A trained drafter written back in exactly its input's layout: same files, same key sets and dtypes.
+
+Distillation trains the drafter module; its directory may hold more than the module's own file (an EAGLE
+drafter's `nextn/` and `mtp_overlay/`, Medusa's FasterDecoding file). The format's record names a `rewrite`
+step that rebuilds those other layouts from the trained weights, or drops a layout it cannot rebuild exactly
+(FP8 overlay tensors, say) with a note rather than ship it stale. Everything goes through the one atomic writer;
+`recycle.json` gets the run's record appended to its `distillation` list.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from recycle.checkpoint import DTYPES, Checkpoint, load_json
+from recycle.converters.roles import EXACT, Lazy
+from recycle.errors import RecycleError
+
+WEIGHTS = "model.safetensors"
+
+
+def stored_layout(path: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """name → (shape, torch dtype) of one safetensors file, from its header (the one reader)."""
+    ckpt = Checkpoint(path.parent)
+    return {name: (tuple(info.shape), DTYPES[info.dtype][1]) for name, info in ckpt.tensors.items()
+            if info.file == path.name}
+
+
+def write_drafter(src_dir: str | os.PathLike, writer, fmt, main: dict[str, torch.Tensor], model: torch.nn.Module,
+                  record: dict, metadata: dict[str, str] | None = None) -> dict[str, int]:
+    """`main`: the trained weights under model.safetensors' names; `fmt`: the drafter's DrafterFormat."""
+    src = Path(src_dir)
+    planned = {WEIGHTS: main}
+    dropped: list[str] = []
+    notes: list[str] = []
+    if fmt.rewrite is not None:
+        extra, dropped, notes = fmt.resolve("rewrite")(src, main, model)
+        planned.update(extra)
+    tensors: dict[str, dict[str, Lazy]] = {}
+    for rel, state in planned.items():
+        head = stored_layout(src / rel)
+        if set(head) != set(state):
+            missing, unknown = sorted(set(head) - set(state)), sorted(set(state) - set(head))
+            raise RecycleError(f"{src / rel}: trained weights do not match the stored key set "
+                               f"(missing {missing[:3]}, unexpected {unknown[:3]})")
+        tensors[rel] = {k: Lazy(shp, (lambda t=state[k], d=dt: t.detach().to("cpu", d).contiguous()), (k,), EXACT,
+                                dtype=dt) for k, (shp, dt) in head.items()}
+    prov_path = src / "recycle.json"
+    prov = load_json(prov_path, "recycle.json") if prov_path.is_file() else {}
+    rec = dict(record)
+    if notes:
+        rec["notes"] = notes
+    prov.setdefault("distillation", []).append(rec)
+    with writer as d:
+        d.write_safetensors(tensors, torch.float32, metadata={"recycle_format": fmt.name, "recycle_distilled": "1",
+                                                               **(metadata or {})})
+        for p in sorted(src.rglob("*")):
+            rel = p.relative_to(src).as_posix()
+            if not p.is_file() or rel in tensors or rel == "recycle.json" or rel.split("/")[0] in dropped:
+                continue
+            d.copy_file(p, rel)
+        d.write_json("recycle.json", prov)
+        return dict(d.files)

@@ -1,0 +1,107 @@
+"""A distillation's resumable state: what a checkpoint holds, how it is written and read back, and the metrics log.
+
+A checkpoint holds everything a bit-exact continuation needs (drafter, optimizer, scheduler, step, tokens,
+data position, RNG states, the best snapshot so far) as tensors and plain containers only, so it loads with
+`torch.load(weights_only=True)`: a planted pickle cannot run code. It is written to a temp file, fsynced and
+renamed, so a kill mid-write leaves the previous one. The run's state directory (`OUT.distill/`) holds it and
+`metrics.jsonl`, one row per step; a resumed run cuts the log back to the checkpoint's step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from recycle.errors import RecycleError
+
+CHECKPOINT = "checkpoint.pt"
+METRICS = "metrics.jsonl"
+VERSION = 1
+
+
+def fingerprint(opts, world: int) -> dict:
+    """Options a resumed run must share with the one it continues."""
+    return {"drafter": str(Path(opts.drafter).resolve()), "target": str(Path(opts.target).resolve()),
+            "tokens": opts.tokens, "seq_len": opts.seq_len, "batch": opts.batch, "world": world,
+            "init": opts.init, "data": opts.data, "self_distill": opts.self_distill, "seed": opts.seed,
+            "draft_steps": opts.draft_steps, "eval_rows": opts.eval_rows, "eval_prompt_len": opts.eval_prompt_len}
+
+
+def rng_state() -> dict:
+    """RNG states as tensors and plain containers, so the checkpoint loads with weights_only=True."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    return {"torch": torch.get_rng_state(), "python": random.getstate(),
+            "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss)],
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+
+
+def set_rng(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, gauss_np = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss_np))
+    if state.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def atomic_save(obj: dict, path: Path) -> None:
+    """torch.save to a temp file, fsync, rename: a kill mid-write leaves the previous checkpoint."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def save_checkpoint(state_dir: Path, state: dict, fp: dict) -> None:
+    atomic_save({"version": VERSION, "fingerprint": fp, **state}, state_dir / CHECKPOINT)
+
+
+def load_checkpoint(state_dir: Path, device: torch.device, fp: dict) -> dict | None:
+    """The checkpoint a run with fingerprint `fp` may continue, or None when there is none; RecycleError for
+    an unreadable or unsafe file, or one from a run with other options."""
+    path = state_dir / CHECKPOINT
+    if not path.is_file():
+        return None
+    try:
+        # weights_only: tensors and plain containers only; a planted pickle cannot run code here
+        state = torch.load(path, map_location=device, weights_only=True)
+    except Exception as e:
+        raise RecycleError(f"{path}: unreadable or unsafe checkpoint ({type(e).__name__}: "
+                           f"{' '.join(str(e).split())[:120]}); remove it to start over") from None
+    if not isinstance(state, dict) or not isinstance(state.get("fingerprint"), dict):
+        raise RecycleError(f"{path}: not a recycle distill checkpoint; remove it to start over")
+    diff = sorted(k for k in fp if state["fingerprint"].get(k) != fp[k])
+    if diff:
+        raise RecycleError(f"{path}: the checkpoint is from a run with other options ({', '.join(diff)}); "
+                           "use the same options or --overwrite to start over")
+    return state
+
+
+def append_metrics(state_dir: Path, row: dict) -> None:
+    with (state_dir / METRICS).open("a", encoding="utf-8") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+def truncate_metrics(state_dir: Path, step: int) -> None:
+    """Drop metrics rows written after the checkpoint: the resumed run writes those steps again."""
+    path = state_dir / METRICS
+    if not path.is_file():
+        return
+    keep = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            if int(json.loads(line).get("step", 0)) <= step:
+                keep.append(line)
+        except (ValueError, AttributeError):
+            continue  # a torn last line from the kill
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(f"{line}\n" for line in keep), encoding="utf-8")
+    os.replace(tmp, path)

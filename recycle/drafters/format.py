@@ -1,0 +1,81 @@
+"""A drafter format as one declarative record: what recycle knows about EAGLE, EAGLE-3, Medusa, native MTP,
+parallel heads and Gemma 4's assistants, each in one place.
+
+The family table (`recycle/families.py`) describes where a checkpoint keeps its MTP modules; a
+`DrafterFormat` describes what a drafter *is* once it exists: how a directory of it is recognised, which
+module builds it, which decoding engine drafts with it, what it expects of its target (the fit check),
+how distillation unrolls it, which converter writes it and which layouts it carries, and how engines
+serve it. Adding a format is a file with its record and a line in `recycle/drafters/registry.py`.
+
+The pieces that live in higher layers (the decoding engine, the converter, distill's unroller, the
+layout rewriter) are named as "module:attribute" and imported on use, the
+way the family table names transformers' classes: this module, and every record, import none of them,
+so the arrows keep pointing one way (cli → converters/distill/bench/hub → decoding → drafters).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from recycle.errors import RecycleError
+from recycle.imports import import_object
+
+
+@dataclass(frozen=True)
+class Reads:
+    """What a drafter expects of its target, read from the drafter's config.json (no weights loaded).
+
+    hidden: the width of the target state it reads; vocab: its vocabulary; aux_layers: the target layers
+    whose residual streams it takes (EAGLE-3), None where it reads only the last state; target_types:
+    the model types it can draft for (None: any with that width and vocabulary).
+    """
+
+    hidden: int | None
+    vocab: int | None
+    aux_layers: tuple[int, ...] | None = None
+    target_types: tuple[str, ...] | None = None
+    hidden_key: str = "hidden size"  # what the drafter calls the width it reads (messages name it)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One file or folder a format writes: who reads it, and the card's serving lines for it (templates over
+    {repo}, {local}, {target}, {heads}, {verifier}; a line naming {verifier} only when the config names one)."""
+
+    what: str
+    serving: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class DrafterFormat:
+    name: str  # recycle.json's `format`, `--to`'s value, the decoding engine's kind
+    title: str  # a phrase for people (reports, cards)
+    summary: str  # what the drafter is, one clause for the model card
+    convertible: bool = False  # `recycle convert --to NAME` writes it; push publishes these
+    native_kind: str | None = None  # a source family kind drafted with its own modules (no drafter directory)
+    detect: Callable[[Mapping], bool] | None = None  # does a config.json describe a directory of this format
+    reads: Callable[[Mapping, Mapping], Reads] | None = None  # (drafter config, target config) -> what it reads
+    build: Callable | None = None  # (directory, config, state, dtype, attn_implementation) -> nn.Module
+    engine: str | None = None  # (EngineRequest) -> the decoder's drafting engine
+    unroller: str | None = None  # distill's Unroller subclass for this format
+    default_steps: int | None = None  # distill's unrolled draft steps (None: the drafter's own number of heads)
+    converter: str | None = None  # (RoleWeights, ConvertRequest) -> converters.roles.Plan
+    calibrate: str | None = None  # (Plan, RoleWeights, ConvertOptions) -> record: fit what cannot be copied
+    options: frozenset[str] = frozenset()  # `recycle convert` options that apply to this format
+    layouts: Mapping[str, Layout] = field(default_factory=dict)  # what it writes, in order, and who reads it
+    rewrite: str | None = None  # (source dir, trained main state, module) -> other layouts' tensors, dropped, notes
+    serving_note: str = ""  # a sentence under the card's serving commands
+    tags: tuple[str, ...] = ()  # Hub tags beside "speculative-decoding" and the format's name
+    single_pass: bool = False  # every depth drafts in one pass (heads over one state), not one call per step
+    static_tree: bool = False  # drafts a fixed Medusa-style tree by default (no EAGLE-2 dynamic trees)
+    native_chain: bool = False  # its chain is the MTP modules' own (compare it with native MTP at the same depth)
+    fit_extra: str | None = None  # (drafter config, target config, where) -> None: checks beyond width and vocab
+
+    def resolve(self, what: str) -> Any:
+        """The object a "module:attribute" field names, imported now."""
+        ref = getattr(self, what)
+        if ref is None:
+            raise RecycleError(f"{self.title}: recycle has no {what.replace('_', ' ')} for it")
+        return import_object(ref) if isinstance(ref, str) else ref

@@ -1,0 +1,299 @@
+"""The model card of a drafter: Hub metadata, then what it is, how it was made (recycle.json's provenance and
+mapping), how it measured (bench.json) and how engines serve it (its format record's serving lines)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path, PurePosixPath
+
+from recycle.drafters import get
+from recycle.hub.validate import PROVENANCE, Drafter, distillation_runs
+
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
+LIBRARY = "recycle"
+MAPPING_ROWS_SHOWN = 40
+
+
+def _name_or_path(config_path: Path) -> str | None:
+    try:
+        name = json.loads(config_path.read_text(encoding="utf-8")).get("_name_or_path")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return name if isinstance(name, str) and name else None
+
+
+def base_model_name(drafter: Drafter, override: str | None = None) -> str:
+    """The source checkpoint's Hub name: --base-model, a Hub id recycle.json names, else its config's
+    `_name_or_path`, else the source directory's name (a local path means nothing on the Hub; the card's
+    `base_model` field is written only when this is an OWNER/NAME id)."""
+    if override:
+        return override
+    src = str((drafter.record.get("source") or {}).get("path") or "")
+    if HUB_ID.match(src) and not Path(src).exists():
+        return src
+    configs = [Path(src) / "config.json"] if src else []
+    for cfg in configs + [drafter.path / "mtp_overlay" / "config.json", drafter.path / "config.json"]:
+        name = _name_or_path(cfg)
+        if name and HUB_ID.match(name):
+            return name
+    return Path(src).name or "unknown"
+
+
+LICENSE_FILES = {"apache-2.0": ("Apache License", "Version 2.0"), "mit": ("MIT License",),
+                 "bsd-3-clause": ("Redistribution and use in source and binary forms", "Neither the name"),
+                 "gpl-3.0": ("GNU GENERAL PUBLIC LICENSE", "Version 3"), "llama3.1": ("LLAMA 3.1 COMMUNITY LICENSE",),
+                 "gemma": ("Gemma Terms of Use",)}
+
+
+def _front_matter_license(readme: Path) -> str | None:
+    try:
+        text = readme.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return None
+    m = re.match(r"---\n(.*?)\n---", text, re.S)
+    lic = re.search(r"^license:\s*(\S+)\s*$", m.group(1), re.M) if m else None
+    return lic.group(1).strip("'\"") if lic else None
+
+
+def license_name(drafter: Drafter, override: str | None = None) -> tuple[str | None, str]:
+    """(Hub license id, where it came from): --license, else the source's config (`license`), its
+    README front matter, or its LICENSE file's wording; (None, why) when none says."""
+    if override:
+        return override, "--license"
+    src = Path(str((drafter.record.get("source") or {}).get("path") or ""))
+    dirs = [d for d in (src, drafter.path / "mtp_overlay", drafter.path) if str(d) and d.is_dir()]
+    for d in dirs:
+        try:
+            lic = json.loads((d / "config.json").read_text(encoding="utf-8")).get("license")
+        except (OSError, ValueError, AttributeError):
+            lic = None
+        if isinstance(lic, str) and lic:
+            return lic, "the source's config.json"
+        lic = _front_matter_license(d / "README.md") if d != drafter.path else None
+        if lic:
+            return lic, "the source's README.md"
+        for name in ("LICENSE", "LICENSE.txt", "LICENSE.md"):
+            try:
+                head = (d / name).read_text(encoding="utf-8", errors="ignore")[:4000]
+            except OSError:
+                continue
+            for hub_id, words in LICENSE_FILES.items():
+                if all(w.lower() in head.lower() for w in words):
+                    return hub_id, f"the source's {name}"
+            return "other", f"the source's {name} (not a license the Hub names)"
+    return None, "no license found in the source's config, README front matter or LICENSE; pass --license"
+
+
+def _public(value: object) -> str:
+    """A path as the card may show it: Hub ids and corpus names as they are, local paths by their last part."""
+    text = str(value)
+    if HUB_ID.match(text) and not Path(text).exists():
+        return text
+    if text.startswith(("py:", "stdlib")) or "/" not in text:
+        return text
+    return Path(text).name
+
+
+def _pattern(name: str) -> str:
+    """A tensor name with its indices folded (`layers.1.block.mlp.experts.7.w` → `layers.N.block.mlp.experts.N.w`)."""
+    return re.sub(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.)", "N", name)
+
+
+def _mapping_table(rows: list[dict]) -> list[str]:
+    """Per-file kind counts, then the main weights file's tensors grouped by name pattern (the other files
+    re-lay out the same sources; recycle.json keeps every row)."""
+    lines = ["| file | tensors | exact | approx | fresh |", "|---|---:|---:|---:|---:|"]
+    per_file: dict[str, list[dict]] = {}
+    for r in rows:
+        per_file.setdefault(r["file"], []).append(r)
+    for file, rs in per_file.items():
+        counts = [sum(r["kind"] == k for r in rs) for k in ("exact", "approx", "fresh")]
+        lines.append(f"| `{file}` | {len(rs)} | " + " | ".join(map(str, counts)) + " |")
+    main = per_file.get("model.safetensors") or next(iter(per_file.values()), [])
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for r in main:
+        groups.setdefault((_pattern(r["tensor"]), r["kind"]), []).append(r)
+    if not groups:
+        return lines
+    lines += ["", f"`{main[0]['file']}` by tensor (N = any index):", "",
+              "| tensor | kind | count | from (first) | note |", "|---|---|---:|---|---|"]
+    for (pat, kind), rs in list(groups.items())[:MAPPING_ROWS_SHOWN]:
+        src = ", ".join(f"`{s}`" for s in rs[0].get("from", [])[:2]) or "-"
+        note = str(rs[0].get("note", "")).replace("|", "/")
+        lines.append(f"| `{pat}` | {kind} | {len(rs)} | {src} | {note} |")
+    if len(groups) > MAPPING_ROWS_SHOWN:
+        lines.append(f"| … {len(groups) - MAPPING_ROWS_SHOWN} more | | | | |")
+    return lines
+
+
+def _bench_section(b: dict) -> list[str]:
+    o = b["overall"]
+    sp, ar = o["spec"], o.get("ar") or {}
+    hw = b.get("hardware") or b.get("device_name") or b.get("device", "?")
+    setup = (f"{hw}, {b.get('dtype', '?')}, {b.get('threads', '?')} thread(s); {len(b.get('prompts') or [])} prompts, "
+             f"≤{b.get('max_new_tokens', '?')} new tokens, "
+             f"{'greedy' if not b.get('temperature') else 'T=' + str(b['temperature'])}; tree `{b.get('tree', '?')}`")
+    lines = ["## Benchmark", "", f"`recycle bench` against `{Path(str(b.get('target', '?'))).name}` ({setup}):", "",
+             "| τ (tokens/step) | speedup | predicted speedup | AR tok/s | speculative tok/s | target forwards "
+             "(AR → spec) | greedy = AR |", "|---:|---:|---:|---:|---:|---:|---|"]
+    pred = (o.get("predicted") or {}).get("speedup")
+    speedup = o.get("speedup")
+    lines.append(f"| {sp['tau']:.2f} | {f'{speedup:.2f}×' if speedup else '-'} | {f'{pred:.2f}×' if pred else '-'} | "
+                 f"{ar.get('tokens_per_s', 0):.1f} | {sp.get('tokens_per_s', 0):.1f} | "
+                 f"{ar.get('target_forwards', '-')} → {sp.get('target_forwards', '-')} | {o.get('greedy_match') or '-'} |")
+    acc = sp.get("acceptance") or []
+    if acc:
+        lines += ["", "Acceptance rate by draft position:", "",
+                  "| " + " | ".join(f"pos {i + 1}" for i in range(len(acc))) + " |",
+                  "|" + "---:|" * len(acc), "| " + " | ".join(f"{a:.2f}" for a in acc) + " |"]
+    bw = b.get("bandwidth")
+    if bw:
+        lines += ["", f"Memory bandwidth: AR {bw['ar_gbs']:.0f} GB/s, speculative {bw['spec_gbs']:.0f} GB/s "
+                      f"(peak {bw['peak_gbs']:.0f} GB/s)."]
+    lines += ["", "τ is the mean number of tokens per speculative step (bonus token included); speedup is measured "
+                  "tokens/s over plain autoregressive decoding with the same loop and KV-cache code.", ""]
+    return lines
+
+
+def _cell(v: object) -> str:
+    text = v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)
+    return " ".join(str(text).replace("|", "/").split())[:300]
+
+
+def _distill_rows(r: dict) -> list[tuple[str, str]]:
+    """The figures a reader needs from one run record (distill/train.py's schema); other keys as they are."""
+    data, final, opt = r.get("data") or {}, r.get("final") or {}, r.get("optimizer") or {}
+    rows = []
+    if "tokens" in r:
+        rows.append(("target tokens read (budget)", f"{r['tokens']:,} ({r.get('budget_tokens', r['tokens']):,})"))
+    if "steps" in r:
+        rows.append(("optimizer steps", str(r["steps"])))
+    if r.get("target"):
+        rows.append(("target", f"`{_public(r['target'])}`"))
+    if data:
+        src = _public(data.get("source", "?") if isinstance(data, dict) else data)
+        shape = (f"; sequences of {data.get('seq_len')} tokens × {data.get('batch_per_rank')} per rank × "
+                 f"{data.get('world_size', 1)} rank(s), seed {data.get('seed')}") if isinstance(data, dict) else ""
+        sd = "; self-distilled (the target regenerated each sequence)" if isinstance(data, dict) and \
+            data.get("self_distill") else ""
+        rows.append(("data", f"{src}{shape}{sd}"))
+    if r.get("init"):
+        rows.append(("initialisation", "the converted (recycled) weights" if r["init"] == "recycled" else r["init"]))
+    if (r.get("losses") or {}).get("objective"):
+        rows.append(("objective", r["losses"]["objective"]))
+    if opt:
+        rows.append(("optimizer", f"{opt.get('name', '?')}, lr {opt.get('lr', '?')} ({opt.get('schedule', '')})"))
+    if final.get("loss") is not None:
+        rows.append(("final loss", f"{final['loss']:.4f}"))
+    before, after = final.get("heldout_agreement_before") or [], final.get("heldout_agreement_after") or []
+    if before and after:
+        held = r.get("heldout") or {}
+        where = f" on {_public(held['source'])}, {held.get('continuation', '')}" if held.get("source") else ""
+        rows.append((f"held-out top-1 agreement with the target by draft step{where} (before → after)",
+                     ", ".join(f"{x:.3f} → {y:.3f}" for x, y in zip(before, after))))
+    if final.get("heldout_estimate_before") is not None:
+        rows.append(("held-out estimate of τ for the chain (before → after)",
+                     f"{final['heldout_estimate_before']:.3f} → {final['heldout_estimate_after']:.3f}"))
+    if (r.get("selected") or {}).get("why"):
+        rows.append(("weights written", r["selected"]["why"]))
+    for role, d in (r.get("target_io") or {}).items():
+        if isinstance(d, dict) and d.get("replaced_by_target"):
+            rows.append((f"{role}", f"the target's own (the source's copy differed by {d['relative_difference']:.1%})"))
+    if r.get("device") or r.get("wall_s") is not None:
+        rows.append(("hardware", f"{r.get('device', '?')}, {r.get('precision', '?')}, "
+                                 f"{r.get('wall_s', 0):.1f} s at {r.get('tokens_per_s', 0):.0f} tokens/s"))
+    for note in r.get("notes") or []:
+        rows.append(("note", str(note)))
+    known = {"tokens", "budget_tokens", "steps", "data", "init", "losses", "optimizer", "final", "device", "precision",
+             "wall_s", "tokens_per_s", "notes", "timing", "target_forward_share", "overhead_share", "resumed",
+             "cache_hits", "from", "out", "state_dir", "recycle_version", "target", "heldout", "selected",
+             "target_io", "created", "snapshot_tokens", "heldout_agree", "heldout_estimate"}
+    rows += [(k, _cell(v)) for k, v in r.items() if k not in known]
+    return rows
+
+
+def _distill_section(runs: list[dict]) -> list[str]:
+    lines = ["## Distillation", "", "After conversion, `recycle distill` trained the drafter against the frozen "
+             "target (the mapping above describes the initialisation, not the final values):", ""]
+    for i, r in enumerate(runs, 1):
+        if len(runs) > 1:
+            lines += [f"Run {i}:", ""]
+        lines += ["| | |", "|---|---|"] + [f"| {k} | {_cell(v)} |" for k, v in _distill_rows(r)] + [""]
+    return lines
+
+
+def _serving(drafter: Drafter, repo: str, base: str) -> list[str]:
+    """The engine commands of the format's record, for the layouts this directory holds, with the repo in place
+    of paths."""
+    fmt = get(drafter.format)
+    target = base if HUB_ID.match(base) else f"/models/{base}"
+    verifier = ((drafter.config.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path", "")
+    values = {"repo": repo, "local": PurePosixPath(repo).name, "target": target, "verifier": verifier,
+              "heads": drafter.config.get("num_heads") or drafter.config.get("medusa_num_heads") or 3}
+    lines = ["## Serving", "", "```bash"]
+    for rel, layout in fmt.layouts.items():
+        if not (drafter.path / rel).exists():
+            continue
+        lines += [line.format(**values) for line in layout.serving
+                  if "{verifier}" not in line or HUB_ID.match(str(verifier))]
+    lines += ["```", ""]
+    if fmt.serving_note:
+        lines += [fmt.serving_note, ""]
+    return lines
+
+
+def build_card(drafter: Drafter, repo: str, base_model: str | None = None, license: str | None = None):
+    """The model card (huggingface_hub ModelCard): Hub metadata plus what, how made, measured, how to serve."""
+    from huggingface_hub import ModelCard, ModelCardData
+
+    rec, fmt = drafter.record, drafter.format
+    src, tgt = rec.get("source") or {}, rec.get("target") or {}
+    summary = rec.get("summary") or {}
+    runs = distillation_runs(rec)
+    base = base_model_name(drafter, base_model)
+    lic, _ = license_name(drafter, license)
+    tags = ["speculative-decoding", fmt, *get(fmt).tags, "recycled-mtp",
+            *([src["family"]] if src.get("family") else []), *(["distilled"] if runs else [])]
+    data = [r.get("data") for r in runs]
+    data_sets = sorted({x for x in (d.get("source") if isinstance(d, dict) else d for d in data)
+                        if isinstance(x, str) and HUB_ID.match(x) and not Path(x).exists()})
+    # No pipeline_tag: a drafter cannot generate on its own, and the Hub's EAGLE-3 / Medusa drafter
+    # repositories (speculators', SpecForge's) carry tags, not a text-generation widget that would fail.
+    meta = ModelCardData(base_model=base if HUB_ID.match(base) else None, library_name=LIBRARY, tags=tags,
+                         datasets=data_sets or None, license=lic)
+    base_ref = f"[{base}](https://huggingface.co/{base})" if HUB_ID.match(base) else f"`{base}`"
+    body = [
+        f"# {PurePosixPath(repo).name}", "",
+        f"A speculative-decoding drafter for {base_ref}: {get(fmt).summary}, made by "
+        f"recycle {rec.get('recycle_version', '')} from the Multi-Token-Prediction (MTP) modules "
+        f"the checkpoint ships with, so it starts from weights trained with the model instead of from scratch.", "",
+        "| | |", "|---|---|",
+        f"| format | `{fmt}` ({tgt.get('dtype', '?')}) |",
+        f"| source | {base_ref}, family `{src.get('family', '?')}` ({src.get('family_title', '')}) |",
+        f"| MTP modules | {src.get('modules', '?')} stored / {src.get('declared', '?')} declared"
+        f"{', FP8 (dequantized)' if src.get('fp8') else ''} |",
+        f"| made with | recycle {rec.get('recycle_version', '?')}, {rec.get('created', '?')} |", "",
+    ]
+    layouts = {k: v for k, v in (tgt.get("layouts") or {}).items() if (drafter.path / k).exists()}
+    if layouts:
+        body += ["Layouts in this repository:", ""] + [f"- `{k}`: {v}" for k, v in layouts.items()] + [""]
+    body += ["## How it was made", "",
+             f"`recycle convert --to {fmt}` mapped {summary.get('tensors', '?')} tensors: "
+             f"**{summary.get('exact', '?')} exact** (copied from an MTP tensor), "
+             f"**{summary.get('approx', '?')} approx** (derived from MTP tensors, not equal to any), "
+             f"**{summary.get('fresh', '?')} fresh** (initialised). The full per-tensor mapping is in "
+             f"[`{PROVENANCE}`]({PROVENANCE}); grouped:", ""]
+    body += _mapping_table(rec.get("mapping") or []) + [""]
+    notes = rec.get("notes") or []
+    if notes:
+        body += ["Notes:", ""] + [f"- {n}" for n in notes] + [""]
+    if runs:
+        body += _distill_section(runs)
+    elif summary.get("approx") or summary.get("fresh"):
+        body += ["This drafter was not distilled after conversion: its approx/fresh tensors start near, not at, "
+                 "the MTP module, so acceptance improves after `recycle distill`.", ""]
+    if drafter.bench:
+        body += _bench_section(drafter.bench)
+    body += _serving(drafter, repo, base)
+    return ModelCard(f"---\n{meta.to_yaml()}\n---\n\n" + "\n".join(body))

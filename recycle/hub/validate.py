@@ -1,0 +1,165 @@
+"""What `recycle push` checks before anything leaves the machine: a bad drafter on the Hub is served by other
+people's engines, so the layout must be the one recycle.json declares (the drafter class builds from it
+strictly, every safetensors header equals the mapping table convert wrote) and every weight must be finite."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+
+import torch
+
+from recycle.checkpoint import Checkpoint, load_json
+from recycle.drafters import convertible, load_drafter, of_config
+from recycle.errors import RecycleError
+from recycle.preflight import drafter_record
+
+CARD = "README.md"
+BENCH = "bench.json"
+PROVENANCE = "recycle.json"
+Progress = Callable[[int, int], None]
+
+
+@dataclass
+class Drafter:
+    """A validated drafter directory: what the card is written from and what would be uploaded."""
+
+    path: Path
+    format: str
+    record: dict  # recycle.json
+    config: dict  # config.json
+    files: dict[str, int]  # relative path -> bytes, every file that goes up (the card excluded)
+    tensors: int  # tensors checked for NaN/Inf
+    bench: dict | None  # bench.json (`recycle bench --json`), when present
+    notes: list[str] = field(default_factory=list)
+
+
+# -- validation -----------------------------------------------------------------------------------
+
+
+def _hidden(rel: PurePosixPath) -> bool:
+    return any(part.startswith(".") for part in rel.parts)
+
+
+def _listing(d: Path) -> dict[str, int]:
+    """Every non-hidden file under d (relative POSIX path -> bytes), sorted."""
+    files = {}
+    for p in sorted(d.rglob("*")):
+        rel = PurePosixPath(p.relative_to(d).as_posix())
+        if p.is_file() and not _hidden(rel):
+            files[str(rel)] = p.stat().st_size
+    return files
+
+
+def _check_module(d: Path) -> None:
+    """Build the format's drafter module strictly from config.json + model.safetensors on the meta device:
+    the drafter classes own each format's key set and shapes, so a missing, extra or misshapen tensor
+    fails here without allocating the module's memory."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "copying into a meta parameter is a no-op": intended
+        with torch.device("meta"):
+            load_drafter(d)
+
+
+def _check_mapping(d: Path, record: dict, ckpts: dict[str, Checkpoint], st_files: list[str]) -> list[str]:
+    """Every safetensors header must hold exactly the tensors (names, shapes, dtypes) recycle.json maps to it."""
+    rows = record.get("mapping")
+    if rows is None:
+        return ["recycle.json has no mapping table: the layout was checked against the drafter class only"]
+    planned: dict[str, dict[str, tuple[tuple[int, ...], str]]] = {}
+    try:
+        for row in rows:
+            planned.setdefault(row["file"], {})[row["tensor"]] = (tuple(int(n) for n in row["shape"]), row["dtype"])
+    except (KeyError, TypeError, ValueError):
+        raise RecycleError(f"{d / PROVENANCE}: malformed mapping table (rows need file, tensor, shape, dtype)") from None
+    notes = []
+    for sub in sorted(_dropped_layouts(d, record, planned)):
+        planned = {f: v for f, v in planned.items() if not f.startswith(sub)}
+        notes.append(f"{sub} is not here: distillation dropped it (recycle.json still maps the converted layout)")
+    for f in sorted(set(planned) - set(st_files)):
+        raise RecycleError(f"{d / f}: missing, but recycle.json maps {len(planned[f])} tensors to it")
+    for f in st_files:
+        if f not in planned:
+            raise RecycleError(f"{d / f}: not in recycle.json's mapping table; remove it or re-run recycle convert")
+        sub, name = str(PurePosixPath(f).parent), PurePosixPath(f).name
+        stored = {i.name: (i.shape, i.dtype) for i in ckpts[sub].tensors.values() if i.file == name}
+        want = planned[f]
+        missing, extra = sorted(set(want) - set(stored)), sorted(set(stored) - set(want))
+        if missing:
+            raise RecycleError(f"{d / f}: lacks {len(missing)} tensor(s) recycle.json maps to it (first: {missing[0]})")
+        if extra:
+            raise RecycleError(f"{d / f}: holds {len(extra)} tensor(s) recycle.json does not map (first: {extra[0]})")
+        for t, (shape, dtype) in want.items():
+            if stored[t] != (shape, dtype):
+                raise RecycleError(f"{d / f}: {t} is {stored[t][1]} {list(stored[t][0])}, "
+                                   f"recycle.json says {dtype} {list(shape)}")
+    return notes
+
+
+def _dropped_layouts(d: Path, record: dict, planned: dict) -> set[str]:
+    """Subfolder layouts a distilled drafter no longer has as a whole (distill drops nextn/ or mtp_overlay/
+    when it cannot rebuild them exactly); a folder that is present but incomplete is still an error."""
+    if not distillation_runs(record):
+        return set()
+    subs = {f.split("/")[0] + "/" for f in planned if "/" in f}
+    subs |= {k for k in (record.get("target") or {}).get("layouts") or {} if k.endswith("/")}
+    return {sub for sub in subs if not (d / sub).exists()}
+
+
+def distillation_runs(record: dict) -> list[dict]:
+    """recycle.json's `distillation` runs (distill appends one record per run; a lone dict is one run)."""
+    runs = record.get("distillation")
+    if isinstance(runs, dict):
+        return [runs]
+    return [r for r in runs if isinstance(r, dict)] if isinstance(runs, list) else []
+
+
+def _read_bench(path: Path) -> dict | None:
+    if not path.is_file():
+        return None
+    data = load_json(path, "bench report")
+    spec = (data.get("overall") or {}).get("spec")
+    if not isinstance(spec, dict) or "tau" not in spec:
+        raise RecycleError(f"{path}: not a `recycle bench --json` report (no overall.spec.tau)")
+    return data
+
+
+def validate_drafter(path: str | os.PathLike, progress: Progress | None = None) -> Drafter:
+    """Refuse (RecycleError) a directory whose layout, config or weights do not match the format it declares."""
+    record = drafter_record(path)
+    d = Path(path).expanduser().resolve()
+    fmt = (record.get("target") or {}).get("format")
+    if fmt not in convertible():
+        raise RecycleError(f"{d / PROVENANCE}: target.format is {fmt!r}, expected one of {', '.join(convertible())}")
+    config = load_json(d / "config.json", "config.json")
+    described = of_config(config)
+    if described is None or described.name != fmt:
+        raise RecycleError(f"{d / 'config.json'}: describes {described.name if described else 'no known drafter format'}, "
+                           f"but recycle.json declares {fmt}")
+    _check_module(d)
+    files = _listing(d)
+    st_files = [f for f in files if f.endswith(".safetensors")]
+    ckpts = {sub: Checkpoint(d / sub) for sub in sorted({str(PurePosixPath(f).parent) for f in st_files})}
+    notes = _check_mapping(d, record, ckpts, st_files)
+    dropped = _dropped_layouts(d, record, {})
+    for rel in (record.get("target") or {}).get("layouts") or {}:
+        if not (d / rel).exists() and rel not in dropped:
+            raise RecycleError(f"{d / rel}: missing, but recycle.json lists it as a layout of this drafter")
+    total = sum(len(c.tensors) for c in ckpts.values())
+    done = 0
+    for ckpt in ckpts.values():
+        for name, info in ckpt.tensors.items():
+            for chunk in ckpt.iter_chunks(name):
+                if not bool(torch.isfinite(chunk).all()):
+                    raise RecycleError(f"{ckpt.path / info.file}: tensor {name} holds NaN or Inf values; "
+                                       "refusing to publish corrupt weights")
+            done += 1
+            if progress:
+                progress(done, total)
+    if CARD in files:
+        notes.append(f"the directory's own {CARD} is replaced by the generated model card")
+        del files[CARD]
+    return Drafter(d, fmt, record, config, files, total, _read_bench(d / BENCH), notes)
