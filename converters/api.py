@@ -17,7 +17,7 @@ from recycle import __version__
 from recycle.checkpoint import SHORT_DTYPES, ST_NAMES, TORCH_NAMES, Checkpoint
 from recycle.converters.roles import APPROX, EXACT, FRESH, Backbone, Plan, RoleWeights, backbone, gather
 from recycle.converters.writer import OutputDir, Progress
-from recycle.drafters import DrafterFormat, get
+from recycle.formats import DrafterFormat, get
 from recycle.errors import RecycleError
 from recycle.fit import check_fit
 from recycle.options import ConvertOptions

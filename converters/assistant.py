@@ -55,7 +55,7 @@ import torch.nn.functional as F
 
 from recycle.converters.eagle3 import DEFAULT_SPEC_TOKENS, WEIGHTS, draft_head, llama_config
 from recycle.converters.roles import APPROX, Backbone, Lazy, Plan, RoleWeights
-from recycle.drafters.eagle3 import fold_aux_layers
+from recycle.formats.eagle3 import fold_aux_layers
 from recycle.errors import RecycleError
 
 GELU_SILU = 1.702  # gelu(x) ≈ x·sigmoid(1.702x) = silu(1.702x)/1.702
@@ -203,7 +203,7 @@ def fold(src: Sources, *, a: int, big: int, heads: int, kv_heads: int, head_dim:
 
 def require_target(w: RoleWeights, req, to: str) -> Backbone:
     """The assistant's target (`--target`), which it reads states, norm and head from: a Gemma 4 model."""
-    from recycle.drafters.gemma4 import TARGET_TYPES
+    from recycle.formats.gemma4_assistant import TARGET_TYPES
 
     bb = req.backbone
     if bb is None:

@@ -153,7 +153,8 @@ def collect(source: str | Path, target: str | Path, heads: int, tokens: int, dat
         depth = min(heads, src.num_heads)
         lm = [model.get_output_embeddings().weight] * depth
     elif kind == "drafter":  # a Gemma 4 assistant chains as deep as asked
-        from recycle.drafters import load_drafter, of_directory
+        from recycle.drafters import load_drafter
+        from recycle.formats import of_directory
         from recycle.fit import check_drafter
 
         check_drafter(of_directory(source), ckpt.config, model.config.to_dict(), source, target, f"--target {target}")
@@ -210,7 +211,7 @@ def calibrate_medusa(plan, w, opts) -> dict:
     """Medusa's record step (`DrafterFormat.calibrate`): replace the plan's identity ResBlocks by ones fitted to
     the source's heads, in both of its layouts; returns the record for recycle.json."""
     from recycle.converters.roles import APPROX, Lazy
-    from recycle.drafters.medusa import FD_WEIGHTS, WEIGHTS, faster_decoding_names
+    from recycle.formats.medusa import FD_WEIGHTS, WEIGHTS, faster_decoding_names
     from recycle.converters.medusa import DEFAULT_HEADS, LAYERS
 
     heads = opts.heads or DEFAULT_HEADS

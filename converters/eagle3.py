@@ -62,7 +62,7 @@ import torch
 
 from recycle.converters.roles import (APPROX, EXACT, Lazy, Plan, RoleWeights, block_norm, normal, ones,
                                      require_sequential, zeros)
-from recycle.drafters.eagle3 import fold_aux_layers
+from recycle.formats.eagle3 import fold_aux_layers
 from recycle.errors import RecycleError
 
 WEIGHTS = "model.safetensors"

@@ -24,7 +24,7 @@ target's last hidden state), so nothing else carries over; the heads need traini
 from __future__ import annotations
 
 from recycle.converters.roles import Backbone, Lazy, Plan, RoleWeights, zeros
-from recycle.drafters.medusa import FD_WEIGHTS, WEIGHTS, faster_decoding_names
+from recycle.formats.medusa import FD_WEIGHTS, WEIGHTS, faster_decoding_names
 from recycle.errors import RecycleError
 
 DEFAULT_HEADS = 3
@@ -38,10 +38,10 @@ def convert(w: RoleWeights, req) -> Plan:
     if w.family.kind == "drafter":
         from recycle.converters.assistant import require_target
 
-        backbone = require_target(w, req, "medusa")
         if req.options.calibrate is None:
             raise RecycleError(f"{w.ckpt.path}: Medusa heads from a {w.family.title} are fitted to it: pass "
                                "--calibrate TOKENS --target TARGET")
+        backbone = require_target(w, req, "medusa")
     heads = DEFAULT_HEADS if req.options.heads is None else req.options.heads
     return heads_plan(w, heads=heads, dtype_name=req.dtype_name, backbone=backbone)
 

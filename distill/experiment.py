@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from recycle.distill.train import DistillOptions, distill
-from recycle.drafters import convertible, get, of_config
+from recycle.formats import convertible, get, of_config
 from recycle.preflight import checkpoint_dir
 
 FORMATS = convertible()

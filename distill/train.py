@@ -129,7 +129,7 @@ class Distiller:
     def _validate(self) -> None:
         """Every check that needs no model: options, paths, the drafter's format and its fit to the target."""
         from recycle.converters.writer import OutputDir
-        from recycle.drafters import of_directory
+        from recycle.formats import of_directory
         from recycle.fit import check_drafter
 
         o = self.opts

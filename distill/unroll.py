@@ -279,7 +279,7 @@ class AssistantUnroller(Unroller):
 def make_unroller(fmt, model: nn.Module, steps: int | None, embed: nn.Module | None = None,
                   aux_layers: list[int] | None = None) -> Unroller:
     """The unroller a format's record names (`fmt`: a DrafterFormat or its name), for `model`."""
-    from recycle.drafters import get
+    from recycle.formats import get
 
     fmt = get(fmt) if isinstance(fmt, str) else fmt
     return fmt.resolve("unroller").make(model, steps, embed, aux_layers)

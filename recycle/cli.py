@@ -918,7 +918,7 @@ def harvest(
     if drafter is not None:
         drafter_dir(drafter)
         from recycle.checkpoint import load_json
-        from recycle.drafters import of_directory
+        from recycle.formats import of_directory
 
         reads = of_directory(drafter).reads(load_json(drafter / "config.json", "drafter config.json"),
                                             load_json(target / "config.json", "target config.json"))

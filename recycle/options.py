@@ -58,7 +58,7 @@ class ConvertOptions:
 
     def validate(self) -> None:
         """Every check that reads no tensor; the format record says which options apply to it."""
-        from recycle.drafters import convertible, get
+        from recycle.formats import convertible, get
 
         fmt = get(self.to)
         if not fmt.convertible:

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from tests.cli_helpers import assert_bad_input, run_cli
 
 from recycle.converters.api import convert_checkpoint
-from recycle.drafters.eagle3 import fold_aux_layers
+from recycle.formats.eagle3 import fold_aux_layers
 from recycle.checkpoint import Checkpoint
 from recycle.drafters import Eagle3Drafter, EagleDrafter, MedusaDrafter, load_drafter
 from recycle.errors import RecycleError

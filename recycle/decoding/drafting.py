@@ -476,7 +476,7 @@ def eagle_engine(r: EngineRequest) -> Drafter:
 
 
 def eagle3_engine(r: EngineRequest) -> Drafter:
-    from recycle.drafters.eagle3 import aux_layers
+    from recycle.formats.eagle3 import aux_layers
 
     aux = aux_layers(r.config, r.target.num_layers)
     return Eagle3Engine(r.model, parse_shape(r.tree, DEFAULT_DYNAMIC), r.masks, r.target.embed, list(aux))
@@ -516,10 +516,11 @@ def load_engine(drafter_dir: str | None, target: Target, masks: MaskCache, tree:
     the one fit check), the target's own modules (`native`, or DRAFTER_DIR = the target dir: the family's
     native format), or none (`drafter_dir` None: AR decoding)."""
     from recycle.checkpoint import Checkpoint, load_json
-    from recycle.drafters import load_drafter, native_format, of_directory
+    from recycle.drafters import load_drafter
     from recycle.errors import RecycleError
     from recycle.families import match
     from recycle.fit import check_drafter
+    from recycle.formats import native_format, of_directory
 
     if drafter_dir is None and not native:
         return Drafter()

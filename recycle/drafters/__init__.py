@@ -1,5 +1,5 @@
-"""Drafter modules and their format records (EAGLE feature-chained, EAGLE-3, Medusa, Gemma 4's assistants,
-native MTP, parallel heads), the registry over them (`registry.FORMATS`) and `load_drafter(dir)`.
+"""Drafter modules (EAGLE feature-chained, EAGLE-3, Medusa; Gemma 4's assistants; parallel heads) and
+`load_drafter(dir)`, which builds the one a directory holds through its format's record (`recycle.formats`).
 
 The decoder and the distiller only see these modules; how a directory was initialised (which MTP
 tensor became which weight) lives in its recycle.json, not here.
@@ -7,11 +7,40 @@ tensor became which weight) lives in its recycle.json, not here.
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
+import torch
+
 from recycle.drafters.eagle import EagleDrafter
 from recycle.drafters.eagle3 import Eagle3Drafter
-from recycle.drafters.format import DrafterFormat
 from recycle.drafters.medusa import MedusaDrafter
-from recycle.drafters.registry import FORMATS, convertible, get, load_drafter, native_format, of_config, of_directory
+from recycle.errors import RecycleError
+from recycle.formats import of_directory
+from recycle.preflight import load_json
 
-__all__ = ["EagleDrafter", "Eagle3Drafter", "MedusaDrafter", "DrafterFormat", "FORMATS", "convertible", "get",
-           "load_drafter", "native_format", "of_config", "of_directory"]
+WEIGHTS = "model.safetensors"
+
+__all__ = ["EagleDrafter", "Eagle3Drafter", "MedusaDrafter", "load_drafter"]
+
+
+def load_drafter(path: str | os.PathLike, dtype: torch.dtype | None = None, attn_implementation: str = "sdpa"):
+    """The drafter module a drafter directory holds (written by `recycle convert` or the distiller, or a
+    format recycle reads such as a Gemma 4 assistant), built by its format's record."""
+    from safetensors.torch import load_file
+
+    d = Path(path)
+    if not d.is_dir():
+        raise RecycleError(f"{d}: no such drafter directory")
+    fmt = of_directory(d)
+    cfg = load_json(d / "config.json", "drafter config.json")
+    if not (d / WEIGHTS).is_file():
+        raise RecycleError(f"{d / WEIGHTS}: missing")
+    try:
+        state = load_file(str(d / WEIGHTS))
+    except Exception as e:  # noqa: BLE001 - a truncated or foreign file
+        raise RecycleError(f"{d / WEIGHTS}: corrupt or unreadable safetensors ({' '.join(str(e).split())[:160]})") from None
+    try:
+        return fmt.resolve("build")(d, cfg, state, dtype, attn_implementation)
+    except (RuntimeError, KeyError, ValueError) as e:
+        raise RecycleError(f"{d}: weights do not fit the {fmt.name} drafter ({str(e).splitlines()[0]})") from None

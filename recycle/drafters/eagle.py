@@ -24,7 +24,6 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from recycle.drafters.format import DrafterFormat, Layout, Reads
 from recycle.families import BY_NAME, Family
 from recycle.mtp import MTP, block_config, to_runtime_layout
 
@@ -118,37 +117,3 @@ def build_eagle(config_dict: Mapping, state: Mapping[str, torch.Tensor], dtype: 
 def build(directory, config: Mapping, state: Mapping[str, torch.Tensor], dtype: torch.dtype | None = None,
           attn_implementation: str = "sdpa") -> EagleDrafter:
     return build_eagle(config, state, dtype, attn_implementation)
-
-
-FORMAT = DrafterFormat(
-    name="eagle",
-    title="EAGLE drafter (the MTP modules, feature-chained)",
-    summary="an EAGLE-style feature-chained drafter (the MTP modules themselves, lossless)",
-    convertible=True,
-    detect=lambda cfg: isinstance(cfg.get("recycle"), dict),
-    reads=lambda cfg, target: Reads(cfg.get("hidden_size"), cfg.get("vocab_size")),
-    build=build,
-    engine="recycle.decoding.drafting:eagle_engine",
-    unroller="recycle.distill.unroll:EagleUnroller",
-    converter="recycle.converters.eagle:convert",
-    options=frozenset({"layouts"}),
-    layouts={
-        "model.safetensors": Layout("recycle EAGLE drafter (recycle.drafters.load_drafter)", (
-            "hf download {repo} --local-dir {local}",
-            "# recycle's own tree decoder (top-level model.safetensors)",
-            "recycle bench {local} --target {target}")),
-        "nextn/": Layout("SGLang NextN export (module 0, layer 0, num_hidden_layers 1)", (
-            "# SGLang NextN (nextn/)",
-            "python -m sglang.launch_server --model {target} --speculative-algorithm EAGLE \\",
-            "  --speculative-draft-model-path {local}/nextn --speculative-num-steps 3 --speculative-eagle-topk 1 "
-            "--speculative-num-draft-tokens 4")),
-        "mtp_overlay/": Layout("MTP tensors under their original names, stored bytes; `recycle stitch` puts them back", (
-            "# MTP overlay (mtp_overlay/): stitch into a local copy of the target, then vLLM / llama.cpp",
-            "recycle stitch {local}/mtp_overlay {target} -o {local}-stitched",
-            "vllm serve {local}-stitched --speculative-config '{{\"method\": \"mtp\", \"num_speculative_tokens\": 3}}'",
-            "llama-server -m {local}-stitched.gguf --spec-type draft-mtp   # after convert_hf_to_gguf.py")),
-    },
-    rewrite="recycle.converters.eagle:rewrite",
-    tags=("mtp",),
-    native_chain=True,
-)

@@ -31,8 +31,6 @@ from transformers.masking_utils import create_causal_mask
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as ds
 from transformers.models.llama import modeling_llama as llama
 
-from recycle.drafters.format import DrafterFormat, Layout, Reads
-
 
 @dataclass(frozen=True)
 class LayerKind:
@@ -59,33 +57,6 @@ LAYER_KINDS = {
         ds.DeepseekV3Attention, ds.DeepseekV3MLP, ds.DeepseekV3RMSNorm, ds.DeepseekV3RotaryEmbedding,
         ("q_a_proj", "q_proj", "kv_a_proj_with_mqa")),
 }
-
-
-def engine_aux_layers(n: int) -> list[int]:
-    """The layers engines capture for an EAGLE-3 drafter whose config names none: vLLM's and SGLang's
-    default (2, N//2, N-3), clipped for tiny trunks."""
-    return [min(2, n), n // 2, max(n - 3, 0)]
-
-
-def fold_aux_layers(n: int) -> list[int]:
-    """The layers recycle names (always, in config.json) for a drafter folded from MTP modules: three distinct
-    ones like the engines' default, but ending at N-1 (the deepest state vLLM captures), since MTP modules
-    were trained on the last state. Trunks of fewer than 3 layers get [0, 1, 2] (2 = N: the final state,
-    which speculators accepts but vLLM does not capture)."""
-    if n < 3:
-        return [0, 1, 2]
-    last = n - 1
-    mid = n // 2 if n // 2 < last else last - 1
-    first = 2 if 2 < mid else mid - 1
-    return [first, mid, last]
-
-
-def aux_layers(config: Mapping, n: int) -> tuple[int, ...]:
-    """The target layers an EAGLE-3 drafter reads: its config's ids (top level, or speculators' eagle_config),
-    else what the engines capture by default."""
-    ids = config.get("eagle_aux_hidden_state_layer_ids") or (config.get("eagle_config") or {}).get(
-        "eagle_aux_hidden_state_layer_ids")
-    return tuple(int(i) for i in (ids or engine_aux_layers(n)))
 
 
 def layer_kind(config_dict: Mapping) -> LayerKind:
@@ -192,38 +163,3 @@ def build_eagle3(config_dict: Mapping, state: Mapping[str, torch.Tensor], dtype:
 def build(directory, config: Mapping, state: Mapping[str, torch.Tensor], dtype: torch.dtype | None = None,
           attn_implementation: str = "sdpa") -> Eagle3Drafter:
     return build_eagle3(config, state, dtype, attn_implementation)
-
-
-def _reads(config: Mapping, target: Mapping) -> Reads:
-    n = int(target.get("num_hidden_layers") or 0)
-    return Reads(config.get("target_hidden_size") or config.get("hidden_size"), config.get("vocab_size"),
-                 aux_layers(config, n))
-
-
-FORMAT = DrafterFormat(
-    name="eagle3",
-    title="EAGLE-3 drafter",
-    summary="an EAGLE-3 drafter (one Llama layer over fused target features)",
-    convertible=True,
-    detect=lambda cfg: "draft_vocab_size" in cfg or cfg.get("speculators_model_type") == "eagle3",
-    reads=_reads,
-    build=build,
-    engine="recycle.decoding.drafting:eagle3_engine",
-    unroller="recycle.distill.unroll:Eagle3Unroller",
-    converter="recycle.converters.eagle3:convert",
-    options=frozenset({"draft_vocab", "vocab_corpus", "eagle3_attention", "target"}),
-    layouts={"model.safetensors": Layout(
-        "EAGLE-3 official/SpecForge layout (midlayer.*), speculators keys in config.json", (
-            "# vLLM",
-            "vllm serve {target} --speculative-config "
-            "'{{\"model\": \"{repo}\", \"method\": \"eagle3\", \"num_speculative_tokens\": 3}}'",
-            "vllm serve {repo}   # speculators config names the verifier {verifier}",
-            "# SGLang",
-            "python -m sglang.launch_server --model {target} --speculative-algorithm EAGLE3 \\",
-            "  --speculative-draft-model-path {repo} --speculative-num-steps 3 --speculative-eagle-topk 1 "
-            "--speculative-num-draft-tokens 4",
-            "# llama.cpp: convert the draft with the target beside it, then draft-eagle3",
-            "hf download {repo} --local-dir {local}",
-            "python convert_hf_to_gguf.py {local} --target-model-dir {target}",
-            "llama-server -m target.gguf -md {local}.gguf --spec-type draft-eagle3"))},
-)

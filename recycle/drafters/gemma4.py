@@ -25,15 +25,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from recycle.drafters.format import DrafterFormat, Layout, Reads
 from recycle.errors import RecycleError
-
-TARGET_TYPES = ("gemma4", "gemma4_text")
-ASSISTANT_TYPE, ASSISTANT_FORMAT = "gemma4_assistant", "gemma4-assistant"  # config model_type; format name
-
-
-def is_gemma4_target(config) -> bool:
-    return getattr(config, "model_type", None) in TARGET_TYPES
 
 
 @contextlib.contextmanager
@@ -200,23 +192,3 @@ def target_states_and_kv(decoder: nn.Module, config, ids: torch.Tensor, layers: 
 def build(directory: Path, config: dict, state: dict[str, torch.Tensor], dtype: torch.dtype | None = None,
           attn_implementation: str = "sdpa") -> nn.Module:
     return build_assistant(directory, state, dtype)
-
-
-def _reads(config: dict, target: dict) -> Reads:
-    text = config.get("text_config") or {}
-    return Reads(config.get("backbone_hidden_size"), text.get("vocab_size"), target_types=TARGET_TYPES,
-                 hidden_key="backbone_hidden_size")
-
-
-FORMAT = DrafterFormat(
-    name=ASSISTANT_FORMAT,
-    title="Gemma 4 assistant",
-    summary="a Gemma 4 assistant (Q-only layers over the target's own KV cache)",
-    detect=lambda cfg: cfg.get("model_type") == ASSISTANT_TYPE,
-    reads=_reads,
-    fit_extra="recycle.drafters.gemma4:check_fits",
-    build=build,
-    engine="recycle.decoding.drafting:assistant_engine",
-    unroller="recycle.distill.unroll:AssistantUnroller",
-    layouts={"model.safetensors": Layout("Gemma4AssistantForCausalLM (transformers' assistant_model=, vLLM method mtp)")},
-)

@@ -12,23 +12,6 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from recycle.drafters.format import DrafterFormat, Layout, Reads
-
-WEIGHTS = "model.safetensors"  # vLLM's layout
-FD_WEIGHTS = "medusa_lm_head.safetensors"  # FasterDecoding's (TGI, TensorRT-LLM)
-
-
-def faster_decoding_names(heads: int, layers: int) -> dict[str, str]:
-    """vLLM's tensor name → FasterDecoding Medusa v1's, for every tensor of `heads` heads of `layers` ResBlocks:
-    blocks.{i}.layers.{j}.{weight,bias} → {i}.{j}.linear.{weight,bias}; lm_heads.{i}.weight → {i}.{layers}.weight."""
-    names = {}
-    for i in range(heads):
-        for j in range(layers):
-            for p in ("weight", "bias"):
-                names[f"blocks.{i}.layers.{j}.{p}"] = f"{i}.{j}.linear.{p}"
-        names[f"lm_heads.{i}.weight"] = f"{i}.{layers}.weight"
-    return names
-
 
 class ResBlock(nn.Module):
     def __init__(self, hidden: int) -> None:
@@ -82,31 +65,3 @@ def build_medusa(config_dict: Mapping, state: Mapping[str, torch.Tensor], dtype:
 def build(directory, config: Mapping, state: Mapping[str, torch.Tensor], dtype: torch.dtype | None = None,
           attn_implementation: str = "sdpa") -> MedusaDrafter:
     return build_medusa(config, state, dtype)
-
-
-FORMAT = DrafterFormat(
-    name="medusa",
-    title="Medusa heads",
-    summary="Medusa heads over the target's last hidden state",
-    convertible=True,
-    detect=lambda cfg: cfg.get("model_type") == "medusa" or "medusa_num_heads" in cfg,
-    reads=lambda cfg, target: Reads(cfg.get("hidden_size"), cfg.get("vocab_size")),
-    build=build,
-    engine="recycle.decoding.drafting:medusa_engine",
-    unroller="recycle.distill.unroll:MedusaUnroller",
-    converter="recycle.converters.medusa:convert",
-    calibrate="recycle.converters.calibrate:calibrate_medusa",
-    options=frozenset({"heads", "calibrate", "target", "data"}),
-    layouts={
-        WEIGHTS: Layout("vLLM Medusa layout (blocks.*, lm_heads.*)", (
-            "# vLLM (chain drafting)",
-            "vllm serve {target} --speculative-config "
-            "'{{\"model\": \"{repo}\", \"method\": \"medusa\", \"num_speculative_tokens\": {heads}}}'")),
-        FD_WEIGHTS: Layout("FasterDecoding Medusa v1 layout ({i}.{j}.linear.*, {i}.L.weight)", (
-            "# TGI / TensorRT-LLM read medusa_lm_head.safetensors (FasterDecoding layout)",)),
-    },
-    rewrite="recycle.converters.medusa:rewrite",
-    serving_note="SGLang and llama.cpp have no Medusa support.",
-    single_pass=True,
-    static_tree=True,
-)

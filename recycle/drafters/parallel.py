@@ -20,7 +20,6 @@ from torch import nn
 from transformers import DynamicCache
 
 from recycle.checkpoint import Checkpoint
-from recycle.drafters.format import DrafterFormat
 from recycle.errors import RecycleError
 from recycle.families import match
 from recycle.imports import import_object
@@ -98,14 +97,3 @@ class ParallelHeads(nn.Module):
 
     def new_caches(self) -> list[DynamicCache]:
         return [DynamicCache() for _ in self.blocks]
-
-
-FORMAT = DrafterFormat(
-    name="parallel-heads",
-    title="parallel prediction heads (Meta's multi-token prediction)",
-    summary="the checkpoint's own parallel prediction heads, drafting one Medusa-style tree per step",
-    native_kind="parallel_heads",
-    engine="recycle.decoding.drafting:parallel_engine",
-    single_pass=True,
-    static_tree=True,
-)

@@ -7,7 +7,7 @@ import json
 import re
 from pathlib import Path, PurePosixPath
 
-from recycle.drafters import get
+from recycle.formats import get
 from recycle.hub.validate import PROVENANCE, Drafter, distillation_runs
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")

@@ -13,7 +13,8 @@ from pathlib import Path, PurePosixPath
 import torch
 
 from recycle.checkpoint import Checkpoint, load_json
-from recycle.drafters import convertible, load_drafter, of_config
+from recycle.drafters import load_drafter
+from recycle.formats import convertible, of_config
 from recycle.errors import RecycleError
 from recycle.preflight import drafter_record
 

@@ -8,9 +8,10 @@ how distillation unrolls it, which converter writes it and which layouts it carr
 serve it. Adding a format is a file with its record and a line in `recycle/drafters/registry.py`.
 
 The pieces that live in higher layers (the decoding engine, the converter, distill's unroller, the
-layout rewriter) are named as "module:attribute" and imported on use, the
-way the family table names transformers' classes: this module, and every record, import none of them,
-so the arrows keep pointing one way (cli → converters/distill/bench/hub → decoding → drafters).
+layout rewriter) and the drafter module itself are named as "module:attribute" and imported on use, the
+way the family table names transformers' classes: the records import none of them (nor torch), so the CLI
+lists the formats and checks a directory's kind in a fraction of a second, and the arrows keep pointing one
+way (cli → converters/distill/bench/hub → decoding → drafters → formats).
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ class DrafterFormat:
     native_kind: str | None = None  # a source family kind drafted with its own modules (no drafter directory)
     detect: Callable[[Mapping], bool] | None = None  # does a config.json describe a directory of this format
     reads: Callable[[Mapping, Mapping], Reads] | None = None  # (drafter config, target config) -> what it reads
-    build: Callable | None = None  # (directory, config, state, dtype, attn_implementation) -> nn.Module
+    build: str | None = None  # (directory, config, state, dtype, attn_implementation) -> nn.Module
     engine: str | None = None  # (EngineRequest) -> the decoder's drafting engine
     unroller: str | None = None  # distill's Unroller subclass for this format
     default_steps: int | None = None  # distill's unrolled draft steps (None: the drafter's own number of heads)
@@ -78,4 +79,4 @@ class DrafterFormat:
         ref = getattr(self, what)
         if ref is None:
             raise RecycleError(f"{self.title}: recycle has no {what.replace('_', ' ')} for it")
-        return import_object(ref) if isinstance(ref, str) else ref
+        return import_object(ref)

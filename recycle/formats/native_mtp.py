@@ -4,7 +4,7 @@ as engines' `method: "mtp"` does. No drafter directory: the checkpoint is both t
 
 from __future__ import annotations
 
-from recycle.drafters.format import DrafterFormat
+from recycle.formats.record import DrafterFormat
 
 FORMAT = DrafterFormat(
     name="native-mtp",

@@ -1,0 +1,66 @@
+"""Drafter formats as data: every format recycle knows, one record each (`record.DrafterFormat`), in one list,
+and the functions that pick one (as `recycle.families` holds every source layout). Adding a format: a module
+here with its `FORMAT` record, and a line in `FORMATS`. Nothing here imports torch."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+from recycle.errors import RecycleError
+from recycle.formats import eagle, eagle3, gemma4_assistant, medusa, native_mtp, parallel_heads
+from recycle.formats.record import DrafterFormat, Layout, Reads
+from recycle.preflight import load_json
+
+# In detection order: a config.json is the first format whose `detect` accepts it.
+FORMATS: dict[str, DrafterFormat] = {f.name: f for f in (
+    eagle.FORMAT,
+    eagle3.FORMAT,
+    medusa.FORMAT,
+    gemma4_assistant.FORMAT,
+    native_mtp.FORMAT,
+    parallel_heads.FORMAT,
+)}
+PROVENANCE = "recycle.json"
+
+
+def convertible() -> tuple[str, ...]:
+    """The formats `recycle convert --to` writes (and `recycle push` publishes)."""
+    return tuple(name for name, f in FORMATS.items() if f.convertible)
+
+
+def get(name: str, what: str = "format") -> DrafterFormat:
+    if name not in FORMATS:
+        raise RecycleError(f"unknown {what} '{name}' (choose from {', '.join(convertible())})")
+    return FORMATS[name]
+
+
+def of_config(config: Mapping) -> DrafterFormat | None:
+    """The format a drafter's config.json describes, or None."""
+    return next((f for f in FORMATS.values() if f.detect is not None and f.detect(config)), None)
+
+
+def native_format(kind: str, where: str | os.PathLike = "") -> DrafterFormat:
+    """The format that drafts with a source family's own modules (its `kind` in the family table)."""
+    found = next((f for f in FORMATS.values() if f.native_kind == kind), None)
+    if found is None:
+        raise RecycleError(f"{where}: a {kind.replace('_', ' ')} checkpoint has no modules of its own to draft with")
+    return found
+
+
+def of_directory(path: str | os.PathLike) -> DrafterFormat:
+    """The format of a drafter directory: recycle.json's, else what its config.json describes."""
+    d = Path(path)
+    if (d / PROVENANCE).is_file():
+        name = (load_json(d / PROVENANCE, "recycle.json").get("target") or {}).get("format")
+        if name in FORMATS and FORMATS[name].detect is not None:
+            return FORMATS[name]
+    fmt = of_config(load_json(d / "config.json", "drafter config.json"))
+    if fmt is None:
+        raise RecycleError(f"{d}: cannot tell which drafter format this directory holds")
+    return fmt
+
+
+__all__ = ["DrafterFormat", "Layout", "Reads", "FORMATS", "convertible", "get", "of_config", "of_directory",
+           "native_format"]
