@@ -125,7 +125,7 @@ def fixture(prompts: str | None, out: dict, max_new: int = 128, limit: int | Non
     rows = []
     for tree in trees:
         rep = run_bench(BenchOptions(drafter=drafter, target=target, prompts=chosen, max_new_tokens=max_new, tree=tree,
-                                     device=DEV.type, dtype=dtype))
+                                     device=DEV.type, precision=dtype))
         o = rep["overall"]
         rows.append({"tree": tree, "tau": o["spec"]["tau"], "speedup": o["speedup"],
                      "predicted_cost_model": o["predicted"]["speedup"], "ar_tokens_per_s": o["ar"]["tokens_per_s"],
@@ -136,7 +136,7 @@ def fixture(prompts: str | None, out: dict, max_new: int = 128, limit: int | Non
     if not with_plan:
         return
     plan = run_plan(PlanOptions(bench=BenchOptions(drafter=drafter, target=target, prompts=chosen, max_new_tokens=max_new,
-                                                   device=DEV.type, dtype="bf16"), gpus=["H100"]))
+                                                   device=DEV.type, precision="bf16"), gpus=["H100"]))
     out["fixture_plan"] = plan
 
 

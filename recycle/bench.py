@@ -18,7 +18,6 @@ excluded). It says how far the measured speedup is from what acceptance and per-
 
 from __future__ import annotations
 
-import math
 import os
 import time
 from collections.abc import Callable
@@ -36,30 +35,11 @@ from recycle.decoding import (
     load_target,
 )
 from recycle.decoding.drafting import load_engine
+from recycle.checkpoint import SHORT_DTYPES
 from recycle.errors import RecycleError
+from recycle.options import BenchOptions
 
 Progress = Callable[[int, int, str], None]
-
-
-@dataclass
-class BenchOptions:
-    drafter: str | None  # drafter directory; None with native=True: the target's own MTP modules
-    target: str
-    prompts: list[tuple[str, str]] | None = None  # (set, text); None: recycle.prompts.default_prompts()
-    max_new_tokens: int = 128
-    temperature: float = 0.0
-    tree: str | None = None
-    device: str | None = None  # None: cuda when available, else cpu
-    dtype: str = "fp32"
-    native: bool = False
-    compare_hf: bool = False
-    seed: int = 0
-    warmup: bool = True
-    stop_at_eos: bool = True
-    repeats: int = 1  # time each prompt this many times per decoder and keep the fastest (shared machines)
-
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def resolve_device(name: str | None) -> torch.device:
@@ -176,28 +156,6 @@ def hf_peers(model: torch.nn.Module, prompts: list[list[int]], ours: list[list[i
     return rows
 
 
-def check_options(opts: BenchOptions) -> None:
-    """Reject bad options before any loading (so the CLI fails fast, before its progress bar)."""
-    from recycle.decoding.drafting import parse_shape
-
-    if opts.max_new_tokens < 1:
-        raise RecycleError("--max-new-tokens must be ≥ 1")
-    if opts.repeats < 1:
-        raise RecycleError("--repeats must be ≥ 1")
-    if opts.temperature < 0 or not math.isfinite(opts.temperature):
-        raise RecycleError("--temperature must be a finite number ≥ 0")
-    if opts.dtype not in DTYPES:
-        raise RecycleError(f"--dtype {opts.dtype!r}: choose from {', '.join(DTYPES)}")
-    if opts.drafter is None and not opts.native:
-        raise RecycleError("give a DRAFTER_DIR, or --native-mtp to draft with the target's own MTP modules")
-    if opts.drafter is not None and not Path(opts.drafter).is_dir():
-        raise RecycleError(f"{opts.drafter}: no such drafter directory")
-    if not Path(opts.target).is_dir():
-        raise RecycleError(f"--target {opts.target}: no such directory")
-    resolve_device(opts.device)
-    parse_shape(opts.tree, 1)
-
-
 @dataclass
 class Session:
     """A loaded target with one drafting engine, its tokenizer and the encoded prompts (bench and plan)."""
@@ -225,10 +183,10 @@ def open_session(opts: BenchOptions) -> Session:
     from recycle.decoding.target import quiet_transformers
     from recycle.prompts import default_prompts
 
-    check_options(opts)
+    opts.validate()
     device = resolve_device(opts.device)
     tdir = Path(opts.target)
-    model = load_target(tdir, device=device, dtype=DTYPES[opts.dtype])
+    model = load_target(tdir, device=device, dtype=SHORT_DTYPES[opts.precision])
     target = Target(model)
     masks = MaskCache(target.dtype, device)
     with quiet_transformers():
@@ -289,7 +247,7 @@ def run_bench(opts: BenchOptions, progress: Progress | None = None) -> dict:
         "drafter_kind": engine.kind,
         "tree": engine.describe(),
         "device": str(device),
-        "dtype": opts.dtype,
+        "dtype": opts.precision,
         "threads": torch.get_num_threads(),
         "temperature": opts.temperature,
         "max_new_tokens": opts.max_new_tokens,

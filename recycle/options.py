@@ -11,12 +11,14 @@ This module imports nothing heavy; a check that needs the drafter-format records
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from recycle.errors import RecycleError
 from recycle.preflight import data_name, parse_tokens
 
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")  # OWNER/NAME
 DTYPES = ("bf16", "fp16", "fp32")  # storage (--dtype) and compute (--precision) names; torch's in checkpoint.py
 PRECISIONS = ("bf16", "fp32")
 CONVERT_OPTIONS = {  # the format-specific convert options, by their flag
@@ -150,6 +152,7 @@ class DistillOptions(DataOptions):
         super().validate()
         _choice(self.init, ("recycled", "scratch"), "--init")
         _choice(self.precision, PRECISIONS, "--precision")
+        _device_name(self.device)
         _at_least((("--checkpoint-every", self.checkpoint_every, 1), ("--eval-every", self.eval_every, 1),
                    ("--draft-steps", self.draft_steps, 1), ("--threads", self.threads, 1)))
         if not (self.lr > 0 and math.isfinite(self.lr)):
@@ -174,5 +177,121 @@ class HarvestOptions(DataOptions):
     parallel: dict | None = None  # vLLM's own names: tensor_parallel_size, pipeline_parallel_size, ...
 
 
-__all__ = ["ConvertOptions", "DataOptions", "DistillOptions", "HarvestOptions", "LossConfig", "DTYPES",
+@dataclass(kw_only=True)
+class BenchOptions:
+    """`recycle bench DRAFTER --target TARGET`."""
+
+    drafter: str | None  # drafter directory; None with native=True: the target's own MTP modules
+    target: str
+    prompts: list[tuple[str, str]] | None = None  # (set, text); None: recycle.prompts.default_prompts()
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    tree: str | None = None
+    device: str | None = None  # None: cuda when available, else cpu
+    precision: str = "fp32"  # the target's and drafter's compute dtype
+    native: bool = False
+    compare_hf: bool = False
+    seed: int = 0
+    warmup: bool = True
+    stop_at_eos: bool = True
+    repeats: int = 1  # time each prompt this many times per decoder and keep the fastest (shared machines)
+
+    def validate(self) -> None:
+        """Reject bad options before any loading (so the CLI fails fast, before its progress bar)."""
+        from pathlib import Path
+
+        from recycle.decoding.drafting import parse_shape
+
+        _at_least((("--max-new-tokens", self.max_new_tokens, 1), ("--repeats", self.repeats, 1)))
+        if self.temperature < 0 or not math.isfinite(self.temperature):
+            raise RecycleError("--temperature must be a finite number ≥ 0")
+        _choice(self.precision, DTYPES, "--precision")
+        _device_name(self.device)
+        if self.drafter is None and not self.native:
+            raise RecycleError("give a DRAFTER_DIR, or --native-mtp to draft with the target's own MTP modules")
+        if self.drafter is not None and not Path(self.drafter).is_dir():
+            raise RecycleError(f"{self.drafter}: no such drafter directory")
+        if not Path(self.target).is_dir():
+            raise RecycleError(f"--target {self.target}: no such directory")
+        parse_shape(self.tree, 1)
+
+
+@dataclass(kw_only=True)
+class PlanOptions:
+    """`recycle plan DRAFTER --target TARGET`: bench's measurement, then the predictions."""
+
+    bench: BenchOptions
+    gpus: list[str] = field(default_factory=lambda: ["H100", "H200", "A100", "L40S", "RTX4090"])
+    batches: list[int] = field(default_factory=lambda: [1, 8, 32, 128])  # the roofline's batch sizes
+    context: int = 2048  # tokens already cached per sequence in the roofline
+    max_chain: int = 8
+    verify_max: int = 32
+    model_config: str | None = None  # roofline this config (e.g. the full-size model's) with the measured τ
+    plot: str | None = None
+
+    def validate(self) -> None:
+        from pathlib import Path
+
+        from recycle.hardware import gpu
+
+        self.bench.validate()
+        for g in self.gpus:
+            gpu(g)
+        if not self.batches or any(b < 1 for b in self.batches):
+            raise RecycleError("--batch-sizes: expected positive integers")
+        if self.max_chain < 1 or self.verify_max < 2 or self.context < 0:
+            raise RecycleError("--max-chain ≥ 1, --context ≥ 0")
+        if self.plot is not None and not Path(self.plot).expanduser().resolve().parent.is_dir():
+            raise RecycleError(f"--plot {self.plot}: no such directory {Path(self.plot).parent}")
+
+
+@dataclass(kw_only=True)
+class PushOptions:
+    """`recycle push DRAFTER --repo OWNER/NAME`."""
+
+    drafter: str
+    repo: str
+    private: bool = False
+    revision: str | None = None
+    commit_message: str | None = None
+    base_model: str | None = None  # the card's base_model (a Hub id), only as given
+    license: str | None = None
+    dry_run: bool = False
+    card_out: str | None = None
+    attempts: int | None = None  # None: RECYCLE_HUB_ATTEMPTS or 3
+    backoff: float | None = None  # None: RECYCLE_HUB_BACKOFF or 2 s
+
+    def validate(self) -> None:
+        from pathlib import Path
+
+        from recycle.preflight import drafter_record
+
+        if not HUB_ID.match(self.repo):
+            raise RecycleError(f"--repo {self.repo!r}: expected OWNER/NAME")
+        if self.revision is not None and (not self.revision.strip() or self.revision.startswith("refs/")):
+            raise RecycleError(f"--revision {self.revision!r}: give a branch name")
+        drafter_record(self.drafter)
+        if self.card_out is not None:
+            out, src = Path(self.card_out).expanduser().resolve(), Path(self.drafter).expanduser().resolve()
+            if out == src or src in out.parents:
+                raise RecycleError(f"--card-out {out}: inside the drafter directory; push never writes there")
+
+
+def parse_batch_sizes(value: str) -> list[int]:
+    """`--batch-sizes 1,8,32,128`: positive integers, comma-separated."""
+    try:
+        out = [int(x) for x in value.split(",") if x.strip()]
+    except ValueError:
+        out = []
+    if not out or any(b < 1 for b in out):
+        raise RecycleError(f"--batch-sizes {value!r}: expected positive integers separated by commas, e.g. 1,8,32")
+    return sorted(set(out))
+
+
+def _device_name(name: str | None) -> None:
+    if name is not None and name not in ("cpu", "cuda") and not name.startswith("cuda:"):
+        raise RecycleError(f"--device {name!r}: choose cpu or cuda")
+
+
+__all__ = ["BenchOptions", "PlanOptions", "PushOptions", "parse_batch_sizes", "ConvertOptions", "DataOptions", "DistillOptions", "HarvestOptions", "LossConfig", "DTYPES",
            "PRECISIONS"]

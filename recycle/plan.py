@@ -18,13 +18,12 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from recycle import roofline
-from recycle.bench import BenchOptions, Session, _summary, open_session, resolve_device
+from recycle.bench import Session, _summary, open_session, resolve_device
 from recycle.decoding import Drafter, generate
 from recycle.decoding import cache as kv
 from recycle.decoding.drafting import describe_shape
@@ -32,52 +31,12 @@ from recycle.decoding.tree import Tree, chain_parents
 from recycle.decoding.verify import verify
 from recycle.errors import RecycleError
 from recycle.hardware import GPUS, gpu
+from recycle.options import BenchOptions, PlanOptions
 
 Progress = Callable[[int, int, str], None]
-DEFAULT_GPUS = ("H100", "H200", "A100", "L40S", "RTX4090")
-DEFAULT_BATCHES = (1, 8, 32, 128)
 # Trees tried besides the chains (the format's bench default first): formats with a static tree draft its one
 # fixed-depth Medusa-style tree; the recursive drafters grow EAGLE-2 dynamic trees.
 DYNAMIC_TREES = ("dynamic:3,2,6", "dynamic:2,2,4", "dynamic:4,2,8")
-
-
-@dataclass
-class PlanOptions:
-    bench: BenchOptions
-    gpus: list[str] = field(default_factory=lambda: list(DEFAULT_GPUS))
-    batches: list[int] = field(default_factory=lambda: list(DEFAULT_BATCHES))
-    context: int = 2048  # tokens already cached per sequence in the roofline
-    max_chain: int = 8
-    verify_max: int = 32
-    model_config: str | None = None  # roofline this config (e.g. the full-size model's) with the measured τ
-    plot: str | None = None
-
-
-def parse_batches(value: str) -> list[int]:
-    """`--batch 1,8,32,128`: positive integers, comma-separated."""
-    try:
-        out = [int(x) for x in value.split(",") if x.strip()]
-    except ValueError:
-        raise RecycleError(f"--batch {value!r}: expected positive integers separated by commas, e.g. 1,8,32") from None
-    if not out or any(b < 1 for b in out):
-        raise RecycleError(f"--batch {value!r}: expected positive integers separated by commas, e.g. 1,8,32")
-    return sorted(set(out))
-
-
-def check_options(opts: PlanOptions) -> None:
-    from recycle.bench import check_options as check_bench
-
-    check_bench(opts.bench)
-    for g in opts.gpus:
-        gpu(g)
-    if not opts.batches or any(b < 1 for b in opts.batches):
-        raise RecycleError("--batch: expected positive integers")
-    if opts.max_chain < 1 or opts.verify_max < 2 or opts.context < 0:
-        raise RecycleError("--max-chain ≥ 1, --context ≥ 0")
-    if opts.model_config is not None:
-        _model_config(opts.model_config)
-    if opts.plot is not None and not Path(opts.plot).parent.is_dir():
-        raise RecycleError(f"--plot {opts.plot}: no such directory {Path(opts.plot).parent}")
 
 
 def _model_config(path: str) -> dict:
@@ -194,7 +153,9 @@ def run_plan(opts: PlanOptions, progress: Progress | None = None) -> dict:
     """Measure, predict, recommend and roofline (module docstring); returns the JSON-ready report."""
     from recycle.prompts import default_prompts
 
-    check_options(opts)
+    opts.validate()
+    if opts.model_config is not None:
+        _model_config(opts.model_config)
     t_start = time.perf_counter()
     bopts = opts.bench
     ses = open_session(bopts)
@@ -270,7 +231,7 @@ def run_plan(opts: PlanOptions, progress: Progress | None = None) -> dict:
         "drafter": bopts.drafter if not bopts.native else None,
         "drafter_kind": kind,
         "device": str(resolve_device(bopts.device)),
-        "dtype": bopts.dtype,
+        "dtype": bopts.precision,
         "threads": torch.get_num_threads(),
         "max_new_tokens": bopts.max_new_tokens,
         "context_measured": mean_ctx,

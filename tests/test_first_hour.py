@@ -105,9 +105,9 @@ def test_no_blank_line_on_stderr_when_it_is_not_a_terminal(tmp_path: Path) -> No
 
 
 def test_help_has_conventional_usage_and_examples() -> None:
-    for cmd, usage in (("inspect", "CKPT_DIR"), ("convert", "CKPT_DIR"), ("stitch", "OVERLAY_DIR TARGET_DIR"),
+    for cmd, usage in (("inspect", "CKPT_DIR"), ("convert", "CKPT_DIR"), ("stitch", "OVERLAY_DIR"),
                        ("bench", "[DRAFTER_DIR]"), ("push", "DRAFTER_DIR"), ("distill", "DRAFTER_DIR"),
-                       ("harvest", "TARGET_DIR")):
+                       ("harvest", "")):
         res = run_cli(cmd, "--help")
         assert res.exit_code == 0
         text = res.stdout

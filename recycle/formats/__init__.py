@@ -62,5 +62,15 @@ def of_directory(path: str | os.PathLike) -> DrafterFormat:
     return fmt
 
 
-__all__ = ["DrafterFormat", "Layout", "Reads", "FORMATS", "convertible", "get", "of_config", "of_directory",
+def aux_layers_of(drafter: str | os.PathLike, target: str | os.PathLike) -> tuple[int, ...]:
+    """The target layers a drafter directory taps besides the last state (EAGLE-3's aux layers), or ()."""
+    d, t = Path(drafter), Path(target)
+    fmt = of_directory(d)
+    if fmt.reads is None:
+        return ()
+    r = fmt.reads(load_json(d / "config.json", "drafter config.json"), load_json(t / "config.json", "target config.json"))
+    return tuple(r.aux_layers or ())
+
+
+__all__ = ["aux_layers_of", "DrafterFormat", "Layout", "Reads", "FORMATS", "convertible", "get", "of_config", "of_directory",
            "native_format"]

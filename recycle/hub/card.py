@@ -8,9 +8,9 @@ import re
 from pathlib import Path, PurePosixPath
 
 from recycle.formats import get
+from recycle.options import HUB_ID
 from recycle.hub.validate import PROVENANCE, Drafter, distillation_runs
 
-HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
 LIBRARY = "recycle"
 MAPPING_ROWS_SHOWN = 40
 

@@ -17,6 +17,7 @@ from recycle import __version__
 from recycle.errors import RecycleError
 from recycle.hub.card import HUB_ID, LIBRARY, base_model_name, build_card, license_name
 from recycle.hub.validate import CARD, Progress, validate_drafter
+from recycle.options import PushOptions
 
 DEFAULT_ENDPOINT = "https://huggingface.co"
 ATTEMPTS_ENV, BACKOFF_ENV = "RECYCLE_HUB_ATTEMPTS", "RECYCLE_HUB_BACKOFF"
@@ -97,34 +98,26 @@ def _with_retries(call: Callable[[], dict], endpoint: str, attempts: int, backof
     raise AssertionError("unreachable")
 
 
-def push_drafter(path: str | os.PathLike, repo: str, *, private: bool = False, revision: str | None = None,
-                 commit_message: str | None = None, base_model: str | None = None, dry_run: bool = False,
-                 card_out: str | os.PathLike | None = None, license: str | None = None, attempts: int | None = None,
-                 backoff: float | None = None, progress: Progress | None = None) -> dict:
+def push_drafter(opts: PushOptions, progress: Progress | None = None) -> dict:
     """Validate a drafter directory, write its model card and (unless dry_run) upload it in one commit.
 
     The input directory is never modified: the card goes up as README.md from memory, and locally
     only to `card_out` (which must lie outside the directory). Returns a summary dict.
     """
-    if not HUB_ID.match(repo):
-        raise RecycleError(f"--repo {repo!r}: expected OWNER/NAME")
-    if revision is not None and (not revision.strip() or revision.startswith("refs/")):
-        raise RecycleError(f"--revision {revision!r}: give a branch name")
+    opts.validate()
+    repo, revision, private, base_model, license = opts.repo, opts.revision, opts.private, opts.base_model, opts.license
     endpoint = hub_endpoint()
-    attempts = max(1, int(attempts if attempts is not None else _env_number(ATTEMPTS_ENV, DEFAULT_ATTEMPTS, int)))
-    backoff = float(backoff if backoff is not None else _env_number(BACKOFF_ENV, DEFAULT_BACKOFF, float))
+    attempts = max(1, int(opts.attempts if opts.attempts is not None else _env_number(ATTEMPTS_ENV, DEFAULT_ATTEMPTS, int)))
+    backoff = float(opts.backoff if opts.backoff is not None else _env_number(BACKOFF_ENV, DEFAULT_BACKOFF, float))
     token = None
-    if not dry_run:  # before the slow checks: a missing login is the commonest failure
+    if not opts.dry_run:  # before the slow checks: a missing login is the commonest failure
         from huggingface_hub import get_token
 
         token = get_token()
         if not token:
             raise RecycleError("no Hugging Face token: run `hf auth login` or set HF_TOKEN")
-    src = Path(path).expanduser()
-    if card_out is not None:
-        out = Path(card_out).expanduser().resolve()
-        if src.is_dir() and (out == src.resolve() or src.resolve() in out.parents):
-            raise RecycleError(f"--card-out {out}: inside the drafter directory; push never writes there")
+    src = Path(opts.drafter).expanduser()
+    card_out = Path(opts.card_out).expanduser().resolve() if opts.card_out is not None else None
     drafter = validate_drafter(src, progress=progress)
     card = build_card(drafter, repo, base_model, license)
     card_text = card.content
@@ -139,17 +132,17 @@ def push_drafter(path: str | os.PathLike, repo: str, *, private: bool = False, r
     if lic is None:
         notes.append(f"the card has no license field: {why}")
     if card_out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_bytes(card_bytes)
-    message = commit_message or f"Upload {drafter.format} drafter recycled from {base} (recycle {__version__})"
+        card_out.parent.mkdir(parents=True, exist_ok=True)
+        card_out.write_bytes(card_bytes)
+    message = opts.commit_message or f"Upload {drafter.format} drafter recycled from {base} (recycle {__version__})"
     result = {
-        "repo": repo, "endpoint": endpoint, "revision": revision or "main", "private": private, "dry_run": dry_run,
+        "repo": repo, "endpoint": endpoint, "revision": revision or "main", "private": private, "dry_run": opts.dry_run,
         "drafter": str(drafter.path), "format": drafter.format, "base_model": base, "license": lic,
         "files": dict(sorted(uploads.items())), "bytes": sum(uploads.values()), "tensors_checked": drafter.tensors,
-        "bench": drafter.bench is not None, "card_path": str(out) if card_out is not None else None,
+        "bench": drafter.bench is not None, "card_path": str(card_out) if card_out is not None else None,
         "card_metadata": card.data.to_dict(), "commit_message": message, "commit": None, "notes": notes,
     }
-    if dry_run:
+    if opts.dry_run:
         if card_out is None:
             result["card"] = card_text
         return result

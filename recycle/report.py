@@ -1,0 +1,425 @@
+"""What people see: rich tables, panels and progress for each command's result (the `--json` dict is the
+same data, printed as it is). The CLI calls these; nothing here computes anything."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from rich.console import Console
+from rich.panel import Panel
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+out = Console()
+err = Console(stderr=True)
+SEVERITY_STYLE = {"error": "bold red", "warning": "yellow", "info": "cyan"}
+
+
+def conventional_help() -> None:
+    """typer ≥ 0.2x writes a required argument as `{NAME}` in usage lines and every parameter's type as `<type>`;
+    show click's `NAME` / `[NAME]` and our metavars instead, and no placeholder for flags."""
+    from typer import core
+
+    arg, opt = getattr(core, "TyperArgument", None), getattr(core, "TyperOption", None)
+    if arg is not None and hasattr(arg, "_usage_display_name"):
+        def usage_name(self) -> str:
+            if getattr(self, "hidden", False):  # an old argument's place, kept working but not shown
+                return ""
+            name = self.display_name_raw
+            return (name if self.required else f"[{name}]") + ("..." if self.nargs != 1 else "")
+
+        arg._usage_display_name = usage_name
+        arg.display_type_rich = lambda self, ctx: None  # the name column already shows the metavar
+    if opt is not None and hasattr(opt, "display_type_rich"):
+        shown = opt.display_type_rich
+
+        def option_type(self, ctx) -> str | None:
+            if self.is_flag or self.count:
+                return None
+            return self.metavar if self.metavar is not None else (shown(self, ctx) or "").strip("<>").upper() or None
+
+        opt.display_type_rich = option_type
+
+
+def table(title: str) -> Table:
+    """A compact table (no vertical rules) that fits 80 columns: the house style of every report."""
+    from rich import box
+
+    return Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
+
+
+def print_json(obj: dict) -> None:
+    sys.stdout.write(json.dumps(obj, indent=2) + "\n")
+
+
+def fmt_count(n: int) -> str:
+    for unit, div in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(n) >= div:
+            return f"{n / div:.2f}{unit}"
+    return str(n)
+
+
+def fmt_bytes(n: int) -> str:
+    for unit, div in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= div:
+            return f"{n / div:.2f} {unit}"
+    return f"{n} B"
+
+
+class Reporter:
+    """Progress for people: a transient rich bar on a terminal; elsewhere (a CI log, a file) a plain
+    `recycle: ...` line on stderr per item (a prompt, an evaluation) or, once the work has taken a few
+    seconds, every few seconds; never a stray blank line."""
+
+    EVERY_S = 5.0
+
+    def __init__(self, label: str, columns: tuple = (), quiet: bool = False, **fields) -> None:
+        """`quiet`: show nothing (--json output, or work that reports no progress)."""
+        self.label, self.fields, self.quiet = label, fields, quiet
+        self.bar: Progress | None = None
+        if err.is_terminal and not quiet:
+            self.bar = Progress(TextColumn("[progress.description]{task.description}"), BarColumn(),
+                                MofNCompleteColumn(), *columns, TimeElapsedColumn(), console=err, transient=True)
+        self.last = 0.0
+
+    def __enter__(self) -> Reporter:
+        import time
+
+        self.t0 = time.perf_counter()
+        if self.bar is not None:
+            self.bar.start()
+            self.task = self.bar.add_task(self.label, total=None, **self.fields)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+    def update(self, completed: int, total: int | None = None, description: str | None = None, line: str = "",
+               force: bool = False, **fields) -> None:
+        """Advance; `line` is what a non-terminal gets (default: description and count), at most every
+        few seconds unless `force` (one line per prompt, per evaluation)."""
+        import time
+
+        if self.quiet:
+            return
+        if self.bar is not None:
+            self.bar.update(self.task, completed=completed, total=total, description=description or self.label,
+                            **fields)
+            return
+        now = time.perf_counter()
+        # Quick work prints nothing; longer work a line every few seconds, and items asked for always.
+        if force or (now - self.t0 >= self.EVERY_S and (now - self.last >= self.EVERY_S or completed == total)):
+            self.last = now
+            text = line or f"{description or self.label} {completed}" + (f"/{total}" if total else "")
+            print(f"recycle: {text} ({now - self.t0:.0f} s)", file=sys.stderr, flush=True)
+
+    def counter(self, line: str):
+        """A callback that counts calls (items done, total unknown): `line` names the count as {n}."""
+        done = [0]
+
+        def tick(*_) -> None:
+            done[0] += 1
+            self.update(done[0], line=line.format(n=done[0]))
+
+        return tick
+
+
+def _stat_row(sts: list[dict]) -> tuple[str, str, str, str, str]:
+    """finite, all-zero, rms range, norm summary of a group of tensor stats."""
+    bad = sum(not st["finite"] for st in sts)
+    zero = sum(st["all_zero"] for st in sts)
+    rms = [st["rms"] for st in sts if st["finite"]]
+    norms = [st["norm"] for st in sts if st["norm"]]
+    rng = (f"{min(rms):.3g}" if len(set(rms)) == 1 else f"{min(rms):.3g}–{max(rms):.3g}") if rms else "-"
+    norm = "" if not norms else (f"{norms[0]['mean']:.3f}±{norms[0]['std']:.3f}" if len(norms) == 1 else
+                                 f"{min(n['mean'] for n in norms):.3f}–{max(n['mean'] for n in norms):.3f}")
+    return ("yes" if not bad else f"[red]{bad} NO[/red]", f"[yellow]{zero}[/yellow]" if zero else "0", rng, norm, "")
+
+
+def render_stats(data: dict, every: bool = False) -> None:
+    """Tensor health: one row per module and role (`every`: one per tensor)."""
+    prefixes = [(m["index"], m["prefix"]) for m in data["mtp"]["modules"]]
+
+    def module_of(name: str) -> tuple[str, str]:
+        return next(((str(i), name[len(p):]) for i, p in prefixes if name.startswith(p)), ("-", name))
+
+    if every:
+        s = table("tensor health (every MTP tensor, dequantized)")
+        for col in ("#", "tensor", "dtype", "shape", "finite", "zero", "rms", "norm mean±std"):
+            s.add_column(col, overflow="fold", no_wrap=col in ("rms", "norm mean±std"))
+        for st in data["stats"]:
+            k, rel = module_of(st["name"])
+            fin, zero, rms, norm, _ = _stat_row([st])
+            s.add_row(k, rel, st["dtype"], "x".join(map(str, st["shape"])), fin, zero, rms, norm)
+        out.print(s)
+        return
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for st in data["stats"]:
+        groups.setdefault((module_of(st["name"])[0], st["role"]), []).append(st)
+    s = table("tensor health by role (MTP tensors, dequantized; --all lists each)")
+    for col in ("#", "role", "n", "dtypes", "finite", "zero", "rms", "norm mean±std"):
+        s.add_column(col, no_wrap=col in ("role", "rms", "norm mean±std"))
+    for (k, role), sts in groups.items():
+        dtypes = " ".join(sorted({st["dtype"] for st in sts}))
+        fin, zero, rms, norm, _ = _stat_row(sts)
+        s.add_row(k, role, str(len(sts)), dtypes, fin, zero, rms, norm)
+    out.print(s)
+
+
+def render_inspect(data: dict, show_all: bool = False) -> None:
+    """Rich report for people: overview, modules, roles, findings, stats."""
+    mtp = data["mtp"]
+    head = Table.grid(padding=(0, 2))
+    head.add_column(style="bold")
+    head.add_column()
+    head.add_row("family", f"{data['family']}  [dim]({data['family_title']})[/dim]")
+    head.add_row("architecture", f"{data['architecture']}  [dim]model_type={data['model_type']}[/dim]")
+    head.add_row("MTP modules", f"{mtp['found']} found / {mtp['declared']} declared  [dim]({data['kind']})[/dim]")
+    head.add_row("parameters", f"{fmt_count(data['params']['total'])} total, {fmt_count(data['params']['mtp'])} in MTP "
+                 f"({fmt_bytes(data['bytes']['mtp'])})")
+    head.add_row("shards", f"{data['shards']['count']} file(s), {fmt_bytes(data['shards']['bytes_total'])}; "
+                 f"{data['tensors']['total']} tensors, {data['tensors']['fp8']} FP8")
+    out.print(Panel(head, title=f"recycle inspect  {data['path']}", expand=False))
+
+    if mtp["modules"]:
+        t = table("MTP modules")
+        for col in ("#", "prefix", "tensors", "params", "dtypes", "concat/norm", "from the trunk"):
+            t.add_column(col, overflow="fold", no_wrap=col in ("prefix", "concat/norm"))
+        for m in mtp["modules"]:
+            shared = ", ".join(f"{r}: {n}" if n else f"{r}: MISSING" for r, n in m["shared"].items()) or "-"
+            t.add_row(str(m["index"]), m["prefix"], str(m["tensors"]), fmt_count(m["params"]),
+                      " ".join(f"{d}:{c}" for d, c in m["dtypes"].items()), f"{m['concat_order']}/{m['norm']}", shared)
+        out.print(t)
+        first = mtp["modules"][0]
+        r = table(f"roles of module 0 (names after {first['prefix']})")
+        r.add_column("role", no_wrap=True)
+        r.add_column("tensors", overflow="fold")
+        for role, names in first["roles"].items():
+            rel = [n[len(first["prefix"]):] if n.startswith(first["prefix"]) else n for n in names]
+            r.add_row(role, ", ".join(rel) if len(rel) <= 3 else f"{', '.join(rel[:2])}, ... ({len(rel)} tensors)")
+        out.print(r)
+
+    if data.get("stats"):
+        render_stats(data, every=show_all)
+
+    if data["findings"]:
+        f = table("findings")
+        for col in ("severity", "code", "message"):
+            f.add_column(col, overflow="fold")
+        for fd in data["findings"]:
+            style = SEVERITY_STYLE.get(fd["severity"], "")
+            f.add_row(f"[{style}]{fd['severity']}[/{style}]", fd["code"], fd["message"])
+        out.print(f)
+    else:
+        out.print("[green]no findings[/green]")
+
+def render_convert(data: dict) -> None:
+    """Rich summary for people: where it went, what it holds, how much was exact."""
+    head = Table.grid(padding=(0, 2))
+    head.add_column(style="bold")
+    head.add_column()
+    head.add_row("format", f"{data['format']}  [dim]({data['dtype']})[/dim]")
+    head.add_row("source", f"{data['family']}, {data['modules']} MTP module(s)")
+    s = data["summary"]
+    head.add_row("tensors", f"{s['tensors']}: [green]{s['exact']} exact[/green], [yellow]{s['approx']} approx[/yellow], "
+                 f"[cyan]{s['fresh']} fresh[/cyan]  [dim](mapping in recycle.json)[/dim]")
+    head.add_row("written", f"{fmt_bytes(data['bytes'])} in {len(data['files'])} files, {data['seconds']:.2f} s")
+    out.print(Panel(head, title=f"recycle convert → {data['out']}", expand=False))
+    t = table("files")
+    t.add_column("file")
+    t.add_column("size", justify="right")
+    for name, size in data["files"].items():
+        t.add_row(name, fmt_bytes(size))
+    out.print(t)
+    for note in data["notes"]:
+        out.print(f"[yellow]note:[/yellow] {note}")
+
+def render_bench(data: dict) -> None:
+    """Rich report: configuration, per-prompt rows, the overall comparison and the HF peers."""
+    o = data["overall"]
+    ar, sp, pr = o["ar"], o["spec"], o["predicted"]
+    head = Table.grid(padding=(0, 2))
+    head.add_column(style="bold")
+    head.add_column()
+    head.add_row("target", data["target"])
+    head.add_row("drafter", f"{data['drafter'] or '(the target’s own MTP modules)'}  [dim]{data['tree']}[/dim]")
+    head.add_row("decoding", f"{'greedy' if data['temperature'] <= 0 else 'sampling T=' + str(data['temperature'])}, "
+                 f"≤{data['max_new_tokens']} new tokens, {len(data['prompts'])} prompts, {data['device']} "
+                 f"{data['dtype']}, {data['threads']} thread(s)")
+    out.print(Panel(head, title="recycle bench", expand=False))
+    t = table("per prompt")
+    for col in ("#", "set", "prompt tok", "new tok", "τ", "AR tok/s", "spec tok/s", "speedup", "= AR"):
+        t.add_column(col, justify="right" if col not in ("set", "= AR") else "left")
+    for i, r in enumerate(data["prompts"]):
+        a, s = r["ar"]["tokens_per_s"], r["spec"]["tokens_per_s"]
+        same = "" if r["greedy_match"] is None else ("yes" if r["greedy_match"] else "[red]NO[/red]")
+        t.add_row(str(i), r["set"], str(r["prompt_tokens"]), str(r["spec"]["new_tokens"]), f"{r['spec']['tau']:.2f}",
+                  f"{a:.1f}", f"{s:.1f}", f"{s / a:.2f}×" if a else "-", same)
+    out.print(t)
+    s = table("overall")
+    s.add_column("")
+    s.add_column("autoregressive", justify="right")
+    s.add_column(data["tree"], justify="right")
+    s.add_column("[dim]cost model[/dim]", justify="right")
+    bw = data.get("bandwidth")
+    gbs = (lambda k: f" ({bw[k]:.0f}/{bw['peak_gbs']:.0f} GB/s)") if bw else (lambda k: "")
+    s.add_row("tokens/s", f"{ar['tokens_per_s']:.1f}{gbs('ar_gbs')}", f"{sp['tokens_per_s']:.1f}{gbs('spec_gbs')}", "")
+    s.add_row("speedup", "1.00×", f"{o['speedup']:.2f}×", f"[dim]{pr['speedup']:.2f}×[/dim]")
+    s.add_row("τ (tokens/step)", "1.00", f"{sp['tau']:.2f}", f"[dim]{pr['tau']:.2f}[/dim]")
+    s.add_row("target forwards", str(ar["target_forwards"]), str(sp["target_forwards"]), "")
+    s.add_row("acceptance by depth", "", " ".join(f"{a:.2f}" for a in sp["acceptance"]), "")
+    s.add_row("draft / verify s", f"- / {ar['verify_s']:.2f}", f"{sp['draft_s']:.2f} / {sp['verify_s']:.2f}",
+              f"[dim]{pr['c_draft']:.2f} / {pr['c_verify']:.2f} AR steps[/dim]")
+    if o["greedy_match"]:
+        s.add_row("greedy = AR", "", o["greedy_match"], "")
+    out.print(s)
+    if data.get("hf"):
+        h = table("transformers' generate on the same prompts")
+        for col in ("method", "tok/s", "vs our AR", "= ours"):
+            h.add_column(col, justify="left" if col in ("method", "= ours") else "right")
+        for r in data["hf"]:
+            if r["error"]:
+                h.add_row(r["method"], "[red]failed[/red]", r["error"][:40], "")
+            else:
+                h.add_row(r["method"], f"{r['tokens_per_s']:.1f}", f"{r['speedup_vs_our_ar']:.2f}×", r["greedy_match"] or "")
+        out.print(h)
+    out.print("[dim]speedup = tok/s ÷ our AR tok/s (same loop and KV-cache code); cost model = τ_pred / "
+              "(c_draft + c_verify), costs per step in AR steps[/dim]")
+
+def render_plan(data: dict) -> None:
+    """Rich report: per prompt set the candidates (predicted and, where run, measured) and the pick;
+    then the roofline per GPU: the best shape per batch size and each shape's crossover batch."""
+    head = Table.grid(padding=(0, 2))
+    head.add_column(style="bold")
+    head.add_column()
+    head.add_row("target", data["target"])
+    head.add_row("drafter", f"{data['drafter'] or '(the target’s own MTP modules)'}  [dim]{data['drafter_kind']}[/dim]")
+    head.add_row("measured on", f"{data['device']} {data['dtype']}, {data['threads']} thread(s), "
+                 f"≤{data['max_new_tokens']} new tokens, verify cost at context {data['context_measured']}")
+    vs = data["verify_s"]
+    head.add_row("verify n tokens", "  ".join(f"n={n}: {vs[n - 1] * 1e3:.1f} ms" for n in (1, 2, 4, 8, 16, len(vs))
+                                              if n <= len(vs)))
+    out.print(Panel(head, title="recycle plan", expand=False))
+    for name, st in data["sets"].items():
+        t = table(f"{name} ({st['prompts']} prompts): acceptance by depth "
+                  + " ".join(f"{a:.2f}" for a in st["acceptance_by_depth"]))
+        for col in ("shape", "τ", "draft", "verify", "AR steps", "predicted", "measured"):
+            t.add_column(col, justify="left" if col == "shape" else "right")
+        pick = st["recommended"]["shape"]
+        for r in st["candidates"]:
+            mark = "[bold green]" if r["shape"] == pick else ""
+            t.add_row(f"{mark}{r['shape']}", f"{r['tau']:.2f}", f"{r['c_draft']:.2f}", f"{r['c_verify']:.2f}",
+                      f"{r['cost']:.2f}", f"{mark}{r['predicted']:.2f}×",
+                      f"{r['measured']:.2f}×" if r["measured"] is not None else "")
+        out.print(t)
+        out.print(f"[bold]recommended for {name}:[/bold] {st['recommended']['reason']}")
+    rf = data["roofline"]
+    tg = rf["target"]
+    out.print(f"[dim]roofline of {rf['config']}: {fmt_count(tg['active_params'])} active / "
+              f"{fmt_count(tg['stored_params'])} stored params, {tg['weight_bytes']:g} B/weight, "
+              f"{fmt_bytes(int(tg['kv_bytes_per_token']))} KV per token, context {rf['context']}, "
+              f"η_mem {rf['eta_mem']}, η_flops {rf['eta_flops']}; drafter: {rf['drafter']['source']}[/dim]")
+    for g in rf["gpus"]:
+        for name, st in g["sets"].items():
+            batches = list(st["best"])
+            many = "" if g["count"] == 1 else f" ×{g['count']}"
+            t = table(f"{g['title']}{many} · {name}: speedup by batch size")
+            t.add_column("shape")
+            for b in batches:
+                t.add_column(f"B={b}", justify="right")
+            t.add_column("< 1× from B", justify="right")
+            for c in st["candidates"]:
+                t.add_row(c["shape"], *[("[bold]" if st["best"][b] == c["shape"] else "") + f"{c['speedup'][b]:.2f}"
+                                        for b in batches],
+                          str(c["crossover_batch"]) if c["crossover_batch"] else "> 4096")
+            out.print(t)
+    if data.get("plot"):
+        out.print(f"plot: {data['plot']}")
+
+def render_push(data: dict) -> None:
+    """Rich summary: where it goes (or would go), the checks passed, every file with its size, the card."""
+    head = Table.grid(padding=(0, 2))
+    head.add_column(style="bold")
+    head.add_column()
+    head.add_row("repository", f"{data['repo']}  [dim]({data['revision']}, "
+                 f"{'private' if data['private'] else 'default visibility'}, {data['endpoint']})[/dim]")
+    head.add_row("drafter", f"{data['drafter']}  [dim]({data['format']})[/dim]")
+    head.add_row("checked", f"layout, config and {data['tensors_checked']} tensors finite  "
+                 f"[dim](bench.json: {'yes' if data['bench'] else 'no'})[/dim]")
+    head.add_row("base_model", data["base_model"])
+    if data["commit"]:
+        head.add_row("commit", data["commit"]["commit_url"])
+    title = "recycle push --dry-run (nothing uploaded)" if data["dry_run"] else "recycle push"
+    out.print(Panel(head, title=title, expand=False))
+    t = table(f"files {'that would go up' if data['dry_run'] else 'uploaded'} in one commit")
+    t.add_column("file")
+    t.add_column("bytes", justify="right")
+    t.add_column("size", justify="right")
+    for name, size in data["files"].items():
+        t.add_row(name + ("  [dim](generated model card)[/dim]" if name == "README.md" else ""), str(size),
+                  fmt_bytes(size))
+    t.add_row("[bold]total[/bold]", str(data["bytes"]), fmt_bytes(data["bytes"]))
+    out.print(t)
+    for note in data["notes"]:
+        out.print(f"[yellow]note:[/yellow] {note}")
+    if data["card_path"]:
+        out.print(f"model card written to [bold]{data['card_path']}[/bold]")
+    elif data.get("card") is not None:
+        out.rule("README.md (model card)")
+        sys.stdout.write(data["card"])  # verbatim: rich would wrap long lines
+
+def render_distill(data: dict) -> None:
+    t = table(f"recycle distill → {data['out']}")
+    t.add_column("figure")
+    t.add_column("value", justify="right")
+    t.add_row("tokens (budget)", f"{fmt_count(data['tokens'])} ({fmt_count(data['budget_tokens'])})")
+    t.add_row("steps", str(data["steps"]))
+    t.add_row("final loss", f"{data['final']['loss']:.4f}" if data["final"]["loss"] is not None else "-")
+    before, after = data["final"]["heldout_agreement_before"], data["final"]["heldout_agreement_after"]
+    t.add_row("held-out agreement by step", "  ".join(f"{b:.3f}→{a:.3f}" for b, a in zip(before, after)))
+    t.add_row("held-out estimate (τ of the chain)", f"{data['final']['heldout_estimate_before']:.3f} → "
+              f"{data['final']['heldout_estimate_after']:.3f}")
+    t.add_row("written", data["selected"]["why"])
+    for role, d in (data.get("target_io") or {}).items():
+        if d["replaced_by_target"]:
+            t.add_row(f"{role} (was {d['relative_difference']:.0%} off)", "the target's")
+    t.add_row("tokens/s", f"{data['tokens_per_s']:.0f}")
+    t.add_row("target forward / loop overhead", f"{100 * (data['target_forward_share'] or 0):.1f}% / "
+              f"{100 * (data['overhead_share'] or 0):.1f}%")
+    t.add_row("wall time", f"{data['wall_s']:.1f} s" + (" (resumed)" if data["resumed"] else ""))
+    out.print(t)
+
+
+def render_stitch(data: dict) -> None:
+    out.print(f"stitched {data['overlay_tensors']} MTP tensors into [bold]{data['out']}[/bold] "
+              f"({len(data['linked'])} shard(s) linked, {len(data['rewritten'])} rewritten, +{data['file']})")
+    if data["copies_from_target"]:
+        out.print(f"[dim]{len(data['copies_from_target'])} embedding/head copies are the target's own "
+                  f"({', '.join(sorted(set(data['copies_from_target'].values())))})[/dim]")
+
+
+def render_harvest(data: dict) -> None:
+    out.print(f"[bold]recycle harvest[/bold] → {data['out']}: {fmt_count(data['tokens'])} tokens, "
+              f"{data['files']} files, {fmt_bytes(data['bytes'])} ({data['bytes_per_token']} B/token); "
+              f"vLLM {data['vllm_tokens_per_s']} tokens/s")
+
+
+def distill_progress(bar: Reporter, budget: int):
+    """The distill loop's per-step callback: tokens, speed, loss and held-out agreement on the bar (or a line
+    per evaluation when stderr is not a terminal)."""
+    fields = {"tps": "-", "loss": "-", "agree": "-"}
+
+    def update(row: dict) -> None:
+        fields.update(tps=f"{row['tokens_per_s']:.0f}", loss=f"{row['loss']:.3f}")
+        if "heldout_agree" in row:
+            fields["agree"] = "/".join(f"{a:.2f}" for a in row["heldout_agree"])
+        bar.update(row["tokens"], budget, description=f"{fmt_count(row['tokens'])} tokens",
+                   force="heldout_agree" in row, line=f"distill: {fmt_count(row['tokens'])}/{fmt_count(budget)} "
+                   f"tokens, {fields['tps']} tok/s, loss {fields['loss']}, held-out agree {fields['agree']}", **fields)
+
+    return update, fields
+
+
+DISTILL_COLUMNS = (TextColumn("{task.fields[tps]} tok/s  loss {task.fields[loss]}  held-out agree {task.fields[agree]}"),)
