@@ -103,6 +103,7 @@ def convert(
     dtype: f.StorageDtype = "bf16",
     layouts: f.Layouts = None,
     calibrate: f.Calibrate = None,
+    calibrate_steps: f.CalibrateSteps = 400,
     target: f.CalibrationTarget = None,
     data: f.CalibrationData = None,
     overwrite: f.Overwrite = False,
@@ -116,17 +117,14 @@ def convert(
     Example: `recycle convert fixtures/deepseek_v3_mtp --to eagle -o /tmp/ds-eagle`
     """
     from recycle.options import ConvertOptions
-    from recycle.preflight import checkpoint_dir, output_dir, parse_tokens
+    from recycle.preflight import parse_tokens
 
-    checkpoint_dir(ckpt)
     opts = ConvertOptions(source=str(ckpt), to=to, out=f.output_path(output, ckpt, to), heads=heads,
                           draft_vocab=draft_vocab, vocab_corpus=str(vocab_corpus) if vocab_corpus else None,
                           dtype=dtype, overwrite=overwrite, layouts=layouts, eagle3_attention=eagle3_attention,
                           calibrate=parse_tokens(calibrate, "--calibrate") if calibrate else None,
+                          calibrate_steps=calibrate_steps,
                           target=str(target) if target else None, data=data)
-    output_dir(opts.out, overwrite, (ckpt,))
-    if target is not None:
-        checkpoint_dir(target)
     opts.validate()
     from recycle.converters.api import convert as run
     from recycle.report import Reporter, render_convert
@@ -172,13 +170,11 @@ def stitch(
 
 def _bench_options(drafter, target, prompts, quick, max_new_tokens, precision, dtype, **kw):
     from recycle.options import BenchOptions
-    from recycle.preflight import drafter_dir, model_dir
+    from recycle.preflight import model_dir
     from recycle.prompts import default_prompts, prompt_set
 
     if target is None:
         raise RecycleError("--target TARGET_DIR: the model to decode")
-    if drafter is not None:
-        drafter_dir(drafter)
     model_dir(target)
     limit = 4 if quick else None
     chosen = prompt_set(prompts, limit) if prompts is not None else (default_prompts()[:limit] if quick else None)
@@ -363,12 +359,10 @@ def distill(
     Example: `recycle distill /tmp/ds-eagle --target fixtures/deepseek_v3_mtp --tokens 64k -o /tmp/ds-eagle-64k`
     """
     from recycle.options import DistillOptions, LossConfig
-    from recycle.preflight import drafter_dir, model_dir, parse_tokens
+    from recycle.preflight import parse_tokens
 
     if target is None:
         raise RecycleError("--target TARGET_DIR: the model to distill against")
-    drafter_dir(drafter)
-    model_dir(target)
     opts = DistillOptions(
         drafter=str(drafter), target=str(target), tokens=parse_tokens(tokens),
         out=f.output_path(f.renamed(output, old_output, "-o/--output", "--out"), drafter, "distilled"), data=data,
@@ -420,17 +414,15 @@ def harvest(
     `recycle distill /tmp/ds-eagle --target fixtures/deepseek_v3_mtp --tokens 64k --cache-hidden /tmp/ds-cache`
     """
     from recycle.options import HarvestOptions
-    from recycle.preflight import drafter_dir, model_dir, output_dir, parse_tokens
+    from recycle.preflight import drafter_dir, parse_tokens
 
     target = f.renamed(target, target_pos, "--target TARGET_DIR", "TARGET_DIR as an argument")
     if target is None:
         raise RecycleError("--target TARGET_DIR: the model vLLM runs")
-    model_dir(target, "--target")
-    out = output_dir(f.output_path(output, target, "cache"), overwrite, (target,))
     parallel = {k: v for k, v in (("tensor_parallel_size", tensor_parallel_size),
                                   ("pipeline_parallel_size", pipeline_parallel_size),
                                   ("data_parallel_size", data_parallel_size)) if v != 1}
-    opts = HarvestOptions(target=str(target), out=str(out), tokens=parse_tokens(tokens), data=data, seq_len=seq_len,
+    opts = HarvestOptions(target=str(target), out=f.output_path(output, target, "cache"), tokens=parse_tokens(tokens), data=data, seq_len=seq_len,
                           batch=batch, seed=seed, overwrite=overwrite, parallel=parallel, self_distill=self_distill,
                           prompt_len=prompt_len, sd_temperature=sd_temperature)
     opts.validate()

@@ -88,6 +88,8 @@ Layouts = Annotated[str | None, opt("--layouts", help="--to eagle: comma list of
                                     "all three).")]
 Calibrate = Annotated[str | None, opt("--calibrate", help="--to medusa: fit each ResBlock to the source head on this "
                                       "many tokens (e.g. 64k) instead of the identity.", metavar="TOKENS")]
+CalibrateSteps = Annotated[int, opt("--calibrate-steps", help="With --calibrate: optimizer steps of the fit "
+                                    "(fewer: faster, looser).")]
 CalibrationTarget = Annotated[Path | None, opt("--target", help="With --calibrate: the model whose states the heads "
                                                "read (default: the checkpoint). From a Gemma 4 assistant: the model it "
                                                "drafts for.", metavar="TARGET_DIR")]

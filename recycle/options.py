@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from recycle.errors import RecycleError
-from recycle.preflight import data_name, parse_tokens
+from recycle.preflight import checkpoint_dir, data_name, drafter_dir, model_dir, output_dir, parse_tokens
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")  # OWNER/NAME
 DTYPES = ("bf16", "fp16", "fp32")  # storage (--dtype) and compute (--precision) names; torch's in checkpoint.py
@@ -62,6 +62,10 @@ class ConvertOptions:
         """Every check that reads no tensor; the format record says which options apply to it."""
         from recycle.formats import convertible, get
 
+        checkpoint_dir(self.source)
+        output_dir(self.out, self.overwrite, (self.source,))
+        if self.target is not None:
+            checkpoint_dir(self.target)
         fmt = get(self.to)
         if not fmt.convertible:
             raise RecycleError(f"--to {self.to}: recycle convert writes {', '.join(convertible())}")
@@ -75,7 +79,8 @@ class ConvertOptions:
             raise RecycleError("--vocab-corpus needs --draft-vocab N")
         if "calibrate" in fmt.options and self.calibrate is None and (self.target or self.data) is not None:
             raise RecycleError("--target/--data need --calibrate TOKENS")
-        _at_least((("--heads", self.heads, 1), ("--calibrate", self.calibrate, 1)))
+        _at_least((("--heads", self.heads, 1), ("--calibrate", self.calibrate, 1),
+                   ("--calibrate-steps", self.calibrate_steps, 1)))
         data_name(self.data)
 
 
@@ -106,6 +111,7 @@ class DataOptions:
     eval_prompt_len: int = 64  # its rows keep this many tokens; the target writes the rest
 
     def validate(self) -> None:
+        model_dir(self.target)
         if isinstance(self.tokens, str):
             self.tokens = parse_tokens(self.tokens)
         if self.tokens < 1:
@@ -149,6 +155,7 @@ class DistillOptions(DataOptions):
     snapshot_dir: str | None = None
 
     def validate(self) -> None:
+        drafter_dir(self.drafter)
         super().validate()
         _choice(self.init, ("recycled", "scratch"), "--init")
         _choice(self.precision, PRECISIONS, "--precision")
@@ -176,6 +183,10 @@ class HarvestOptions(DataOptions):
     overwrite: bool = False
     parallel: dict | None = None  # vLLM's own names: tensor_parallel_size, pipeline_parallel_size, ...
 
+    def validate(self) -> None:
+        super().validate()
+        output_dir(self.out, self.overwrite, (self.target,))
+
 
 @dataclass(kw_only=True)
 class BenchOptions:
@@ -198,10 +209,6 @@ class BenchOptions:
 
     def validate(self) -> None:
         """Reject bad options before any loading (so the CLI fails fast, before its progress bar)."""
-        from pathlib import Path
-
-        from recycle.decoding.drafting import parse_shape
-
         _at_least((("--max-new-tokens", self.max_new_tokens, 1), ("--repeats", self.repeats, 1)))
         if self.temperature < 0 or not math.isfinite(self.temperature):
             raise RecycleError("--temperature must be a finite number ≥ 0")
@@ -209,10 +216,11 @@ class BenchOptions:
         _device_name(self.device)
         if self.drafter is None and not self.native:
             raise RecycleError("give a DRAFTER_DIR, or --native-mtp to draft with the target's own MTP modules")
-        if self.drafter is not None and not Path(self.drafter).is_dir():
-            raise RecycleError(f"{self.drafter}: no such drafter directory")
-        if not Path(self.target).is_dir():
-            raise RecycleError(f"--target {self.target}: no such directory")
+        if self.drafter is not None:
+            drafter_dir(self.drafter)
+        model_dir(self.target)
+        from recycle.decoding.drafting import parse_shape  # torch: after the checks that need none
+
         parse_shape(self.tree, 1)
 
 
