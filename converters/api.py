@@ -91,7 +91,7 @@ def convert(opts: ConvertOptions, progress: Progress | None = None) -> dict:
     plan = fmt.resolve("converter")(w, ConvertRequest(opts, TORCH_NAMES[opts.dtype], draft_ids, bb))
     if not plan.tensors:
         raise RecycleError(f"--layouts {opts.layouts}: nothing to write ({'; '.join(plan.notes)})")
-    calibration = fmt.resolve("calibrate")(plan, w, opts) if opts.calibrate is not None else None
+    calibration = fmt.resolve("calibrate")(plan, w, opts, progress) if opts.calibrate is not None else None
     rows = mapping_rows(plan, SHORT_DTYPES[opts.dtype])
     options = {k: getattr(opts, k) for k in ("heads", "draft_vocab", "vocab_corpus", "layouts", "calibrate",
                                              "eagle3_attention")}
@@ -101,7 +101,7 @@ def convert(opts: ConvertOptions, progress: Progress | None = None) -> dict:
     if calibration is not None:
         record["calibration"] = calibration
     with writer as d:
-        d.write_safetensors(plan.tensors, SHORT_DTYPES[opts.dtype], progress=progress,
+        d.write_safetensors(plan.tensors, SHORT_DTYPES[opts.dtype], progress=_labelled(progress, "writing tensors"),
                             metadata={"recycle_format": fmt.name, "recycle_source_family": w.family.name})
         for rel, obj in plan.jsons.items():
             d.write_json(rel, obj)
@@ -121,6 +121,11 @@ def convert(opts: ConvertOptions, progress: Progress | None = None) -> dict:
         "notes": plan.notes,
         "seconds": round(time.perf_counter() - started, 3),
     }
+
+
+def _labelled(progress: Progress | None, label: str) -> Progress | None:
+    """A (done, total) callback that names its stage for a (done, total, label) reporter."""
+    return None if progress is None else (lambda i, n: progress(i, n, label))
 
 
 def convert_checkpoint(source: str | os.PathLike, to: str, out: str | os.PathLike, *, progress: Progress | None = None,

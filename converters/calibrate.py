@@ -18,6 +18,7 @@ go into recycle.json; the tensors are `approx`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -70,8 +71,10 @@ def _scores(h: torch.Tensor, y: torch.Tensor, lm: torch.Tensor, src: torch.Tenso
     return {"kl": kl / max(n, 1), "top1_agreement": agree / max(n, 1)}
 
 
-def fit(feats: Features, steps: int = DEFAULT_STEPS, lr: float = DEFAULT_LR, seed: int = 0) -> list[Fitted]:
-    """One ResBlock per head, from the identity, by Adam on minibatches of the training positions."""
+def fit(feats: Features, steps: int = DEFAULT_STEPS, lr: float = DEFAULT_LR, seed: int = 0,
+        progress: Callable | None = None) -> list[Fitted]:
+    """One ResBlock per head, from the identity, by Adam on minibatches of the training positions.
+    `progress(done, total, label)` every 10 steps."""
     n = feats.h.shape[0]
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
     held, train = perm[: max(1, int(n * HELDOUT))], perm[max(1, int(n * HELDOUT)):]
@@ -80,13 +83,16 @@ def fit(feats: Features, steps: int = DEFAULT_STEPS, lr: float = DEFAULT_LR, see
     h = feats.h.float()
     out = []
     gen = torch.Generator().manual_seed(seed + 1)
-    for y, lm, src in zip(feats.targets, feats.lm_heads, feats.source_heads or feats.lm_heads):
+    heads = len(feats.targets)
+    for head, (y, lm, src) in enumerate(zip(feats.targets, feats.lm_heads, feats.source_heads or feats.lm_heads)):
         y, lm, src = y.float(), lm.float(), src.float()
         w = torch.zeros(h.shape[1], h.shape[1], requires_grad=True)
         b = torch.zeros(h.shape[1], requires_grad=True)
         before = _scores(h[held], y[held], lm, src, w.detach(), b.detach())
         opt = torch.optim.Adam([w, b], lr=lr)
-        for _ in range(steps):
+        for step in range(steps):
+            if progress and step % 10 == 0:
+                progress(head * steps + step, heads * steps, f"calibrating: fitting {heads} ResBlocks (steps)")
             idx = train[torch.randint(0, len(train), (min(MINIBATCH, len(train)),), generator=gen)]
             with torch.no_grad():
                 target = F.log_softmax(y[idx] @ src.T, -1)
@@ -124,7 +130,7 @@ def _windows(tokenizer, data: str | None, tokens: int, length: int) -> torch.Ten
 
 @torch.no_grad()
 def collect(source: str | Path, target: str | Path, heads: int, tokens: int, data: str | None = None,
-            seq_len: int = 256, batch: int = 8) -> Features:
+            seq_len: int = 256, batch: int = 8, progress: Callable | None = None) -> Features:
     """Run `target` on calibration text and the source's heads beside it; return what `fit` needs.
 
     Medusa head j at position p predicts the token p+j+2: a parallel head k = j reads the trunk
@@ -172,6 +178,8 @@ def collect(source: str | Path, target: str | Path, heads: int, tokens: int, dat
     layer = len(model.get_decoder().layers) - 1
     hs, ys = [], [[] for _ in range(depth)]
     for s in range(0, wins.shape[0], batch):
+        if progress:
+            progress(s, wins.shape[0], "calibrating: the target and the source heads over the text")
         w = wins[s:s + batch]
         if kind == "parallel_heads":
             out = model.get_decoder()(input_ids=w[:, :seq_len], use_cache=False, output_hidden_states=True)
@@ -207,7 +215,7 @@ def collect(source: str | Path, target: str | Path, heads: int, tokens: int, dat
                     source_heads=[t.detach() for t in source_heads] if source_heads else None)
 
 
-def calibrate_medusa(plan, w, opts) -> dict:
+def calibrate_medusa(plan, w, opts, progress: Callable | None = None) -> dict:
     """Medusa's record step (`DrafterFormat.calibrate`): replace the plan's identity ResBlocks by ones fitted to
     the source's heads, in both of its layouts; returns the record for recycle.json."""
     from recycle.converters.roles import APPROX, Lazy
@@ -216,8 +224,8 @@ def calibrate_medusa(plan, w, opts) -> dict:
 
     heads = opts.heads or DEFAULT_HEADS
     target = opts.target or w.ckpt.path
-    feats = collect(w.ckpt.path, target, heads, opts.calibrate, opts.data)
-    fitted = fit(feats, steps=opts.calibrate_steps)
+    feats = collect(w.ckpt.path, target, heads, opts.calibrate, opts.data, progress=progress)
+    fitted = fit(feats, steps=opts.calibrate_steps, progress=progress)
     names = faster_decoding_names(heads, LAYERS)
     for i, f in enumerate(fitted):
         rep = f.report

@@ -64,15 +64,16 @@ def save_checkpoint(state_dir: Path, state: dict, fp: dict) -> None:
     atomic_save({"version": VERSION, "fingerprint": fp, **state}, state_dir / CHECKPOINT)
 
 
-def load_checkpoint(state_dir: Path, device: torch.device, fp: dict) -> dict | None:
+def load_checkpoint(state_dir: Path, device: torch.device, fp: dict, mmap: bool = False) -> dict | None:
     """The checkpoint a run with fingerprint `fp` may continue, or None when there is none; RecycleError for
-    an unreadable or unsafe file, or one from a run with other options."""
+    an unreadable or unsafe file, or one from a run with other options. `mmap`: map the tensors instead of
+    reading them (a check before anything is built costs a header read, not the checkpoint's size)."""
     path = state_dir / CHECKPOINT
     if not path.is_file():
         return None
     try:
         # weights_only: tensors and plain containers only; a planted pickle cannot run code here
-        state = torch.load(path, map_location=device, weights_only=True)
+        state = torch.load(path, map_location=device, weights_only=True, mmap=mmap)
     except Exception as e:
         raise RecycleError(f"{path}: unreadable or unsafe checkpoint ({type(e).__name__}: "
                            f"{' '.join(str(e).split())[:120]}); remove it to start over") from None

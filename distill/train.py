@@ -35,8 +35,12 @@ Choices and why:
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+import shutil
+import signal
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict
@@ -55,11 +59,21 @@ from recycle.distill.losses import distill_loss
 from recycle.distill.schedule import EVAL_KEY, Schedule, Step, eval_prompt_len
 from recycle.distill.teacher import Teacher, autocast
 from recycle.distill.unroll import Unroller
-from recycle.errors import RecycleError
+from recycle.errors import Interrupted, RecycleError
 from recycle.options import DistillOptions, LossConfig
 from recycle.preflight import parse_tokens  # noqa: F401  (the CLI and benchmarks take it from here too)
 
 __all__ = ["DistillOptions", "Distiller", "distill", "default_precision", "expected_length", "parse_tokens"]
+
+
+def _passes(tokens: int, texts: list[str], tokenizer, sample: int = 64) -> float:
+    """How many times a budget reads the training side: its tokens estimated from the characters and the
+    tokenizer's characters per token on the first documents (tokenizing all of a large corpus takes minutes)."""
+    head = texts[:sample]
+    chars = sum(len(t) for t in head)
+    ids = sum(len(x) for x in tokenizer(head, add_special_tokens=False)["input_ids"]) if chars else 0
+    total = sum(len(t) for t in texts) * (ids / chars if chars else 0.25)
+    return tokens / max(total, 1.0)
 
 
 def default_precision(device: torch.device) -> str:
@@ -115,14 +129,43 @@ def lr_lambda(total_steps: int, warmup: float, min_lr: float) -> Callable[[int],
     return f
 
 
+PASSES_WARN = 4  # a budget above this many passes over the training side gets a warning (it will overfit)
+PHASE_QUIET_S = 2.0  # a setup phase that runs longer than this says so
+
+
 class Distiller:
     """One distillation run (build → train → write); `run()` returns the summary/record dict."""
 
     def __init__(self, opts: DistillOptions, log: Callable[[str], None] | None = None) -> None:
+        self.t_command = time.perf_counter()
         self.opts, self.log = opts, log
         self.rank, self.world = _dist()
         self.is_main = self.rank == 0
+        self.made_state_dir = False
+        self.stop: str | None = None  # the signal that asked the loop to stop after its step
         self._validate()
+
+    def _note(self, text: str) -> None:
+        if self.log and self.is_main:
+            self.log(text)
+
+    @contextlib.contextmanager
+    def _phase(self, name: str):
+        """A setup phase that can take long (loading a model, reading a corpus, generating): once it has run for
+        PHASE_QUIET_S it gets a line, and its end another with its time, so no stretch of a run is silent and quick
+        phases (and refusals, which come early) stay quiet."""
+        t0 = time.perf_counter()
+        timer = threading.Timer(PHASE_QUIET_S, self._note, (f"distill: {name} ...",))
+        timer.daemon = True
+        timer.start()
+        try:
+            yield
+        finally:
+            timer.cancel()
+            took = time.perf_counter() - t0
+            self.setup_phases[name] = round(took, 3)
+            if took >= PHASE_QUIET_S:
+                self._note(f"distill: {name}: {took:.0f} s")
 
     # -- setup ------------------------------------------------------------------------------------
 
@@ -157,6 +200,7 @@ class Distiller:
             self.out.parent / f"{self.out.name}.distill"
         if self.is_main:
             try:
+                self.made_state_dir = not self.state_dir.exists()
                 self.state_dir.mkdir(parents=True, exist_ok=True)
                 probe = self.state_dir / f".probe-{os.getpid()}"
                 probe.write_bytes(b"")
@@ -169,10 +213,39 @@ class Distiller:
                                        "pass --resume to continue it or --overwrite to start over")
                 (self.state_dir / state.CHECKPOINT).unlink()
                 (self.state_dir / state.METRICS).unlink(missing_ok=True)
+        if o.resume and self.is_main:  # a resumable checkpoint: readable, safe, same options; before any model loads
+            state.load_checkpoint(self.state_dir, torch.device("cpu"), state.fingerprint(o, self.world), mmap=True)
+        rows = o.batch * self.world
+        if o.tokens < rows * o.seq_len:
+            raise RecycleError(f"--tokens {o.tokens:,} is less than one optimizer step ({rows} sequences × {o.seq_len} "
+                               f"tokens = {rows * o.seq_len:,}): raise --tokens, or lower --batch / --seq-len")
+        self.setup_phases: dict[str, float] = {}
+        with self._phase("reading the data and the tokenizer"):
+            self.tokenizer = self._tokenizer()
+            texts = self.source.train()  # now: bad data surfaces before any model is built
+        self.data_passes = _passes(o.tokens, texts, self.tokenizer)
+        if self.data_passes > PASSES_WARN:
+            self._note(f"note: --tokens {o.tokens:,} is about {self.data_passes:.0f} passes over the training side of "
+                       f"--data ({len(texts):,} documents): the drafter will fit that text, not the target's "
+                       "distribution; give more data or fewer tokens")
 
-    def _build(self) -> None:
+    def _tokenizer(self):
         from transformers import AutoTokenizer
 
+        from recycle.decoding.target import quiet_transformers
+
+        o = self.opts
+        tok_dir = o.target if (Path(o.target) / "tokenizer.json").is_file() or \
+            (Path(o.target) / "tokenizer_config.json").is_file() else o.drafter
+        try:
+            with quiet_transformers():
+                tok = AutoTokenizer.from_pretrained(tok_dir)
+        except Exception as e:  # noqa: BLE001 - a corrupt tokenizer file is bad input
+            raise RecycleError(f"{tok_dir}: no usable tokenizer ({' '.join(str(e).split())[:160]})") from None
+        tok.model_max_length = 1 << 62  # documents are cut into windows, never fed whole
+        return tok
+
+    def _build(self) -> None:
         from recycle.decoding.target import quiet_transformers
         from recycle.drafters import load_drafter
 
@@ -181,7 +254,7 @@ class Distiller:
             torch.set_num_threads(o.threads)
         self.device = _device(o.device, self.rank)
         self.precision = o.precision or default_precision(self.device)
-        with quiet_transformers():
+        with self._phase("loading the drafter"), quiet_transformers():
             model = load_drafter(o.drafter, dtype=torch.float32)
         aux = self.fmt.reads(self.drafter_config, self.target_config).aux_layers
         aux = list(aux) if aux is not None else None
@@ -194,19 +267,21 @@ class Distiller:
             from recycle.distill.harvest import OnlineHarvest
             from recycle.options import HarvestOptions
 
-            self.producer = OnlineHarvest(HarvestOptions(
-                target=o.target, out=o.cache_hidden, tokens=o.tokens, data=o.data, seq_len=o.seq_len, batch=o.batch,
-                seed=o.seed, aux_layers=tuple(aux or ()), eval_rows=o.eval_rows, eval_prompt_len=o.eval_prompt_len,
-                parallel=o.vllm_parallel), o.online)
-            self.producer.wait(EVAL_KEY)  # vLLM's engine start and the held-out rows come first
+            with self._phase("starting vLLM for the online teacher (about a minute on a CPU)"):
+                self.producer = OnlineHarvest(HarvestOptions(
+                    target=o.target, out=o.cache_hidden, tokens=o.tokens, data=o.data, seq_len=o.seq_len,
+                    batch=o.batch, seed=o.seed, aux_layers=tuple(aux or ()), eval_rows=o.eval_rows,
+                    eval_prompt_len=o.eval_prompt_len, parallel=o.vllm_parallel), o.online)
+                self.producer.wait(EVAL_KEY)  # vLLM's engine start and the held-out rows come first
         if o.cache_hidden and (Path(o.cache_hidden) / "manifest.json").is_file():  # made by `recycle harvest`
             from recycle.distill.harvest import check_manifest
 
             harvested = check_manifest(Path(o.cache_hidden), o, aux_layers=aux or [], world=self.world)
         self.harvested = harvested is not None
         # A harvested cache holds every window and the evaluation rows: the trunk is never loaded.
-        self.teacher = Teacher(o.target, self.device, aux, self.precision, o.cache_hidden, trunk=harvested is None,
-                               producer=self.producer, kv=unroller_cls.needs_kv)
+        with self._phase("loading the target" if harvested is None else "loading the target's embedding and head"):
+            self.teacher = Teacher(o.target, self.device, aux, self.precision, o.cache_hidden,
+                                   trunk=harvested is None, producer=self.producer, kv=unroller_cls.needs_kv)
         model.to(self.device).train()
         self.unroller = unroller_cls.make(model, o.draft_steps, self.teacher.embed, aux)
         self.target_io = self.unroller.adopt_target_io(self.teacher.embed.weight, self.teacher.head.weight)
@@ -215,15 +290,8 @@ class Distiller:
         self.model = model
         if self.unroller.positions(o.seq_len) < 1:
             raise RecycleError(f"--seq-len {o.seq_len} is too short for {self.unroller.steps} draft steps")
-        tok_dir = o.target if (Path(o.target) / "tokenizer.json").is_file() or \
-            (Path(o.target) / "tokenizer_config.json").is_file() else o.drafter
-        try:
-            with quiet_transformers():
-                self.tokenizer = AutoTokenizer.from_pretrained(tok_dir)
-        except Exception as e:  # noqa: BLE001 - a corrupt tokenizer file is bad input
-            raise RecycleError(f"{tok_dir}: no usable tokenizer ({' '.join(str(e).split())[:160]})") from None
         self.stream = PackedStream(self.source.train, self.tokenizer, o.seq_len, o.seed)
-        self.stream.texts()  # read the corpus now: a one-time cost, not a step's
+        self.stream.texts()  # read already (validation): the packing's cost is the first step's
         params = self.unroller.trainable()
         self.opt = torch.optim.AdamW(params, lr=o.lr, betas=(0.9, 0.95), weight_decay=o.weight_decay,
                                      foreach=True)
@@ -234,12 +302,13 @@ class Distiller:
             self.eval_ids = self.teacher.cached_ids(EVAL_KEY).to(self.device)
             self.eval_teacher = self.teacher(self.eval_ids, EVAL_KEY)
             return
-        ev = heldout_batch(self.tokenizer, o.seq_len, o.eval_rows, o.data)
-        self.eval_prompt = eval_prompt_len(ev.shape[1], o.eval_prompt_len, self.unroller.steps)
-        if self.eval_prompt:
-            ev = regenerate(self.teacher.model, ev, self.eval_prompt, 0.0, o.seed)  # the text greedy decoding verifies
-        self.eval_ids = ev.to(self.device)
-        self.eval_teacher = self.teacher(self.eval_ids)
+        with self._phase(f"the target continues {o.eval_rows} held-out rows (the held-out estimate's text)"):
+            ev = heldout_batch(self.tokenizer, o.seq_len, o.eval_rows, o.data)
+            self.eval_prompt = eval_prompt_len(ev.shape[1], o.eval_prompt_len, self.unroller.steps)
+            if self.eval_prompt:  # the text greedy decoding verifies
+                ev = regenerate(self.teacher.model, ev, self.eval_prompt, 0.0, o.seed)
+            self.eval_ids = ev.to(self.device)
+            self.eval_teacher = self.teacher(self.eval_ids)
 
     # -- state ------------------------------------------------------------------------------------
 
@@ -387,13 +456,32 @@ class Distiller:
             torch.manual_seed(o.seed)
             self.before = self.agreement()
             self._consider(self.before)
-        start_tokens = self.tokens
-        snaps = sorted(n for n in o.snapshots if n > self.tokens)
         if self.is_main and 0 in o.snapshots and not resumed:
             self._snapshot(0)
-        t_run = time.perf_counter()
-        last: dict = {}
+        with self._stop_between_steps():
+            last = self._loop(progress)
+        train = self.wall_before + time.perf_counter() - self.t_start
+        final = self.agreement()
+        self._consider(final)
+        if self.is_main and self.best["step"] != self.step:  # rank 0 evaluates, chooses and writes
+            self.model.load_state_dict(self.best["state"])
+        record = self._record(last, final, train, resumed)
+        if self.is_main:
+            self._write(record)
+            (self.state_dir / state.CHECKPOINT).unlink(missing_ok=True)
+        record["wall_s"] = round(time.perf_counter() - self.t_command, 3)  # the command's, setup included
+        if self.world > 1:
+            dist.barrier()
+        return record
+
+    def _loop(self, progress: Callable[[dict], None] | None) -> dict:
+        """The training steps from the current one to the budget; returns the last step's row."""
+        o, last = self.opts, {}
+        start_tokens, t_run = self.tokens, time.perf_counter()
+        snaps = sorted(n for n in o.snapshots if n > self.tokens)
         for step in self.schedule.steps(self.step):
+            if self.stop is not None:
+                self._stopped()
             row = self.train_step(step)
             t0 = time.perf_counter()
             if self.is_main:
@@ -416,18 +504,34 @@ class Distiller:
             self.timing["log_s"] += time.perf_counter() - t0
             self.history.append(row)
             last = row
-        wall = self.wall_before + time.perf_counter() - self.t_start
-        final = self.agreement()
-        self._consider(final)
-        if self.is_main and self.best["step"] != self.step:  # rank 0 evaluates, chooses and writes
-            self.model.load_state_dict(self.best["state"])
-        record = self._record(last, final, wall, resumed)
-        if self.is_main:
-            self._write(record)
-            (self.state_dir / state.CHECKPOINT).unlink(missing_ok=True)
-        if self.world > 1:
-            dist.barrier()
-        return record
+        return last
+
+    @contextlib.contextmanager
+    def _stop_between_steps(self):
+        """While the loop runs, SIGINT/SIGTERM ask it to stop after the step in flight (and checkpoint); before and
+        after, they interrupt as usual (nothing to save yet, or the output is being written whole)."""
+        if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
+            yield
+            return
+        old = {sig: signal.signal(sig, self.on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in old.items():
+                signal.signal(sig, handler)
+
+    def on_signal(self, signum, frame) -> None:
+        """SIGINT/SIGTERM in the loop: finish the step, checkpoint, stop (`_stopped`); a second one stops at once."""
+        if self.stop is not None:
+            raise KeyboardInterrupt
+        self.stop = signal.Signals(signum).name
+
+    def _stopped(self) -> None:
+        if self.is_main and self.step > 0:
+            self._checkpoint()
+        where = (f"step {self.step} ({self.tokens:,} of {self.opts.tokens:,} tokens) is checkpointed in {self.state_dir}"
+                 if self.step > 0 else "no step had finished: nothing was saved")
+        raise Interrupted(f"{self.stop}: stopped; {where}", resumable=self.step > 0)
 
     def _record(self, last: dict, final: list[float], wall: float, resumed: bool) -> dict:
         o = self.opts
@@ -449,7 +553,8 @@ class Distiller:
             "budget_tokens": o.tokens,
             "tokens": trained,
             "steps": self.step,
-            "data": {"source": o.data or "stdlib", "self_distill": o.self_distill,
+            "data": {"source": o.data or "stdlib", **self.source.log.to_json(), "passes": round(self.data_passes, 2),
+                     "self_distill": o.self_distill,
                      "prompt_len": o.prompt_len if o.self_distill else None,
                      "temperature": o.sd_temperature if o.self_distill else None,
                      "seq_len": o.seq_len, "batch_per_rank": o.batch, "world_size": self.world, "seed": o.seed},
@@ -468,7 +573,8 @@ class Distiller:
                         "continuation": f"target greedy after {self.eval_prompt} prompt tokens" if self.eval_prompt
                         else "none (the held-out text itself)"},
             "target_io": self.target_io,
-            "wall_s": round(wall, 3),
+            "train_s": round(wall, 3),
+            "setup_s": self.setup_phases,
             "tokens_per_s": round(trained / wall, 1) if wall else None,
             "timing": {k: round(v, 3) for k, v in t.items()},
             "target_forward_share": round(t["teacher_s"] / step_s, 4) if step_s else None,
@@ -507,9 +613,14 @@ def distill(opts: DistillOptions, progress: Callable[[dict], None] | None = None
             log: Callable[[str], None] | None = None) -> dict:
     """Library entry point (the CLI and the experiment call this); `log` gets one-line notices."""
     threads = torch.get_num_threads()
-    d = Distiller(opts, log)
+    d = None
     try:
+        d = Distiller(opts, log)
         record = d.run(progress)
+    except BaseException:
+        if d is not None and d.made_state_dir and not (d.state_dir / state.CHECKPOINT).exists():
+            shutil.rmtree(d.state_dir, ignore_errors=True)  # a refused or failed run leaves nothing behind
+        raise
     finally:
         torch.set_num_threads(threads)  # --threads is this run's, not the caller's process-wide setting
         if getattr(d, "producer", None) is not None:

@@ -1,5 +1,5 @@
 """The `recycle` command line: parse flags into the command's options object (`recycle.options`), call the
-library, render (`recycle.report`, or --json), and turn user errors into one stderr line and exit 2.
+library, render (`recycle.report`, or --json); `report.user_errors` turns bad input into one line and exit 2.
 
 Every flag is declared once, in `recycle.flags`; the heavy libraries are imported only after the checks that
 need none of them, so bad input fails in a fraction of a second.
@@ -8,52 +8,20 @@ need none of them, so bad input fails in a fraction of a second.
 from __future__ import annotations
 
 import os
-import sys
-from collections.abc import Callable
-from functools import wraps
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from recycle import __version__
-from recycle.errors import RecycleError
 from recycle import flags as f
-from recycle.report import conventional_help, print_json
+from recycle.errors import RecycleError
+from recycle.report import conventional_help, note, print_json, user_errors
 
-EXIT_BAD_INPUT = 2
 conventional_help()
 app = typer.Typer(help="Turn the Multi-Token-Prediction modules of open checkpoints into speculative-decoding drafters.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
                   rich_markup_mode="markdown")
-
-
-def user_errors(fn: Callable) -> Callable:
-    """Turn RecycleError (and unreadable files) into one stderr line and exit status 2; deprecation notes for
-    old flag names follow a command that succeeded."""
-
-    @wraps(fn)
-    def run(*args, **kwargs):
-        f.DEPRECATED.clear()
-        try:
-            done = fn(*args, **kwargs)
-            for line in f.DEPRECATED:
-                note(f"note: {line}")
-            return done
-        except RecycleError as e:
-            print(f"recycle: error: {e}", file=sys.stderr)
-            raise typer.Exit(EXIT_BAD_INPUT) from None
-        except (OSError, MemoryError) as e:
-            if os.environ.get("RECYCLE_DEBUG"):
-                raise
-            print(f"recycle: error: {type(e).__name__}: {' '.join(str(e).split())}", file=sys.stderr)
-            raise typer.Exit(EXIT_BAD_INPUT) from None
-
-    return run
-
-
-def note(text: str) -> None:
-    print(f"recycle: {text}", file=sys.stderr, flush=True)
 
 
 @app.callback(invoke_without_command=True)
@@ -152,19 +120,19 @@ def stitch(
 
     Example: `recycle stitch /tmp/ds-eagle/mtp_overlay --target fixtures/deepseek_v3_mtp -o /tmp/ds-stitched`
     """
-    from recycle.preflight import checkpoint_dir, output_dir
+    from recycle.options import StitchOptions
 
     target = f.renamed(target, target_pos, "--target TARGET_DIR", "TARGET_DIR as a second argument")
     if target is None:
         raise RecycleError("--target TARGET_DIR: the checkpoint to stitch the modules into")
-    checkpoint_dir(overlay)
-    checkpoint_dir(target)
-    out = output_dir(f.output_path(output, target, "stitched"), overwrite, (overlay, target))
+    opts = StitchOptions(overlay=str(overlay), target=str(target), out=f.output_path(output, target, "stitched"),
+                         overwrite=overwrite)
+    opts.validate()
     from recycle.converters.overlay import stitch as run
     from recycle.report import Reporter, render_stitch
 
     with Reporter("stitching", quiet=json_out) as bar:
-        data = run(overlay, target, out, overwrite=overwrite, progress=bar.update)
+        data = run(opts.overlay, opts.target, opts.out, overwrite=overwrite, progress=bar.update)
     print_json(data) if json_out else render_stitch(data)
 
 
@@ -378,7 +346,7 @@ def distill(
     if int(os.environ.get("RANK", "0")) != 0:  # torchrun: rank 0 reports and writes
         run(opts, log=note)
         return
-    with Reporter("distilling", DISTILL_COLUMNS, tps="-", loss="-", agree="-") as bar:
+    with Reporter("distilling", DISTILL_COLUMNS, total=opts.tokens, tps="-", loss="-", agree="-") as bar:
         data_out = run(opts, progress=distill_progress(bar, opts.tokens)[0], log=note)
     print_json(data_out) if json_out else render_distill(data_out)
 

@@ -14,7 +14,9 @@ import math
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 
+from recycle import kinds
 from recycle.errors import RecycleError
 from recycle.preflight import checkpoint_dir, data_name, drafter_dir, model_dir, output_dir, parse_tokens
 
@@ -82,6 +84,9 @@ class ConvertOptions:
         _at_least((("--heads", self.heads, 1), ("--calibrate", self.calibrate, 1),
                    ("--calibrate-steps", self.calibrate_steps, 1)))
         data_name(self.data)
+        kinds.source(self.source)
+        if self.target is not None:
+            kinds.target(self.target)
 
 
 @dataclass(frozen=True)
@@ -172,6 +177,10 @@ class DistillOptions(DataOptions):
             if self.self_distill:
                 raise RecycleError("--online trains on the data's own text: not with --self-distill "
                                    "(harvest --self-distill ahead instead)")
+        kinds.drafter(self.drafter)
+        kinds.target(self.target)
+        if self.cache_hidden is not None:
+            kinds.cache(self.cache_hidden)
 
 
 @dataclass(kw_only=True)
@@ -186,6 +195,23 @@ class HarvestOptions(DataOptions):
     def validate(self) -> None:
         super().validate()
         output_dir(self.out, self.overwrite, (self.target,))
+        kinds.target(self.target)
+
+
+@dataclass(kw_only=True)
+class StitchOptions:
+    """`recycle stitch OVERLAY --target TARGET -o OUT`."""
+
+    overlay: str
+    target: str
+    out: str
+    overwrite: bool = False
+
+    def validate(self) -> None:
+        checkpoint_dir(self.overlay)
+        checkpoint_dir(self.target)
+        output_dir(self.out, self.overwrite, (self.overlay, self.target))
+        kinds.target(self.target)
 
 
 @dataclass(kw_only=True)
@@ -222,6 +248,10 @@ class BenchOptions:
         from recycle.decoding.drafting import parse_shape  # torch: after the checks that need none
 
         parse_shape(self.tree, 1)
+        kinds.target(self.target)
+        native = self.drafter is None or Path(self.drafter).resolve() == Path(self.target).resolve()
+        if not native:
+            kinds.drafter(self.drafter)
 
 
 @dataclass(kw_only=True)
@@ -238,8 +268,6 @@ class PlanOptions:
     plot: str | None = None
 
     def validate(self) -> None:
-        from pathlib import Path
-
         from recycle.hardware import gpu
 
         self.bench.validate()
@@ -270,8 +298,6 @@ class PushOptions:
     backoff: float | None = None  # None: RECYCLE_HUB_BACKOFF or 2 s
 
     def validate(self) -> None:
-        from pathlib import Path
-
         from recycle.preflight import drafter_record
 
         if not HUB_ID.match(self.repo):
@@ -301,5 +327,5 @@ def _device_name(name: str | None) -> None:
         raise RecycleError(f"--device {name!r}: choose cpu or cuda")
 
 
-__all__ = ["BenchOptions", "PlanOptions", "PushOptions", "parse_batch_sizes", "ConvertOptions", "DataOptions", "DistillOptions", "HarvestOptions", "LossConfig", "DTYPES",
+__all__ = ["BenchOptions", "PlanOptions", "PushOptions", "StitchOptions", "parse_batch_sizes", "ConvertOptions", "DataOptions", "DistillOptions", "HarvestOptions", "LossConfig", "DTYPES",
            "PRECISIONS"]

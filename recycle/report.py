@@ -1,16 +1,25 @@
 """What people see: rich tables, panels and progress for each command's result (the `--json` dict is the
-same data, printed as it is). The CLI calls these; nothing here computes anything."""
+same data, printed as it is), and errors as one stderr line with their exit code. The CLI calls these;
+nothing here computes anything."""
 
 from __future__ import annotations
 
 import json
+import os
 import sys
+from collections.abc import Callable
+from functools import wraps
 
+import typer
 from rich.console import Console
 from rich.panel import Panel
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
+from recycle.errors import Interrupted, RecycleError
+from recycle.flags import DEPRECATED
+
+EXIT_BAD_INPUT = 2
 out = Console()
 err = Console(stderr=True)
 SEVERITY_STYLE = {"error": "bold red", "warning": "yellow", "info": "cyan"}
@@ -40,6 +49,39 @@ def conventional_help() -> None:
             return self.metavar if self.metavar is not None else (shown(self, ctx) or "").strip("<>").upper() or None
 
         opt.display_type_rich = option_type
+
+
+def user_errors(fn: Callable) -> Callable:
+    """Turn RecycleError (and unreadable files) into one stderr line and exit status 2; deprecation notes for
+    old flag names follow a command that succeeded."""
+
+    @wraps(fn)
+    def run(*args, **kwargs):
+        DEPRECATED.clear()
+        try:
+            done = fn(*args, **kwargs)
+            for line in DEPRECATED:
+                note(f"note: {line}")
+            return done
+        except RecycleError as e:
+            resume = " ".join(["recycle", *sys.argv[1:]] + ([] if "--resume" in sys.argv else ["--resume"]))
+            tail = f"; continue with: {resume}" if getattr(e, "resumable", False) else ""
+            print(f"recycle: {'' if isinstance(e, Interrupted) else 'error: '}{e}{tail}", file=sys.stderr)
+            raise typer.Exit(getattr(e, "exit_code", EXIT_BAD_INPUT)) from None
+        except KeyboardInterrupt:
+            print("recycle: interrupted; nothing was written (outputs appear whole or not at all)", file=sys.stderr)
+            raise typer.Exit(130) from None
+        except (OSError, MemoryError) as e:
+            if os.environ.get("RECYCLE_DEBUG"):
+                raise
+            print(f"recycle: error: {type(e).__name__}: {' '.join(str(e).split())}", file=sys.stderr)
+            raise typer.Exit(EXIT_BAD_INPUT) from None
+
+    return run
+
+
+def note(text: str) -> None:
+    print(f"recycle: {text}", file=sys.stderr, flush=True)
 
 
 def table(title: str) -> Table:
@@ -74,13 +116,16 @@ class Reporter:
 
     EVERY_S = 5.0
 
-    def __init__(self, label: str, columns: tuple = (), quiet: bool = False, **fields) -> None:
-        """`quiet`: show nothing (--json output, or work that reports no progress)."""
-        self.label, self.fields, self.quiet = label, fields, quiet
+    def __init__(self, label: str, columns: tuple = (), quiet: bool = False, total: int | None = None,
+                 **fields) -> None:
+        """`quiet`: show nothing (--json output, or work that reports no progress); `total`: known from the start
+        (a budget), so the bar shows it and an ETA before the first item is done."""
+        self.label, self.fields, self.quiet, self.total = label, fields, quiet, total
         self.bar: Progress | None = None
         if err.is_terminal and not quiet:
             self.bar = Progress(TextColumn("[progress.description]{task.description}"), BarColumn(),
-                                MofNCompleteColumn(), *columns, TimeElapsedColumn(), console=err, transient=True)
+                                MofNCompleteColumn(), *columns, TimeElapsedColumn(), TimeRemainingColumn(),
+                                console=err, transient=True)
         self.last = 0.0
 
     def __enter__(self) -> Reporter:
@@ -89,7 +134,7 @@ class Reporter:
         self.t0 = time.perf_counter()
         if self.bar is not None:
             self.bar.start()
-            self.task = self.bar.add_task(self.label, total=None, **self.fields)
+            self.task = self.bar.add_task(self.label, total=self.total, **self.fields)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -104,16 +149,25 @@ class Reporter:
 
         if self.quiet:
             return
+        total = total if total is not None else self.total
+        stage = description or self.label
         if self.bar is not None:
-            self.bar.update(self.task, completed=completed, total=total, description=description or self.label,
-                            **fields)
+            if stage != getattr(self, "stage", None):  # a new stage: its own count and ETA
+                self.stage = stage
+                self.bar.reset(self.task, total=total, description=stage)
+            self.bar.update(self.task, completed=completed, total=total, description=stage, **fields)
             return
         now = time.perf_counter()
+        if stage != getattr(self, "stage", None):
+            self.stage, self.stage_t0 = stage, now
         # Quick work prints nothing; longer work a line every few seconds, and items asked for always.
-        if force or (now - self.t0 >= self.EVERY_S and (now - self.last >= self.EVERY_S or completed == total)):
+        if force or (now - self.stage_t0 >= self.EVERY_S and (now - self.last >= self.EVERY_S or completed == total)):
             self.last = now
-            text = line or f"{description or self.label} {completed}" + (f"/{total}" if total else "")
-            print(f"recycle: {text} ({now - self.t0:.0f} s)", file=sys.stderr, flush=True)
+            text = line or f"{stage} {completed}" + (f"/{total}" if total else "")
+            spent = now - self.stage_t0
+            left = (f", about {spent * (total - completed) / completed:.0f} s left" if total and 0 < completed < total
+                    else "")
+            print(f"recycle: {text} ({now - self.t0:.0f} s{left})", file=sys.stderr, flush=True)
 
     def counter(self, line: str):
         """A callback that counts calls (items done, total unknown): `line` names the count as {n}."""

@@ -63,7 +63,7 @@ class DrafterFormat:
     unroller: str | None = None  # distill's Unroller subclass for this format
     default_steps: int | None = None  # distill's unrolled draft steps (None: the drafter's own number of heads)
     converter: str | None = None  # (RoleWeights, ConvertRequest) -> converters.roles.Plan
-    calibrate: str | None = None  # (Plan, RoleWeights, ConvertOptions) -> record: fit what cannot be copied
+    calibrate: str | None = None  # (Plan, RoleWeights, ConvertOptions, progress) -> record: fit what cannot be copied
     options: frozenset[str] = frozenset()  # `recycle convert` options that apply to this format
     layouts: Mapping[str, Layout] = field(default_factory=dict)  # what it writes, in order, and who reads it
     rewrite: str | None = None  # (source dir, trained main state, module) -> other layouts' tensors, dropped, notes
