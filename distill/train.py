@@ -143,7 +143,17 @@ class Distiller:
         self.is_main = self.rank == 0
         self.made_state_dir = False
         self.stop: str | None = None  # the signal that asked the loop to stop after its step
-        self._validate()
+        try:
+            self._validate()
+        except BaseException:
+            self.discard_state()
+            raise
+
+    def discard_state(self) -> None:
+        """A refused or failed run leaves nothing behind: the state directory goes unless it holds a checkpoint
+        (an earlier run's, or this one's after an interrupt), which --resume continues."""
+        if self.made_state_dir and not (self.state_dir / state.CHECKPOINT).exists():
+            shutil.rmtree(self.state_dir, ignore_errors=True)
 
     def _note(self, text: str) -> None:
         if self.log and self.is_main:
@@ -618,8 +628,8 @@ def distill(opts: DistillOptions, progress: Callable[[dict], None] | None = None
         d = Distiller(opts, log)
         record = d.run(progress)
     except BaseException:
-        if d is not None and d.made_state_dir and not (d.state_dir / state.CHECKPOINT).exists():
-            shutil.rmtree(d.state_dir, ignore_errors=True)  # a refused or failed run leaves nothing behind
+        if d is not None:
+            d.discard_state()
         raise
     finally:
         torch.set_num_threads(threads)  # --threads is this run's, not the caller's process-wide setting

@@ -442,8 +442,11 @@ def render_distill(data: dict) -> None:
     t.add_row("tokens/s", f"{data['tokens_per_s']:.0f}")
     t.add_row("target forward / loop overhead", f"{100 * (data['target_forward_share'] or 0):.1f}% / "
               f"{100 * (data['overhead_share'] or 0):.1f}%")
-    t.add_row("wall time", f"{data['wall_s']:.1f} s" + (" (resumed)" if data["resumed"] else ""))
+    t.add_row("wall time", f"{data['wall_s']:.1f} s (training {data['train_s']:.1f} s)" +
+              (" (resumed)" if data["resumed"] else ""))
     out.print(t)
+    out.print(f"[dim]state: {data['state_dir']}/ holds metrics.jsonl (one row per step); its checkpoint is removed "
+              "once the output is whole[/dim]")
 
 
 def render_stitch(data: dict) -> None:
