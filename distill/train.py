@@ -80,8 +80,9 @@ def default_precision(device: torch.device) -> str:
     """bf16 autocast where the hardware has it (CUDA, AVX512-BF16, AMX); fp32 where bf16 is emulated."""
     if device.type == "cuda":
         return "bf16"
-    caps = torch.cpu.get_capabilities()
-    return "bf16" if caps.get("avx512_bf16") or caps.get("amx_bf16") else "fp32"
+    from recycle.hardware import cpu_has_bf16
+
+    return "bf16" if cpu_has_bf16() else "fp32"
 
 
 def expected_length(agree: list[float]) -> float:

@@ -63,3 +63,25 @@ def detect(device: torch.device) -> GPU | None:
 
 
 __all__ = ["GPU", "GPUS", "gpu", "detect"]
+
+
+def cpu_capabilities() -> dict:
+    """The CPU's instruction-set flags as torch reports them (torch ≥ 2.7: torch.cpu.get_capabilities), else read
+    from /proc/cpuinfo, so a torch as old as 2.6 answers the same question."""
+    import torch
+
+    caps = getattr(torch.cpu, "get_capabilities", None)
+    if caps is not None:
+        return dict(caps())
+    try:
+        text = open("/proc/cpuinfo", encoding="utf-8").read()
+    except OSError:
+        return {}
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    return {f: True for f in flags}
+
+
+def cpu_has_bf16() -> bool:
+    """Native bf16 (AVX512-BF16 or AMX): where bf16 autocast is fast; elsewhere it is emulated, 12× slower."""
+    caps = cpu_capabilities()
+    return bool(caps.get("avx512_bf16") or caps.get("amx_bf16"))
