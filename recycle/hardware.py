@@ -68,8 +68,6 @@ __all__ = ["GPU", "GPUS", "gpu", "detect"]
 def cpu_capabilities() -> dict:
     """The CPU's instruction-set flags as torch reports them (torch ≥ 2.7: torch.cpu.get_capabilities), else read
     from /proc/cpuinfo, so a torch as old as 2.6 answers the same question."""
-    import torch
-
     caps = getattr(torch.cpu, "get_capabilities", None)
     if caps is not None:
         return dict(caps())
