@@ -170,11 +170,14 @@ def _add_nextn(plan: Plan, w: RoleWeights, dtype_name: str) -> None:
 
 def rewrite(src, main: dict, model) -> tuple[dict, list[str], list[str]]:
     """The record's rewrite step: `nextn/` and `mtp_overlay/` from the trained modules, in their stored names,
-    shapes and dtypes. A layout whose key set cannot be rebuilt exactly (FP8 overlay tensors, a family whose
-    stored norms or concatenation are not canonical) is dropped with a note rather than shipped stale."""
-    from recycle.checkpoint import load_json
+    shapes and dtypes; an overlay stored in block FP8 (a DeepSeek-V3/R1 release's) stays FP8: each trained weight is
+    re-quantized in the source's blocks with fresh scales, so `recycle stitch` takes it straight back. A layout
+    whose key set cannot be rebuilt exactly (a family whose stored norms or concatenation are not canonical, a
+    quantization recycle cannot write) is dropped with a note rather than shipped stale."""
+    from recycle.checkpoint import SCALE_SUFFIX, load_json
     from recycle.converters.rewrite import stored_layout
     from recycle.families import BY_NAME
+    from recycle.quant import requantize, scheme
 
     files: dict[str, dict] = {}
     dropped, notes = [], []
@@ -185,12 +188,27 @@ def rewrite(src, main: dict, model) -> tuple[dict, list[str], list[str]]:
         for p in sorted((src / sub).glob("*.safetensors")) if (src / sub).is_dir() else []:
             head = stored_layout(p)
             named = model.checkpoint_tensors(num_hidden_layers=base) if canonical else {}
-            ok = canonical and all(k in named and tuple(named[k].shape) == shp and dt.is_floating_point
-                                   and dt.itemsize >= 2 for k, (shp, dt) in head.items())
-            if ok:
-                files[f"{sub}/{p.name}"] = {k: named[k] for k in head}
+            try:
+                fp8 = scheme(load_json(src / sub / "config.json", f"{sub}/config.json"), f"{src / sub}")
+            except RecycleError:
+                fp8 = None
+            out, why = {}, None
+            for k, (shp, dt) in head.items():
+                weight = k[: -len(SCALE_SUFFIX)] if k.endswith(SCALE_SUFFIX) else None
+                if weight is not None and weight in head and head[weight][1].itemsize == 1:
+                    continue  # made with its weight
+                if k not in named or tuple(named[k].shape) != shp or not dt.is_floating_point:
+                    why = "non-canonical norms/concat" if not canonical else f"{k} is not a trained weight"
+                elif dt.itemsize == 1:
+                    if fp8 is None or k + SCALE_SUFFIX not in head:
+                        why = "FP8 without a block-FP8 config"
+                        continue
+                    out[k], out[k + SCALE_SUFFIX], _ = requantize(named[k], fp8.block)
+                else:
+                    out[k] = named[k]
+            if why is None:
+                files[f"{sub}/{p.name}"] = out
             else:
                 dropped.append(sub)
-                notes.append(f"{sub}/ dropped: its tensors cannot be rebuilt exactly from the trained weights "
-                             "(FP8 or non-canonical norms/concat); re-export it from the distilled drafter")
+                notes.append(f"{sub}/ dropped: its tensors cannot be rebuilt exactly from the trained weights ({why})")
     return files, dropped, notes

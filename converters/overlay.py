@@ -26,14 +26,17 @@ from pathlib import Path
 
 import torch
 
+from recycle.checkpoint import DTYPES, INDEX_FILE, ST_NAMES, Checkpoint, expected_scale_shape
 from recycle.converters.eagle import OVERLAY_INDEX
-from recycle.converters.roles import raw
+from recycle.converters.roles import EXACT, Lazy, nbytes, raw
 from recycle.converters.writer import OutputDir, Progress
-from recycle.checkpoint import INDEX_FILE, Checkpoint
 from recycle.errors import RecycleError
 from recycle.families import MTPMatch, match
+from recycle.quant import engine_fp8, module_of, requantize, scale_name, scheme, with_ignored
 
 STITCHED_FILE = "recycle-mtp.safetensors"
+RECORD = "recycle-stitch.json"  # what stitch decided, per tensor (the stitched directory is a model, not a drafter)
+MTP_DTYPES = ("auto", "bf16")
 
 
 def _read_index(overlay: Path) -> dict:
@@ -76,24 +79,124 @@ def _tokenizer_dir(overlay: Path) -> Path:
     return overlay if (overlay / "tokenizer.json").is_file() else overlay.parent
 
 
+def _trunk_dtype(tgt: Checkpoint, name: str, fallback: torch.dtype) -> torch.dtype:
+    """The float dtype the target stores for the trunk's tensor of the same kind as MTP tensor `name` (the same
+    name after its layer index: norms, router weights, biases), else `fallback` (the target's embedding dtype)."""
+    suffix = name.split(".", 3)[-1] if name.count(".") >= 3 else name
+    for other, info in tgt.tensors.items():
+        if other.endswith(suffix) and other != name and not info.is_fp8 and not info.is_scale:
+            dt = DTYPES[info.dtype][1]
+            if dt is not None and dt.is_floating_point:
+                return dt
+    return fallback
+
+
+def _check_blocks(tgt: Checkpoint, block: tuple[int, int], mtp: set[str], where: str) -> None:
+    """The target's own FP8 weights must be scaled in the block its config declares: scales written in another
+    block than the engine reads would dequantize wrongly."""
+    for n, info in tgt.tensors.items():
+        scale = tgt.scale_for(n) if info.is_fp8 and n not in mtp else None
+        if scale is not None and tuple(scale.shape) != expected_scale_shape(info.shape, block):
+            raise RecycleError(f"{where}: {scale.name} has shape {list(scale.shape)}, not the {list(block)} blocks "
+                               f"weight_block_size declares for {list(info.shape)}: the target's scales do not match "
+                               "its config; nothing written")
+
+
+class _Requant:
+    """One weight re-quantized to the target's FP8 block once, read by two Lazies (the weight and its scale)."""
+
+    def __init__(self, make, block: tuple[int, int]) -> None:
+        self.make, self.block, self.done = make, block, None
+
+    def get(self) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        if self.done is None:
+            self.done = requantize(self.make(), self.block)
+        return self.done
+
+
+def plan_tensors(ov: Checkpoint, tgt: Checkpoint, names: list[str], copies: dict[str, str], mode: str,
+                 where: str) -> tuple[dict[str, Lazy], dict, list[str]]:
+    """Every MTP tensor of the stitched file, in the target's scheme; the per-tensor record; the modules to add to
+    the ignore list (mode bf16 under an FP8 target). Stored bytes are copied where they already fit; a weight the
+    engine runs in FP8 is re-quantized with the target's block (fresh scales); everything else is written in the
+    dtype the target stores for the trunk's same kind of tensor."""
+    fp8 = scheme(tgt.config, where)
+    emb = next((i for n, i in tgt.tensors.items() if "embed" in n and not i.is_scale), None)
+    floats = DTYPES[emb.dtype][1] if emb is not None and DTYPES[emb.dtype][1] is not None else torch.bfloat16
+    out: dict[str, Lazy] = {}
+    record: dict[str, dict] = {}
+    ignored: list[str] = []
+    for n in names:
+        if n in copies:  # the modules' embedding/head copies: the target's own trunk tensors, as stored
+            out[n] = raw(tgt, copies[n])
+            record[n] = {"stored": tgt.tensors[copies[n]].dtype, "how": f"the target's {copies[n]}"}
+            continue
+        info, scale = ov.tensors[n], ov.scale_for(n)
+        as_fp8 = fp8 is not None and mode == "auto" and engine_fp8(n, info.shape)
+        if as_fp8 and info.is_fp8 and scale is not None and tuple(scale.shape) == expected_scale_shape(info.shape,
+                                                                                                         fp8.block):
+            out[n], out[scale_name(n)] = raw(ov, n), raw(ov, scale.name)
+            record[n] = {"stored": info.dtype, "how": "stored bytes (FP8 in the target's blocks)"}
+        elif as_fp8:
+            job = _Requant(lambda n=n: ov.get(n), fp8.block)
+            out[n] = Lazy(info.shape, lambda job=job: job.get()[0], (n,), EXACT, "re-quantized to the target's FP8 "
+                          "blocks", dtype=torch.float8_e4m3fn)
+            out[scale_name(n)] = Lazy(expected_scale_shape(info.shape, fp8.block), lambda job=job: job.get()[1],
+                                      (n,), EXACT, "fresh weight_scale_inv", dtype=torch.float32)
+            record[n] = {"stored": "F8_E4M3", "how": "re-quantized", "error": job}
+        else:
+            want = floats if fp8 is not None and engine_fp8(n, info.shape) else _trunk_dtype(tgt, n, floats)
+            if fp8 is not None and engine_fp8(n, info.shape):
+                ignored.append(module_of(n))
+            if not info.is_fp8 and DTYPES[info.dtype][1] == want:
+                out[n] = raw(ov, n)
+                record[n] = {"stored": info.dtype, "how": "stored bytes"}
+            else:
+                out[n] = Lazy(info.shape, lambda n=n, want=want: ov.get(n).to(want), (n,), EXACT,
+                              "dequantized" if info.is_fp8 else "cast", dtype=want)
+                record[n] = {"stored": ST_NAMES[want], "how": "dequantized" if info.is_fp8 else "cast"}
+    return out, record, ignored
+
+
+def _errors(record: dict) -> dict:
+    """The re-quantization errors, once the tensors were made (the writer made them)."""
+    out = {}
+    for n, r in record.items():
+        job = r.pop("error", None)
+        if job is not None and job.done is not None:
+            r.update(job.done[2])
+        out[n] = r
+    return out
+
+
 def stitch(overlay: str | os.PathLike, target: str | os.PathLike, out: str | os.PathLike, *,
-           overwrite: bool = False, progress: Progress | None = None) -> dict:
-    """Write `out` = target with the overlay's MTP tensors in place of its own; returns a summary."""
+           overwrite: bool = False, progress: Progress | None = None, mtp_dtype: str = "auto") -> dict:
+    """Write `out` = target with the overlay's MTP tensors in place of its own, in the target's quantization scheme
+    (`mtp_dtype` "auto": FP8 where the engine runs FP8; "bf16": BF16 with the modules in the ignore list); returns a
+    summary, also written as recycle-stitch.json."""
+    if mtp_dtype not in MTP_DTYPES:
+        raise RecycleError(f"--mtp-dtype {mtp_dtype!r}: choose {' or '.join(MTP_DTYPES)}")
     ov_dir, tgt_dir = Path(overlay), Path(target)
     meta = _read_index(ov_dir).get("metadata", {})
     ov, tgt = Checkpoint(ov_dir), Checkpoint(tgt_dir)
-    fam = match(tgt).family.name
+    fp8 = scheme(tgt.config, str(tgt_dir))  # refuses schemes recycle cannot write, before anything is written
+    tm = match(tgt)
+    fam = tm.family.name
     if meta.get("family") not in (None, fam):
         raise RecycleError(f"{ov_dir}: overlay of a '{meta.get('family')}' checkpoint, target is '{fam}'")
     from recycle.fit import check_fit
 
     check_fit(ov.config, tgt.config, _tokenizer_dir(ov_dir), tgt_dir, f"{ov_dir}")
     copies = _target_copies(ov, match(ov, fam), tgt)
-    names = set(ov.tensors)
+    names = sorted(n for n, i in ov.tensors.items() if not i.is_scale)
     for n in names:
         info = tgt.tensors.get(n)
         if info is not None and info.shape != ov.tensors[n].shape:
             raise RecycleError(f"{ov_dir}: {n} has shape {list(ov.tensors[n].shape)}, the target's is {list(info.shape)}")
+    if fp8 is not None:
+        _check_blocks(tgt, fp8.block, set(tm.mtp_names), str(tgt_dir))
+    tensors, record, ignored = plan_tensors(ov, tgt, names, copies, mtp_dtype, str(tgt_dir))
+    drop = set(tm.mtp_names) | set(tensors)  # the target's old MTP tensors go, stale scales with them
     writer = OutputDir(out, overwrite=overwrite, protect=(tgt_dir, ov_dir))
     weight_map: dict[str, str] = {}
     rewritten, linked = [], []
@@ -101,7 +204,7 @@ def stitch(overlay: str | os.PathLike, target: str | os.PathLike, out: str | os.
         rewrite: dict[str, dict] = {}
         for file in tgt.files:
             held = [n for n, i in tgt.tensors.items() if i.file == file]
-            keep = [n for n in held if n not in names]
+            keep = [n for n in held if n not in drop]
             weight_map.update(dict.fromkeys(keep, file))
             if len(keep) == len(held):
                 d.copy_file(tgt.path / file, file, link=True)
@@ -109,16 +212,30 @@ def stitch(overlay: str | os.PathLike, target: str | os.PathLike, out: str | os.
             elif keep:
                 rewrite[file] = {n: raw(tgt, n) for n in sorted(keep)}
                 rewritten.append(file)
-        rewrite[STITCHED_FILE] = {n: raw(tgt, copies[n]) if n in copies else raw(ov, n) for n in sorted(names)}
-        d.write_safetensors(rewrite, dtype=torch.bfloat16, progress=progress)  # raw tensors keep their dtype
-        weight_map.update(dict.fromkeys(names, STITCHED_FILE))
-        total = sum(tgt.tensors[n].nbytes for n in weight_map if n in tgt.tensors and n not in names)
-        total += sum(tgt.tensors[copies[n]].nbytes if n in copies else ov.tensors[n].nbytes for n in names)
+        rewrite[STITCHED_FILE] = dict(sorted(tensors.items()))
+        d.write_safetensors(rewrite, dtype=torch.bfloat16, progress=progress)  # each Lazy says its own dtype
+        weight_map.update(dict.fromkeys(tensors, STITCHED_FILE))
+        sizes = {n: i.nbytes for n, i in tgt.tensors.items()}
+        total = sum(sizes[n] for n in weight_map if weight_map[n] != STITCHED_FILE)
+        total += sum(nbytes(t.shape, t.dtype or torch.bfloat16) for t in tensors.values())
         d.write_json(INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))})
-        d.write_json("config.json", _raise_depth(tgt.config, meta.get("depth_key"), int(meta.get("modules") or 0)))
+        config = _raise_depth(tgt.config, meta.get("depth_key"), int(meta.get("modules") or 0))
+        if ignored:
+            config = with_ignored(config, ignored)
+        d.write_json("config.json", config)
         for p in sorted(tgt.path.iterdir()):
-            if p.is_file() and not p.name.endswith(".safetensors") and p.name not in (INDEX_FILE, "config.json"):
+            if p.is_file() and not p.name.endswith(".safetensors") and p.name not in (INDEX_FILE, "config.json",
+                                                                                       RECORD):
                 d.copy_file(p, p.name)
-    return {"out": str(writer.out), "family": fam, "overlay_tensors": len(names), "linked": linked,
-            "rewritten": rewritten, "file": STITCHED_FILE,
-            "copies_from_target": dict(sorted(copies.items())), "target_had_mtp": bool(match(tgt).modules)}
+        summary = {"out": str(writer.out), "family": fam, "overlay_tensors": len(names), "linked": linked,
+                   "rewritten": rewritten, "file": STITCHED_FILE, "copies_from_target": dict(sorted(copies.items())),
+                   "target_had_mtp": bool(tm.modules),
+                   "quantization": {"target": "fp8 block " + "x".join(map(str, fp8.block)) if fp8 else "none",
+                                    "mtp_dtype": mtp_dtype, "ignored_added": sorted(ignored),
+                                    "tensors": _errors(record)}}
+        q = summary["quantization"]
+        errs = [r["max_rel_error"] for r in q["tensors"].values() if "max_rel_error" in r]
+        q["requantized"] = len(errs)
+        q["max_rel_error"] = max(errs) if errs else None
+        d.write_json(RECORD, summary)
+    return summary

@@ -109,6 +109,7 @@ def stitch(
     target: f.Target = None,
     target_pos: f.OldTargetArg = None,
     output: f.Output = None,
+    mtp_dtype: f.MtpDtype = "auto",
     overwrite: f.Overwrite = False,
     json_out: f.Json = False,
 ) -> None:
@@ -126,13 +127,14 @@ def stitch(
     if target is None:
         raise RecycleError("--target TARGET_DIR: the checkpoint to stitch the modules into")
     opts = StitchOptions(overlay=str(overlay), target=str(target), out=f.output_path(output, target, "stitched"),
-                         overwrite=overwrite)
+                         overwrite=overwrite, mtp_dtype=mtp_dtype)
     opts.validate()
     from recycle.converters.overlay import stitch as run
     from recycle.report import Reporter, render_stitch
 
     with Reporter("stitching", quiet=json_out) as bar:
-        data = run(opts.overlay, opts.target, opts.out, overwrite=overwrite, progress=bar.update)
+        data = run(opts.overlay, opts.target, opts.out, overwrite=overwrite, progress=bar.update,
+                   mtp_dtype=opts.mtp_dtype)
     print_json(data) if json_out else render_stitch(data)
 
 

@@ -97,6 +97,9 @@ CalibrationData = Annotated[str | None, opt("--data", help="With --calibrate: ca
 
 # -- stitch, harvest: the target's old place -------------------------------------------------------------------
 OldTargetArg = Annotated[Path | None, typer.Argument(hidden=True, help="Old place of --target.")]
+MtpDtype = Annotated[str, opt("--mtp-dtype", help="Into a quantized target: auto writes the MTP weights in its "
+                              "scheme (block FP8: re-quantized, fresh scales); bf16 keeps them BF16 and adds them to "
+                              "its ignore list.", metavar="[auto|bf16]")]
 OverlayArg = Annotated[Path, typer.Argument(help="An MTP overlay directory (OUT/mtp_overlay from convert --to eagle or "
                                             "distill).", metavar="OVERLAY_DIR")]
 

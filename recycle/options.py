@@ -206,8 +206,10 @@ class StitchOptions:
     target: str
     out: str
     overwrite: bool = False
+    mtp_dtype: str = "auto"  # into a quantized target: its scheme (auto) or BF16 in the ignore list
 
     def validate(self) -> None:
+        _choice(self.mtp_dtype, ("auto", "bf16"), "--mtp-dtype")
         checkpoint_dir(self.overlay)
         checkpoint_dir(self.target)
         output_dir(self.out, self.overwrite, (self.overlay, self.target))

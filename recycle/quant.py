@@ -1,0 +1,114 @@
+"""Quantized releases: which schemes recycle reads and writes back, which tensors an engine runs in FP8, and the
+ignore list that keeps a BF16 layer out of an FP8 model.
+
+DeepSeek-V3/R1/V3.2 (and GLM, Kimi, LongCat FP8 builds) ship block-FP8: e4m3 weights with a float32
+`weight_scale_inv` multiplier per 128×128 block, declared by `quantization_config = {"quant_method": "fp8",
+"weight_block_size": [128, 128], ...}`. An engine builds *every* Linear of the model as FP8 unless its module is
+named in the config's ignore list, MTP layer included, and fills an FP8 parameter with whatever bytes the
+checkpoint holds after only a shape check (vLLM 0.32: `model_executor/layers/quantization/fp8.py`
+`Fp8Config.from_config` lines 158-174 read `ignored_layers`, else `modules_to_not_convert`; `get_quant_method`
+lines 176-185 skip a layer only on an exact prefix match, `utils/quant_utils.py::is_layer_skipped` lines 617-690,
+where an expert layer counts as ignored when an ignore entry contains its prefix; transformers 5.23
+`FineGrainedFP8Config.__init__` reads `modules_to_not_convert`, else `ignored_layers`). vLLM's DeepSeek MTP builds
+its block with the checkpoint's own prefix (`models/deepseek_mtp.py` line 106: `DeepseekV2DecoderLayer(vllm_config,
+prefix, ...)`, prefix `model.layers.{idx}`), so the ignore entries are the checkpoint's module names. A BF16
+tensor written where the engine expects FP8 is therefore cast to e4m3 without a scale and drafts garbage, while
+verification keeps the output correct: acceptance just falls to about zero. recycle either re-quantizes such a
+weight in the target's own scheme (fresh scales), or keeps it BF16 and names its module in the ignore list.
+
+Which tensors are FP8 is DeepSeek's rule (its release and `inference/fp8_cast_bf16.py`): 2-D Linear weights of
+attention and MLP/experts; not the router (`mlp.gate`, built unquantized), not `eh_proj`, the norms, embeddings
+or heads (built as plain `nn.Linear`/embedding layers by the engines' MTP modules). Schemes recycle cannot write
+(AWQ, GPTQ, compressed-tensors, NVFP4, MXFP4, bitsandbytes, ...) are refused by name: writing BF16 into them would
+be a silently wrong checkpoint.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from recycle.checkpoint import SCALE_SUFFIX, dequantize_fp8, expected_scale_shape, quantize_fp8
+from recycle.errors import RecycleError
+
+WRITABLE = ("fp8 (block-wise e4m3, weight_scale_inv)",)
+IGNORE_KEYS = ("ignored_layers", "modules_to_not_convert")  # vLLM reads the first (else the second), transformers both
+FP8_PARTS = (".self_attn.", ".mlp.")  # where the engines' Linear layers are FP8 (DeepSeek's rule)
+NOT_FP8 = ("mlp.gate.weight",)  # the router: built unquantized
+
+
+@dataclass(frozen=True)
+class BlockFP8:
+    """DeepSeek's block-FP8: e4m3 weights, float32 `weight_scale_inv` per block of `block` = (rows, cols)."""
+
+    block: tuple[int, int]
+    config: Mapping  # the quantization_config as stored
+
+    @property
+    def ignored(self) -> list[str]:
+        for key in IGNORE_KEYS:
+            if self.config.get(key):
+                return list(self.config[key])
+        return []
+
+
+def scheme(config: Mapping, where: str = "") -> BlockFP8 | None:
+    """The quantization a model's config.json declares: None (unquantized), block FP8, or a refusal naming the
+    method for schemes recycle cannot write."""
+    q = config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config")
+    if not q:
+        return None
+    method = str(q.get("quant_method", "?")).lower()
+    if method != "fp8":
+        raise RecycleError(f"{where}: quantized with {method!r}, which recycle cannot write MTP tensors into "
+                           f"(it writes: {', '.join(WRITABLE)}); stitch into the unquantized (BF16) release instead")
+    block = q.get("weight_block_size")
+    if not (isinstance(block, list | tuple) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+        raise RecycleError(f"{where}: an FP8 config without a 2-D weight_block_size ({block!r}): per-tensor FP8 is not "
+                           f"what recycle writes (it writes: {', '.join(WRITABLE)})")
+    return BlockFP8((int(block[0]), int(block[1])), dict(q))
+
+
+def engine_fp8(name: str, shape: tuple[int, ...]) -> bool:
+    """Whether an engine builds this weight's layer as FP8 in a block-FP8 model (DeepSeek's rule)."""
+    return (len(shape) == 2 and name.endswith(".weight") and any(p in name for p in FP8_PARTS)
+            and not any(name.endswith(n) for n in NOT_FP8))
+
+
+def module_of(weight: str) -> str:
+    """`model.layers.61.self_attn.q_a_proj.weight` → `model.layers.61.self_attn.q_a_proj`: what ignore lists name."""
+    return weight[: -len(".weight")] if weight.endswith(".weight") else weight
+
+
+def with_ignored(config: Mapping, modules: Iterable[str]) -> dict:
+    """config.json with `modules` added to its quantization config's ignore list, under both keys engines read."""
+    config = dict(config)
+    q = dict(config["quantization_config"])
+    names = sorted(set(BlockFP8((1, 1), q).ignored) | set(modules))
+    for key in IGNORE_KEYS:
+        q[key] = names
+    config["quantization_config"] = q
+    return config
+
+
+def requantize(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """A weight re-quantized to block FP8 with fresh scales, and what that cost: the max and mean relative error of
+    the dequantized result per element (|ŵ − w| / max|w| of its block), for the record."""
+    m, n = weight.shape
+    if m < 1 or n < 1:
+        raise RecycleError("cannot quantize an empty weight")
+    q, scale = quantize_fp8(weight, block)
+    w = weight.float()
+    back = dequantize_fp8(q, scale, block)
+    bm, bn = expected_scale_shape(weight.shape, block)
+    amax = scale.repeat_interleave(block[0], 0)[:m].repeat_interleave(block[1], 1)[:, :n] * torch.finfo(
+        torch.float8_e4m3fn).max
+    rel = (back - w).abs() / amax.clamp(min=1e-12)
+    return q, scale, {"max_rel_error": round(float(rel.max()), 6), "mean_rel_error": round(float(rel.mean()), 7),
+                      "blocks": bm * bn}
+
+
+def scale_name(weight: str) -> str:
+    return weight + SCALE_SUFFIX
