@@ -18,7 +18,8 @@ from pathlib import Path
 
 from recycle import kinds
 from recycle.errors import RecycleError
-from recycle.preflight import checkpoint_dir, data_name, drafter_dir, model_dir, output_dir, parse_tokens
+from recycle.preflight import (checkpoint_dir, data_name, drafter_dir, model_dir, output_dir, parse_tokens,
+                               target_dir)
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")  # OWNER/NAME
 DTYPES = ("bf16", "fp16", "fp32")  # storage (--dtype) and compute (--precision) names; torch's in checkpoint.py
@@ -232,6 +233,7 @@ class BenchOptions:
     warmup: bool = True
     stop_at_eos: bool = True
     repeats: int = 1  # time each prompt this many times per decoder and keep the fastest (shared machines)
+    save: bool = False  # also write the report as DRAFTER/bench.json (the model card's benchmark)
 
     def validate(self) -> None:
         """Reject bad options before any loading (so the CLI fails fast, before its progress bar)."""
@@ -244,7 +246,9 @@ class BenchOptions:
             raise RecycleError("give a DRAFTER_DIR, or --native-mtp to draft with the target's own MTP modules")
         if self.drafter is not None:
             drafter_dir(self.drafter)
-        model_dir(self.target)
+        target_dir(self.target)
+        if self.save:
+            self._check_save()
         from recycle.decoding.drafting import parse_shape  # torch: after the checks that need none
 
         parse_shape(self.tree, 1)
@@ -252,6 +256,18 @@ class BenchOptions:
         native = self.drafter is None or Path(self.drafter).resolve() == Path(self.target).resolve()
         if not native:
             kinds.drafter(self.drafter)
+
+    def _check_save(self) -> None:
+        """--save writes into the drafter directory: there must be one, and not the target checkpoint itself
+        (native MTP drafts with the target's own modules, and recycle never writes into a source)."""
+        import os
+        from pathlib import Path
+
+        if self.native or Path(self.drafter).resolve() == Path(self.target).resolve():
+            raise RecycleError("--save: native MTP has no drafter directory (the drafter is the target checkpoint, "
+                               "which recycle never writes into); use --json > FILE")
+        if not os.access(self.drafter, os.W_OK):
+            raise RecycleError(f"--save: cannot write into {self.drafter}")
 
 
 @dataclass(kw_only=True)
@@ -302,6 +318,9 @@ class PushOptions:
 
         if not HUB_ID.match(self.repo):
             raise RecycleError(f"--repo {self.repo!r}: expected OWNER/NAME")
+        if self.base_model is not None and not HUB_ID.match(self.base_model):
+            raise RecycleError(f"--base-model {self.base_model!r}: expected the Hub id (OWNER/NAME) of the model the "
+                               "drafter drafts for")
         if self.revision is not None and (not self.revision.strip() or self.revision.startswith("refs/")):
             raise RecycleError(f"--revision {self.revision!r}: give a branch name")
         drafter_record(self.drafter)
