@@ -310,10 +310,6 @@ def _getting_it(drafter: Drafter, repo: str) -> list[str]:
     return lines
 
 
-_MADE_FROM = {"mtp": "the Multi-Token-Prediction (MTP) modules", "parallel_heads": "the parallel prediction heads",
-              "drafter": "the drafter"}
-
-
 def build_card(drafter: Drafter, repo: str, base_model: str | None = None, license: str | None = None):
     """The model card (huggingface_hub ModelCard): Hub metadata plus what, how to get it, measured, how made, how
     to serve. `base_model` is --base-model's Hub id (None: no such field)."""
@@ -336,15 +332,17 @@ def build_card(drafter: Drafter, repo: str, base_model: str | None = None, licen
     meta = ModelCardData(base_model=base_model, library_name=LIBRARY, tags=tags, datasets=data_sets or None,
                          license=lic)
     source_ref = f"[{source}](https://huggingface.co/{source})" if HUB_ID.match(source) else f"`{source}`"
-    made = (f"recycle {rec.get('recycle_version', '')} made it from {_MADE_FROM.get(kind, 'the modules')} of "
-            f"{source_ref}")
-    if kind == "mtp":
-        made += ", so it starts from weights trained with that model instead of from scratch"
+    made = f"made by recycle {rec.get('recycle_version', '')} from " + {
+        "mtp": f"the Multi-Token-Prediction (MTP) modules of {source_ref}, so it starts from weights trained with that "
+               "model instead of from scratch",
+        "parallel_heads": f"the parallel prediction heads of {source_ref}, trained with that model",
+        "drafter": f"{source_ref}, a {src.get('family_title') or 'drafter'} rewritten in this format",
+    }.get(kind, source_ref)
     if base_model:
         intro = f"A speculative-decoding drafter for [{base_model}](https://huggingface.co/{base_model}): it drafts " \
-                f"tokens that model verifies. It is {get(fmt).summary}; {made}."
+                f"tokens that model verifies. It is {get(fmt).summary}, {made}."
     else:
-        intro = f"A speculative-decoding drafter: {get(fmt).summary}. {made[0].upper() + made[1:]}."
+        intro = f"A speculative-decoding drafter: {get(fmt).summary}, {made}."
     body = [
         f"# {PurePosixPath(repo).name}", "", intro, "",
         "| | |", "|---|---|",
