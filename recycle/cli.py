@@ -141,12 +141,12 @@ def stitch(
 
 def _bench_options(drafter, target, prompts, quick, max_new_tokens, precision, dtype, **kw):
     from recycle.options import BenchOptions
-    from recycle.preflight import target_dir
+    from recycle.preflight import model_dir
     from recycle.prompts import default_prompts, prompt_set
 
     if target is None:
         raise RecycleError("--target TARGET_DIR: the model to decode")
-    target_dir(target)
+    model_dir(target)
     limit = 4 if quick else None
     chosen = prompt_set(prompts, limit) if prompts is not None else (default_prompts()[:limit] if quick else None)
     opts = BenchOptions(drafter=str(drafter) if drafter is not None else None, target=str(target), prompts=chosen,

@@ -18,8 +18,7 @@ from pathlib import Path
 
 from recycle import kinds
 from recycle.errors import RecycleError
-from recycle.preflight import (checkpoint_dir, data_name, drafter_dir, model_dir, output_dir, parse_tokens,
-                               target_dir)
+from recycle.preflight import checkpoint_dir, data_name, drafter_dir, model_dir, output_dir, parse_tokens
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")  # OWNER/NAME
 DTYPES = ("bf16", "fp16", "fp32")  # storage (--dtype) and compute (--precision) names; torch's in checkpoint.py
@@ -246,9 +245,7 @@ class BenchOptions:
             raise RecycleError("give a DRAFTER_DIR, or --native-mtp to draft with the target's own MTP modules")
         if self.drafter is not None:
             drafter_dir(self.drafter)
-        target_dir(self.target)
-        if self.save:
-            self._check_save()
+        model_dir(self.target)
         from recycle.decoding.drafting import parse_shape  # torch: after the checks that need none
 
         parse_shape(self.tree, 1)
@@ -256,14 +253,15 @@ class BenchOptions:
         native = self.drafter is None or Path(self.drafter).resolve() == Path(self.target).resolve()
         if not native:
             kinds.drafter(self.drafter)
+        if self.save:
+            self._check_save(native)
 
-    def _check_save(self) -> None:
+    def _check_save(self, native: bool) -> None:
         """--save writes into the drafter directory: there must be one, and not the target checkpoint itself
         (native MTP drafts with the target's own modules, and recycle never writes into a source)."""
         import os
-        from pathlib import Path
 
-        if self.native or Path(self.drafter).resolve() == Path(self.target).resolve():
+        if native or self.native:
             raise RecycleError("--save: native MTP has no drafter directory (the drafter is the target checkpoint, "
                                "which recycle never writes into); use --json > FILE")
         if not os.access(self.drafter, os.W_OK):

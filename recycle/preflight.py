@@ -47,19 +47,6 @@ def model_dir(path: str | os.PathLike, what: str = "--target") -> None:
         raise RecycleError(f"{what} {p}: not a model directory (no config.json)")
 
 
-def target_dir(path: str | os.PathLike, what: str = "--target") -> None:
-    """A model directory that is a target, not a drafter: a drafter's config (recycle's EAGLE layout, EAGLE-3,
-    Medusa, a Gemma 4 assistant) loaded as a target either fails far from the cause or, worse, builds a
-    randomly initialised model; its format says what it is instead."""
-    from recycle.formats import of_config  # the format records read this module: import them when used
-
-    model_dir(path, what)
-    fmt = of_config(load_json(Path(path) / "config.json", "config.json"))
-    if fmt is not None:
-        raise RecycleError(f"{what} {path}: this is a drafter ({fmt.name}), not a target: pass the model it drafts "
-                           f"for as {what}")
-
-
 def drafter_dir(path: str | os.PathLike) -> None:
     p = Path(path)
     if not p.is_dir():
