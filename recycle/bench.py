@@ -361,15 +361,18 @@ def noise_notes(overall: dict) -> list[str]:
                      "these speedups are noise; re-run on an idle machine, or with --repeats 3")
     tau, speedup, pr = overall["spec"]["tau"], overall["speedup"], overall["predicted"]
     if speedup is not None and speedup < 1 and tau > GOOD_TAU:
-        cost = pr["c_draft"] + pr["c_verify"]
+        cd, cv = pr["c_draft"], pr["c_verify"]
+        cost = cd + cv
         if cost >= tau:
+            why = ""
+            if cv - 1 >= cd:  # verification's cost beyond one AR step is the larger share
+                why = (f"; verifying costs {cv:.2f} target steps a round, not about one as where decoding is "
+                       "memory-bound: try a smaller --tree")
+            elif cd >= 0.5:
+                why = (f"; drafting alone costs {cd:.2f} of a target step: a drafter that costly next to its target "
+                       "pays only beside a much larger target")
             notes.append(f"τ is {tau:.2f} but the speedup {speedup:.2f}×: a round costs {cost:.2f} AR steps "
-                         f"(drafting {pr['c_draft']:.2f}, verifying {pr['c_verify']:.2f}), more than the {tau:.2f} "
-                         "tokens it gains; "
-                         + (f"drafting alone costs {pr['c_draft']:.2f} target steps: the drafter is nearly as costly "
-                            "as this small a target, as it is not next to one many times its size"
-                            if pr["c_draft"] >= 0.5 else
-                            "verifying the tree costs more than one target step: try a smaller --tree"))
+                         f"(drafting {cd:.2f}, verifying {cv:.2f}), more than the {tau:.2f} tokens it gains{why}")
         else:
             notes.append(f"τ is {tau:.2f} and the cost model predicts {pr['speedup']:.2f}× from the per-round costs, "
                          f"yet {speedup:.2f}× was measured: the time went outside drafting and verifying (prefill, "

@@ -211,3 +211,13 @@ def test_bench_names_a_drafter_given_as_the_target(eagle_dir: Path):
     assistant = FIXTURE.parent / "gemma4_assistant"
     assert_bad_input(runner.invoke(app, ["bench", str(assistant), "--target", str(assistant)]),
                      "this is a drafter (gemma4-assistant), not a target")
+
+
+def test_a_costly_verification_is_named_as_the_reason():
+    from recycle.bench import noise_notes
+
+    quiet = {"loaded": False, "prompts": {"ar_decode_steps_per_s": {"ratio": 1.1}}}
+    overall = {"spread": quiet, "spec": {"tau": 2.5}, "speedup": 0.5,
+               "predicted": {"c_draft": 0.7, "c_verify": 4.6, "speedup": 0.47}}
+    (note,) = noise_notes(overall)
+    assert "verifying costs 4.60 target steps a round" in note and "--tree" in note
