@@ -32,6 +32,7 @@ from collections.abc import Iterable
 from recycle.checkpoint import STORAGE_KEYS
 from recycle.converters.roles import Lazy, Plan, RoleWeights, raw, require_sequential, same_values
 from recycle.errors import RecycleError
+from recycle.formats.eagle import MODEL_TYPE
 
 ARCHITECTURE = "RecycleEagleDrafter"
 WEIGHTS = "model.safetensors"
@@ -65,13 +66,18 @@ def drafter_tensors(w: RoleWeights) -> dict[str, Lazy]:
 
 
 def drafter_config(w: RoleWeights, dtype_name: str) -> dict:
+    """The source's model config under recycle's own model type (which no plain model class loads: see
+    `recycle.formats.eagle`), the source's model type kept in the `recycle` block for the block classes."""
     fam = w.family
+    cfg = model_config(w)
     return {
-        **model_config(w),
+        **cfg,
+        "model_type": MODEL_TYPE,
         "architectures": [ARCHITECTURE],
         "torch_dtype": dtype_name,
         "recycle": {
             "format": "eagle",
+            "model_type": cfg.get("model_type"),
             "family": fam.name,
             "depth": len(w.modules),
             "chained_state": fam.chained_state,

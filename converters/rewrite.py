@@ -17,6 +17,7 @@ import torch
 from recycle.checkpoint import DTYPES, Checkpoint, load_json
 from recycle.converters.roles import EXACT, Lazy
 from recycle.errors import RecycleError
+from recycle.formats import BENCH_REPORT
 
 WEIGHTS = "model.safetensors"
 
@@ -58,7 +59,9 @@ def write_drafter(src_dir: str | os.PathLike, writer, fmt, main: dict[str, torch
                                                                **(metadata or {})})
         for p in sorted(src.rglob("*")):
             rel = p.relative_to(src).as_posix()
-            if not p.is_file() or rel in tensors or rel == "recycle.json" or rel.split("/")[0] in dropped:
+            # bench.json measured the input's weights, not these: the card would publish it as the output's figures
+            skip = rel in tensors or rel in ("recycle.json", BENCH_REPORT) or rel.split("/")[0] in dropped
+            if skip or not p.is_file():
                 continue
             d.copy_file(p, rel)
         d.write_json("recycle.json", prov)

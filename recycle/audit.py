@@ -15,7 +15,10 @@ embedding/head copy and its trunk original), so auditing a 690 GB checkpoint rea
                         after the modules were trained (post-training, fine-tune, merge); judged on a
                         sample of 64 rows of each, so it costs a few hundred kB of reading
   unknown_layout        MTP-looking tensors that fit no role of the family
-  already_drafter       the checkpoint is a drafter already (Gemma 4 assistant), nothing to extract
+  already_drafter       the checkpoint is a drafter already (Gemma 4 assistant): it drafts as it is, and
+                        `convert --to eagle3|medusa --target TARGET_DIR` rewrites it for other engines
+
+`recycle inspect --strict` exits 1 when a finding is an error (`Report.worst`), so CI can gate on it.
 """
 
 from __future__ import annotations
@@ -31,6 +34,22 @@ from recycle.checkpoint import Checkpoint, expected_scale_shape
 from recycle.families import SHARED_ROLES, MTPMatch, MTPModule, eval_shape, match
 
 SEVERITIES = ("error", "warning", "info")
+# What a family kind (families.Family.kind) holds and what recycle does with it, in words for the report: the
+# three kinds are read differently (a chain of modules, heads over one state, a drafter already), and a count
+# of "modules found / declared" means something else in each.
+KINDS = {
+    "mtp": {"unit": "MTP modules", "what": "sequential: each reads the previous depth's state and the next token's "
+            "embedding",
+            "use": "convert --to eagle|eagle3|medusa makes a drafter of them; bench --native-mtp drafts with them as "
+                   "they are"},
+    "parallel_heads": {"unit": "prediction heads", "what": "parallel: each reads the trunk's last state, no "
+                       "embedding input",
+                       "use": "bench --native-mtp drafts with them as they are (one Medusa-style tree per step); "
+                              "convert --to medusa makes Medusa heads of them"},
+    "drafter": {"unit": "drafter", "what": "no MTP modules of its own: it is a drafter already",
+                "use": "bench and distill use it as it is (--target: the model it drafts for); convert --to "
+                       "eagle3|medusa --target TARGET_DIR rewrites it for the engines that read those formats"},
+}
 NORM_ROLES = ("embed_norm", "hidden_norm", "final_norm")
 MTP_LOOKING = re.compile(r"(^|\.)(mtp|nextn|eh_proj|enorm|hnorm|shared_head|extra_heads)")
 
@@ -94,6 +113,8 @@ class Report:
             "kind": self.kind,
             "architecture": self.architecture,
             "model_type": self.model_type,
+            "holds": KINDS.get(self.kind or ""),
+            "worst": self.worst,
             "mtp": {"declared": self.declared, "found": len(self.modules), "modules": self.modules},
             "params": {"total": self.params_total, "mtp": self.params_mtp},
             "bytes": {"mtp": self.bytes_mtp},
@@ -139,7 +160,8 @@ def _check_modules(ckpt: Checkpoint, m: MTPMatch, rep: Report) -> None:
                 f"{found} MTP module(s) stored but config declares {m.declared} "
                 f"({'/'.join(fam.depth_keys) or 'no depth key'}); engines will ignore them")
     if fam.kind == "drafter":
-        rep.add("info", "already_drafter", f"{fam.title}: already a drafter; convert has nothing to extract")
+        rep.add("info", "already_drafter", f"{fam.title}: already a drafter, with no MTP modules to extract; bench "
+                "and distill use it as it is, and convert --to eagle3|medusa --target TARGET_DIR rewrites it")
 
     # A role is required when the family names it and the trunk cannot stand in for it.
     required = [r for r in fam.roles if not fam.trunk.get(r)] + ["block"]

@@ -13,12 +13,19 @@ Cost model (Leviathan et al. 2023, with per-position acceptance as in anchors.md
     predicted = τ_pred / (c_draft + c_verify)
 
 i.e. tokens per step over the step's cost in units of one autoregressive target step (prefill
-excluded). It says how far the measured speedup is from what acceptance and per-step costs imply.
+excluded). It says how far the measured speedup is from what acceptance and per-step costs imply, and, where
+τ is good but the speedup is below 1, why (`noise_notes`).
+
+Every figure comes with its spread (`spread`): across prompts always, across repeats with --repeats > 1. On a
+shared machine the speedup of one prompt can be 0.3× and of the next 3×; autoregressive decoding's own speed
+ranging more than 2× across prompts gives such a run away, and the report says its speedups are noise.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -37,6 +44,7 @@ from recycle.decoding import (
 from recycle.decoding.drafting import load_engine
 from recycle.checkpoint import SHORT_DTYPES
 from recycle.errors import RecycleError
+from recycle.formats import BENCH_REPORT
 from recycle.options import BenchOptions
 
 Progress = Callable[[int, int, str], None]
@@ -220,11 +228,14 @@ def run_bench(opts: BenchOptions, progress: Progress | None = None) -> dict:
         for d in (ar_drafter, engine, ar_drafter, engine):
             generate(target, d, encoded[0], min(16, opts.max_new_tokens), **run)
     rows, ar_stats, sp_stats, ours = [], [], [], []
+    timings: list[list[tuple[DecodeStats, DecodeStats]]] = []  # per prompt, per repeat: (AR, spec)
     for i, ((kind, text), ids) in enumerate(zip(prompts, encoded)):
         ar = sp = None
+        timings.append([])
         for _ in range(opts.repeats):  # same seed each time: identical tokens, only the timing varies
             a = generate(target, ar_drafter, ids, opts.max_new_tokens, **run)
             b = generate(target, engine, ids, opts.max_new_tokens, **run)
+            timings[-1].append((a.stats, b.stats))
             ar = a if ar is None or a.stats.total_s < ar.stats.total_s else ar
             sp = b if sp is None or b.stats.total_s < sp.stats.total_s else sp
         ar_stats.append(ar.stats)
@@ -236,7 +247,10 @@ def run_bench(opts: BenchOptions, progress: Progress | None = None) -> dict:
             "ar": {k: v for k, v in asdict(ar.stats).items() if k != "accept_lengths"} | {"tokens_per_s": _tps(ar.stats)},
             "spec": {k: v for k, v in asdict(sp.stats).items() if k != "accept_lengths"}
             | {"tokens_per_s": _tps(sp.stats), "tau": sp.stats.tau},
+            "speedup": _tps(sp.stats) / _tps(ar.stats) if _tps(ar.stats) else None,
             "greedy_match": match,
+            "repeats": None if opts.repeats == 1 else {"ar_tokens_per_s": [_tps(a) for a, _ in timings[-1]],
+                                                        "spec_tokens_per_s": [_tps(b) for _, b in timings[-1]]},
         })
         if progress:
             progress(i + 1, len(prompts), "decoding")
@@ -263,7 +277,11 @@ def run_bench(opts: BenchOptions, progress: Progress | None = None) -> dict:
         },
         "bandwidth": None,
         "hf": None,
+        "notes": [],
+        "saved": None,
     }
+    report["overall"]["spread"] = spread(ar_stats, sp_stats, timings)
+    report["notes"] = noise_notes(report["overall"])
     peak = peak_bandwidth(device)
     if peak is not None:
         nbytes = _param_bytes(model)
@@ -276,7 +294,107 @@ def run_bench(opts: BenchOptions, progress: Progress | None = None) -> dict:
         report["hf"] = hf_peers(model, encoded, ours, opts, eos, progress, assistant=getattr(engine, "assistant", None))
         for r in report["hf"]:
             r["speedup_vs_our_ar"] = r["tokens_per_s"] / ar_sum["tokens_per_s"] if r["tokens_per_s"] else None
+    if opts.save:
+        save_report(report, Path(opts.drafter))
     return report
+
+
+LOADED_RATIO = 2.0  # AR decoding speed varying more than this across prompts: something else shares the machine
+GOOD_TAU = 1.5  # τ above which a speedup below 1 is the per-round cost's doing, not the drafter's acceptance
+
+
+def _quartiles(values: list[float]) -> dict:
+    """min, q1, median, q3, max (inclusive quartiles: a handful of prompts is the whole population)."""
+    v = sorted(values)
+    if len(v) == 1:
+        return {"min": v[0], "q1": v[0], "median": v[0], "q3": v[0], "max": v[0]}
+    q1, med, q3 = statistics.quantiles(v, n=4, method="inclusive")
+    return {"min": v[0], "q1": q1, "median": med, "q3": q3, "max": v[-1]}
+
+
+def _decode_rate(s: DecodeStats) -> float | None:
+    """Target steps per second after the prefill: AR decoding's speed with the prompt's length taken out (a
+    long prompt's prefill, or a generation that stops after a few tokens, would move tokens/s by itself)."""
+    secs = s.draft_s + s.verify_s
+    return s.steps / secs if s.steps and secs > 0 else None
+
+
+def _speedup(ar: list[DecodeStats], sp: list[DecodeStats]) -> float | None:
+    a, b = _summary(ar)["tokens_per_s"], _summary(sp)["tokens_per_s"]
+    return b / a if a else None
+
+
+def spread(ar: list[DecodeStats], sp: list[DecodeStats], timings: list[list[tuple[DecodeStats, DecodeStats]]]) -> dict:
+    """How much the figures move: across prompts (always: the IQR of per-prompt speedup and τ, and how far AR
+    decoding speed ranged, which on an idle machine hardly moves) and, with --repeats > 1, across repeats (each
+    repeat's overall figures, every prompt timed once)."""
+    speedups = [_tps(b) / _tps(a) for a, b in zip(ar, sp) if _tps(a)]
+    rates = [r for r in map(_decode_rate, ar) if r]
+    prompts = {
+        "speedup": _quartiles(speedups) if speedups else None,
+        "tau": _quartiles([s.tau for s in sp]),
+        "ar_decode_steps_per_s": {"min": min(rates), "max": max(rates), "ratio": max(rates) / min(rates)}
+        if rates else None,
+    }
+    repeats = None
+    if timings and len(timings[0]) > 1:
+        rounds = [[t[r] for t in timings] for r in range(len(timings[0]))]
+        repeats = {
+            "n": len(rounds),
+            "speedup": _quartiles([x for x in (_speedup([a for a, _ in r], [b for _, b in r]) for r in rounds)
+                                   if x is not None]),
+            "ar_tokens_per_s": _quartiles([_summary([a for a, _ in r])["tokens_per_s"] for r in rounds]),
+            "spec_tokens_per_s": _quartiles([_summary([b for _, b in r])["tokens_per_s"] for r in rounds]),
+        }
+    ratio = (prompts["ar_decode_steps_per_s"] or {}).get("ratio") or 1.0
+    return {"prompts": prompts, "repeats": repeats, "loaded": ratio > LOADED_RATIO}
+
+
+def noise_notes(overall: dict) -> list[str]:
+    """One line each: a loaded machine (speedups are noise there), and a good τ that still loses, explained by the
+    cost model's per-round costs (in AR steps)."""
+    notes = []
+    rates = overall["spread"]["prompts"]["ar_decode_steps_per_s"]
+    if overall["spread"]["loaded"]:
+        notes.append(f"autoregressive decoding ran {rates['ratio']:.1f}× faster on one prompt than on another "
+                     f"({rates['min']:.0f}–{rates['max']:.0f} steps/s): the machine is busy with other work, so "
+                     "these speedups are noise; re-run on an idle machine, or with --repeats 3")
+    tau, speedup, pr = overall["spec"]["tau"], overall["speedup"], overall["predicted"]
+    if speedup is not None and speedup < 1 and tau > GOOD_TAU:
+        cd, cv = pr["c_draft"], pr["c_verify"]
+        cost = cd + cv
+        if cost >= tau:
+            why = ""
+            if cv - 1 >= cd:  # verification's cost beyond one AR step is the larger share
+                why = (f"; verifying costs {cv:.2f} target steps a round, not about one as where decoding is "
+                       "memory-bound: try a smaller --tree")
+            elif cd >= 0.5:
+                why = (f"; drafting alone costs {cd:.2f} of a target step: a drafter that costly next to its target "
+                       "pays only beside a much larger target")
+            notes.append(f"τ is {tau:.2f} but the speedup {speedup:.2f}×: a round costs {cost:.2f} AR steps "
+                         f"(drafting {cd:.2f}, verifying {cv:.2f}), more than the {tau:.2f} tokens it gains{why}")
+        else:
+            notes.append(f"τ is {tau:.2f} and the cost model predicts {pr['speedup']:.2f}× from the per-round costs, "
+                         f"yet {speedup:.2f}× was measured: the time went outside drafting and verifying (prefill, "
+                         "the loop's own work) or to other work on the machine")
+    return notes
+
+
+def save_report(report: dict, drafter: Path) -> Path:
+    """Write the report as DRAFTER/bench.json (the model card's benchmark), atomically: a temp file beside it,
+    then a rename, so an interrupted write leaves the previous report or none, never half of one. The file
+    goes up with the drafter on `recycle push`, so where it was saved (a local path) stays out of it; the
+    returned report says it as `saved`."""
+    path = drafter / BENCH_REPORT
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_text(json.dumps({k: v for k, v in report.items() if k != "saved"}, indent=2) + "\n",
+                       encoding="utf-8")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    report["saved"] = str(path.resolve())
+    return path
 
 
 def _tps(s: DecodeStats) -> float:
@@ -290,4 +408,5 @@ def set_threads(n: int | None) -> None:
         torch.set_num_threads(n)
 
 
-__all__ = ["BenchOptions", "run_bench", "predicted_speedup", "peak_bandwidth", "set_threads"]
+__all__ = ["BenchOptions", "run_bench", "predicted_speedup", "peak_bandwidth", "set_threads", "spread", "noise_notes",
+           "save_report"]

@@ -16,7 +16,7 @@ import typer
 from recycle import __version__
 from recycle import flags as f
 from recycle.errors import RecycleError
-from recycle.report import conventional_help, note, print_json, user_errors
+from recycle.report import EXIT_FINDINGS, conventional_help, note, print_json, user_errors
 
 conventional_help()
 app = typer.Typer(help="Turn the Multi-Token-Prediction modules of open checkpoints into speculative-decoding drafters.",
@@ -38,6 +38,7 @@ def inspect(
     json_out: f.Json = False,
     stats: f.Stats = False,
     show_all: f.ShowAll = False,
+    strict: f.Strict = False,
 ) -> None:
     """Audit the MTP weights of a checkpoint: family, layout, shapes, dtypes, FP8 scales, health.
 
@@ -56,6 +57,8 @@ def inspect(
     with Reporter("reading MTP tensors", quiet=json_out or not stats) as bar:
         data = inspect_checkpoint(ckpt, stats=stats, progress=bar.update).to_json()
     print_json(data) if json_out else render_inspect(data, show_all)
+    if strict and data["worst"] == "error":
+        raise typer.Exit(EXIT_FINDINGS)
 
 
 @app.command()
@@ -174,18 +177,19 @@ def bench(
     repeats: f.Repeats = 1,
     threads: f.Threads = None,
     json_out: f.Json = False,
+    save: f.Save = False,
 ) -> None:
     """Measure speculative decoding with a drafter against plain autoregressive decoding of the target.
 
     Greedy output is checked token for token against AR decoding; τ, acceptance by depth, target forwards,
-    draft/verify time, tokens/s, measured and cost-model speedup are reported.
+    draft/verify time, tokens/s, measured and cost-model speedup are reported, with their spread over prompts.
 
     Example: `recycle bench /tmp/ds-eagle --target fixtures/deepseek_v3_mtp --quick`
     """
     new = max_new_tokens if max_new_tokens is not None else (64 if quick else 128)
     opts = _bench_options(drafter, target, prompts, quick, new, precision, dtype,
                           temperature=temperature, tree=tree, device=device, native=native_mtp, compare_hf=compare_hf,
-                          seed=seed, repeats=repeats)
+                          seed=seed, repeats=repeats, save=save)
     from recycle.bench import run_bench, set_threads
     from recycle.report import Reporter, render_bench
 

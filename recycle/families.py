@@ -324,7 +324,8 @@ FAMILIES: tuple[Family, ...] = (
         backbone_keys=("backbone_hidden_size",),
         shapes={"proj": ("H", "2Hb"), "final_norm": ("H",), "head": ("V", "H"), "embed": ("V", "H")},
         kind="drafter",
-        notes="already a drafter (Q-only layers attending the target's KV cache); nothing to extract",
+        notes="already a drafter (Q-only layers attending the target's KV cache): drafts as it is; convert --to "
+              "eagle3|medusa --target rewrites it",
     ),
 )
 

@@ -72,6 +72,7 @@ NativeMtp = Annotated[bool, opt("--native-mtp", help="Draft with the target's ow
 CkptArg = Annotated[Path, typer.Argument(help="Checkpoint directory (config.json + *.safetensors).", metavar="CKPT_DIR")]
 Stats = Annotated[bool, opt("--stats", help="Also read the MTP tensors: finite, all-zero, RMS, norms.")]
 ShowAll = Annotated[bool, opt("--all", help="With --stats: one row per tensor.")]
+Strict = Annotated[bool, opt("--strict", help="Exit 1 when a finding is an error (for CI); bad input stays exit 2.")]
 
 # -- convert ---------------------------------------------------------------------------------------------------
 To = Annotated[str, opt("--to", help="Drafter format.", metavar=FORMATS)]
@@ -108,7 +109,10 @@ Quick = Annotated[bool, opt("--quick", help="The first 4 prompts, 64 new tokens:
 Temperature = Annotated[float, opt("--temperature", help="0: greedy; > 0: lossless speculative sampling.")]
 CompareHf = Annotated[bool, opt("--compare-hf", help="Also time transformers' generate: plain, use_mtp, assistant_model= "
                                 "(a Gemma 4 assistant) and prompt lookup.")]
-Repeats = Annotated[int, opt("--repeats", help="Time each prompt N times per decoder, keep the fastest.")]
+Repeats = Annotated[int, opt("--repeats", help="Time each prompt N times per decoder, keep the fastest; the report "
+                               "gives the spread over the N.")]
+Save = Annotated[bool, opt("--save", help="Also write the --json report as DRAFTER_DIR/bench.json, which `recycle "
+                           "push` puts in the model card (not with native MTP: recycle never writes into a target).")]
 Gpus = Annotated[str, opt("--gpu", help="GPUs for the roofline, comma-separated (H100, H200, H100-PCIe, A100, "
                           "A100-40GB, L40S, L4, RTX4090).")]
 BatchSizes = Annotated[str | None, opt("--batch-sizes", help="Batch sizes for the roofline table [default: "

@@ -50,7 +50,8 @@ def target(path: str | os.PathLike, flag: str = "--target") -> dict:
     cfg = load_json(p / "config.json", "config.json")
     fmt = of_config(cfg)
     if fmt is not None:
-        raise RecycleError(f"{flag} {p}: this is a drafter ({fmt.name}), not a target: pass the model it drafts for")
+        raise RecycleError(f"{flag} {p}: this is a drafter ({fmt.name}), not a target: pass the model it drafts for as "
+                           f"{flag}")
     ckpt = Checkpoint(p)
     try:
         mtp = set(match(ckpt).mtp_names)

@@ -234,6 +234,7 @@ class BenchOptions:
     warmup: bool = True
     stop_at_eos: bool = True
     repeats: int = 1  # time each prompt this many times per decoder and keep the fastest (shared machines)
+    save: bool = False  # also write the report as DRAFTER/bench.json (the model card's benchmark)
 
     def validate(self) -> None:
         """Reject bad options before any loading (so the CLI fails fast, before its progress bar)."""
@@ -254,6 +255,19 @@ class BenchOptions:
         native = self.drafter is None or Path(self.drafter).resolve() == Path(self.target).resolve()
         if not native:
             kinds.drafter(self.drafter)
+        if self.save:
+            self._check_save(native)
+
+    def _check_save(self, native: bool) -> None:
+        """--save writes into the drafter directory: there must be one, and not the target checkpoint itself
+        (native MTP drafts with the target's own modules, and recycle never writes into a source)."""
+        import os
+
+        if native or self.native:
+            raise RecycleError("--save: native MTP has no drafter directory (the drafter is the target checkpoint, "
+                               "which recycle never writes into); use --json > FILE")
+        if not os.access(self.drafter, os.W_OK):
+            raise RecycleError(f"--save: cannot write into {self.drafter}")
 
 
 @dataclass(kw_only=True)
@@ -304,6 +318,9 @@ class PushOptions:
 
         if not HUB_ID.match(self.repo):
             raise RecycleError(f"--repo {self.repo!r}: expected OWNER/NAME")
+        if self.base_model is not None and not HUB_ID.match(self.base_model):
+            raise RecycleError(f"--base-model {self.base_model!r}: expected the Hub id (OWNER/NAME) of the model the "
+                               "drafter drafts for")
         if self.revision is not None and (not self.revision.strip() or self.revision.startswith("refs/")):
             raise RecycleError(f"--revision {self.revision!r}: give a branch name")
         drafter_record(self.drafter)

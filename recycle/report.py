@@ -20,6 +20,7 @@ from recycle.errors import Interrupted, RecycleError
 from recycle.flags import DEPRECATED
 
 EXIT_BAD_INPUT = 2
+EXIT_FINDINGS = 1  # inspect --strict: an error-level finding (CI gates on it)
 out = Console()
 err = Console(stderr=True)
 SEVERITY_STYLE = {"error": "bold red", "warning": "yellow", "info": "cyan"}
@@ -200,13 +201,21 @@ def render_stats(data: dict, every: bool = False) -> None:
         return next(((str(i), name[len(p):]) for i, p in prefixes if name.startswith(p)), ("-", name))
 
     if every:
+        # A heading row per module instead of an index column, and the cells beside a name in two columns that
+        # wrap at their spaces (dtype and shape; rms and norm): names never wrap, and 80 columns hold them.
         s = table("tensor health (every MTP tensor, dequantized)")
-        for col in ("#", "tensor", "dtype", "shape", "finite", "zero", "rms", "norm mean±std"):
-            s.add_column(col, overflow="fold", no_wrap=col in ("rms", "norm mean±std"))
+        for col in ("tensor", "dtype shape", "health", "rms  norm mean±std"):
+            s.add_column(col, no_wrap=col in ("tensor", "health"))
+        last = None
         for st in data["stats"]:
             k, rel = module_of(st["name"])
-            fin, zero, rms, norm, _ = _stat_row([st])
-            s.add_row(k, rel, st["dtype"], "x".join(map(str, st["shape"])), fin, zero, rms, norm)
+            if k != last:
+                head = next((f" [dim]{p}[/dim]" for i, p in prefixes if str(i) == k), "")
+                s.add_row(f"[bold]{'module ' + k if k != '-' else 'outside the modules’ prefixes'}[/bold]{head}")
+                last = k
+            fin, _, rms, norm, _ = _stat_row([st])
+            health = fin if not st["finite"] else "[yellow]zero[/yellow]" if st["all_zero"] else "ok"
+            s.add_row(rel, f"{st['dtype']} {'x'.join(map(str, st['shape']))}", health, f"{rms}  {norm}".strip())
         out.print(s)
         return
     groups: dict[tuple[str, str], list[dict]] = {}
@@ -222,37 +231,68 @@ def render_stats(data: dict, every: bool = False) -> None:
     out.print(s)
 
 
+def _render_shared(modules: list[dict]) -> None:
+    """What the modules take from the trunk (embedding, head, norm), one row per role and trunk tensor with the
+    modules that take it: the same for every module, as a rule, so it is a table of its own."""
+    rows: dict[tuple[str, str], list[str]] = {}
+    for m in modules:
+        for role, name in m["shared"].items():
+            rows.setdefault((role, name or "[red]MISSING[/red]"), []).append(str(m["index"]))
+    if not rows:
+        return
+    t = table("taken from the trunk")
+    for col in ("#", "role", "trunk tensor"):
+        t.add_column(col, no_wrap=True)
+    every = [str(m["index"]) for m in modules]
+    for (role, name), ks in rows.items():
+        t.add_row("all" if ks == every and len(ks) > 1 else ",".join(ks), role, name)
+    out.print(t)
+
+
+def _named(value: object, missing: str = "(not named in config.json)") -> str:
+    """A config value as a cell: never the word None."""
+    return missing if value is None else str(value)
+
+
 def render_inspect(data: dict, show_all: bool = False) -> None:
-    """Rich report for people: overview, modules, roles, findings, stats."""
+    """Rich report for people: overview, modules, roles, findings, stats. Tensor names are never broken
+    mid-name: their columns do not wrap, and a long list puts one name per line."""
     mtp = data["mtp"]
+    holds = data.get("holds") or {"unit": "MTP modules", "what": str(data["kind"]), "use": ""}
     head = Table.grid(padding=(0, 2))
     head.add_column(style="bold")
     head.add_column()
     head.add_row("family", f"{data['family']}  [dim]({data['family_title']})[/dim]")
-    head.add_row("architecture", f"{data['architecture']}  [dim]model_type={data['model_type']}[/dim]")
-    head.add_row("MTP modules", f"{mtp['found']} found / {mtp['declared']} declared  [dim]({data['kind']})[/dim]")
-    head.add_row("parameters", f"{fmt_count(data['params']['total'])} total, {fmt_count(data['params']['mtp'])} in MTP "
-                 f"({fmt_bytes(data['bytes']['mtp'])})")
+    head.add_row("architecture", f"{_named(data['architecture'])}  [dim]model_type={_named(data['model_type'], '-')}"
+                 "[/dim]")
+    counts = f"{mtp['found']} found / {mtp['declared']} declared" if data["kind"] != "drafter" else "the checkpoint"
+    head.add_row(holds["unit"], f"{counts}  [dim]({holds['what']})[/dim]")
+    if holds["use"]:
+        head.add_row("use", holds["use"])
+    head.add_row("parameters", f"{fmt_count(data['params']['total'])} total, {fmt_count(data['params']['mtp'])} in "
+                 f"{holds['unit']} ({fmt_bytes(data['bytes']['mtp'])})")
     head.add_row("shards", f"{data['shards']['count']} file(s), {fmt_bytes(data['shards']['bytes_total'])}; "
                  f"{data['tensors']['total']} tensors, {data['tensors']['fp8']} FP8")
     out.print(Panel(head, title=f"recycle inspect  {data['path']}", expand=False))
 
     if mtp["modules"]:
-        t = table("MTP modules")
-        for col in ("#", "prefix", "tensors", "params", "dtypes", "concat/norm", "from the trunk"):
-            t.add_column(col, overflow="fold", no_wrap=col in ("prefix", "concat/norm"))
+        t = table(holds["unit"])
+        for col in ("#", "prefix", "tensors", "params", "dtypes", "concat/norm"):
+            t.add_column(col, no_wrap=col in ("prefix", "concat/norm"))
         for m in mtp["modules"]:
-            shared = ", ".join(f"{r}: {n}" if n else f"{r}: MISSING" for r, n in m["shared"].items()) or "-"
             t.add_row(str(m["index"]), m["prefix"], str(m["tensors"]), fmt_count(m["params"]),
-                      " ".join(f"{d}:{c}" for d, c in m["dtypes"].items()), f"{m['concat_order']}/{m['norm']}", shared)
+                      " ".join(f"{d}:{c}" for d, c in m["dtypes"].items()),
+                      f"{m['concat_order'] or '-'}/{m['norm'] or '-'}")
         out.print(t)
+        _render_shared(mtp["modules"])
         first = mtp["modules"][0]
-        r = table(f"roles of module 0 (names after {first['prefix']})")
+        noun = {"parallel_heads": "head 0", "drafter": "the drafter"}.get(data["kind"], "module 0")
+        r = table(f"roles of {noun} (names after {first['prefix']})")
         r.add_column("role", no_wrap=True)
-        r.add_column("tensors", overflow="fold")
+        r.add_column("tensors", no_wrap=True)
         for role, names in first["roles"].items():
             rel = [n[len(first["prefix"]):] if n.startswith(first["prefix"]) else n for n in names]
-            r.add_row(role, ", ".join(rel) if len(rel) <= 3 else f"{', '.join(rel[:2])}, ... ({len(rel)} tensors)")
+            r.add_row(role, "\n".join(rel) if len(rel) <= 3 else "\n".join(rel[:2]) + f"\n... ({len(rel)} tensors)")
         out.print(r)
 
     if data.get("stats"):
@@ -290,6 +330,10 @@ def render_convert(data: dict) -> None:
     for note in data["notes"]:
         out.print(f"[yellow]note:[/yellow] {note}")
 
+def _or_dash(value: float | None, form: str) -> str:
+    return "-" if value is None else form.format(value)
+
+
 def render_bench(data: dict) -> None:
     """Rich report: configuration, per-prompt rows, the overall comparison and the HF peers."""
     o = data["overall"]
@@ -319,9 +363,21 @@ def render_bench(data: dict) -> None:
     s.add_column("[dim]cost model[/dim]", justify="right")
     bw = data.get("bandwidth")
     gbs = (lambda k: f" ({bw[k]:.0f}/{bw['peak_gbs']:.0f} GB/s)") if bw else (lambda k: "")
+    spread = o.get("spread") or {}
+    per, rep = spread.get("prompts") or {}, spread.get("repeats")
+    span = lambda q, unit="": f"{q['min']:.1f}–{q['max']:.1f}{unit}"  # noqa: E731
     s.add_row("tokens/s", f"{ar['tokens_per_s']:.1f}{gbs('ar_gbs')}", f"{sp['tokens_per_s']:.1f}{gbs('spec_gbs')}", "")
-    s.add_row("speedup", "1.00×", f"{o['speedup']:.2f}×", f"[dim]{pr['speedup']:.2f}×[/dim]")
+    if rep:
+        s.add_row(f"  each of {rep['n']} repeats", span(rep["ar_tokens_per_s"]), span(rep["spec_tokens_per_s"]), "")
+    s.add_row("speedup", "1.00×", _or_dash(o["speedup"], "{:.2f}×"), f"[dim]{pr['speedup']:.2f}×[/dim]")
+    if rep:
+        q = rep["speedup"]
+        s.add_row(f"  each of {rep['n']} repeats", "", f"{q['min']:.2f}–{q['max']:.2f}×", "")
+    if per.get("speedup") and len(data["prompts"]) > 1:
+        s.add_row("  per prompt (IQR)", "", f"{per['speedup']['q1']:.2f}–{per['speedup']['q3']:.2f}×", "")
     s.add_row("τ (tokens/step)", "1.00", f"{sp['tau']:.2f}", f"[dim]{pr['tau']:.2f}[/dim]")
+    if per.get("tau") and len(data["prompts"]) > 1:
+        s.add_row("  per prompt (IQR)", "", f"{per['tau']['q1']:.2f}–{per['tau']['q3']:.2f}", "")
     s.add_row("target forwards", str(ar["target_forwards"]), str(sp["target_forwards"]), "")
     s.add_row("acceptance by depth", "", " ".join(f"{a:.2f}" for a in sp["acceptance"]), "")
     s.add_row("draft / verify s", f"- / {ar['verify_s']:.2f}", f"{sp['draft_s']:.2f} / {sp['verify_s']:.2f}",
@@ -340,7 +396,11 @@ def render_bench(data: dict) -> None:
                 h.add_row(r["method"], f"{r['tokens_per_s']:.1f}", f"{r['speedup_vs_our_ar']:.2f}×", r["greedy_match"] or "")
         out.print(h)
     out.print("[dim]speedup = tok/s ÷ our AR tok/s (same loop and KV-cache code); cost model = τ_pred / "
-              "(c_draft + c_verify), costs per step in AR steps[/dim]")
+              "(c_draft + c_verify), costs per step in AR steps; IQR: the middle half of the prompts[/dim]")
+    for note in data.get("notes") or []:
+        out.print(f"[yellow]note:[/yellow] {note}")
+    if data.get("saved"):
+        out.print(f"report saved to [bold]{data['saved']}[/bold] (`recycle push` puts it in the model card)")
 
 def render_plan(data: dict) -> None:
     """Rich report: per prompt set the candidates (predicted and, where run, measured) and the pick;
@@ -402,7 +462,8 @@ def render_push(data: dict) -> None:
     head.add_row("drafter", f"{data['drafter']}  [dim]({data['format']})[/dim]")
     head.add_row("checked", f"layout, config and {data['tensors_checked']} tensors finite  "
                  f"[dim](bench.json: {'yes' if data['bench'] else 'no'})[/dim]")
-    head.add_row("base_model", data["base_model"])
+    head.add_row("source", f"{data['source']}  [dim](what it was converted from)[/dim]")
+    head.add_row("base_model", data["base_model"] or "[dim]none in the card (--base-model OWNER/NAME sets it)[/dim]")
     if data["commit"]:
         head.add_row("commit", data["commit"]["commit_url"])
     title = "recycle push --dry-run (nothing uploaded)" if data["dry_run"] else "recycle push"

@@ -109,3 +109,115 @@ def test_bench_cuda_without_cuda_is_a_user_error():
         pytest.skip("this machine has CUDA")
     res = runner.invoke(app, ["bench", "--native-mtp", "--target", str(FIXTURE), "--device", "cuda"])
     assert res.exit_code == 2 and res.stderr.count("\n") == 1
+
+
+# -- spread, notes, --save, and a drafter given as the target -------------------------------------------------
+
+
+def _stats(tokens: int, steps: int, step_s: float, tau_tokens: int | None = None, draft_s: float = 0.0):
+    """A DecodeStats of `steps` target steps of `step_s` each after a 0.1 s prefill."""
+    from recycle.decoding import DecodeStats
+
+    new = tau_tokens if tau_tokens is not None else tokens
+    return DecodeStats(new_tokens=new, forwards=steps + 1, steps=steps, prefill_s=0.1, draft_s=draft_s,
+                       verify_s=steps * step_s, total_s=0.1 + draft_s + steps * step_s)
+
+
+def test_spread_flags_a_loaded_machine_and_explains_a_losing_good_tau():
+    """AR speed 3× apart across prompts: one note that speedups are noise. τ 2 with each round costing more than
+    2 AR steps: one note that names the per-round costs from the cost model."""
+    from recycle.bench import _summary, noise_notes, predicted_speedup, spread
+
+    ar = [_stats(17, 16, 0.01), _stats(17, 16, 0.03)]  # the second prompt's AR steps took 3× as long
+    sp = [_stats(17, 8, 0.012, draft_s=0.1), _stats(17, 8, 0.036, draft_s=0.3)]  # τ = 16/8 = 2
+    sp_sum, ar_sum = _summary(sp), _summary(ar)
+    overall = {"ar": ar_sum, "spec": sp_sum, "speedup": sp_sum["tokens_per_s"] / ar_sum["tokens_per_s"],
+               "predicted": predicted_speedup(sp_sum, ar_sum),
+               "spread": spread(ar, sp, [[(a, b)] for a, b in zip(ar, sp)])}
+    assert overall["spread"]["loaded"] and overall["spread"]["repeats"] is None
+    assert overall["spread"]["prompts"]["ar_decode_steps_per_s"]["ratio"] == pytest.approx(3.0)
+    q = overall["spread"]["prompts"]["speedup"]
+    assert q["min"] <= q["q1"] <= q["median"] <= q["q3"] <= q["max"]
+    assert sp_sum["tau"] == 2.0 and overall["speedup"] < 1
+    notes = noise_notes(overall)
+    assert len(notes) == 2 and all("\n" not in n for n in notes)
+    assert "noise" in notes[0] and "3.0×" in notes[0]
+    assert "τ is 2.00" in notes[1] and "AR steps" in notes[1] and "drafting" in notes[1]
+
+
+def test_a_quiet_run_has_no_notes():
+    from recycle.bench import noise_notes, spread
+
+    ar = [_stats(9, 8, 0.01), _stats(9, 8, 0.011)]
+    sp = [_stats(9, 3, 0.012), _stats(9, 3, 0.012)]
+    s = spread(ar, sp, [[(ar[0], sp[0]), (ar[0], sp[0])], [(ar[1], sp[1]), (ar[1], sp[1])]])
+    assert not s["loaded"] and s["repeats"]["n"] == 2
+    overall = {"spread": s, "spec": {"tau": 2.67}, "speedup": 1.8, "predicted": {}}
+    assert noise_notes(overall) == []
+
+
+def test_bench_json_has_spreads_per_prompt_and_over_repeats(eagle_dir: Path, prompts_file: Path):
+    res = runner.invoke(app, ["bench", str(eagle_dir), "--target", str(FIXTURE), "--prompts", str(prompts_file),
+                              "--max-new-tokens", "6", "--tree", "chain:2", "--threads", "1", "--repeats", "2",
+                              "--json"])
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.stdout)
+    spread = data["overall"]["spread"]
+    assert set(spread) == {"prompts", "repeats", "loaded"} and isinstance(spread["loaded"], bool)
+    assert set(spread["prompts"]["speedup"]) == {"min", "q1", "median", "q3", "max"}
+    assert spread["repeats"]["n"] == 2 and set(spread["repeats"]) == {"n", "speedup", "ar_tokens_per_s",
+                                                                      "spec_tokens_per_s"}
+    for row in data["prompts"]:
+        assert len(row["repeats"]["ar_tokens_per_s"]) == 2 and row["speedup"] > 0
+        assert row["ar"]["tokens_per_s"] == pytest.approx(max(row["repeats"]["ar_tokens_per_s"]))  # the fastest kept
+    assert isinstance(data["notes"], list) and data["saved"] is None
+
+
+def test_bench_save_writes_bench_json_into_the_drafter(eagle_dir: Path, prompts_file: Path, tmp_path: Path):
+    import shutil
+
+    from recycle.hub import validate_drafter
+
+    d = tmp_path / "eagle"
+    shutil.copytree(eagle_dir, d)
+    res = runner.invoke(app, ["bench", str(d), "--target", str(FIXTURE), "--prompts", str(prompts_file),
+                              "--max-new-tokens", "6", "--tree", "chain:2", "--threads", "1", "--save", "--json"])
+    assert res.exit_code == 0, res.output
+    shown = json.loads(res.stdout)
+    saved = json.loads((d / "bench.json").read_text())
+    assert shown["saved"] == str((d / "bench.json").resolve()) and "saved" not in saved  # no local path goes up
+    assert saved == {k: v for k, v in shown.items() if k != "saved"}
+    assert sorted(p.name for p in d.iterdir() if p.name.startswith(".")) == []  # no temp file left
+    assert validate_drafter(d).bench["overall"]["spec"]["tau"] == shown["overall"]["spec"]["tau"]  # push reads it
+
+
+@pytest.mark.parametrize("args", [[str(FIXTURE), "--target", str(FIXTURE)], ["--native-mtp", "--target", str(FIXTURE)]],
+                         ids=["drafter-is-target", "native-mtp"])
+def test_bench_save_refuses_native_mtp(args):
+    from tests.cli_helpers import assert_bad_input
+
+    before = sorted(p.name for p in FIXTURE.iterdir())
+    assert_bad_input(runner.invoke(app, ["bench", *args, "--save", "--threads", "1"]), "--save: native MTP has no "
+                     "drafter directory")
+    assert sorted(p.name for p in FIXTURE.iterdir()) == before
+
+
+def test_bench_names_a_drafter_given_as_the_target(eagle_dir: Path):
+    from tests.cli_helpers import assert_bad_input
+
+    res = runner.invoke(app, ["bench", str(eagle_dir), "--target", str(eagle_dir)])
+    assert_bad_input(res, f"--target {eagle_dir}: this is a drafter (eagle), not a target: pass the model it drafts "
+                          "for as --target")
+    assistant = FIXTURE.parent / "gemma4_assistant"
+    assert_bad_input(runner.invoke(app, ["bench", str(assistant), "--target", str(assistant)]),
+                     "this is a drafter (gemma4-assistant), not a target")
+
+
+def test_a_costly_verification_is_named_as_the_reason():
+    from recycle.bench import noise_notes
+
+    quiet = {"loaded": False, "prompts": {"ar_decode_steps_per_s": {"ratio": 1.1}}}
+    overall = {"spread": quiet, "spec": {"tau": 2.5}, "speedup": 0.5,
+               "predicted": {"c_draft": 0.7, "c_verify": 4.6, "speedup": 0.47}}
+    (note,) = noise_notes(overall)
+    assert "verifying costs 4.60 target steps a round" in note and "--tree" in note

@@ -215,3 +215,58 @@ def test_config_not_json(family_dir, tmp_path):
     d = copy_of(family_dir, "deepseek_v3", tmp_path)
     (d / "config.json").write_text("{not json")
     assert_bad_input(run_cli("inspect", str(d)), "config.json")
+
+
+# -- --strict, and the words for each kind of checkpoint ----------------------------------------------------------
+
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+
+
+@pytest.mark.parametrize("variant, strict, worst, code", [
+    ("minimax_m2_declared_missing", True, "error", 1),  # an error-level finding: CI fails
+    ("minimax_m2_declared_missing", False, "error", 0),
+    ("deepseek_v3_undeclared", True, "warning", 0),  # a warning is not an error
+    ("deepseek_v3", True, None, 0),
+])
+def test_strict_exits_1_on_an_error_finding(family_dir, variant, strict, worst, code):
+    res = run_cli("inspect", str(family_dir(variant)), "--json", *(["--strict"] if strict else []))
+    assert res.exit_code == code, res.output
+    assert json.loads(res.stdout)["worst"] == worst  # the report is printed either way
+
+
+def test_strict_keeps_exit_2_for_bad_input(tmp_path):
+    assert_bad_input(run_cli("inspect", str(tmp_path / "nope"), "--strict"), "no such checkpoint directory")
+
+
+def test_assistant_is_described_as_a_drafter_that_converts():
+    res = run_cli("inspect", str(FIXTURES / "gemma4_assistant"))
+    assert res.exit_code == 0, res.output
+    text = " ".join(res.stdout.split())
+    assert "nothing to extract" not in text and "0 declared" not in text
+    assert "convert --to eagle3|medusa --target TARGET_DIR" in text  # what the README's assistant section does
+    data = json.loads(run_cli("inspect", str(FIXTURES / "gemma4_assistant"), "--json").stdout)
+    assert data["holds"]["unit"] == "drafter" and "drafter already" in data["holds"]["what"]
+
+
+def test_parallel_heads_have_no_none_cells_and_whole_tensor_names():
+    res = run_cli("inspect", str(FIXTURES / "meta_mtp_parallel"))
+    assert res.exit_code == 0, res.output
+    assert "None" not in res.stdout
+    assert "prediction heads" in res.stdout and "3 found / 3 declared" in res.stdout
+    data = json.loads(run_cli("inspect", str(FIXTURES / "meta_mtp_parallel"), "--json").stdout)
+    assert data["holds"]["what"].startswith("parallel: each reads the trunk's last state")
+    assert data["architecture"] is None and data["mtp"]["modules"][0]["concat_order"] is None  # JSON keeps nulls
+    names = {n for m in data["mtp"]["modules"] for n in m["shared"].values()}
+    lines = res.stdout.splitlines()
+    assert names and all(any(n in ln for ln in lines) for n in names)  # each on one line, never folded
+
+
+def test_every_tensor_name_stays_whole_in_the_per_tensor_table():
+    res = run_cli("inspect", str(FIXTURES / "deepseek_v3_mtp"), "--stats", "--all")
+    assert res.exit_code == 0, res.output
+    data = json.loads(run_cli("inspect", str(FIXTURES / "deepseek_v3_mtp"), "--stats", "--json").stdout)
+    prefixes = [m["prefix"] for m in data["mtp"]["modules"]]
+    rel = {next((s["name"][len(p):] for p in prefixes if s["name"].startswith(p)), s["name"]) for s in data["stats"]}
+    lines = res.stdout.splitlines()
+    assert all(any(n in ln for ln in lines) for n in rel), [n for n in rel if not any(n in ln for ln in lines)]

@@ -145,7 +145,8 @@ def test_push_is_one_commit_with_every_file_and_the_card(drafters, hub_env, tmp_
     assert f"| {sp['tau']:.2f} | {bench['overall']['speedup']:.2f}× |" in card.text
     assert "| " + " | ".join(f"pos {i + 1}" for i in range(len(sp["acceptance"]))) + " |" in card.text
     assert "--speculative-algorithm EAGLE " in card.text and "--speculative-draft-model-path ds-eagle/nextn" in card.text
-    assert "recycle stitch ds-eagle/mtp_overlay deepseek-ai/DeepSeek-V3" in card.text
+    # stitch takes the target as --target (issue 27) and needs it on disk: a local copy of the Hub model
+    assert "recycle stitch ds-eagle/mtp_overlay --target /models/DeepSeek-V3" in card.text
     assert '"method": "mtp"' in card.text
     # the token went to the server only, in the Authorization header of every API call
     # (huggingface_hub's once-a-day agent-registry GET goes without one)
@@ -172,7 +173,8 @@ def test_push_other_formats_to_main(drafters, hub_env, fmt):
         assert "SGLang and llama.cpp have no Medusa support." in card.text
         assert set(hub.commits[0].files) >= {"model.safetensors", "medusa_lm_head.safetensors"}
     else:
-        assert "--speculative-algorithm EAGLE3" in card.text and "--spec-type draft-eagle3" in card.text
+        # no llama.cpp line: recycle writes no GGUF, and llama.cpp's reading of this output is unchecked
+        assert "--speculative-algorithm EAGLE3" in card.text and "--spec-type draft-eagle3" not in card.text
         assert "not distilled after conversion" in card.text  # approx/fresh tensors and no distillation record
     assert "rendered" not in res.stdout and f"me/ds-{fmt}" in res.stdout
 
@@ -392,3 +394,139 @@ def test_card_takes_the_license_and_publishes_no_local_path(drafters, hub_env, t
     assert "/home/someone" not in data["card"] and str(tmp_path) not in data["card"]
     assert "secret-target" in data["card"] and "chats.jsonl" in data["card"]
     assert "KL(P_target ‖ P_draft)" in data["card"] and "pypi.org" not in data["card"]
+
+
+# -- the card's content: what it claims, and only that -----------------------------------------------------------
+
+
+def _card(d: Path, *extra: str) -> str:
+    res = invoke("push", d, "--repo", "me/x", "--dry-run", "--json", *extra)
+    assert res.exit_code == 0, res.output
+    return json.loads(res.stdout)["card"]
+
+
+@pytest.mark.parametrize("fmt", ["eagle", "eagle3", "medusa"])
+def test_card_serves_only_with_engines_that_load_the_output(drafters, fmt):
+    card = _card(drafters[fmt])
+    assert "llama-server" not in card and "convert_hf_to_gguf" not in card and "gguf" not in card.lower()
+    assert "## Getting it" in card and "hf download me/x --local-dir x" in card
+    assert "pip install recycle" not in card and "not on PyPI" in card
+    serving = card.split("## Serving")[1]
+    if fmt == "eagle":
+        assert "recycle stitch x/mtp_overlay --target /models/deepseek_v3_mtp -o x-stitched" in serving
+        assert "model_type` is `recycle_eagle`" in card
+    else:  # the engines' configs stay as they are, and the card says why
+        assert "not a standalone model" in card
+
+
+def test_card_drops_sglang_for_the_mla_variant(tmp_path):
+    d = tmp_path / "mla"
+    res = invoke("convert", FIXTURE, "--to", "eagle3", "--eagle3-attention", "mla", "-o", d, "--json")
+    assert res.exit_code == 0, res.output
+    serving = _card(d).split("## Serving")[1]
+    assert '"method": "eagle3"' in serving and "sglang" not in serving.lower()  # only vLLM loads that variant
+
+
+def test_card_folds_the_mapping_and_shows_no_raw_fields(drafters, tmp_path):
+    d = tmp_path / "distilled"
+    shutil.copytree(drafters["eagle"], d)
+    run = {"tokens": 4096, "budget_tokens": 4096, "steps": 8, "init": "recycled", "trunk_loaded": True, "online": None,
+           "cache_hits": 3, "resumed": False, "timing": {"teacher_s": 1.0}, "new_field_nobody_knows": [1, 2]}
+    _edit_json(d / "recycle.json", lambda o: o.update(distillation=[run]))
+    card = _card(d)
+    details = card[card.index("<details>"):card.index("</details>")]
+    assert "<summary>" in details and "| `nextn/nextn_layer_parameters.safetensors` |" in details
+    assert "`layers.N.block.mlp.experts.N.down_proj.weight` | exact | 16 |" in details
+    for raw in ("trunk_loaded", "online", "cache_hits", "resumed", "teacher_s", "new_field_nobody_knows", "null",
+                "| true", "| false"):
+        assert raw not in card.split("## Distillation")[1].split("## Serving")[0], raw
+    assert "| optimizer steps | 8 |" in card
+    _edit_json(d / "recycle.json", lambda o: o["distillation"][0].update(trunk_loaded=False))
+    assert "read from a `recycle harvest` cache" in _card(d)
+
+
+def test_base_model_only_as_given_and_the_source_by_its_name(drafters, tmp_path):
+    """A source whose config names a Hub id gets no base_model metadata unless --base-model says so; with it, the
+    card says the drafter drafts for that model and was made from the source, not from the Hub model."""
+    src = tmp_path / "my-target"
+    src.mkdir()
+    (src / "config.json").write_text(json.dumps({"_name_or_path": "org/Target-7B"}))
+    d = tmp_path / "eagle3"
+    shutil.copytree(drafters["eagle3"], d)
+    _edit_json(d / "recycle.json", lambda o: o["source"].update(path=str(src)))
+    res = invoke("push", d, "--repo", "me/x", "--dry-run", "--json")
+    data = json.loads(res.stdout)
+    card = ModelCard(data["card"])
+    assert card.data.base_model is None and data["base_model"] is None and data["source"] == "my-target"
+    assert "| source | `my-target`, family `deepseek_v3`" in card.text
+    shown = invoke("push", d, "--repo", "me/x", "--dry-run")
+    panel = shown.stdout.split("files that would go up")[0]
+    assert "my-target" in panel and "none in the card" in panel and "org/Target-7B" not in panel
+    given = ModelCard(_card(d, "--base-model", "org/Chat-7B"))
+    assert given.data.base_model == "org/Chat-7B"
+    assert "A speculative-decoding drafter for [org/Chat-7B]" in given.text and "drafts tokens that model verifies" \
+        in given.text
+    assert "| drafts for | [org/Chat-7B]" in given.text and "| source | `my-target`" in given.text
+    assert "modules of `my-target`" in given.text and "modules of [org/Chat-7B]" not in given.text
+    assert "recycled from my-target" in json.loads(invoke("push", d, "--repo", "me/x", "--dry-run", "--json",
+                                                          "--base-model", "org/Chat-7B").stdout)["commit_message"]
+
+
+def test_base_model_must_be_a_hub_id(drafters):
+    assert "--base-model 'deepseek_v3_mtp': expected the Hub id" in one_error_line(
+        invoke("push", drafters["eagle"], "--repo", "me/x", "--dry-run", "--base-model", "deepseek_v3_mtp"))
+
+
+def test_card_benchmark_from_bench_save_shows_the_spread(drafters, tmp_path):
+    d = tmp_path / "eagle"
+    shutil.copytree(drafters["eagle"], d)
+    (d / "bench.json").unlink()
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "def add(a, b):\\n    return"}\n{"prompt": "import os\\nimport sys\\n"}\n')
+    res = invoke("bench", d, "--target", FIXTURE, "--prompts", prompts, "--max-new-tokens", "6", "--tree", "chain:2",
+                 "--threads", "1", "--save", "--json")
+    assert res.exit_code == 0, res.output
+    iqr = json.loads(res.stdout)["overall"]["spread"]["prompts"]["speedup"]
+    card = _card(d)
+    assert "## Benchmark" in card and "speedup per prompt (IQR)" in card
+    assert f"| {iqr['q1']:.2f}–{iqr['q3']:.2f}× |" in card
+
+
+def test_a_bench_report_of_another_format_is_refused(drafters, tmp_path):
+    d = tmp_path / "medusa"
+    shutil.copytree(drafters["medusa"], d)
+    shutil.copy(drafters["eagle"] / "bench.json", d / "bench.json")
+    assert "measures a eagle drafter, but this directory holds medusa" in one_error_line(
+        invoke("push", d, "--repo", "me/x", "--dry-run"))
+
+
+def test_an_eagle_drafter_is_not_a_plain_model(drafters, tmp_path):
+    """transformers refuses recycle's EAGLE layout instead of building a random source model from it, while recycle
+    still loads it, and a directory written before the model type moved (the source's at the top) loads the same."""
+    from transformers import AutoModelForCausalLM
+
+    from recycle.drafters import load_drafter
+
+    d = drafters["eagle"]
+    cfg = json.loads((d / "config.json").read_text())
+    assert cfg["model_type"] == "recycle_eagle" and cfg["recycle"]["model_type"] == "deepseek_v3"
+    with pytest.raises(ValueError, match="recycle_eagle"):
+        AutoModelForCausalLM.from_pretrained(d)
+    old = tmp_path / "old"
+    shutil.copytree(d, old)
+    _edit_json(old / "config.json", lambda o: (o.update(model_type="deepseek_v3"), o["recycle"].pop("model_type")))
+    new_state, old_state = load_drafter(d).state_dict(), load_drafter(old).state_dict()
+    assert new_state.keys() == old_state.keys() and all(torch.equal(new_state[k], old_state[k]) for k in new_state)
+    assert validate_drafter(old).format == "eagle"
+
+
+def test_distill_does_not_carry_the_inputs_bench_report(drafters, tmp_path):
+    """bench.json measured the input's weights: a distilled copy that kept it would publish them as its own."""
+    d = tmp_path / "eagle3"
+    shutil.copytree(drafters["eagle3"], d)
+    (d / "bench.json").write_text((drafters["eagle"] / "bench.json").read_text())
+    out = tmp_path / "out"
+    res = invoke("distill", d, "--target", FIXTURE, "--tokens", "200", "--seq-len", "48", "--batch", "2", "--threads",
+                 "1", "--eval-every", "100", "--checkpoint-every", "100", "-o", out, "--json")
+    assert res.exit_code == 0, res.output
+    assert (out / "model.safetensors").is_file() and not (out / "bench.json").exists()

@@ -10,7 +10,8 @@ projection) plus two things drafting needs:
     *is* MTP depth k+1, so the first step's logits equal the MTP module's.
 
 Directory layout (written by `recycle.converters.eagle`): config.json (the source's model config plus a
-`recycle` block), model.safetensors with `embed.weight`, `head.weight`,
+`recycle` block holding the source's model type; the top-level `model_type` is recycle's own, so transformers
+refuses to load the directory as a plain model), model.safetensors with `embed.weight`, `head.weight`,
 `layers.{k}.{embed_norm,hidden_norm,proj,final_norm}.weight` and `layers.{k}.block.*` in the
 source checkpoint's block layout (per-expert tensors); a module whose head/embedding differs from
 module 0's stores `layers.{k}.head.weight` / `layers.{k}.embed.weight`.
@@ -25,6 +26,7 @@ import torch
 from torch import nn
 
 from recycle.families import BY_NAME, Family
+from recycle.formats.eagle import source_model_type
 from recycle.mtp import MTP, block_config, to_runtime_layout
 
 CANONICAL = {"norm": "w", "concat_order": "eh"}
@@ -92,7 +94,9 @@ def build_eagle(config_dict: Mapping, state: Mapping[str, torch.Tensor], dtype: 
                 attn_implementation: str = "sdpa") -> EagleDrafter:
     """An EagleDrafter from its config.json dict and its checkpoint-layout state dict."""
     rc = config_dict["recycle"]
-    cfg = {k: v for k, v in config_dict.items() if k != "recycle"}
+    # The block's own model type: the `recycle` block's (the top level names recycle's, which transformers does
+    # not know), or the top level's in directories written before the two were split.
+    cfg = {k: v for k, v in config_dict.items() if k != "recycle"} | {"model_type": source_model_type(config_dict)}
     fam = canonical_family(rc["family"], rc.get("chained_state"), rc.get("zero_embed_at_pos0"))
     config = block_config(cfg, attn_implementation, fam.block_model_type)
     depth = int(rc["depth"])

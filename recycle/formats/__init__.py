@@ -23,6 +23,7 @@ FORMATS: dict[str, DrafterFormat] = {f.name: f for f in (
     parallel_heads.FORMAT,
 )}
 PROVENANCE = "recycle.json"
+BENCH_REPORT = "bench.json"  # `recycle bench --save` writes it into a drafter directory; the model card reads it
 
 
 def convertible() -> tuple[str, ...]:
@@ -72,5 +73,6 @@ def aux_layers_of(drafter: str | os.PathLike, target: str | os.PathLike) -> tupl
     return tuple(r.aux_layers or ())
 
 
-__all__ = ["aux_layers_of", "DrafterFormat", "Layout", "Reads", "FORMATS", "convertible", "get", "of_config", "of_directory",
+__all__ = ["BENCH_REPORT", "PROVENANCE", "aux_layers_of", "DrafterFormat", "Layout", "Reads", "FORMATS", "convertible",
+           "get", "of_config", "of_directory",
            "native_format"]

@@ -10,6 +10,8 @@ from collections.abc import Mapping
 
 from recycle.formats.record import DrafterFormat, Layout, Reads
 
+MLA_MODEL_TYPE = "deepseek_v2"  # the MLA-attention variant's config (vLLM's Eagle3DeepseekV2ForCausalLM)
+
 
 def engine_aux_layers(n: int) -> list[int]:
     """The layers engines capture for an EAGLE-3 drafter whose config names none: vLLM's and SGLang's
@@ -65,9 +67,12 @@ FORMAT = DrafterFormat(
             "# SGLang",
             "python -m sglang.launch_server --model {target} --speculative-algorithm EAGLE3 \\",
             "  --speculative-draft-model-path {repo} --speculative-num-steps 3 --speculative-eagle-topk 1 "
-            "--speculative-num-draft-tokens 4",
-            "# llama.cpp: convert the draft with the target beside it, then draft-eagle3",
-            "hf download {repo} --local-dir {local}",
-            "python convert_hf_to_gguf.py {local} --target-model-dir {target}",
-            "llama-server -m target.gguf -md {local}.gguf --spec-type draft-eagle3"))},
+            "--speculative-num-draft-tokens 4"),
+        readers="vLLM 0.32 (`method: eagle3`), SGLang (`--speculative-algorithm EAGLE3`; layout checked against its "
+                "loader) and speculators 0.9.0; the MLA-attention variant loads in vLLM only",
+        refused_by=lambda cfg: ("SGLang", "speculators") if cfg.get("model_type") == MLA_MODEL_TYPE else ())},
+    loading_note="config.json is the engines' (`architectures: [LlamaForCausalLMEagle3]`, `model_type: llama`; the "
+                 "MLA variant's `Eagle3DeepseekV2ForCausalLM`): vLLM, SGLang and speculators look those values up, so "
+                 "they stay, and transformers' `AutoModelForCausalLM` would build an untrained one-layer model from "
+                 "it. The directory is one draft layer over the target's features, not a standalone model.",
 )

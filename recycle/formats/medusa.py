@@ -39,12 +39,17 @@ FORMAT = DrafterFormat(
         WEIGHTS: Layout("vLLM Medusa layout (blocks.*, lm_heads.*)", (
             "# vLLM (chain drafting)",
             "vllm serve {target} --speculative-config "
-            "'{{\"model\": \"{repo}\", \"method\": \"medusa\", \"num_speculative_tokens\": {heads}}}'")),
+            "'{{\"model\": \"{repo}\", \"method\": \"medusa\", \"num_speculative_tokens\": {heads}}}'"),
+            readers="vLLM 0.32 (`method: medusa`, chain drafting)"),
         FD_WEIGHTS: Layout("FasterDecoding Medusa v1 layout ({i}.{j}.linear.*, {i}.L.weight)", (
-            "# TGI / TensorRT-LLM read medusa_lm_head.safetensors (FasterDecoding layout)",)),
+            "# TGI / TensorRT-LLM read medusa_lm_head.safetensors (FasterDecoding layout)",),
+            readers="FasterDecoding's Medusa v1 readers (TGI, TensorRT-LLM; not run by recycle's tests)"),
     },
     rewrite="recycle.converters.medusa:rewrite",
     serving_note="SGLang and llama.cpp have no Medusa support.",
+    loading_note="config.json (`model_type: medusa`, `architectures: [MedusaModel]`) is what vLLM and FasterDecoding "
+                 "read, so it stays as they expect; transformers has no Medusa class, and the directory is heads "
+                 "over the target's last state, not a standalone model.",
     single_pass=True,
     static_tree=True,
 )

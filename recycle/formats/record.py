@@ -43,10 +43,20 @@ class Reads:
 @dataclass(frozen=True)
 class Layout:
     """One file or folder a format writes: who reads it, and the card's serving lines for it (templates over
-    {repo}, {local}, {target}, {heads}, {verifier}; a line naming {verifier} only when the config names one)."""
+    {repo}, {local}, {target}, {target_dir}, {heads}, {verifier}; a line naming {verifier} only when the config
+    names one).
+
+    The serving lines name only engines known to load this layout (the interop suite runs vLLM; SGLang's
+    loaders are checked by tests/test_engine_layouts.py); an engine that cannot load it gets no line, since a
+    card is copied from, not read critically. `readers` says which engines, at which version, read it: the
+    card's "Getting it" section, so a reader knows what to install."""
 
     what: str
     serving: tuple[str, ...] = ()
+    readers: str = ""
+    # (config.json) -> engines that refuse this directory although they read the layout (a variant only one
+    # engine loads): the card drops the serving lines under a `# ENGINE` comment naming one of them.
+    refused_by: Callable[[Mapping], tuple[str, ...]] | None = None
 
 
 @dataclass(frozen=True)
@@ -68,6 +78,9 @@ class DrafterFormat:
     layouts: Mapping[str, Layout] = field(default_factory=dict)  # what it writes, in order, and who reads it
     rewrite: str | None = None  # (source dir, trained main state, module) -> other layouts' tensors, dropped, notes
     serving_note: str = ""  # a sentence under the card's serving commands
+    # A sentence for the card on loading the directory as a plain transformers model, which none of the formats
+    # is: where the format's config is the engines' (EAGLE-3, Medusa), its `architectures` cannot be changed.
+    loading_note: str = ""
     tags: tuple[str, ...] = ()  # Hub tags beside "speculative-decoding" and the format's name
     single_pass: bool = False  # every depth drafts in one pass (heads over one state), not one call per step
     static_tree: bool = False  # drafts a fixed Medusa-style tree by default (no EAGLE-2 dynamic trees)

@@ -20,8 +20,9 @@ The three steps live in their own modules: `validate` (before any network call),
 
 from __future__ import annotations
 
-from recycle.hub.card import base_model_name, build_card
+from recycle.hub.card import base_model_name, build_card, source_name
 from recycle.hub.upload import hub_endpoint, push_drafter
 from recycle.hub.validate import Drafter, validate_drafter
 
-__all__ = ["Drafter", "validate_drafter", "base_model_name", "build_card", "push_drafter", "hub_endpoint"]
+__all__ = ["Drafter", "validate_drafter", "base_model_name", "build_card", "source_name", "push_drafter",
+           "hub_endpoint"]

@@ -1,5 +1,11 @@
-"""The model card of a drafter: Hub metadata, then what it is, how it was made (recycle.json's provenance and
-mapping), how it measured (bench.json) and how engines serve it (its format record's serving lines)."""
+"""The model card of a drafter: Hub metadata, then what it is, how to get it and which engines read it, how it
+measured (bench.json, from `recycle bench --save`), how it was made (recycle.json's provenance; the tensor mapping
+folded away) and how engines serve it (its format record's serving lines).
+
+What the card claims is only what recycle knows: `base_model` is the Hub id the user gave (`--base-model`), never a
+guess from a config's `_name_or_path`, since the Hub links the drafter under that model; the source row names the
+checkpoint it was converted from; an engine gets serving lines only where it reads the layout; and recycle's
+internal record fields are put in words or left out."""
 
 from __future__ import annotations
 
@@ -7,6 +13,7 @@ import json
 import re
 from pathlib import Path, PurePosixPath
 
+from recycle.families import BY_NAME
 from recycle.formats import get
 from recycle.options import HUB_ID
 from recycle.hub.validate import PROVENANCE, Drafter, distillation_runs
@@ -24,12 +31,16 @@ def _name_or_path(config_path: Path) -> str | None:
 
 
 def base_model_name(drafter: Drafter, override: str | None = None) -> str:
-    """The source checkpoint's Hub name: --base-model, a Hub id recycle.json names, else its config's
-    `_name_or_path`, else the source directory's name (a local path means nothing on the Hub; the card's
-    `base_model` field is written only when this is an OWNER/NAME id)."""
+    """The model the serving commands name as the target: --base-model; else, for a drafter converted from a Gemma 4
+    assistant (not from its target), the model its config names as verifier; else a Hub id recycle.json names, the
+    source config's `_name_or_path`, or the source directory's name. A best guess for commands: the card's
+    `base_model` metadata is --base-model alone."""
     if override:
         return override
     src = str((drafter.record.get("source") or {}).get("path") or "")
+    if _source_kind(drafter) == "drafter":
+        named = _verifier(drafter.config) or str(drafter.config.get("base_model_name_or_path") or "")
+        src = named or src
     if HUB_ID.match(src) and not Path(src).exists():
         return src
     configs = [Path(src) / "config.json"] if src else []
@@ -38,6 +49,25 @@ def base_model_name(drafter: Drafter, override: str | None = None) -> str:
         if name and HUB_ID.match(name):
             return name
     return Path(src).name or "unknown"
+
+
+def source_name(drafter: Drafter) -> str:
+    """The checkpoint the drafter was converted from, as the card names it: its Hub id if that is what it was,
+    else its directory's name (a local path means nothing to a reader, and says where it lived)."""
+    src = str((drafter.record.get("source") or {}).get("path") or "")
+    if HUB_ID.match(src) and not Path(src).exists():
+        return src
+    return Path(src).name or "unknown"
+
+
+def _source_kind(drafter: Drafter) -> str:
+    """The source family's kind (`mtp`, `parallel_heads`, `drafter`): what the drafter was made from."""
+    fam = BY_NAME.get(str((drafter.record.get("source") or {}).get("family") or ""))
+    return fam.kind if fam is not None else "mtp"
+
+
+def _verifier(config: dict) -> str:
+    return str(((config.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path") or "")
 
 
 LICENSE_FILES = {"apache-2.0": ("Apache License", "Version 2.0"), "mit": ("MIT License",),
@@ -128,20 +158,26 @@ def _mapping_table(rows: list[dict]) -> list[str]:
 
 
 def _bench_section(b: dict) -> list[str]:
+    """A short table from bench.json: τ, the speedup with its per-prompt spread, the cost model's prediction,
+    tokens/s; acceptance by position; and bench's own notes (a loaded machine, a good τ that still loses)."""
     o = b["overall"]
     sp, ar = o["spec"], o.get("ar") or {}
     hw = b.get("hardware") or b.get("device_name") or b.get("device", "?")
+    rep = (o.get("spread") or {}).get("repeats")
     setup = (f"{hw}, {b.get('dtype', '?')}, {b.get('threads', '?')} thread(s); {len(b.get('prompts') or [])} prompts, "
              f"≤{b.get('max_new_tokens', '?')} new tokens, "
-             f"{'greedy' if not b.get('temperature') else 'T=' + str(b['temperature'])}; tree `{b.get('tree', '?')}`")
+             f"{'greedy' if not b.get('temperature') else 'T=' + str(b['temperature'])}; tree `{b.get('tree', '?')}`"
+             + (f"; best of {rep['n']} repeats" if rep else ""))
     lines = ["## Benchmark", "", f"`recycle bench` against `{Path(str(b.get('target', '?'))).name}` ({setup}):", "",
-             "| τ (tokens/step) | speedup | predicted speedup | AR tok/s | speculative tok/s | target forwards "
-             "(AR → spec) | greedy = AR |", "|---:|---:|---:|---:|---:|---:|---|"]
+             "| τ (tokens/step) | speedup | speedup per prompt (IQR) | predicted speedup | AR tok/s "
+             "| speculative tok/s | greedy = AR |", "|---:|---:|---:|---:|---:|---:|---|"]
     pred = (o.get("predicted") or {}).get("speedup")
     speedup = o.get("speedup")
-    lines.append(f"| {sp['tau']:.2f} | {f'{speedup:.2f}×' if speedup else '-'} | {f'{pred:.2f}×' if pred else '-'} | "
-                 f"{ar.get('tokens_per_s', 0):.1f} | {sp.get('tokens_per_s', 0):.1f} | "
-                 f"{ar.get('target_forwards', '-')} → {sp.get('target_forwards', '-')} | {o.get('greedy_match') or '-'} |")
+    iqr = ((o.get("spread") or {}).get("prompts") or {}).get("speedup")  # reports before bench had spreads: none
+    iqr_text = f"{iqr['q1']:.2f}–{iqr['q3']:.2f}×" if iqr else "-"
+    lines.append(f"| {sp['tau']:.2f} | {f'{speedup:.2f}×' if speedup else '-'} | {iqr_text} | "
+                 f"{f'{pred:.2f}×' if pred else '-'} | {ar.get('tokens_per_s', 0):.1f} | "
+                 f"{sp.get('tokens_per_s', 0):.1f} | {o.get('greedy_match') or '-'} |")
     acc = sp.get("acceptance") or []
     if acc:
         lines += ["", "Acceptance rate by draft position:", "",
@@ -151,8 +187,10 @@ def _bench_section(b: dict) -> list[str]:
     if bw:
         lines += ["", f"Memory bandwidth: AR {bw['ar_gbs']:.0f} GB/s, speculative {bw['spec_gbs']:.0f} GB/s "
                       f"(peak {bw['peak_gbs']:.0f} GB/s)."]
-    lines += ["", "τ is the mean number of tokens per speculative step (bonus token included); speedup is measured "
-                  "tokens/s over plain autoregressive decoding with the same loop and KV-cache code.", ""]
+    notes = [n for n in b.get("notes") or [] if isinstance(n, str)]
+    lines += [""] + [f"- Note: {n.rstrip('.')}." for n in notes] + [""] * bool(notes)
+    lines += ["τ is the mean number of tokens per speculative step (bonus token included); speedup is measured "
+              "tokens/s over plain autoregressive decoding with the same loop and KV-cache code.", ""]
     return lines
 
 
@@ -162,7 +200,7 @@ def _cell(v: object) -> str:
 
 
 def _distill_rows(r: dict) -> list[tuple[str, str]]:
-    """The figures a reader needs from one run record (distill/train.py's schema); other keys as they are."""
+    """The figures a reader needs from one run record (distill/train.py's schema), in words."""
     data, final, opt = r.get("data") or {}, r.get("final") or {}, r.get("optimizer") or {}
     rows = []
     if "tokens" in r:
@@ -200,16 +238,17 @@ def _distill_rows(r: dict) -> list[tuple[str, str]]:
     for role, d in (r.get("target_io") or {}).items():
         if isinstance(d, dict) and d.get("replaced_by_target"):
             rows.append((f"{role}", f"the target's own (the source's copy differed by {d['relative_difference']:.1%})"))
+    if r.get("online"):
+        rows.append(("target features", "computed by the target in vLLM while training (`recycle distill --online`)"))
+    elif r.get("trunk_loaded") is False:
+        rows.append(("target features", "read from a `recycle harvest` cache (the target ran in vLLM beforehand)"))
     if r.get("device") or r.get("wall_s") is not None:
         rows.append(("hardware", f"{r.get('device', '?')}, {r.get('precision', '?')}, "
                                  f"{r.get('wall_s', 0):.1f} s at {r.get('tokens_per_s', 0):.0f} tokens/s"))
     for note in r.get("notes") or []:
         rows.append(("note", str(note)))
-    known = {"tokens", "budget_tokens", "steps", "data", "init", "losses", "optimizer", "final", "device", "precision",
-             "wall_s", "tokens_per_s", "notes", "timing", "target_forward_share", "overhead_share", "resumed",
-             "cache_hits", "from", "out", "state_dir", "recycle_version", "target", "heldout", "selected",
-             "target_io", "created", "snapshot_tokens", "heldout_agree", "heldout_estimate"}
-    rows += [(k, _cell(v)) for k, v in r.items() if k not in known]
+    # Nothing else: the record's other fields (timings, cache counters, paths, the resume flag) are recycle's own
+    # bookkeeping, kept in recycle.json for whoever needs them, and mean nothing to a reader of the card as they are.
     return rows
 
 
@@ -223,35 +262,65 @@ def _distill_section(runs: list[dict]) -> list[str]:
     return lines
 
 
-def _serving(drafter: Drafter, repo: str, base: str) -> list[str]:
+def _layouts(drafter: Drafter):
+    """The format's layouts this directory holds (distillation may have dropped one), in the record's order."""
+    return [(rel, layout) for rel, layout in get(drafter.format).layouts.items() if (drafter.path / rel).exists()]
+
+
+def _serving(drafter: Drafter, repo: str, target: str) -> list[str]:
     """The engine commands of the format's record, for the layouts this directory holds, with the repo in place
-    of paths."""
+    of paths; a group of lines under a `# ENGINE` comment goes when the layout says that engine refuses this
+    directory's variant."""
     fmt = get(drafter.format)
-    target = base if HUB_ID.match(base) else f"/models/{base}"
-    verifier = ((drafter.config.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path", "")
-    values = {"repo": repo, "local": PurePosixPath(repo).name, "target": target, "verifier": verifier,
+    verifier = _verifier(drafter.config)
+    hub_target = HUB_ID.match(target) and not Path(target).exists()
+    values = {"repo": repo, "local": PurePosixPath(repo).name, "target": target if hub_target else f"/models/{target}",
+              "target_dir": f"/models/{PurePosixPath(target).name}", "verifier": verifier,
               "heads": drafter.config.get("num_heads") or drafter.config.get("medusa_num_heads") or 3}
     lines = ["## Serving", "", "```bash"]
-    for rel, layout in fmt.layouts.items():
-        if not (drafter.path / rel).exists():
-            continue
-        lines += [line.format(**values) for line in layout.serving
-                  if "{verifier}" not in line or HUB_ID.match(str(verifier))]
+    for _, layout in _layouts(drafter):
+        refused = layout.refused_by(drafter.config) if layout.refused_by is not None else ()
+        skip = False
+        for line in layout.serving:
+            if line.startswith("# "):
+                skip = any(line[2:].startswith(engine) for engine in refused)
+            if not skip and ("{verifier}" not in line or HUB_ID.match(verifier)):
+                lines.append(line.format(**values))
     lines += ["```", ""]
     if fmt.serving_note:
         lines += [fmt.serving_note, ""]
     return lines
 
 
+def _getting_it(drafter: Drafter, repo: str) -> list[str]:
+    """How to get the drafter (recycle itself is not on PyPI, and serving needs only the files) and, per layout
+    this directory holds, which engines at which version read it; then why it is not a standalone model."""
+    fmt = get(drafter.format)
+    lines = ["## Getting it", "", "The files are all a serving engine needs:", "", "```bash",
+             f"hf download {repo} --local-dir {PurePosixPath(repo).name}", "```", ""]
+    here = _layouts(drafter)
+    if here:
+        lines += ["What is in it, and what reads each part:", ""]
+        lines += [f"- `{rel}`: {layout.what}" + (f". Read by {layout.readers}." if layout.readers else ".")
+                  for rel, layout in here] + [""]
+    if fmt.loading_note:
+        lines += [fmt.loading_note, ""]
+    lines += ["`recycle bench` and `recycle distill` need recycle itself, which is not on PyPI: install it from its "
+              "source repository (`pip install -e .` in a checkout).", ""]
+    return lines
+
+
 def build_card(drafter: Drafter, repo: str, base_model: str | None = None, license: str | None = None):
-    """The model card (huggingface_hub ModelCard): Hub metadata plus what, how made, measured, how to serve."""
+    """The model card (huggingface_hub ModelCard): Hub metadata plus what, how to get it, measured, how made, how
+    to serve. `base_model` is --base-model's Hub id (None: no such field)."""
     from huggingface_hub import ModelCard, ModelCardData
 
     rec, fmt = drafter.record, drafter.format
     src, tgt = rec.get("source") or {}, rec.get("target") or {}
     summary = rec.get("summary") or {}
     runs = distillation_runs(rec)
-    base = base_model_name(drafter, base_model)
+    source, kind = source_name(drafter), _source_kind(drafter)
+    serving_target = base_model_name(drafter, base_model)
     lic, _ = license_name(drafter, license)
     tags = ["speculative-decoding", fmt, *get(fmt).tags, "recycled-mtp",
             *([src["family"]] if src.get("family") else []), *(["distilled"] if runs else [])]
@@ -260,31 +329,44 @@ def build_card(drafter: Drafter, repo: str, base_model: str | None = None, licen
                         if isinstance(x, str) and HUB_ID.match(x) and not Path(x).exists()})
     # No pipeline_tag: a drafter cannot generate on its own, and the Hub's EAGLE-3 / Medusa drafter
     # repositories (speculators', SpecForge's) carry tags, not a text-generation widget that would fail.
-    meta = ModelCardData(base_model=base if HUB_ID.match(base) else None, library_name=LIBRARY, tags=tags,
-                         datasets=data_sets or None, license=lic)
-    base_ref = f"[{base}](https://huggingface.co/{base})" if HUB_ID.match(base) else f"`{base}`"
+    meta = ModelCardData(base_model=base_model, library_name=LIBRARY, tags=tags, datasets=data_sets or None,
+                         license=lic)
+    source_ref = f"[{source}](https://huggingface.co/{source})" if HUB_ID.match(source) else f"`{source}`"
+    made = f"made by recycle {rec.get('recycle_version', '')} from " + {
+        "mtp": f"the Multi-Token-Prediction (MTP) modules of {source_ref}, so it starts from weights trained with that "
+               "model instead of from scratch",
+        "parallel_heads": f"the parallel prediction heads of {source_ref}, trained with that model",
+        "drafter": f"{source_ref}, a {src.get('family_title') or 'drafter'} rewritten in this format",
+    }.get(kind, source_ref)
+    if base_model:
+        intro = f"A speculative-decoding drafter for [{base_model}](https://huggingface.co/{base_model}): it drafts " \
+                f"tokens that model verifies. It is {get(fmt).summary}, {made}."
+    else:
+        intro = f"A speculative-decoding drafter: {get(fmt).summary}, {made}."
     body = [
-        f"# {PurePosixPath(repo).name}", "",
-        f"A speculative-decoding drafter for {base_ref}: {get(fmt).summary}, made by "
-        f"recycle {rec.get('recycle_version', '')} from the Multi-Token-Prediction (MTP) modules "
-        f"the checkpoint ships with, so it starts from weights trained with the model instead of from scratch.", "",
+        f"# {PurePosixPath(repo).name}", "", intro, "",
         "| | |", "|---|---|",
         f"| format | `{fmt}` ({tgt.get('dtype', '?')}) |",
-        f"| source | {base_ref}, family `{src.get('family', '?')}` ({src.get('family_title', '')}) |",
-        f"| MTP modules | {src.get('modules', '?')} stored / {src.get('declared', '?')} declared"
-        f"{', FP8 (dequantized)' if src.get('fp8') else ''} |",
-        f"| made with | recycle {rec.get('recycle_version', '?')}, {rec.get('created', '?')} |", "",
     ]
-    layouts = {k: v for k, v in (tgt.get("layouts") or {}).items() if (drafter.path / k).exists()}
-    if layouts:
-        body += ["Layouts in this repository:", ""] + [f"- `{k}`: {v}" for k, v in layouts.items()] + [""]
+    if base_model:
+        body.append(f"| drafts for | [{base_model}](https://huggingface.co/{base_model}) |")
+    body.append(f"| source | {source_ref}, family `{src.get('family', '?')}` ({src.get('family_title', '')}) |")
+    if kind != "drafter":
+        unit = "prediction heads" if kind == "parallel_heads" else "MTP modules"
+        body.append(f"| {unit} | {src.get('modules', '?')} stored / {src.get('declared', '?')} declared"
+                    f"{', FP8 (dequantized)' if src.get('fp8') else ''} |")
+    body += [f"| made with | recycle {rec.get('recycle_version', '?')}, {rec.get('created', '?')} |", ""]
+    body += _getting_it(drafter, repo)
+    if drafter.bench:
+        body += _bench_section(drafter.bench)
     body += ["## How it was made", "",
              f"`recycle convert --to {fmt}` mapped {summary.get('tensors', '?')} tensors: "
-             f"**{summary.get('exact', '?')} exact** (copied from an MTP tensor), "
-             f"**{summary.get('approx', '?')} approx** (derived from MTP tensors, not equal to any), "
+             f"**{summary.get('exact', '?')} exact** (copied from a source tensor), "
+             f"**{summary.get('approx', '?')} approx** (derived from source tensors, not equal to any), "
              f"**{summary.get('fresh', '?')} fresh** (initialised). The full per-tensor mapping is in "
-             f"[`{PROVENANCE}`]({PROVENANCE}); grouped:", ""]
-    body += _mapping_table(rec.get("mapping") or []) + [""]
+             f"[`{PROVENANCE}`]({PROVENANCE}).", "",
+             "<details>", "<summary>The mapping, grouped by file and tensor name</summary>", ""]
+    body += _mapping_table(rec.get("mapping") or []) + ["", "</details>", ""]
     notes = rec.get("notes") or []
     if notes:
         body += ["Notes:", ""] + [f"- {n}" for n in notes] + [""]
@@ -292,8 +374,6 @@ def build_card(drafter: Drafter, repo: str, base_model: str | None = None, licen
         body += _distill_section(runs)
     elif summary.get("approx") or summary.get("fresh"):
         body += ["This drafter was not distilled after conversion: its approx/fresh tensors start near, not at, "
-                 "the MTP module, so acceptance improves after `recycle distill`.", ""]
-    if drafter.bench:
-        body += _bench_section(drafter.bench)
-    body += _serving(drafter, repo, base)
+                 "the source's, so acceptance improves after `recycle distill`.", ""]
+    body += _serving(drafter, repo, serving_target)
     return ModelCard(f"---\n{meta.to_yaml()}\n---\n\n" + "\n".join(body))

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from recycle import __version__
 from recycle.errors import RecycleError
-from recycle.hub.card import HUB_ID, LIBRARY, base_model_name, build_card, license_name
+from recycle.hub.card import LIBRARY, build_card, license_name, source_name
 from recycle.hub.validate import CARD, Progress, validate_drafter
 from recycle.options import PushOptions
 
@@ -123,21 +123,22 @@ def push_drafter(opts: PushOptions, progress: Progress | None = None) -> dict:
     card_text = card.content
     card_bytes = card_text.encode("utf-8")
     uploads = {**drafter.files, CARD: len(card_bytes)}
-    base = base_model_name(drafter, base_model)
+    source = source_name(drafter)
     notes = list(drafter.notes)
-    if not HUB_ID.match(base):
-        notes.append(f"base_model '{base}' is not a Hub id (OWNER/NAME), so the card has no base_model field: "
-                     "pass --base-model to link the target")
+    if base_model is None:
+        notes.append(f"the card has no base_model field (recycle does not guess one from {source}): pass "
+                     "--base-model OWNER/NAME, the Hub id of the model it drafts for, to link it")
     lic, why = license_name(drafter, license)
     if lic is None:
         notes.append(f"the card has no license field: {why}")
     if card_out is not None:
         card_out.parent.mkdir(parents=True, exist_ok=True)
         card_out.write_bytes(card_bytes)
-    message = opts.commit_message or f"Upload {drafter.format} drafter recycled from {base} (recycle {__version__})"
+    message = opts.commit_message or f"Upload {drafter.format} drafter recycled from {source} (recycle {__version__})"
     result = {
         "repo": repo, "endpoint": endpoint, "revision": revision or "main", "private": private, "dry_run": opts.dry_run,
-        "drafter": str(drafter.path), "format": drafter.format, "base_model": base, "license": lic,
+        "drafter": str(drafter.path), "format": drafter.format, "base_model": base_model, "source": source,
+        "license": lic,
         "files": dict(sorted(uploads.items())), "bytes": sum(uploads.values()), "tensors_checked": drafter.tensors,
         "bench": drafter.bench is not None, "card_path": str(card_out) if card_out is not None else None,
         "card_metadata": card.data.to_dict(), "commit_message": message, "commit": None, "notes": notes,

@@ -14,12 +14,12 @@ import torch
 
 from recycle.checkpoint import Checkpoint, load_json
 from recycle.drafters import load_drafter
-from recycle.formats import convertible, of_config
+from recycle.formats import BENCH_REPORT, convertible, of_config
 from recycle.errors import RecycleError
 from recycle.preflight import drafter_record
 
 CARD = "README.md"
-BENCH = "bench.json"
+BENCH = BENCH_REPORT
 PROVENANCE = "recycle.json"
 Progress = Callable[[int, int], None]
 
@@ -118,13 +118,20 @@ def distillation_runs(record: dict) -> list[dict]:
     return [r for r in runs if isinstance(r, dict)] if isinstance(runs, list) else []
 
 
-def _read_bench(path: Path) -> dict | None:
+def _read_bench(path: Path, fmt: str) -> dict | None:
+    """bench.json (`recycle bench --save`), which the card's benchmark table is made from: it must be bench's report,
+    and of a drafter of this directory's format (a report copied in from another drafter would be published as
+    this one's figures)."""
     if not path.is_file():
         return None
     data = load_json(path, "bench report")
     spec = (data.get("overall") or {}).get("spec")
     if not isinstance(spec, dict) or "tau" not in spec:
         raise RecycleError(f"{path}: not a `recycle bench --json` report (no overall.spec.tau)")
+    kind = data.get("drafter_kind")
+    if kind is not None and kind != fmt:
+        raise RecycleError(f"{path}: measures a {kind} drafter, but this directory holds {fmt}; re-run "
+                           f"`recycle bench {path.parent} --target TARGET_DIR --save`")
     return data
 
 
@@ -163,4 +170,4 @@ def validate_drafter(path: str | os.PathLike, progress: Progress | None = None) 
     if CARD in files:
         notes.append(f"the directory's own {CARD} is replaced by the generated model card")
         del files[CARD]
-    return Drafter(d, fmt, record, config, files, total, _read_bench(d / BENCH), notes)
+    return Drafter(d, fmt, record, config, files, total, _read_bench(d / BENCH, fmt), notes)
