@@ -17,6 +17,13 @@ embedding/head copy and its trunk original), so auditing a 690 GB checkpoint rea
   unknown_layout        MTP-looking tensors that fit no role of the family
   already_drafter       the checkpoint is a drafter already (Gemma 4 assistant): it drafts as it is, and
                         `convert --to eagle3|medusa --target TARGET_DIR` rewrites it for other engines
+  fp8_unscaled_weight   under a block-FP8 quantization_config, a BF16/F32 weight the engine builds as FP8 and
+                        no ignore entry (`ignored_layers`/`modules_to_not_convert`) keeps BF16: the engine casts
+                        it to e4m3 without a scale (silently wrong drafts, or worse in the trunk)
+  fp8_orphan_scale      a `weight_scale_inv` with no weight, or beside a weight that is not FP8
+  mtp_quant_differs     the MTP layer is stored in another scheme than the trunk (BF16 under an FP8 trunk: info
+                        when the ignore list says so; FP8 tensors without an FP8 config: an error)
+  quant_unsupported     a quantization method recycle reads but cannot write MTP tensors into (info)
 
 `recycle inspect --strict` exits 1 when a finding is an error (`Report.worst`), so CI can gate on it.
 """
@@ -30,7 +37,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from recycle.checkpoint import Checkpoint, expected_scale_shape
+from recycle.checkpoint import SCALE_SUFFIX, Checkpoint, expected_scale_shape
+from recycle.errors import RecycleError
 from recycle.families import SHARED_ROLES, MTPMatch, MTPModule, eval_shape, match
 
 SEVERITIES = ("error", "warning", "info")
@@ -220,12 +228,50 @@ def _check_modules(ckpt: Checkpoint, m: MTPMatch, rep: Report) -> None:
                         f"in {block_size[0]}x{block_size[1]} blocks", scale.name)
 
     _check_copies(ckpt, m, rep)
+    _check_quantization(ckpt, m, rep)
     claimed = set(m.mtp_names)
     stray = [n for n in ckpt.tensors if n not in claimed and MTP_LOOKING.search(n)]
     if stray:
         rep.add("warning", "unknown_layout",
                 f"{len(stray)} MTP-looking tensor(s) fit no role of {fam.name}: {', '.join(stray[:3])}"
                 + (" ..." if len(stray) > 3 else ""), stray[0])
+
+
+def _check_quantization(ckpt: Checkpoint, m: MTPMatch, rep: Report) -> None:
+    """The layouts that load silently wrong in an FP8 engine (recycle.quant says what an engine builds as FP8)."""
+    from recycle.quant import engine_fp8, module_of, scheme
+
+    try:
+        fp8 = scheme(ckpt.config, str(ckpt.path))
+    except RecycleError as e:
+        rep.add("info", "quant_unsupported", str(e).split(": ", 1)[-1])
+        return
+    for name, info in ckpt.tensors.items():
+        if info.is_scale:
+            weight = ckpt.tensors.get(name[: -len(SCALE_SUFFIX)])
+            if weight is None or not weight.is_fp8:
+                what = "no weight" if weight is None else f"a {weight.dtype} weight"
+                rep.add("error", "fp8_orphan_scale", f"{name}: a scale beside {what} (a stale scale)", name)
+    mtp = set(m.mtp_names)
+    linears = [n for n in mtp if engine_fp8(n, ckpt.tensors[n].shape)]
+    if fp8 is None:
+        stored = [n for n in linears if ckpt.tensors[n].is_fp8]
+        if stored:
+            rep.add("error", "mtp_quant_differs", f"{len(stored)} MTP weight(s) stored FP8 with no FP8 "
+                    f"quantization_config to read them by (first: {stored[0]})", stored[0])
+        return
+    ignored = set(fp8.ignored)
+    unscaled = [n for n, i in ckpt.tensors.items() if engine_fp8(n, i.shape) and not i.is_fp8
+                and module_of(n) not in ignored]
+    for n in unscaled[:3]:
+        rep.add("error", "fp8_unscaled_weight", f"{n}: {ckpt.tensors[n].dtype} under the FP8 config, not in its ignore "
+                "list: the engine casts it to e4m3 without a scale", n)
+    if len(unscaled) > 3:
+        rep.add("error", "fp8_unscaled_weight", f"... and {len(unscaled) - 3} more such weights", unscaled[3])
+    kept = [n for n in linears if not ckpt.tensors[n].is_fp8 and module_of(n) in ignored]
+    if kept:
+        rep.add("info", "mtp_quant_differs", f"the MTP layer's {len(kept)} linear weights are BF16 under the FP8 trunk, "
+                "named in the ignore list", kept[0])
 
 
 STALE_TOLERANCE = 1e-3  # relative difference of sampled rows above which a copy is not the trunk's tensor

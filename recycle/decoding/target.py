@@ -68,6 +68,8 @@ def load_target(
 
                 ckpt = Checkpoint(path)
                 model = load_causal_lm(ckpt, match(ckpt, layout), dtype, attn)
+            elif _block_fp8(path):
+                model = _load_dequantized(path, dtype, attn)
             else:
                 model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn)
     except RecycleError:
@@ -76,6 +78,38 @@ def load_target(
         raise RecycleError(f"{path}: transformers cannot load it as a causal LM ({type(e).__name__}: "
                            f"{_first_sentence(e)})") from None
     return model.to(device).eval()
+
+
+def _block_fp8(path: Path) -> bool:
+    from recycle.preflight import load_json
+    from recycle.quant import scheme
+
+    return scheme(load_json(path / "config.json", "config.json"), str(path)) is not None
+
+
+def _load_dequantized(path: Path, dtype: torch.dtype, attn: str) -> nn.Module:
+    """A block-FP8 target (DeepSeek-V3's release layout) with its weights dequantized by recycle's reader: the
+    values an FP8 engine computes with, at `dtype`. transformers' own FP8 path needs a GPU (on a CPU it dequantizes
+    too, but refuses a weight whose rows are not a whole number of blocks, such as DeepSeek's 576-row kv_a_proj);
+    the checkpoint's names reach the model through transformers' own conversion mapping (per-expert → fused)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from recycle.checkpoint import Checkpoint
+    from recycle.mtp import to_runtime_layout
+
+    ckpt = Checkpoint(path)
+    cfg = {k: v for k, v in ckpt.config.items() if k != "quantization_config"}
+    config = AutoConfig.for_model(**cfg)
+    config._attn_implementation = attn
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn)
+    want = set(model.state_dict())
+    state = to_runtime_layout({n: ckpt.get(n, torch.float32) for n, i in ckpt.tensors.items() if not i.is_scale},
+                              config)
+    missing, _ = model.load_state_dict({k: v for k, v in state.items() if k in want}, strict=False)
+    missing = [k for k in missing if k not in (getattr(model, "_tied_weights_keys", None) or ())]
+    if missing:
+        raise RecycleError(f"{path}: the FP8 checkpoint does not fill {type(model).__name__} (missing {missing[:3]})")
+    return model.to(dtype)
 
 
 def _first_sentence(e: BaseException, limit: int = 200) -> str:
