@@ -32,7 +32,7 @@ from recycle.converters.roles import EXACT, Lazy, nbytes, raw
 from recycle.converters.writer import OutputDir, Progress
 from recycle.errors import RecycleError
 from recycle.families import MTPMatch, match
-from recycle.quant import engine_fp8, module_of, requantize, scale_name, scheme, with_ignored
+from recycle.quant import engine_fp8, ignore_entries, requantize, scale_name, scheme, with_ignored
 
 STITCHED_FILE = "recycle-mtp.safetensors"
 RECORD = "recycle-stitch.json"  # what stitch decided, per tensor (the stitched directory is a model, not a drafter)
@@ -147,7 +147,7 @@ def plan_tensors(ov: Checkpoint, tgt: Checkpoint, names: list[str], copies: dict
         else:
             want = floats if fp8 is not None and engine_fp8(n, info.shape) else _trunk_dtype(tgt, n, floats)
             if fp8 is not None and engine_fp8(n, info.shape):
-                ignored.append(module_of(n))
+                ignored.append(n)
             if not info.is_fp8 and DTYPES[info.dtype][1] == want:
                 out[n] = raw(ov, n)
                 record[n] = {"stored": info.dtype, "how": "stored bytes"}
@@ -155,7 +155,7 @@ def plan_tensors(ov: Checkpoint, tgt: Checkpoint, names: list[str], copies: dict
                 out[n] = Lazy(info.shape, lambda n=n, want=want: ov.get(n).to(want), (n,), EXACT,
                               "dequantized" if info.is_fp8 else "cast", dtype=want)
                 record[n] = {"stored": ST_NAMES[want], "how": "dequantized" if info.is_fp8 else "cast"}
-    return out, record, ignored
+    return out, record, ignore_entries(ignored)
 
 
 def _errors(record: dict) -> dict:

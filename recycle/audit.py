@@ -239,7 +239,7 @@ def _check_modules(ckpt: Checkpoint, m: MTPMatch, rep: Report) -> None:
 
 def _check_quantization(ckpt: Checkpoint, m: MTPMatch, rep: Report) -> None:
     """The layouts that load silently wrong in an FP8 engine (recycle.quant says what an engine builds as FP8)."""
-    from recycle.quant import engine_fp8, module_of, scheme
+    from recycle.quant import engine_fp8, ignore_entries, scheme
 
     try:
         fp8 = scheme(ckpt.config, str(ckpt.path))
@@ -262,13 +262,13 @@ def _check_quantization(ckpt: Checkpoint, m: MTPMatch, rep: Report) -> None:
         return
     ignored = set(fp8.ignored)
     unscaled = [n for n, i in ckpt.tensors.items() if engine_fp8(n, i.shape) and not i.is_fp8
-                and module_of(n) not in ignored]
+                and not set(ignore_entries([n])) <= ignored]
     for n in unscaled[:3]:
         rep.add("error", "fp8_unscaled_weight", f"{n}: {ckpt.tensors[n].dtype} under the FP8 config, not in its ignore "
                 "list: the engine casts it to e4m3 without a scale", n)
     if len(unscaled) > 3:
         rep.add("error", "fp8_unscaled_weight", f"... and {len(unscaled) - 3} more such weights", unscaled[3])
-    kept = [n for n in linears if not ckpt.tensors[n].is_fp8 and module_of(n) in ignored]
+    kept = [n for n in linears if not ckpt.tensors[n].is_fp8 and set(ignore_entries([n])) <= ignored]
     if kept:
         rep.add("info", "mtp_quant_differs", f"the MTP layer's {len(kept)} linear weights are BF16 under the FP8 trunk, "
                 "named in the ignore list", kept[0])

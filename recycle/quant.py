@@ -25,6 +25,7 @@ be a silently wrong checkpoint.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
@@ -80,6 +81,20 @@ def engine_fp8(name: str, shape: tuple[int, ...]) -> bool:
 def module_of(weight: str) -> str:
     """`model.layers.61.self_attn.q_a_proj.weight` → `model.layers.61.self_attn.q_a_proj`: what ignore lists name."""
     return weight[: -len(".weight")] if weight.endswith(".weight") else weight
+
+
+EXPERTS = re.compile(r"^(.*\.experts)\.\d+\.")
+
+
+def ignore_entries(weights: Iterable[str]) -> list[str]:
+    """The ignore entries that keep these weights' layers BF16 in every engine: each Linear's module name (vLLM
+    matches exactly, fused layers by their shards: `fp8.py` `get_quant_method` lines 176-185), and for routed
+    experts their container too (`...mlp.experts`: transformers fuses the experts into one module, matched by a
+    prefix at a module boundary, `quantizers/quantizers_utils.py::should_convert_module`; vLLM skips a fused-MoE
+    layer when an entry contains its prefix, `quant_utils.py::is_layer_skipped`)."""
+    out = {module_of(w) for w in weights}
+    out |= {m.group(1) for w in weights if (m := EXPERTS.match(w))}
+    return sorted(out)
 
 
 def with_ignored(config: Mapping, modules: Iterable[str]) -> dict:
