@@ -15,6 +15,7 @@ import torch
 
 from recycle import __version__
 from recycle.checkpoint import SHORT_DTYPES, ST_NAMES, TORCH_NAMES, Checkpoint
+from recycle.converters.overlay import stitch as stitch_overlay  # noqa: F401  (the scripts' name for it)
 from recycle.converters.roles import APPROX, EXACT, FRESH, Backbone, Plan, RoleWeights, backbone, gather
 from recycle.converters.writer import OutputDir, Progress
 from recycle.formats import DrafterFormat, get
@@ -132,11 +133,3 @@ def convert_checkpoint(source: str | os.PathLike, to: str, out: str | os.PathLik
                        **options) -> dict:
     """`convert` with the options as keywords (ConvertOptions' names): the scripts' and tests' shorthand."""
     return convert(ConvertOptions(source=str(source), to=to, out=str(out), **options), progress=progress)
-
-
-def stitch_overlay(overlay: str | os.PathLike, target: str | os.PathLike, out: str | os.PathLike, *,
-                   overwrite: bool = False, progress: Progress | None = None) -> dict:
-    from recycle.converters.overlay import stitch
-
-    return stitch(overlay, target, out, overwrite=overwrite, progress=progress)
-

