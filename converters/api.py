@@ -9,13 +9,15 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from datetime import datetime, timezone
 
 import torch
 
 from recycle import __version__
 from recycle.checkpoint import SHORT_DTYPES, ST_NAMES, TORCH_NAMES, Checkpoint
-from recycle.converters.overlay import stitch as stitch_overlay  # noqa: F401  (the scripts' name for it)
+from recycle.converters.overlay import stitch as stitch_overlay
+from recycle.converters.reexport import source_view  # noqa: F401  (the scripts' name for it)
 from recycle.converters.roles import APPROX, EXACT, FRESH, Backbone, Plan, RoleWeights, backbone, gather
 from recycle.converters.writer import OutputDir, Progress
 from recycle.formats import DrafterFormat, get
@@ -75,9 +77,13 @@ def convert(opts: ConvertOptions, progress: Progress | None = None) -> dict:
     returns a summary dict. The format's record supplies the converter (and the calibration, where it has one)."""
     started = time.perf_counter()
     opts.validate()
+    with source_view(opts.source) as source:  # an EAGLE drafter: its mtp_overlay/, re-exported
+        return _convert(opts, Checkpoint(source), progress, started)
+
+
+def _convert(opts: ConvertOptions, ckpt: Checkpoint, progress: Progress | None, started: float) -> dict:
     fmt = get(opts.to)
-    ckpt = Checkpoint(opts.source)
-    writer = OutputDir(opts.out, overwrite=opts.overwrite, protect=(ckpt.path,))  # refuses a bad OUT before any reading
+    writer = OutputDir(opts.out, overwrite=opts.overwrite, protect=(opts.source,))  # refuses a bad OUT before reading
     if opts.target is not None:
         check_fit(ckpt.config, checkpoint_dir(opts.target), ckpt.path, opts.target, f"--target {opts.target}")
     w = gather(ckpt)
@@ -107,6 +113,7 @@ def convert(opts: ConvertOptions, progress: Progress | None = None) -> dict:
         for rel, obj in plan.jsons.items():
             d.write_json(rel, obj)
         copied = [f for sub in plan.tokenizer_dirs for f in d.copy_tokenizer(ckpt.path, sub)]
+        record["source"]["path"] = str(Path(opts.source).resolve())  # the directory given (a drafter: its overlay)
         d.write_json("recycle.json", record)
         files = dict(sorted(d.files.items()))
     return {

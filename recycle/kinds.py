@@ -9,7 +9,8 @@ expected.
 
   target   a model with a trunk: an embedding and decoder layers that are not MTP modules
   drafter  a drafter directory recycle reads (recycle.formats detects its format)
-  source   a checkpoint with MTP modules (or a drafter-kind family such as a Gemma 4 assistant) to convert
+  source   a checkpoint with MTP modules (or a drafter-kind family such as a Gemma 4 assistant) to convert, or an
+           EAGLE drafter (its mtp_overlay/ is the modules in the source's layout: `converters/reexport.py`)
   cache    a `recycle harvest` cache (manifest.json)
 """
 
@@ -84,7 +85,7 @@ def source(path: str | os.PathLike) -> dict:
     p = Path(path)
     cfg = load_json(p / "config.json", "config.json")
     fmt = of_config(cfg)
-    if fmt is not None and fmt.convertible:
+    if fmt is not None and fmt.convertible and fmt.source_layout is None:
         raise RecycleError(f"{p}: this is a drafter ({fmt.name}) recycle wrote, not a checkpoint with MTP modules: "
                            "convert the checkpoint it came from")
     return cfg

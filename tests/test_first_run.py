@@ -50,8 +50,8 @@ def test_a_checkpoint_is_not_a_drafter_and_a_drafter_is_not_a_source(drafters, t
     res = run_cli("distill", str(FIXTURE / "../glm4_moe_mtp"), "--target", str(FIXTURE), "--tokens", "1k", *SMALL,
                   "-o", str(tmp_path / "o"))
     assert_bad_input(res, "not a drafter: convert its MTP modules first")
-    res = run_cli("convert", str(drafters["eagle"]), "--to", "medusa", "-o", str(tmp_path / "c"))
-    assert_bad_input(res, "this is a drafter (eagle) recycle wrote")
+    res = run_cli("convert", str(drafters["medusa"]), "--to", "eagle", "-o", str(tmp_path / "c"))
+    assert_bad_input(res, "this is a drafter (medusa) recycle wrote")
     res = run_cli("distill", str(drafters["eagle"]), "--target", str(FIXTURE), "--tokens", "1k", *SMALL,
                   "--cache-hidden", str(FIXTURE), "-o", str(tmp_path / "o"))
     assert_bad_input(res, "not a feature cache")

@@ -106,6 +106,25 @@ def test_distill_keeps_an_fp8_overlay_and_stitch_takes_it_back(fp8, tmp_path: Pa
     assert torch.equal(a[name].view(torch.uint8), b.raw(name).view(torch.uint8))
 
 
+def test_convert_reexports_a_distilled_drafter_from_its_overlay(fp8, tmp_path: Path) -> None:
+    """convert takes a distilled EAGLE drafter as its source (its FP8 mtp_overlay/, dequantized): the same modules
+    come out, and other formats can be made from them."""
+    from recycle.drafters import load_drafter
+
+    out = tmp_path / "d"
+    res = run_cli("distill", str(fp8["eagle8"]), "--target", str(fp8["post"]), "--tokens", "1k", "--seq-len", "48",
+                  "--batch", "2", "--eval-every", "1", "--lr", "1e-2", "--threads", "1", "-o", str(out), "--json")
+    assert res.exit_code == 0, res.output
+    again = convert_checkpoint(out, "eagle", tmp_path / "re", layouts="recycle")
+    assert json.loads((tmp_path / "re" / "recycle.json").read_text())["source"]["path"] == str(out.resolve())
+    trained, reexported = load_drafter(out).state_dict(), load_drafter(again["out"]).state_dict()
+    overlay = Checkpoint(out / "mtp_overlay")
+    for k, v in trained.items():  # block weights went through FP8 once more; the rest is exact
+        tol = float(v.abs().max()) / 16 if ".block." in k and v.dim() == 2 and "gate.weight" not in k else 0.0
+        assert float((v.float() - reexported[k].float()).abs().max()) <= tol + 1e-6, k
+    assert overlay.tensors and convert_checkpoint(out, "medusa", tmp_path / "m")["format"] == "medusa"
+
+
 def test_inspect_finds_the_broken_fp8_layouts(fp8, tmp_path: Path) -> None:
     def broken(name: str, edit) -> list[str]:
         d = tmp_path / name

@@ -58,4 +58,5 @@ FORMAT = DrafterFormat(
                  "recycle loads it (`recycle.drafters.load_drafter`).",
     tags=("mtp",),
     native_chain=True,
+    source_layout="mtp_overlay",
 )

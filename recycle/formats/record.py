@@ -84,6 +84,7 @@ class DrafterFormat:
     tags: tuple[str, ...] = ()  # Hub tags beside "speculative-decoding" and the format's name
     single_pass: bool = False  # every depth drafts in one pass (heads over one state), not one call per step
     static_tree: bool = False  # drafts a fixed Medusa-style tree by default (no EAGLE-2 dynamic trees)
+    source_layout: str | None = None  # a subfolder holding its modules in the source's own layout (convert reads it)
     native_chain: bool = False  # its chain is the MTP modules' own (compare it with native MTP at the same depth)
     fit_extra: str | None = None  # (drafter config, target config, where) -> None: checks beyond width and vocab
 
