@@ -27,7 +27,7 @@ from recycle.checkpoint import Checkpoint  # noqa: E402
 from recycle.drafters.eagle3 import build_eagle3  # noqa: E402
 from recycle.decoding.target import load_target  # noqa: E402
 from recycle.drafters import load_drafter  # noqa: E402
-from recycle.drafters.gemma4 import target_states_and_kv, teacher_forced  # noqa: E402
+from recycle.drafters.gemma4 import head, target_states_and_kv, teacher_forced  # noqa: E402
 
 
 def windows(target: str, count: int, prompt: int, length: int) -> torch.Tensor:
@@ -86,11 +86,12 @@ def main() -> None:
         def agree(logits: torch.Tensor) -> float:
             return float((logits.argmax(-1) == want)[scored].float().mean())
 
-        result["assistant"] = agree(teacher_forced(assistant, model.get_input_embeddings(), ids, last, kv, 1, rows)[0][0])
+        result["assistant"] = agree(head(assistant, teacher_forced(assistant, model.get_input_embeddings(), ids, last,
+                                                                   kv, 1, rows)[0]))
         types = assistant.config.get_text_config().layer_types
         for i, kind in enumerate(types):
             single = only_layer(assistant, i)
-            logits = teacher_forced(single, model.get_input_embeddings(), ids, last, kv, 1, rows)[0][0]
+            logits = head(single, teacher_forced(single, model.get_input_embeddings(), ids, last, kv, 1, rows)[0])
             result[f"layer {i} ({kind}) alone"] = agree(logits)
         w, bb = gather(Checkpoint(a.assistant)), backbone(a.target)
         for i, kind in enumerate(types):

@@ -193,7 +193,7 @@ def collect(source: str | Path, target: str | Path, heads: int, tokens: int, dat
             greedy = model.get_output_embeddings()(full).argmax(-1)
             chain = teacher_forced(src, model.get_input_embeddings(), torch.cat([w[:, :1], greedy[:, :-1]], 1), full,
                                    kv, depth, seq_len)
-            feats = [normed for _, normed in chain]
+            feats = chain
         else:  # the tokens the modules read are the target's own greedy ones: a function of h_p, as a Medusa head needs
             full = model.get_decoder()(input_ids=w[:, :seq_len + depth], use_cache=False).last_hidden_state
             h = full[:, :seq_len]

@@ -30,10 +30,12 @@ frozen target); positions whose label is outside an EAGLE-3 draft vocabulary are
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from recycle.options import LossConfig  # noqa: F401  (its defaults are explained above)
 
@@ -45,50 +47,105 @@ def step_weights(steps: int, decay: float) -> list[float]:
     return [w / total for w in raw]
 
 
-def kl_to_target(draft_logits: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
-    """Mean over rows of KL(P_target ‖ P_draft); the target side is detached (stop-gradient)."""
+def kl_rows(draft_logits: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
+    """KL(P_target ‖ P_draft) per row [N]; the target side is detached (stop-gradient)."""
     t = F.log_softmax(target_logits.detach().float(), dim=-1)
-    d = F.log_softmax(draft_logits.float(), dim=-1)
-    return (t.exp() * (t - d)).sum(-1).mean()
+    return (t.exp() * (t - F.log_softmax(draft_logits.float(), dim=-1))).sum(-1)
+
+
+def kl_to_target(draft_logits: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
+    """Mean over rows of KL(P_target ‖ P_draft)."""
+    return kl_rows(draft_logits, target_logits).mean()
+
+
+def ce_rows(draft_logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """CE per row [N], 0 where the label is −1 (a token the drafter cannot emit)."""
+    return F.cross_entropy(draft_logits.float(), labels.clamp(min=0), reduction="none") * (labels >= 0)
 
 
 def ce_to_labels(draft_logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean CE over rows whose label is ≥ 0 (−1 marks a label the drafter cannot emit)."""
-    valid = labels >= 0
-    if not bool(valid.any()):
-        return draft_logits.sum() * 0.0
-    return F.cross_entropy(draft_logits.float()[valid], labels[valid])
+    """Mean CE over rows whose label is ≥ 0."""
+    return ce_rows(draft_logits, labels).sum() / (labels >= 0).sum().clamp(min=1)
 
 
 def feature_loss(draft_features: torch.Tensor, target_features: torch.Tensor) -> torch.Tensor:
     return F.smooth_l1_loss(draft_features.float(), target_features.detach().float())
 
 
+CHUNK_ROWS = 2048  # rows per loss chunk: one chunk's [rows, V] float32 logits (drafter and target) is the peak
+
+
 @dataclass
 class StepOutput:
-    """One unrolled draft step over N = B·T rows."""
+    """One unrolled draft step over N = B·T rows.
 
-    logits: torch.Tensor  # [N, V'] draft logits (V' = draft vocabulary)
-    target_logits: torch.Tensor  # [N, V'] the target's logits restricted to the same vocabulary
+    `draft` and `target` are what the two heads read (final-normed states) and `head` / `target_head` turn a chunk
+    of them into logits over the same vocabulary, so no [N, V] tensor exists for the whole batch: at DeepSeek-V3's
+    129,280-word vocabulary and 8 × 2048 rows that is 8.5 GB per tensor and per step. With no heads, `draft` and
+    `target` are logits already (small vocabularies, tests).
+    """
+
+    draft: torch.Tensor  # [N, d]: draft head input (or draft logits [N, V'], V' = the draft vocabulary)
+    target: torch.Tensor  # [N, D]: the target's final-normed state (or its logits over V')
     labels: torch.Tensor  # [N] label ids in the draft vocabulary (−1: not representable)
     features: torch.Tensor | None = None  # [N, H] the step's feature prediction, where the drafter has one
     target_features: torch.Tensor | None = None
+    head: Callable[[torch.Tensor], torch.Tensor] | None = None
+    target_head: Callable[[torch.Tensor], torch.Tensor] | None = None
+    mask: torch.Tensor | None = None  # [N] bool: rows that count (None: all)
+
+    def logits(self, rows: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draft and target logits of `rows` (the target's detached, float32)."""
+        d = self.draft[rows] if self.head is None else self.head(self.draft[rows])
+        with torch.no_grad():
+            t = self.target[rows] if self.target_head is None else self.target_head(self.target[rows])
+        return d, t.detach().float()
+
+    @property
+    def rows(self) -> int:
+        return self.draft.shape[0]
 
 
-def distill_loss(steps: list[StepOutput], cfg: LossConfig) -> tuple[torch.Tensor, dict]:
+def _chunk(step: StepOutput, rows: slice) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(Σ KL, Σ CE over labelled rows, Σ agreement) over one chunk of rows."""
+    d, t = step.logits(rows)
+    keep = torch.ones(d.shape[0], dtype=torch.bool, device=d.device) if step.mask is None else step.mask[rows]
+    kl = (kl_rows(d, t) * keep).sum()
+    ce = (ce_rows(d, step.labels[rows]) * keep).sum()
+    agree = ((d.argmax(-1) == t.argmax(-1)) & keep).sum().float()
+    return kl, ce, agree
+
+
+def step_terms(step: StepOutput, chunk: int = CHUNK_ROWS, grad: bool = True) -> dict[str, torch.Tensor]:
+    """KL (mean over counted rows), CE (mean over labelled counted rows) and top-1 agreement of one step, a chunk
+    of rows at a time; with more than one chunk and gradients, each chunk's logits are recomputed in the backward
+    pass (activation checkpointing) instead of kept."""
+    n = step.rows
+    kl = ce = agree = step.draft.new_zeros((), dtype=torch.float32)
+    for start in range(0, n, chunk):
+        rows = slice(start, min(n, start + chunk))
+        if grad and n > chunk and torch.is_grad_enabled():
+            parts = checkpoint(lambda r=rows: _chunk(step, r), use_reentrant=False)
+        else:
+            parts = _chunk(step, rows)
+        kl, ce, agree = kl + parts[0], ce + parts[1], agree + parts[2]
+    keep = step.mask if step.mask is not None else torch.ones(n, dtype=torch.bool, device=step.labels.device)
+    counted = keep.sum().clamp(min=1)
+    labelled = ((step.labels >= 0) & keep).sum().clamp(min=1)
+    return {"kl": kl / counted, "ce": ce / labelled, "agree": agree / counted}
+
+
+def distill_loss(steps: list[StepOutput], cfg: LossConfig, chunk: int = CHUNK_ROWS) -> tuple[torch.Tensor, dict]:
     """Σ_k λ_k L_k (module docstring); also per-step CE, KL and top-1 agreement with the target."""
     weights = step_weights(len(steps), cfg.decay)
-    total = steps[0].logits.new_zeros((), dtype=torch.float32)
+    total = steps[0].draft.new_zeros((), dtype=torch.float32)
     info: dict = {"ce": [], "kl": [], "agree": []}
     for w, s in zip(weights, steps):
-        ce = ce_to_labels(s.logits, s.labels)
-        kl = kl_to_target(s.logits, s.target_logits)
-        loss = cfg.ce_weight * ce + cfg.kl_weight * kl
+        terms = step_terms(s, chunk)
+        loss = cfg.ce_weight * terms["ce"] + cfg.kl_weight * terms["kl"]
         if cfg.feature_weight and s.features is not None and s.target_features is not None:
             loss = loss + cfg.feature_weight * feature_loss(s.features, s.target_features)
         total = total + w * loss
-        with torch.no_grad():
-            info["ce"].append(float(ce))
-            info["kl"].append(float(kl))
-            info["agree"].append(float((s.logits.argmax(-1) == s.target_logits.argmax(-1)).float().mean()))
+        for k in ("ce", "kl", "agree"):
+            info[k].append(float(terms[k].detach()))
     return total, info

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,7 +34,8 @@ from recycle.errors import RecycleError
 class TeacherOut:
     last: torch.Tensor  # [B, L, H] final-normed hidden states
     aux: torch.Tensor | None  # [B, L, A·H] concatenated aux layers (EAGLE-3), else None
-    logits: torch.Tensor  # [B, L, V] float32
+    logits: Callable[..., torch.Tensor]  # (rows [N, H], vocab ids or None) -> the target's logits [N, V] float32:
+    # computed a chunk of rows at a time by the loss, never for a whole batch (8.5 GB at 129k words × 16k rows)
     kv: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None  # Gemma 4 assistants: {attention type: (K, V)}
 
 
@@ -144,9 +146,11 @@ class Teacher:
             return target_states_and_kv(self.decoder, self.config, ids, self.kv_layers)
 
     @torch.no_grad()
-    def logits(self, last: torch.Tensor) -> torch.Tensor:
+    def logits(self, rows: torch.Tensor, vocab: torch.Tensor | None = None) -> torch.Tensor:
+        """The target's logits of final-normed `rows`, over `vocab` (a draft vocabulary's target ids) or all."""
+        weight = self.head.weight if vocab is None else self.head.weight.index_select(0, vocab)
         with autocast(self.device, self.precision):
-            return softcap(self.head(last).float(), self.config)
+            return softcap(torch.nn.functional.linear(rows.to(weight.dtype), weight).float(), self.config)
 
     def _path(self, key: str) -> Path:
         assert self.cache_dir is not None
@@ -157,7 +161,7 @@ class Teacher:
         ids = ids.to(self.device)
         if self.kv_layers:
             last, kv = self.features_and_kv(ids)
-            return TeacherOut(last, None, self.logits(last), kv)
+            return TeacherOut(last, None, self.logits, kv)
         if self.producer is not None and key is not None:
             self.producer.wait(key)
         cached = self._load(key, ids) if key is not None and self.cache_dir is not None else None
@@ -170,7 +174,7 @@ class Teacher:
             last, aux = self.features(ids)
             if key is not None and self.cache_dir is not None:
                 self._store(key, ids, last, aux)
-        return TeacherOut(last, aux, self.logits(last))
+        return TeacherOut(last, aux, self.logits)
 
     def cached_ids(self, key: str) -> torch.Tensor:
         """The token ids stored under `key` (a harvested cache's evaluation rows)."""

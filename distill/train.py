@@ -55,7 +55,7 @@ from recycle.checkpoint import load_json
 from recycle.corpus import is_corpus_name
 from recycle.distill import state
 from recycle.distill.data import PackedStream, Position, data_source, heldout_batch, regenerate
-from recycle.distill.losses import distill_loss
+from recycle.distill.losses import distill_loss, step_terms
 from recycle.distill.schedule import EVAL_KEY, Schedule, Step, eval_prompt_len
 from recycle.distill.teacher import Teacher, autocast
 from recycle.distill.unroll import Unroller
@@ -367,7 +367,7 @@ class Distiller:
         with autocast(self.device, self.precision):
             te = self.eval_teacher
             steps = self.unroller.unroll(self.eval_ids, te.last, te.aux, te.logits, kv=te.kv)
-            agree = [float((s.logits.argmax(-1) == s.target_logits.argmax(-1)).float().mean()) for s in steps]
+            agree = [float(step_terms(s, grad=False)["agree"]) for s in steps]
         self.model.train()
         return agree
 

@@ -30,6 +30,7 @@ ResBlocks zero as Medusa initialises them), frozen target copies kept.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -100,8 +101,11 @@ class Unroller(ABC):
 
     @abstractmethod
     def unroll(self, ids: torch.Tensor, last: torch.Tensor, aux: torch.Tensor | None,
-               logits: torch.Tensor, with_features: bool = False, kv: dict | None = None) -> list[StepOutput]:
-        """The drafter's outputs for K unrolled steps at every anchor (each format defines its own)."""
+               logits: Callable[..., torch.Tensor], with_features: bool = False, kv: dict | None = None
+               ) -> list[StepOutput]:
+        """The drafter's outputs for K unrolled steps at every anchor (each format defines its own): per step the
+        rows its head reads and the head, and the target's final-normed rows at the predicted positions with
+        `logits` (the teacher's: rows, vocab → logits), so the loss makes logits a chunk of rows at a time."""
 
     def file_state(self) -> dict[str, torch.Tensor]:
         """The weights under the names model.safetensors stores."""
@@ -141,16 +145,13 @@ class EagleUnroller(Unroller):
     def unroll(self, ids, last, aux, logits, with_features=False, kv=None):
         m: EagleDrafter = self.model
         k_steps, t = self.steps, self.positions(ids.shape[1])
-        out = m(last[:, :t], ids[:, :t + k_steps], steps=k_steps)
+        out = m(last[:, :t], ids[:, :t + k_steps], steps=k_steps, heads=False)
         steps = []
         for k in range(k_steps):
-            feats = tfeats = None
-            if with_features:
-                fn = m._role(m.layer_for(k), "final_norm")
-                feats = _rows(fn(out.states[k]) if fn is not None else out.states[k])
-                tfeats = _rows(last[:, k + 1:k + 1 + t])
-            steps.append(StepOutput(_rows(out.logits[k]), _rows(logits[:, k + 1:k + 1 + t]),
-                                    ids[:, k + 2:k + 2 + t].reshape(-1), feats, tfeats))
+            target = _rows(last[:, k + 1:k + 1 + t])
+            feats, tfeats = (_rows(out.normed[k]), target) if with_features else (None, None)
+            steps.append(StepOutput(_rows(out.normed[k]), target, ids[:, k + 2:k + 2 + t].reshape(-1), feats, tfeats,
+                                    head=m._role(m.layer_for(k), "head"), target_head=logits))
         return steps
 
     def file_state(self):
@@ -210,9 +211,9 @@ class Eagle3Unroller(Unroller):
                                  past_key_values=cache)
             y = residual + a
             y = y + lyr.mlp(lyr.post_attention_layernorm(y))
-            draft = m.lm_head(m.norm(y))
-            steps.append(StepOutput(_rows(draft), _rows(logits[:, k + 1:k + 1 + t].index_select(-1, tid)),
-                                    tmap[ids[:, k + 2:k + 2 + t]].reshape(-1)))
+            steps.append(StepOutput(_rows(m.norm(y)), _rows(last[:, k + 1:k + 1 + t]),
+                                    tmap[ids[:, k + 2:k + 2 + t]].reshape(-1), head=m.lm_head,
+                                    target_head=lambda rows, tid=tid: logits(rows, tid)))
             g = y
         return steps
 
@@ -244,8 +245,8 @@ class MedusaUnroller(Unroller):
         h = last[:, :t]
         steps = []
         for k in range(self.steps):
-            draft = m.lm_heads[k](m.blocks[k](h))
-            steps.append(StepOutput(_rows(draft), _rows(logits[:, k + 1:k + 1 + t]), ids[:, k + 2:k + 2 + t].reshape(-1)))
+            steps.append(StepOutput(_rows(m.blocks[k](h)), _rows(last[:, k + 1:k + 1 + t]),
+                                    ids[:, k + 2:k + 2 + t].reshape(-1), head=m.lm_heads[k], target_head=logits))
         return steps
 
 
@@ -262,13 +263,14 @@ class AssistantUnroller(Unroller):
         self.embed = embed  # the target's (scaled) embedding: the assistant reads the target's token vectors
 
     def unroll(self, ids, last, aux, logits, with_features=False, kv=None):
-        from recycle.drafters.gemma4 import teacher_forced
+        from recycle.drafters.gemma4 import head, teacher_forced
 
         if kv is None:
             raise ValueError("a Gemma 4 assistant needs the target's K/V (Teacher(kv=True))")
         t = self.positions(ids.shape[1])
-        return [StepOutput(_rows(draft), _rows(logits[:, k + 1:k + 1 + t]), ids[:, k + 2:k + 2 + t].reshape(-1))
-                for k, (draft, _) in enumerate(teacher_forced(self.model, self.embed, ids, last, kv, self.steps, t))]
+        return [StepOutput(_rows(normed), _rows(last[:, k + 1:k + 1 + t]), ids[:, k + 2:k + 2 + t].reshape(-1),
+                           head=lambda rows: head(self.model, rows), target_head=logits)
+                for k, normed in enumerate(teacher_forced(self.model, self.embed, ids, last, kv, self.steps, t))]
 
     def file_state(self):
         from recycle.drafters.gemma4 import stored_state

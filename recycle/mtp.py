@@ -140,8 +140,9 @@ class MTPDepth(nn.Module):
 
 @dataclass
 class MTPOutput:
-    logits: list[torch.Tensor]  # per depth k (1-based k = index + 1): [B, T, V], predicting t_{i+k+1}
+    logits: list[torch.Tensor]  # per depth k (1-based k = index + 1): [B, T, V], predicting t_{i+k+1} (heads=True)
     states: list[torch.Tensor]  # per depth: the block output h^k before the final norm, [B, T, H]
+    normed: list[torch.Tensor]  # per depth: what the head reads (the final-normed state), [B, T, H]
 
 
 class MTP(nn.Module):
@@ -204,8 +205,10 @@ class MTP(nn.Module):
         position_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         depth: int | None = None,
+        heads: bool = True,
     ) -> MTPOutput:
-        """Run depths 1..n in parallel over positions.
+        """Run depths 1..n in parallel over positions (`heads=False`: no logits, the caller applies the heads to
+        `normed` itself, a chunk of rows at a time; distillation at a 129k vocabulary needs that).
 
         hidden:    [B, T, H] the trunk's final-normed hidden states at positions 0..T-1.
         input_ids: [B, T + n] tokens t_0..t_{T+n-1}; depth k reads t_{i+k}, so n ≥ 1 extra tokens
@@ -227,7 +230,7 @@ class MTP(nn.Module):
         )
         rope = self.rotary(hidden, position_ids) if self.rotary is not None else None
         at_start = (position_ids == 0).unsqueeze(-1)
-        state, logits, states = hidden, [], []
+        state, logits, states, normeds = hidden, [], [], []
         for k in range(n):
             layer = self.layer_for(k)
             embed, head, final_norm = (self._role(layer, r) for r in ("embed", "head", "final_norm"))
@@ -239,10 +242,12 @@ class MTP(nn.Module):
             y = layer.block(x, attention_mask=mask, position_ids=position_ids, position_embeddings=rope)
             y = y[0] if isinstance(y, tuple) else y
             normed = final_norm(y) if final_norm is not None else y
-            logits.append(head(normed))
+            if heads:
+                logits.append(head(normed))
             states.append(y)
+            normeds.append(normed)
             state = y if self.family.chained_state == "pre_norm" else normed
-        return MTPOutput(logits, states)
+        return MTPOutput(logits, states, normeds)
 
     # -- checkpoints ------------------------------------------------------------------------------
 

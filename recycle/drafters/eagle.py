@@ -66,9 +66,9 @@ class EagleDrafter(MTP):
         return None
 
     def forward(self, hidden: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
-                attention_mask: torch.Tensor | None = None, steps: int | None = None):
+                attention_mask: torch.Tensor | None = None, steps: int | None = None, heads: bool = True):
         """MTP.forward with no cap on the number of steps (n = input_ids.shape[1] - T, or `steps`)."""
-        return super().forward(hidden, input_ids, position_ids, attention_mask, depth=steps)
+        return super().forward(hidden, input_ids, position_ids, attention_mask, depth=steps, heads=heads)
 
     @torch.no_grad()
     def draft(self, hidden: torch.Tensor, input_ids: torch.Tensor, steps: int,

@@ -161,11 +161,10 @@ def strictly_before(t: int, length: int, dtype: torch.dtype, device: torch.devic
 
 
 def teacher_forced(assistant: nn.Module, embed: nn.Module, ids: torch.Tensor, last: torch.Tensor,
-                   kv: dict[str, tuple[torch.Tensor, torch.Tensor]], steps: int, rows: int
-                   ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+                   kv: dict[str, tuple[torch.Tensor, torch.Tensor]], steps: int, rows: int) -> list[torch.Tensor]:
     """A chain of `steps` at every anchor r < rows of a window: step k reads token r+k+1 of `ids` (the window
     itself, or the target's greedy tokens) and predicts token r+k+2; the first step reads the target's state at r,
-    later ones the previous step's. Returns (logits [B, rows, V], final-normed output [B, rows, h]) per step."""
+    later ones the previous step's. Returns the final-normed output [B, rows, h] per step (`head` makes logits)."""
     b, length = ids.shape
     pos = torch.arange(1, rows + 1, device=ids.device)[None].expand(b, rows)
     mask = strictly_before(rows, length, last.dtype, ids.device)
@@ -174,7 +173,7 @@ def teacher_forced(assistant: nn.Module, embed: nn.Module, ids: torch.Tensor, la
         x = torch.cat([embed(ids[:, k + 1:k + 1 + rows]).to(state.dtype), state], dim=-1)
         normed = hidden(assistant, x, pos, kv, mask)
         state = assistant.post_projection(normed)
-        out.append((head(assistant, normed), normed))
+        out.append(normed)
     return out
 
 
