@@ -72,7 +72,9 @@ def test_every_docs_block_runs_or_says_why_not(path: Path) -> None:
 
 
 def _threads() -> str:
-    """CPU threads for the commands: this process's torch share (conftest splits the cores among xdist workers)."""
+    """CPU threads for the commands (bench's RECYCLE_THREADS; torch's OMP_NUM_THREADS for the rest): this process's
+    share of the cores (conftest splits them among xdist workers; two workers with two threads each on two cores
+    made a short distillation 6× slower here)."""
     import torch
 
     return str(torch.get_num_threads())
@@ -88,7 +90,7 @@ def test_every_readme_command_runs(path: Path, tmp_path: Path) -> None:
     if len(script) == 1:
         return  # nothing here runs on this machine (each block says why)
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
-           "PYTHONPATH": str(ROOT), "RECYCLE_THREADS": _threads(), "HF_HUB_OFFLINE": "1"}
+           "PYTHONPATH": str(ROOT), "RECYCLE_THREADS": _threads(), "OMP_NUM_THREADS": _threads(), "HF_HUB_OFFLINE": "1"}
     env.pop("HF_TOKEN", None)
     res = subprocess.run(["bash", "-c", "\n".join(script)], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=900)
