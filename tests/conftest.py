@@ -8,6 +8,7 @@ test file is one unit of work, so its module-scoped fixtures are built once, exc
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -31,15 +32,30 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 from fixtures.families import build  # noqa: E402  (imports torch: after OMP_NUM_THREADS)
 
 
+ROOT = Path(__file__).resolve().parents[1]
+# The commands that take more than a few seconds on the fixtures: a docs file's count of them ranks its test.
+_EXPENSIVE = re.compile(r"^recycle (?:bench|distill|plan) |--calibrate ", re.M)
+
+
+def _docs_cost(item: pytest.Item) -> int | None:
+    """For a docs test (xdist group "docs:FILE"), how many expensive commands FILE holds; None for other tests."""
+    for mark in item.iter_markers("xdist_group"):
+        name = str(mark.args[0] if mark.args else "")
+        if name.startswith("docs:") and item.name.startswith("test_every_readme_command_runs"):
+            return len(_EXPENSIVE.findall((ROOT / name.removeprefix("docs:")).read_text(encoding="utf-8")))
+    return None
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under `--dist loadgroup`: one xdist group per test file (its module fixtures are built once), the docs
-    tests' own groups (one per markdown file) first, so the longest units start first and none is last."""
+    """Under `--dist loadgroup`: one xdist group per test file (its module fixtures are built once) and one per
+    markdown file for the docs test. The docs units go first, the costliest first, so that the longest units
+    start early and the run does not end on one of them while the other worker idles."""
     for item in items:
         if not any(item.iter_markers("xdist_group")):
             item.add_marker(pytest.mark.xdist_group(item.path.name))
-    items.sort(key=lambda item: not any(str(m.args[0] if m.args else "").startswith("docs:")
-                                        for m in item.iter_markers("xdist_group")))
+    costs = {id(item): _docs_cost(item) for item in items}
+    items.sort(key=lambda item: (costs[id(item)] is None, -(costs[id(item)] or 0)))
 
 
 @pytest.fixture(scope="session")
