@@ -1,13 +1,61 @@
-"""Shared fixtures: synthetic family checkpoints, each built once per test session."""
+"""Shared fixtures: synthetic family checkpoints, each built once per test session (per xdist worker).
+
+The default run is spread over two pytest-xdist workers (pyproject.toml: `-n 2 --dist loadgroup`): every
+test file is one unit of work, so its module-scoped fixtures are built once, except the docs tests
+(`tests/test_readme.py`), one unit per markdown file, scheduled first because they are the longest.
+"""
 
 from __future__ import annotations
 
+import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from fixtures.families import build
+
+def _threads() -> int:
+    """Torch threads per test process: the cores shared among the xdist workers, at most 2 (the models are tiny).
+
+    RECYCLE_TEST_THREADS overrides (to measure which split is faster)."""
+    if os.environ.get("RECYCLE_TEST_THREADS"):
+        return int(os.environ["RECYCLE_TEST_THREADS"])
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1)
+    return max(1, min(2, (os.cpu_count() or 1) // workers))
+
+
+# Subprocesses the tests start (the CLI, torchrun) inherit the same share.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", str(_threads()))
+
+from fixtures.families import build  # noqa: E402  (imports torch: after OMP_NUM_THREADS)
+
+
+ROOT = Path(__file__).resolve().parents[1]
+# The commands that take more than a few seconds on the fixtures: a docs file's count of them ranks its test.
+_EXPENSIVE = re.compile(r"^recycle (?:bench|distill|plan) |--calibrate ", re.M)
+
+
+def _docs_cost(item: pytest.Item) -> int | None:
+    """For a docs test (xdist group "docs:FILE"), how many expensive commands FILE holds; None for other tests."""
+    for mark in item.iter_markers("xdist_group"):
+        name = str(mark.args[0] if mark.args else "")
+        if name.startswith("docs:") and item.name.startswith("test_every_readme_command_runs"):
+            return len(_EXPENSIVE.findall((ROOT / name.removeprefix("docs:")).read_text(encoding="utf-8")))
+    return None
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under `--dist loadgroup`: one xdist group per test file (its module fixtures are built once) and one per
+    markdown file for the docs test. The docs units go first, the costliest first, so that the longest units
+    start early and the run does not end on one of them while the other worker idles."""
+    for item in items:
+        if not any(item.iter_markers("xdist_group")):
+            item.add_marker(pytest.mark.xdist_group(item.path.name))
+    costs = {id(item): _docs_cost(item) for item in items}
+    items.sort(key=lambda item: (costs[id(item)] is None, -(costs[id(item)] or 0)))
 
 
 @pytest.fixture(scope="session")
@@ -31,10 +79,10 @@ def family_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
 
 @pytest.fixture(autouse=True, scope="session")
 def _two_threads():
-    """The suite's models are tiny: more than two threads only adds contention on CI's 2 cores."""
+    """The suite's models are tiny: more threads than the worker's share of CI's 2 cores only add contention."""
     import torch
 
     old = torch.get_num_threads()
-    torch.set_num_threads(min(2, old))
+    torch.set_num_threads(min(_threads(), old))
     yield
     torch.set_num_threads(old)

@@ -7,7 +7,7 @@ prompt token ids, and returns one row per output: whether vLLM loads it, whether
 output equals its plain output and recycle's AR output, and both engines' k=1 acceptance counts.
 
 `tests/engines/test_vllm.py` asserts on the rows; `benchmarks/engine_interop.py` prints them as the
-README's interop table.
+interop table of docs/engines.md.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ class Row:
 
     @property
     def short_error(self) -> str:
-        """The engine's refusal, its first sentence (the README quotes it)."""
+        """The engine's refusal, its first sentence (docs/engines.md quotes it)."""
         return (self.error or "").split(". ")[0].split(" (")[0][:160]
 
     @property
@@ -64,7 +64,7 @@ class Row:
         return self.recycle_accepted / max(1, self.recycle_tried)
 
     def table_row(self) -> str:
-        """The README interop table's line for this output."""
+        """The interop table's line for this output (docs/engines.md)."""
         if not self.loads:
             return (f"| {self.fixture} | {self.method} | {self.output} | no: {self.short_error} | – | "
                     f"– vs {self.recycle_accepted}/{self.recycle_tried} (recycle alone) |")

@@ -31,7 +31,7 @@ def test_vllm_states_equal_transformers_at_every_position(family):
     windows = [list(range(100, 164)), list(range(300, 340))]
     import tempfile
 
-    if family in VLLM_NO_EXTRACTION:  # vLLM's refusal, recorded: the README says which targets harvest runs
+    if family in VLLM_NO_EXTRACTION:  # vLLM's refusal, recorded: docs/harvest.md says which targets harvest runs
         with tempfile.TemporaryDirectory() as tmp, pytest.raises(RecycleError, match=VLLM_NO_EXTRACTION[family]):
             run_job({"mode": "harvest", "target": str(d), "windows": windows, "layers": [2, n], "out_dir": tmp},
                     env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
