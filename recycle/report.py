@@ -516,6 +516,12 @@ def render_stitch(data: dict) -> None:
     if data["copies_from_target"]:
         out.print(f"[dim]{len(data['copies_from_target'])} embedding/head copies are the target's own "
                   f"({', '.join(sorted(set(data['copies_from_target'].values())))})[/dim]")
+    q = data.get("quantization")
+    if q:  # the target is quantized: say what the MTP weights were written as, and what that cost
+        how = (f"{q['requantized']} weights re-quantized into its blocks (max relative error {q['max_rel_error']:.1%})"
+               if q.get("requantized") else "the MTP weights kept as stored")
+        ignored = f"; {len(q['ignored_added'])} ignore entries added" if q.get("ignored_added") else ""
+        out.print(f"target quantization {q['target']}, --mtp-dtype {q['mtp_dtype']}: {how}{ignored}")
 
 
 def render_harvest(data: dict) -> None:
