@@ -55,6 +55,7 @@ from recycle.checkpoint import load_json
 from recycle.corpus import is_corpus_name
 from recycle.distill import state
 from recycle.distill.data import PackedStream, Position, data_source, heldout_batch, regenerate
+from recycle.distill.freeze import freeze, parse_groups
 from recycle.distill.losses import distill_loss, step_terms
 from recycle.distill.schedule import EVAL_KEY, Schedule, Step, eval_prompt_len
 from recycle.distill.teacher import Teacher, autocast
@@ -190,6 +191,7 @@ class Distiller:
         if o.loss is None:
             o.loss = LossConfig()
         o.validate()
+        o.freeze = parse_groups(",".join(o.freeze))
         src, tgt = Path(o.drafter).expanduser(), Path(o.target).expanduser()
         if not src.is_dir():
             raise RecycleError(f"{src}: no such drafter directory")
@@ -303,6 +305,7 @@ class Distiller:
             raise RecycleError(f"--seq-len {o.seq_len} is too short for {self.unroller.steps} draft steps")
         self.stream = PackedStream(self.source.train, self.tokenizer, o.seq_len, o.seed)
         self.stream.texts()  # read already (validation): the packing's cost is the first step's
+        self.frozen = freeze(model, tuple(o.freeze))  # after the format's own (embedding, head)
         params = self.unroller.trainable()
         self.opt = torch.optim.AdamW(params, lr=o.lr, betas=(0.9, 0.95), weight_decay=o.weight_decay,
                                      foreach=True)
@@ -571,6 +574,7 @@ class Distiller:
                      "seq_len": o.seq_len, "batch_per_rank": o.batch, "world_size": self.world, "seed": o.seed},
             "losses": {**asdict(o.loss), "draft_steps": self.unroller.steps, "objective":
                        "Σ_k decay^k/Z · (ce_weight·CE + kl_weight·KL(P_target ‖ P_draft) + feature_weight·SmoothL1)"},
+            "freeze": self.frozen,
             "optimizer": {"name": "AdamW", "lr": o.lr, "betas": [0.9, 0.95], "weight_decay": o.weight_decay,
                           "warmup": o.warmup, "schedule": "linear warm-up + cosine", "min_lr": o.min_lr, "clip": o.clip},
             "final": {"loss": last.get("loss"), "heldout_agreement_before": self.before,

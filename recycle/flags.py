@@ -154,6 +154,9 @@ CeWeight = Annotated[float, opt("--ce-weight", help="Weight of CE to the data la
 KlWeight = Annotated[float, opt("--kl-weight", help="β: weight of KL(P_target ‖ P_draft).")]
 FeatureWeight = Annotated[float, opt("--feature-weight", help="Smooth-L1 feature regression (EAGLE).")]
 StepDecay = Annotated[float, opt("--step-decay", help="Weight of draft step k ∝ decay^k.")]
+Freeze = Annotated[str | None, opt("--freeze", metavar="GROUP,...", help="Parameter groups that stay as they are: "
+                                  "experts, shared_experts, router, mlp, attention, norms, projection (e.g. --freeze experts: "
+                                  "DeepSeek-V3's drafter then trains 0.34B of its 11.6B parameters).")]
 Init = Annotated[str, opt("--init", help="The converted weights, or re-initialised (the same architecture).",
                           metavar="[recycled|scratch]")]
 CheckpointEvery = Annotated[int, opt("--checkpoint-every", help="Steps between checkpoints.")]

@@ -145,6 +145,7 @@ class DistillOptions(DataOptions):
     draft_steps: int | None = None
     loss: LossConfig | None = None  # None: the defaults
     init: str = "recycled"  # or "scratch"
+    freeze: tuple[str, ...] = ()  # parameter groups kept as they are (distill/freeze.py)
     checkpoint_every: int = 50
     eval_every: int = 25
     resume: bool = False

@@ -491,6 +491,10 @@ def render_distill(data: dict) -> None:
     t.add_column("value", justify="right")
     t.add_row("tokens (budget)", f"{fmt_count(data['tokens'])} ({fmt_count(data['budget_tokens'])})")
     t.add_row("steps", str(data["steps"]))
+    fr = data.get("freeze")
+    if fr and fr["groups"]:
+        t.add_row("trained parameters", f"{fmt_count(fr['trainable_params'])} of {fmt_count(fr['params'])} "
+                                        f"(frozen: {', '.join(fr['groups'])})")
     t.add_row("final loss", f"{data['final']['loss']:.4f}" if data["final"]["loss"] is not None else "-")
     before, after = data["final"]["heldout_agreement_before"], data["final"]["heldout_agreement_after"]
     t.add_row("held-out agreement by step", "  ".join(f"{b:.3f}→{a:.3f}" for b, a in zip(before, after)))

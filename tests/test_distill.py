@@ -215,6 +215,25 @@ def test_other_formats_train_and_keep_their_layout(converted: dict[str, Path], t
         assert torch.equal(a["lm_heads.2.weight"], b["2.1.weight"])
 
 
+def test_freeze_experts_leaves_their_bytes_and_trains_the_rest(converted: dict[str, Path], tmp_path: Path) -> None:
+    """--freeze experts: the routed experts are written back bit-identical (model.safetensors and the MTP overlay),
+    while attention, eh_proj, norms, router and shared expert train; the record counts both."""
+    src = converted["eagle"]
+    rec = distill(DistillOptions(drafter=str(src), target=str(FIXTURE), tokens=600, out=str(tmp_path / "o"),
+                                 freeze=("experts",), eval_every=1, **TINY))
+    out = Path(rec["out"])
+    fr = rec["freeze"]
+    assert fr["groups"] == ["experts"] and fr["frozen_params"]["experts"] > 0 and fr["trainable_params"] > 0
+    files = sorted(p.relative_to(src) for p in src.rglob("*.safetensors"))
+    assert len(files) >= 2  # model.safetensors and the engine layouts (mtp_overlay/, nextn/)
+    for name in files:
+        before, after = load_file(str(src / name)), load_file(str(out / name))
+        experts = [k for k in before if ".experts." in k and "shared" not in k]
+        assert experts and all(torch.equal(before[k], after[k]) for k in experts), name
+        moved = [k for k in before if "self_attn" in k and not torch.equal(before[k], after[k])]
+        assert moved, f"{name}: nothing outside the experts trained"
+
+
 def _cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "recycle.cli", "distill", *args]
 
@@ -274,7 +293,8 @@ def test_torchrun_two_ranks_on_cpu(converted: dict[str, Path], tmp_path: Path) -
 # -- bad input ----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("case", ["missing_drafter", "missing_target", "bad_tokens", "unwritable", "bad_init"])
+@pytest.mark.parametrize("case", ["missing_drafter", "missing_target", "bad_tokens", "unwritable", "bad_init",
+                                  "unknown_freeze", "absent_freeze"])
 def test_bad_inputs_exit_2_with_one_line(converted: dict[str, Path], tmp_path: Path, case: str) -> None:
     src = str(converted["medusa"])
     args = {
@@ -283,11 +303,16 @@ def test_bad_inputs_exit_2_with_one_line(converted: dict[str, Path], tmp_path: P
         "bad_tokens": [src, "--target", str(FIXTURE), "--tokens", "lots"],
         "unwritable": [src, "--target", str(FIXTURE), "--tokens", "1k", "-o", "/proc/recycle-out/x"],
         "bad_init": [src, "--target", str(FIXTURE), "--tokens", "1k", "--init", "warm", "-o", str(tmp_path / "o")],
+        "unknown_freeze": [src, "--target", str(FIXTURE), "--tokens", "1k", "--freeze", "everything", "-o",
+                           str(tmp_path / "o")],
+        "absent_freeze": [src, "--target", str(FIXTURE), "--tokens", "1k", "--freeze", "experts", "-o",
+                          str(tmp_path / "o")],  # Medusa heads have no experts
     }[case]
     res = runner.invoke(app, ["distill", *args])
     assert res.exit_code == 2, res.output
     lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("recycle: error:"), res.stderr
+    assert not (tmp_path / "o").exists() and not (tmp_path / "o.distill").exists()
 
 
 def test_existing_checkpoint_needs_resume_or_overwrite(converted: dict[str, Path], tmp_path: Path) -> None:

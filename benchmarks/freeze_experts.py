@@ -1,0 +1,93 @@
+"""What `distill --freeze experts` costs (issue 29): re-aligned acceptance with the routed experts frozen against
+training everything, at equal tokens, on the MoE fixtures.
+
+- DeepSeek: the base fixture's modules (`convert --to eagle`) re-aligned to the post-trained fixture (stale
+  modules: the case re-alignment exists for);
+- GLM-4.5: the fixture's own modules distilled against their own trunk on a domain neither was trained on
+  (`py:transformers`), the fine-tune case.
+
+Each drafter is measured by `recycle bench --tree chain:2` (greedy) on held-out `py:transformers` code prompts,
+against the target it was distilled for; the record gives trainable parameters, tokens/s and the held-out
+estimate. At DeepSeek-V3 scale freezing the experts takes the trainable count from 11.61B to 0.34B (see
+`recycle distill --plan`).
+
+    python benchmarks/freeze_experts.py --tokens 256k --threads 2 --json /tmp/freeze.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from recycle.bench import BenchOptions, run_bench, set_threads  # noqa: E402
+from recycle.converters.api import convert_checkpoint  # noqa: E402
+from recycle.distill.train import DistillOptions, distill, parse_tokens  # noqa: E402
+from recycle.prompts import code_prompts  # noqa: E402
+
+DOMAIN = "py:transformers"
+CASES = {  # name: (source of the modules, target)
+    "deepseek (post-trained target)": (ROOT / "fixtures/deepseek_v3_mtp", ROOT / "fixtures/deepseek_v3_mtp_posttrained"),
+    "glm-4.5 (new domain)": (ROOT / "fixtures/glm4_moe_mtp", ROOT / "fixtures/glm4_moe_mtp"),
+}
+
+
+def measure(drafter: Path, target: Path, prompts: list, tokens: int) -> dict:
+    r = run_bench(BenchOptions(drafter=str(drafter), target=str(target), prompts=prompts, max_new_tokens=tokens,
+                               tree="chain:2"))
+    o = r["overall"]
+    return {"tau": round(o["spec"]["tau"], 3), "acceptance": [round(a, 3) for a in o["spec"]["acceptance"]],
+            "greedy_match": o["greedy_match"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--work", default="/tmp/recycle-freeze")
+    ap.add_argument("--tokens", default="256k")
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    set_threads(a.threads)
+    work = Path(a.work)
+    work.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    tokens = parse_tokens(a.tokens)
+    prompts = [("code", p) for p in code_prompts(a.prompts, source=DOMAIN)]
+    rows = []
+    for i, (case, (source, target)) in enumerate(CASES.items()):
+        eagle = Path(convert_checkpoint(source, "eagle", work / f"eagle-{i}", overwrite=True)["out"])
+        rows.append({"case": case, "freeze": "-", "tokens": 0, **measure(eagle, target, prompts, a.max_new_tokens)})
+        print(json.dumps(rows[-1]), flush=True)
+        for freeze in ((), ("experts",)):
+            rec = distill(DistillOptions(drafter=str(eagle), target=str(target), tokens=tokens, data=DOMAIN,
+                                         out=str(work / f"d-{i}-{'-'.join(freeze) or 'all'}"), overwrite=True,
+                                         threads=a.threads, freeze=freeze))
+            rows.append({"case": case, "freeze": ",".join(freeze) or "nothing", "tokens": rec["tokens"],
+                         "trainable_params": rec["freeze"]["trainable_params"], "params": rec["freeze"]["params"],
+                         "tokens_per_s": round(rec["tokens_per_s"]), "train_s": round(rec["train_s"]),
+                         "estimate": [rec["final"]["heldout_estimate_before"], rec["final"]["heldout_estimate_after"]],
+                         **measure(Path(rec["out"]), target, prompts, a.max_new_tokens)})
+            print(json.dumps(rows[-1]), flush=True)
+    result = {"tokens": tokens, "prompts": a.prompts, "max_new_tokens": a.max_new_tokens, "domain": DOMAIN,
+              "rows": rows, "seconds": round(time.perf_counter() - t0)}
+    if a.json:
+        Path(a.json).write_text(json.dumps(result, indent=1))
+    print("| case | frozen | tokens | trained params | tokens/s | held-out estimate | α1 | α2 | τ (chain:2) | greedy = AR |")
+    print("|---|---|---:|---:|---:|---|---:|---:|---:|---|")
+    for r in rows:
+        acc = r["acceptance"] + [0.0] * (2 - len(r["acceptance"]))
+        est = f"{r['estimate'][0]:.3f} → {r['estimate'][1]:.3f}" if "estimate" in r else "-"
+        params = f"{r['trainable_params']:,} of {r['params']:,}" if "params" in r else "-"
+        print(f"| {r['case']} | {r['freeze']} | {r['tokens']:,} | {params} | {r.get('tokens_per_s', '-')} | {est} | "
+              f"{acc[0]:.3f} | {acc[1]:.3f} | {r['tau']:.3f} | {r['greedy_match']} |")
+
+
+if __name__ == "__main__":
+    main()
