@@ -43,7 +43,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -267,6 +267,11 @@ class Distiller:
             torch.set_num_threads(o.threads)
         self.device = _device(o.device, self.rank)
         self.precision = o.precision or default_precision(self.device)
+        if self.device.type == "cuda":  # refuse at once, with the advice, what the device cannot hold
+            from recycle.distill.memory import check, for_options
+
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            check(for_options(replace(o, precision=self.precision), self.world, device_bytes=total))
         with self._phase("loading the drafter"), quiet_transformers():
             model = load_drafter(o.drafter, dtype=torch.float32)
         aux = self.fmt.reads(self.drafter_config, self.target_config).aux_layers

@@ -296,7 +296,7 @@ def push(
 def distill(
     drafter: f.DistillDrafterArg,
     target: f.Target = None,
-    tokens: f.Tokens = ...,
+    tokens: f.Tokens = None,
     data: f.Data = None,
     self_distill: f.SelfDistill = False,
     prompt_len: f.PromptLen = 64,
@@ -323,6 +323,9 @@ def distill(
     seed: f.Seed = 0,
     threads: f.Threads = None,
     overwrite: f.DistillOverwrite = False,
+    memory_plan: f.MemoryPlan = False,
+    world_size: f.WorldSize = None,
+    gpu: f.TrainGpu = None,
     json_out: f.Json = False,
 ) -> None:
     """Distill a drafter against its frozen target to an exact token budget; writes the same format.
@@ -332,14 +335,17 @@ def distill(
     best held-out snapshot is written (never one worse than the input).
 
     Example: `recycle distill /tmp/ds-eagle --target fixtures/deepseek_v3_mtp --tokens 64k -o /tmp/ds-eagle-64k`
+    Memory first: `recycle distill SOURCE_OR_DRAFTER --target T --plan --gpu H100 --world-size 8 --freeze experts`
     """
     from recycle.options import DistillOptions, LossConfig
     from recycle.preflight import parse_tokens
 
     if target is None:
         raise RecycleError("--target TARGET_DIR: the model to distill against")
+    if tokens is None and not memory_plan:
+        raise RecycleError("--tokens N: the budget in target tokens is required (e.g. --tokens 1M)")
     opts = DistillOptions(
-        drafter=str(drafter), target=str(target), tokens=parse_tokens(tokens),
+        drafter=str(drafter), target=str(target), tokens=parse_tokens(tokens or "1"),
         out=f.output_path(f.renamed(output, old_output, "-o/--output", "--out"), drafter, "distilled"), data=data,
         self_distill=self_distill, prompt_len=prompt_len, sd_temperature=sd_temperature, seq_len=seq_len, batch=batch,
         lr=lr, draft_steps=draft_steps, loss=LossConfig(ce_weight, kl_weight, feature_weight, step_decay), init=init,
@@ -347,6 +353,13 @@ def distill(
         checkpoint_every=checkpoint_every, eval_every=eval_every, resume=resume,
         cache_hidden=str(cache_hidden) if cache_hidden else None, device=device, precision=precision, seed=seed,
         threads=threads, overwrite=overwrite, online=online)
+    if memory_plan:
+        from recycle.distill.memory import check, for_options
+        from recycle.report import render_memory
+
+        p = for_options(opts, world_size or int(os.environ.get("WORLD_SIZE", "1")), gpu)
+        print_json(p.as_dict()) if json_out else render_memory(p.as_dict())
+        return check(p)  # a plan that does not fit: its advice, exit 2
     opts.validate()
     from recycle.distill.train import distill as run
     from recycle.report import DISTILL_COLUMNS, Reporter, distill_progress, render_distill

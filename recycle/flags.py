@@ -154,6 +154,12 @@ CeWeight = Annotated[float, opt("--ce-weight", help="Weight of CE to the data la
 KlWeight = Annotated[float, opt("--kl-weight", help="β: weight of KL(P_target ‖ P_draft).")]
 FeatureWeight = Annotated[float, opt("--feature-weight", help="Smooth-L1 feature regression (EAGLE).")]
 StepDecay = Annotated[float, opt("--step-decay", help="Weight of draft step k ∝ decay^k.")]
+MemoryPlan = Annotated[bool, opt("--plan", help="Print the per-rank memory by part (weights, grads, optimizer, "
+                                 "teacher, activations) from the configs alone, and whether it fits --gpu; loads and "
+                                 "trains nothing (--tokens not needed).")]
+WorldSize = Annotated[int | None, opt("--world-size", min=1, help="With --plan: the ranks to plan for (default: "
+                                      "WORLD_SIZE, else 1).")]
+TrainGpu = Annotated[str | None, opt("--gpu", help="With --plan: the GPU to fit (H100, H200, A100, L40S, ...).")]
 Freeze = Annotated[str | None, opt("--freeze", metavar="GROUP,...", help="Parameter groups that stay as they are: "
                                   "experts, shared_experts, router, mlp, attention, norms, projection (e.g. --freeze experts: "
                                   "DeepSeek-V3's drafter then trains 0.34B of its 11.6B parameters).")]

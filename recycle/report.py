@@ -514,6 +514,34 @@ def render_distill(data: dict) -> None:
               "once the output is whole[/dim]")
 
 
+MEMORY_PARTS = {"weights": "drafter weights (fp32, frozen included)", "grads": "gradients (fp32)",
+                "optimizer": "AdamW moments (fp32)", "allreduce_buffer": "all-reduce buffer (several ranks)",
+                "teacher": "teacher (the target in process; a harvested cache: embedding + head)",
+                "activations_features": "activations: the teacher's features",
+                "activations_blocks": "activations: decoder layers, every draft step",
+                "activations_expert_copies": "activations: bf16 expert copies, every draft step",
+                "activations_loss": "activations: vocabulary-wide loss tensors"}
+
+
+def render_memory(data: dict) -> None:
+    o = data["options"]
+    t = table(f"distill memory plan, per rank: batch {o['batch']} × seq-len {o['seq_len']}, {o['draft_steps']} draft "
+              f"steps, {o['world_size']} rank(s), {o['precision']}, teacher {o['teacher']}"
+              + (f", frozen: {', '.join(o['freeze'])}" if o["freeze"] else ""))
+    t.add_column("part")
+    t.add_column("bytes", justify="right")
+    for key, value in data["parts"].items():
+        if value:
+            t.add_row(MEMORY_PARTS.get(key, key), fmt_bytes(value))
+    t.add_row("[bold]total per rank[/bold]", f"[bold]{fmt_bytes(data['per_rank_bytes'])}[/bold]")
+    out.print(t)
+    out.print(f"drafter {fmt_count(data['params'])} parameters, {fmt_count(data['trainable_params'])} trained; "
+              f"target {fmt_count(data['target_params'])}; every rank holds the whole drafter (not sharded)")
+    if data["fits"] is not None:
+        out.print(f"{'fits' if data['fits'] else 'does not fit'} the {data['device']} "
+                  f"({fmt_bytes(data['device_bytes'])})")
+
+
 def render_stitch(data: dict) -> None:
     out.print(f"stitched {data['overlay_tensors']} MTP tensors into [bold]{data['out']}[/bold] "
               f"({len(data['linked'])} shard(s) linked, {len(data['rewritten'])} rewritten, +{data['file']})")

@@ -3,6 +3,8 @@ provenance, resume after SIGKILL, torchrun data parallelism, and bad-input exits
 
 from __future__ import annotations
 
+import collections
+
 import json
 import os
 import signal
@@ -232,6 +234,46 @@ def test_freeze_experts_leaves_their_bytes_and_trains_the_rest(converted: dict[s
         assert experts and all(torch.equal(before[k], after[k]) for k in experts), name
         moved = [k for k in before if "self_attn" in k and not torch.equal(before[k], after[k])]
         assert moved, f"{name}: nothing outside the experts trained"
+
+
+def test_memory_plan_counts_what_a_run_holds(converted: dict[str, Path], tmp_path: Path) -> None:
+    """distill --plan's exact parts (weights, grads, AdamW state, teacher) are the bytes a real run holds after a
+    step, with and without frozen experts; its activation parts are estimates and only have to be there."""
+    from recycle.distill.memory import for_options
+    from recycle.distill.train import Distiller
+
+    for groups in ((), ("experts",)):
+        opts = DistillOptions(drafter=str(converted["eagle"]), target=str(FIXTURE), tokens=200,
+                              out=str(tmp_path / f"o{len(groups)}"), freeze=groups, precision="fp32", **TINY)
+        run = Distiller(opts)
+        run._validate()
+        run._build()
+        run.step, run.tokens, run.timing = 0, 0, collections.defaultdict(float)  # what run() starts with
+        run.train_step(run.schedule.step(0))
+        plan = for_options(opts)
+        nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
+        assert plan.parts["weights"] == nbytes(run.model.parameters())
+        assert plan.parts["grads"] == nbytes(p.grad for p in run.model.parameters() if p.grad is not None)
+        assert plan.parts["optimizer"] == nbytes(t for s in run.opt.state.values() for t in s.values()
+                                                 if torch.is_tensor(t) and t.dim() > 0)
+        assert plan.parts["teacher"] == nbytes(run.teacher.model.parameters())
+        assert all(plan.parts[k] > 0 for k in ("activations_blocks", "activations_loss", "activations_features"))
+        run.discard_state()
+
+
+def test_plan_cli_fits_or_refuses_with_advice(converted: dict[str, Path], tmp_path: Path) -> None:
+    """--plan needs no --tokens and writes nothing; a plan over the named GPU is one line of advice and exit 2."""
+    src = str(converted["eagle"])
+    res = runner.invoke(app, ["distill", src, "--target", str(FIXTURE), "--plan", "--gpu", "H100", "--json"])
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.stdout)
+    assert data["fits"] is True and data["per_rank_bytes"] == sum(data["parts"].values())
+    big = ROOT / "benchmarks" / "configs" / "deepseek_v3"  # DeepSeek-V3's real config: no weights needed
+    res = runner.invoke(app, ["distill", str(big), "--target", str(big), "--plan", "--gpu", "H100", "--world-size", "8",
+                              "--batch", "8", "--seq-len", "2048", "-o", str(tmp_path / "o")])
+    assert res.exit_code == 2 and "recycle harvest" in res.stderr and "--freeze experts" in res.stderr, res.output
+    assert len([ln for ln in res.stderr.splitlines() if ln.strip()]) == 1
+    assert not any(tmp_path.iterdir())
 
 
 def _cli(*args: str) -> list[str]:
