@@ -25,7 +25,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from recycle.bench import BenchOptions, run_bench, set_threads  # noqa: E402
+from benchmarks.quantized_drafters import chain2  # noqa: E402
+from recycle.bench import set_threads  # noqa: E402
 from recycle.converters.api import convert_checkpoint  # noqa: E402
 from recycle.distill.train import DistillOptions, distill, parse_tokens  # noqa: E402
 from recycle.prompts import code_prompts  # noqa: E402
@@ -35,14 +36,6 @@ CASES = {  # name: (source of the modules, target)
     "deepseek (post-trained target)": (ROOT / "fixtures/deepseek_v3_mtp", ROOT / "fixtures/deepseek_v3_mtp_posttrained"),
     "glm-4.5 (new domain)": (ROOT / "fixtures/glm4_moe_mtp", ROOT / "fixtures/glm4_moe_mtp"),
 }
-
-
-def measure(drafter: Path, target: Path, prompts: list, tokens: int) -> dict:
-    r = run_bench(BenchOptions(drafter=str(drafter), target=str(target), prompts=prompts, max_new_tokens=tokens,
-                               tree="chain:2"))
-    o = r["overall"]
-    return {"tau": round(o["spec"]["tau"], 3), "acceptance": [round(a, 3) for a in o["spec"]["acceptance"]],
-            "greedy_match": o["greedy_match"]}
 
 
 def main() -> None:
@@ -63,7 +56,7 @@ def main() -> None:
     rows = []
     for i, (case, (source, target)) in enumerate(CASES.items()):
         eagle = Path(convert_checkpoint(source, "eagle", work / f"eagle-{i}", overwrite=True)["out"])
-        rows.append({"case": case, "freeze": "-", "tokens": 0, **measure(eagle, target, prompts, a.max_new_tokens)})
+        rows.append({"case": case, "freeze": "-", "tokens": 0, **chain2(target, prompts, a.max_new_tokens, eagle)})
         print(json.dumps(rows[-1]), flush=True)
         for freeze in ((), ("experts",)):
             rec = distill(DistillOptions(drafter=str(eagle), target=str(target), tokens=tokens, data=DOMAIN,
@@ -73,7 +66,7 @@ def main() -> None:
                          "trainable_params": rec["freeze"]["trainable_params"], "params": rec["freeze"]["params"],
                          "tokens_per_s": round(rec["tokens_per_s"]), "train_s": round(rec["train_s"]),
                          "estimate": [rec["final"]["heldout_estimate_before"], rec["final"]["heldout_estimate_after"]],
-                         **measure(Path(rec["out"]), target, prompts, a.max_new_tokens)})
+                         **chain2(target, prompts, a.max_new_tokens, Path(rec["out"]))})
             print(json.dumps(rows[-1]), flush=True)
     result = {"tokens": tokens, "prompts": a.prompts, "max_new_tokens": a.max_new_tokens, "domain": DOMAIN,
               "rows": rows, "seconds": round(time.perf_counter() - t0)}

@@ -36,9 +36,10 @@ BASE, POST = ROOT / "fixtures/deepseek_v3_mtp", ROOT / "fixtures/deepseek_v3_mtp
 DOMAIN = "py:transformers"
 
 
-def native(target: Path, prompts: list, tokens: int) -> dict:
-    r = run_bench(BenchOptions(drafter=None, native=True, target=str(target), prompts=prompts, max_new_tokens=tokens,
-                               tree="chain:2"))
+def chain2(target: Path, prompts: list, tokens: int, drafter: Path | None = None) -> dict:
+    """`recycle bench --tree chain:2` (greedy) of a drafter, or of the target's own MTP modules: τ, α, losslessness."""
+    r = run_bench(BenchOptions(drafter=str(drafter) if drafter else None, native=drafter is None, target=str(target),
+                               prompts=prompts, max_new_tokens=tokens, tree="chain:2"))
     o = r["overall"]
     return {"tau": round(o["spec"]["tau"], 3), "acceptance": [round(a, 3) for a in o["spec"]["acceptance"]],
             "greedy_match": o["greedy_match"]}
@@ -64,7 +65,7 @@ def main() -> None:
     rows: list[dict] = []
 
     def row(target: str, drafter: str, teacher: str | None, mtp: str, directory: Path) -> None:
-        r = native(directory, prompts, a.max_new_tokens)
+        r = chain2(directory, prompts, a.max_new_tokens)
         rows.append({"target": target, "drafter": drafter, "teacher": teacher, "mtp_weights": mtp, **r})
         print(json.dumps(rows[-1]), flush=True)
 

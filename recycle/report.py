@@ -338,11 +338,7 @@ def render_bench(data: dict) -> None:
     """Rich report: configuration, per-prompt rows, the overall comparison and the HF peers."""
     o = data["overall"]
     ar, sp, pr = o["ar"], o["spec"], o["predicted"]
-    head = Table.grid(padding=(0, 2))
-    head.add_column(style="bold")
-    head.add_column()
-    head.add_row("target", data["target"])
-    head.add_row("drafter", f"{data['drafter'] or '(the target’s own MTP modules)'}  [dim]{data['tree']}[/dim]")
+    head = _header(data, data["tree"])
     head.add_row("decoding", f"{'greedy' if data['temperature'] <= 0 else 'sampling T=' + str(data['temperature'])}, "
                  f"≤{data['max_new_tokens']} new tokens, {len(data['prompts'])} prompts, {data['device']} "
                  f"{data['dtype']}, {data['threads']} thread(s)")
@@ -402,14 +398,20 @@ def render_bench(data: dict) -> None:
     if data.get("saved"):
         out.print(f"report saved to [bold]{data['saved']}[/bold] (`recycle push` puts it in the model card)")
 
-def render_plan(data: dict) -> None:
-    """Rich report: per prompt set the candidates (predicted and, where run, measured) and the pick;
-    then the roofline per GPU: the best shape per batch size and each shape's crossover batch."""
+def _header(data: dict, what: str) -> Table:
+    """The key/value grid above bench's and plan's tables, opening with the target and the drafter."""
     head = Table.grid(padding=(0, 2))
     head.add_column(style="bold")
     head.add_column()
     head.add_row("target", data["target"])
-    head.add_row("drafter", f"{data['drafter'] or '(the target’s own MTP modules)'}  [dim]{data['drafter_kind']}[/dim]")
+    head.add_row("drafter", f"{data['drafter'] or '(the target’s own MTP modules)'}  [dim]{what}[/dim]")
+    return head
+
+
+def render_plan(data: dict) -> None:
+    """Rich report: per prompt set the candidates (predicted and, where run, measured) and the pick;
+    then the roofline per GPU: the best shape per batch size and each shape's crossover batch."""
+    head = _header(data, data["drafter_kind"])
     head.add_row("measured on", f"{data['device']} {data['dtype']}, {data['threads']} thread(s), "
                  f"≤{data['max_new_tokens']} new tokens, verify cost at context {data['context_measured']}")
     vs = data["verify_s"]
