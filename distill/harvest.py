@@ -17,6 +17,7 @@ reader) is applied here. Measured against transformers on the fixture: ≤ 2.5e-
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -363,6 +364,9 @@ class OnlineHarvest:
             time.sleep(self.POLL_S)
         files = json.loads(done.read_text())["files"]
         self.job.store(self.dir / f"{key}.safetensors", ids, files)
-        present = self._present()
-        self.max_present = max(self.max_present, len(present))
-        self.max_bytes = max(self.max_bytes, sum(p.stat().st_size for p in present))
+        sizes = []
+        for p in self._present():  # the consumer deletes what it read at any moment: a file gone since the listing
+            with contextlib.suppress(FileNotFoundError):  # no longer counts
+                sizes.append(p.stat().st_size)
+        self.max_present = max(self.max_present, len(sizes))
+        self.max_bytes = max(self.max_bytes, sum(sizes))
