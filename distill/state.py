@@ -1,10 +1,11 @@
 """A distillation's resumable state: what a checkpoint holds, how it is written and read back, and the metrics log.
 
 A checkpoint holds everything a bit-exact continuation needs (drafter, optimizer, scheduler, step, tokens,
-data position, RNG states, the best snapshot so far) as tensors and plain containers only, so it loads with
+data position, RNG states, which snapshot is the best so far) as tensors and plain containers only, so it loads with
 `torch.load(weights_only=True)`: a planted pickle cannot run code. It is written to a temp file, fsynced and
 renamed, so a kill mid-write leaves the previous one. The run's state directory (`OUT.distill/`) holds it and
-`metrics.jsonl`, one row per step; a resumed run cuts the log back to the checkpoint's step.
+`metrics.jsonl`, one row per step, and the best snapshot's trained weights (`best-STEP.safetensors`); a resumed
+run cuts the log back to the checkpoint's step.
 """
 
 from __future__ import annotations
@@ -58,6 +59,37 @@ def atomic_save(obj: dict, path: Path) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def best_path(state_dir: Path, step: int) -> Path:
+    return state_dir / f"best-{step:08d}.safetensors"
+
+
+def save_best(state_dir: Path, step: int, tensors: dict[str, torch.Tensor]) -> None:
+    """The best snapshot's trained weights on disk (not in RAM: at DeepSeek-V3 scale a host copy is 46 GB), written
+    atomically; frozen weights are never saved, they are still the model's."""
+    from safetensors.torch import save_file
+
+    path = best_path(state_dir, step)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    save_file({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, str(tmp))
+    os.replace(tmp, path)
+
+
+def load_best(state_dir: Path, step: int) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    path = best_path(state_dir, step)
+    if not path.is_file():
+        raise RecycleError(f"{path}: the best snapshot is missing from the state directory (resume with --overwrite)")
+    return load_file(str(path))
+
+
+def prune_best(state_dir: Path, keep: set[int]) -> None:
+    """Remove best snapshots other than `keep` (the current best, and the one the last checkpoint names)."""
+    for p in state_dir.glob("best-*.safetensors"):
+        if int(p.stem.split("-")[1]) not in keep:
+            p.unlink(missing_ok=True)
 
 
 def save_checkpoint(state_dir: Path, state: dict, fp: dict) -> None:

@@ -226,6 +226,7 @@ class Distiller:
                                        "pass --resume to continue it or --overwrite to start over")
                 (self.state_dir / state.CHECKPOINT).unlink()
                 (self.state_dir / state.METRICS).unlink(missing_ok=True)
+                state.prune_best(self.state_dir, set())
         if o.resume and self.is_main:  # a resumable checkpoint: readable, safe, same options; before any model loads
             state.load_checkpoint(self.state_dir, torch.device("cpu"), state.fingerprint(o, self.world), mmap=True)
         rows = o.batch * self.world
@@ -338,6 +339,8 @@ class Distiller:
             "timing": dict(self.timing), "wall_s": self.wall_before + time.perf_counter() - self.t_start,
             "before": self.before, "history": self.history[-1] if self.history else None, "best": self.best,
         }, state.fingerprint(self.opts, self.world))
+        self.checkpointed_best = self.best["step"]
+        state.prune_best(self.state_dir, {self.best["step"]})
 
     def _restore(self) -> bool:
         saved = state.load_checkpoint(self.state_dir, self.device, state.fingerprint(self.opts, self.world))
@@ -353,6 +356,7 @@ class Distiller:
         self.wall_before = float(saved["wall_s"])
         self.before = saved["before"]
         self.best = saved["best"]
+        self.checkpointed_best = self.best["step"]
         if self.is_main:
             state.truncate_metrics(self.state_dir, self.step)
         if self.log:
@@ -363,8 +367,11 @@ class Distiller:
         """Keep the current weights if their held-out estimate beats the best so far (the input counts)."""
         score = expected_length(agree)
         if self.best is None or score > self.best["estimate"]:
-            self.best = {"estimate": score, "agree": list(agree), "step": self.step, "tokens": self.tokens,
-                         "state": {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}}
+            self.best = {"estimate": score, "agree": list(agree), "step": self.step, "tokens": self.tokens}
+            if self.is_main:  # only rank 0 writes the output; the trained weights go to disk, not RAM
+                state.save_best(self.state_dir, self.step,
+                                {n: p for n, p in self.model.named_parameters() if p.requires_grad})
+                state.prune_best(self.state_dir, {self.step, self.checkpointed_best})
 
     # -- steps ------------------------------------------------------------------------------------
 
@@ -467,6 +474,7 @@ class Distiller:
                        "log_s": 0.0}
         self.history: list[dict] = []
         self.best: dict | None = None
+        self.checkpointed_best = -1  # the step of the best snapshot the last checkpoint names (kept on disk)
         self.t_start = time.perf_counter()
         resumed = o.resume and self._restore()
         if self.producer is not None:
@@ -483,11 +491,12 @@ class Distiller:
         final = self.agreement()
         self._consider(final)
         if self.is_main and self.best["step"] != self.step:  # rank 0 evaluates, chooses and writes
-            self.model.load_state_dict(self.best["state"])
+            self.model.load_state_dict(state.load_best(self.state_dir, self.best["step"]), strict=False)
         record = self._record(last, final, train, resumed)
         if self.is_main:
             self._write(record)
             (self.state_dir / state.CHECKPOINT).unlink(missing_ok=True)
+            state.prune_best(self.state_dir, set())
         record["wall_s"] = round(time.perf_counter() - self.t_command, 3)  # the command's, setup included
         if self.world > 1:
             dist.barrier()

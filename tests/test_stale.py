@@ -151,6 +151,7 @@ def test_a_distillation_never_writes_a_worse_drafter(base_eagle: Path, tmp_path:
     assert rec["final"]["heldout_estimate_after"] == rec["final"]["heldout_estimate_before"]
     a, b = load_file(str(base_eagle / "model.safetensors")), load_file(str(tmp_path / "o" / "model.safetensors"))
     assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not list((tmp_path / "o.distill").glob("best-*"))  # the best snapshot lived on disk until the output was whole
 
 
 def test_heldout_comes_from_the_tail_of_data(tmp_path: Path) -> None:
