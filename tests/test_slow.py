@@ -51,7 +51,7 @@ def test_stale_recycling_experiment_runs(tmp_path: Path) -> None:
 
 
 def test_deeper_than_stored_runs(tmp_path: Path) -> None:
-    out = _run("benchmarks/deeper_than_stored.py", "--cases", "aligned", "--tokens", "aligned=1k", "--chains", "3",
+    out = _run("benchmarks/deeper_than_stored.py", "--cases", "aligned", "--tokens", "aligned=4k", "--chains", "3",
                "--prompts", "1", "--max-new-tokens", "8", "--repeats", "1", "--work", str(tmp_path), "--json",
                str(tmp_path / "d.json"))
     rows = json.loads((tmp_path / "d.json").read_text())["cases"]["aligned"]["rows"]
@@ -59,7 +59,7 @@ def test_deeper_than_stored_runs(tmp_path: Path) -> None:
 
 
 def test_aligned_headroom_runs(tmp_path: Path) -> None:
-    out = _run("benchmarks/aligned_headroom.py", "--tokens", "1k", "--variants", "default,kl only", "--prompts", "1",
+    out = _run("benchmarks/aligned_headroom.py", "--tokens", "4k", "--variants", "default,kl only", "--prompts", "1",
                "--max-new-tokens", "8", "--work", str(tmp_path), "--json", str(tmp_path / "h.json"))
     assert set(json.loads((tmp_path / "h.json").read_text())["runs"]) == {"default", "kl only"} and "| kl only |" in out
 
