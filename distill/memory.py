@@ -137,7 +137,7 @@ def _block_activations(c, rows: int) -> int:
 
 def plan(drafter: str | Path, target: str | Path, *, batch: int, seq_len: int, draft_steps: int | None,
          world: int = 1, precision: str = "fp32", cached_teacher: bool = False, groups: tuple[str, ...] = (),
-         gpu: str | None = None, device_bytes: int | None = None) -> MemoryPlan:
+         gpu: str | None = None, device_bytes: int | None = None, micro_batch: int | None = None) -> MemoryPlan:
     """The per-rank memory of `recycle distill` with these options (see the module's docstring). `gpu` names a
     device of `recycle.hardware`'s table to fit (its memory); `device_bytes` gives the memory directly."""
     from recycle.hardware import gpu as find_gpu
@@ -152,7 +152,7 @@ def plan(drafter: str | Path, target: str | Path, *, batch: int, seq_len: int, d
     trunk, io = _target_params(Path(target).expanduser())
     steps = draft_steps or 3
     act_bytes = 2 if precision == "bf16" else 4
-    rows = batch * seq_len
+    rows = min(micro_batch or batch, batch) * seq_len  # what one forward/backward holds
     vocab, hidden = config.vocab_size, config.hidden_size
     expert_params = sum(p.numel() for n, p in model.named_parameters() if ".mlp.experts." in n)
     if rows > CHUNK_ROWS:  # one chunk of drafter + teacher logits, softmaxes and the logits' grad at a time
@@ -176,7 +176,8 @@ def plan(drafter: str | Path, target: str | Path, *, batch: int, seq_len: int, d
         budget, device = int(g.memory_gb * GB), g.key
     return MemoryPlan(parts, params, trainable, trunk, {
         "batch": batch, "seq_len": seq_len, "draft_steps": steps, "world_size": world, "precision": precision,
-        "teacher": "harvested cache" if cached_teacher else "in process", "freeze": list(groups)}, budget, device)
+        "teacher": "harvested cache" if cached_teacher else "in process", "freeze": list(groups),
+        "micro_batch": micro_batch}, budget, device)
 
 
 def advice(p: MemoryPlan) -> str:
@@ -189,8 +190,9 @@ def advice(p: MemoryPlan) -> str:
         tips.append("a harvested teacher (recycle harvest, then --cache-hidden)")
     if o["world_size"] > 1:
         tips.append("note: more ranks do not shrink it (the drafter is replicated; FSDP2 sharding is not built yet)")
-    if o["batch"] > 1:
-        tips.append(f"--batch {max(1, o['batch'] // 2)}")
+    rows = min(o["micro_batch"] or o["batch"], o["batch"])
+    if rows > 1:
+        tips.append(f"--micro-batch {max(1, rows // 2)} (the same step, accumulated)")
     return "; ".join(tips) or "a larger device"
 
 
@@ -208,7 +210,7 @@ def for_options(opts, world: int = 1, gpu: str | None = None, device_bytes: int 
     return plan(opts.drafter, opts.target, batch=opts.batch, seq_len=opts.seq_len, draft_steps=opts.draft_steps,
                 world=world, precision=precision, cached_teacher=bool(opts.cache_hidden),
                 groups=parse_groups(",".join(opts.freeze)),
-                gpu=gpu, device_bytes=device_bytes)
+                gpu=gpu, device_bytes=device_bytes, micro_batch=opts.micro_batch)
 
 
 __all__ = ["MemoryPlan", "plan", "advice", "check", "for_options"]

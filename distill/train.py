@@ -118,6 +118,14 @@ def _dist() -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
+def _accumulate(info: dict | None, terms: dict, share: float) -> dict:
+    """Per-step CE, KL and agreement of a micro-batch's slices, weighted by their share of its rows."""
+    scaled = {k: [v * share for v in vs] for k, vs in terms.items()}
+    if info is None:
+        return scaled
+    return {k: [a + b for a, b in zip(info[k], scaled[k])] for k in info}
+
+
 def lr_lambda(total_steps: int, warmup: float, min_lr: float) -> Callable[[int], float]:
     warm = max(1, int(round(total_steps * warmup))) if warmup > 0 else 0
 
@@ -394,14 +402,23 @@ class Distiller:
         self.timing["teacher_s"] += t1 - t0
         if self.unroller.positions(ids.shape[1]) < 1:
             return 0.0, None
-        with autocast(self.device, self.precision):
-            steps = self.unroller.unroll(ids, te.last, te.aux, te.logits,
-                                         with_features=bool(self.opts.loss.feature_weight), kv=te.kv)
-            loss, info = distill_loss(steps, self.opts.loss)
-        (loss * weight).backward()
+        rows = ids.shape[0]
+        size = min(self.opts.micro_batch or rows, rows)
+        total, info = 0.0, None
+        for lo in range(0, rows, size):  # --micro-batch: the gradient accumulates over slices of the rows
+            part = slice(lo, lo + size)
+            share = weight * (min(rows, lo + size) - lo) / rows  # equal lengths: rows weigh as their anchors do
+            kv = {k: (a[part], b[part]) for k, (a, b) in te.kv.items()} if te.kv else None
+            with autocast(self.device, self.precision):
+                steps = self.unroller.unroll(ids[part], te.last[part], te.aux[part] if te.aux is not None else None,
+                                             te.logits, with_features=bool(self.opts.loss.feature_weight), kv=kv)
+                loss, terms = distill_loss(steps, self.opts.loss)
+            (loss * share).backward()
+            total += float(loss.detach()) * share
+            info = _accumulate(info, terms, share / weight if weight else 1.0)
         self._sync()
         self.timing["drafter_s"] += time.perf_counter() - t1
-        return float(loss.detach()) * weight, info
+        return total, info
 
     def _sync(self) -> None:
         if self.device.type == "cuda":

@@ -157,9 +157,11 @@ StepDecay = Annotated[float, opt("--step-decay", help="Weight of draft step k âˆ
 MemoryPlan = Annotated[bool, opt("--plan", help="Print the per-rank memory by part (weights, grads, optimizer, "
                                  "teacher, activations) from the configs alone, and whether it fits --gpu; loads and "
                                  "trains nothing (--tokens not needed).")]
-WorldSize = Annotated[int | None, opt("--world-size", min=1, help="With --plan: the ranks to plan for (default: "
+WorldSize = Annotated[int | None, opt("--world-size", help="With --plan: the ranks to plan for (default: "
                                       "WORLD_SIZE, else 1).")]
 TrainGpu = Annotated[str | None, opt("--gpu", help="With --plan: the GPU to fit (H100, H200, A100, L40S, ...).")]
+MicroBatch = Annotated[int | None, opt("--micro-batch", help="Rows per forward/backward; the step's "
+                                      "gradient accumulates over them, so --batch is the step and memory follows this.")]
 Freeze = Annotated[str | None, opt("--freeze", metavar="GROUP,...", help="Parameter groups that stay as they are: "
                                   "experts, shared_experts, router, mlp, attention, norms, projection (e.g. --freeze experts: "
                                   "DeepSeek-V3's drafter then trains 0.34B of its 11.6B parameters).")]

@@ -146,6 +146,7 @@ class DistillOptions(DataOptions):
     loss: LossConfig | None = None  # None: the defaults
     init: str = "recycled"  # or "scratch"
     freeze: tuple[str, ...] = ()  # parameter groups kept as they are (distill/freeze.py)
+    micro_batch: int | None = None  # rows per forward/backward; the step's gradient accumulates over them
     checkpoint_every: int = 50
     eval_every: int = 25
     resume: bool = False
@@ -167,7 +168,8 @@ class DistillOptions(DataOptions):
         _choice(self.precision, PRECISIONS, "--precision")
         _device_name(self.device)
         _at_least((("--checkpoint-every", self.checkpoint_every, 1), ("--eval-every", self.eval_every, 1),
-                   ("--draft-steps", self.draft_steps, 1), ("--threads", self.threads, 1)))
+                   ("--draft-steps", self.draft_steps, 1), ("--threads", self.threads, 1),
+                   ("--micro-batch", self.micro_batch, 1)))
         if not (self.lr > 0 and math.isfinite(self.lr)):
             raise RecycleError("--lr must be a positive number")
         if self.online is not None:

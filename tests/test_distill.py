@@ -236,6 +236,27 @@ def test_freeze_experts_leaves_their_bytes_and_trains_the_rest(converted: dict[s
         assert moved, f"{name}: nothing outside the experts trained"
 
 
+def test_micro_batches_accumulate_the_same_step(converted: dict[str, Path], tmp_path: Path) -> None:
+    """--micro-batch 1 runs each row's forward/backward alone and accumulates: the same loss curve and the same held-out
+    agreement as the whole batch at once (to float rounding), and the plan's activations shrink with it."""
+    from recycle.distill.memory import for_options
+
+    common = dict(drafter=str(converted["eagle"]), target=str(FIXTURE), tokens=4 * 2 * 48, precision="fp32", **TINY)
+    whole = distill(DistillOptions(out=str(tmp_path / "a"), **common))
+    parts = distill(DistillOptions(out=str(tmp_path / "b"), micro_batch=1, **common))
+    la = [r["loss"] for r in _metrics(tmp_path / "a.distill")]
+    lb = [r["loss"] for r in _metrics(tmp_path / "b.distill")]
+    assert len(la) == len(lb) == 4 and all(abs(x - y) <= 1e-4 * abs(x) for x, y in zip(la, lb)), (la, lb)
+    assert all(abs(x - y) <= 1e-3 for x, y in zip(whole["final"]["heldout_agreement_last_step"],
+                                                    parts["final"]["heldout_agreement_last_step"]))
+    big, small = for_options(DistillOptions(**common)), for_options(DistillOptions(micro_batch=1, **common))
+    assert small.parts["activations_blocks"] * 2 == big.parts["activations_blocks"]
+
+
+def _metrics(state_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (state_dir / "metrics.jsonl").read_text().splitlines()]
+
+
 def test_memory_plan_counts_what_a_run_holds(converted: dict[str, Path], tmp_path: Path) -> None:
     """distill --plan's exact parts (weights, grads, AdamW state, teacher) are the bytes a real run holds after a
     step, with and without frozen experts; its activation parts are estimates and only have to be there."""
@@ -336,7 +357,7 @@ def test_torchrun_two_ranks_on_cpu(converted: dict[str, Path], tmp_path: Path) -
 
 
 @pytest.mark.parametrize("case", ["missing_drafter", "missing_target", "bad_tokens", "unwritable", "bad_init",
-                                  "unknown_freeze", "absent_freeze"])
+                                  "unknown_freeze", "absent_freeze", "zero_micro_batch"])
 def test_bad_inputs_exit_2_with_one_line(converted: dict[str, Path], tmp_path: Path, case: str) -> None:
     src = str(converted["medusa"])
     args = {
@@ -349,6 +370,8 @@ def test_bad_inputs_exit_2_with_one_line(converted: dict[str, Path], tmp_path: P
                            str(tmp_path / "o")],
         "absent_freeze": [src, "--target", str(FIXTURE), "--tokens", "1k", "--freeze", "experts", "-o",
                           str(tmp_path / "o")],  # Medusa heads have no experts
+        "zero_micro_batch": [src, "--target", str(FIXTURE), "--tokens", "1k", "--micro-batch", "0", "-o",
+                             str(tmp_path / "o")],
     }[case]
     res = runner.invoke(app, ["distill", *args])
     assert res.exit_code == 2, res.output
