@@ -4,9 +4,9 @@ The drafter is built on the meta device (recycle's own `EagleDrafter` over trans
 so the parameter count is the real one), the target likewise (`AutoModelForCausalLM.from_config` on meta), and
 the bytes follow the code as it is written today:
 
-- weights: every drafter parameter in fp32 (frozen ones included); grads and AdamW's two moments (fp32) for the
-  trainable ones; with several ranks the flat all-reduce buffer (a copy of the gradients). Every rank holds all
-  of it: the drafter is replicated, not sharded (FSDP2 is not implemented yet), so more GPUs do not shrink it;
+- weights: every drafter parameter in fp32; grads and AdamW's two moments (fp32) for the trainable ones. With
+  several ranks FSDP2 shards the trainable weights, their grads and moments (1/world each) and every rank holds
+  the largest unit gathered whole (weights and gradients) while it runs; frozen weights stay whole on every rank;
 - the teacher: the target's trunk in fp32 in the same process, or its embedding and head only when the features
   come from a `recycle harvest` cache;
 - activations, per rank (rows = batch × seq_len): the teacher's features kept for the step, each draft step's
@@ -21,6 +21,7 @@ weight, gradient and optimizer terms are exact (tested against a run's optimizer
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -59,7 +60,7 @@ class MemoryPlan:
         return {"per_rank_bytes": self.per_rank_bytes, "parts": dict(self.parts), "fits": self.fits,
                 "device": self.device, "device_bytes": self.budget, "params": self.params,
                 "trainable_params": self.trainable, "target_params": self.target_params,
-                "sharded": False, "options": self.options}
+                "sharded": self.options.get("world_size", 1) > 1, "options": self.options}
 
 
 def _drafter_config(path: Path) -> tuple[dict, str, int]:
@@ -159,11 +160,14 @@ def plan(drafter: str | Path, target: str | Path, *, batch: int, seq_len: int, d
         loss = 5 * CHUNK_ROWS * vocab * 4
     else:  # every step's drafter logits and log-softmax kept, the teacher's probabilities beside them
         loss = steps * 3 * rows * vocab * 4 + 2 * rows * vocab * 4
+    unit = max((sum(p.numel() for p in m.parameters() if p.requires_grad) for m in model.modules()
+                if type(m).__name__.endswith("DecoderLayer")), default=trainable)
+    shards = max(1, world)
     parts = {
-        "weights": params * 4,
-        "grads": trainable * 4,
-        "optimizer": trainable * 8,
-        "allreduce_buffer": trainable * 4 if world > 1 else 0,
+        "weights": (params - trainable) * 4 + math.ceil(trainable / shards) * 4,
+        "grads": math.ceil(trainable / shards) * 4,
+        "optimizer": math.ceil(trainable / shards) * 8,
+        "fsdp_gathered_unit": unit * 8 if world > 1 else 0,
         "teacher": (io if cached_teacher else trunk) * 4,
         "activations_features": rows * hidden * 4 * 2,
         "activations_blocks": steps * _block_activations(config, rows) * act_bytes,
@@ -188,8 +192,8 @@ def advice(p: MemoryPlan) -> str:
         tips.append("--freeze experts")
     if o["teacher"] == "in process" and p.parts["teacher"] > 0.3 * p.per_rank_bytes:
         tips.append("a harvested teacher (recycle harvest, then --cache-hidden)")
-    if o["world_size"] > 1:
-        tips.append("note: more ranks do not shrink it (the drafter is replicated; FSDP2 sharding is not built yet)")
+    if o["world_size"] < 8 and p.parts["optimizer"] > 0.2 * p.per_rank_bytes:
+        tips.append(f"more ranks (--world-size {max(2, o['world_size'] * 2)}: FSDP2 shards what trains)")
     rows = min(o["micro_batch"] or o["batch"], o["batch"])
     if rows > 1:
         tips.append(f"--micro-batch {max(1, rows // 2)} (the same step, accumulated)")

@@ -2,7 +2,7 @@
 
 The loop, per optimizer step: take `batch` packed sequences (per rank) → the frozen target gives
 features and logits (no grad, bf16 autocast) → the drafter unrolls K draft steps (`recycle.distill.unroll`)
-→ `recycle.distill.losses` → backward → gradient all-reduce (several ranks) → clip → AdamW → LR schedule.
+→ `recycle.distill.losses` → backward (FSDP2 reduce-scatter, several ranks) → clip → AdamW → LR schedule.
 
 Choices and why:
   * Budget in *target tokens read* (`--tokens 2M`): the target's forward is the cost that scales
@@ -15,10 +15,11 @@ Choices and why:
     scheduler, step, tokens, data position, RNG states; written to a temp file, fsynced, renamed.
     A kill loses at most one interval. They live in a state directory beside the output
     (`OUT.distill/`, also holding metrics.jsonl); the checkpoint is removed once the output is whole.
-  * Several ranks (`torchrun`): each rank trains on its slice of the global batch, gradients are
-    averaged with one all_reduce over a flat buffer per step, as DistributedDataParallel does, but
-    without DDP's rule that every rank runs a forward every step, which the truncated last batch
-    breaks when it has fewer rows than ranks. Rank 0 logs, evaluates, checkpoints and writes.
+  * Several ranks (`torchrun`): FSDP2 (`fully_shard`, each decoder layer a unit, then the drafter): each
+    rank holds 1/world of the trainable weights, gradients and AdamW state, and trains on its slice of the
+    global batch. Every rank runs as many forward/backward passes per step as the others (the truncated
+    last batch can leave a rank without rows: it runs held-out rows at weight 0). Every rank evaluates and
+    gathers the weights it keeps; rank 0 logs, checkpoints (the whole state, gathered) and writes.
   * A held-out estimate of acceptance every M steps: top-1 agreement of each draft step with the
     target's greedy token on a fixed held-out batch (the held-out side of `--data`), whose rows the
     target continues greedily after a short prompt once at the start: that is the text greedy
@@ -49,6 +50,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from recycle import __version__
 from recycle.checkpoint import load_json
@@ -58,7 +60,7 @@ from recycle.distill.data import PackedStream, Position, data_source, heldout_ba
 from recycle.distill.freeze import freeze, parse_groups
 from recycle.distill.losses import distill_loss, step_terms
 from recycle.distill.schedule import EVAL_KEY, Schedule, Step, eval_prompt_len
-from recycle.distill.teacher import Teacher, autocast
+from recycle.distill.teacher import Teacher, TeacherOut, autocast
 from recycle.distill.unroll import Unroller
 from recycle.errors import Interrupted, RecycleError
 from recycle.options import DistillOptions, LossConfig
@@ -152,6 +154,7 @@ class Distiller:
         self.rank, self.world = _dist()
         self.is_main = self.rank == 0
         self.made_state_dir = False
+        self.sharded = False  # FSDP2 under torchrun (_shard)
         self.stop: str | None = None  # the signal that asked the loop to stop after its step
         try:
             self._validate()
@@ -205,6 +208,8 @@ class Distiller:
             raise RecycleError(f"{src}: no such drafter directory")
         if not (tgt / "config.json").is_file():
             raise RecycleError(f"--target {tgt}: not a model directory (no config.json)")
+        if o.snapshots and self.world > 1:
+            raise RecycleError("snapshots (the recycling experiment) are taken in one process: not under torchrun")
         if o.online is not None and self.world > 1:
             raise RecycleError("--online trains one process: not under torchrun")
         self.source = data_source(o.data)
@@ -320,6 +325,7 @@ class Distiller:
         self.stream = PackedStream(self.source.train, self.tokenizer, o.seq_len, o.seed)
         self.stream.texts()  # read already (validation): the packing's cost is the first step's
         self.frozen = freeze(model, tuple(o.freeze))  # after the format's own (embedding, head)
+        self.sharded = self._shard(model)
         params = self.unroller.trainable()
         self.opt = torch.optim.AdamW(params, lr=o.lr, betas=(0.9, 0.95), weight_decay=o.weight_decay,
                                      foreach=True)
@@ -338,12 +344,46 @@ class Distiller:
             self.eval_ids = ev.to(self.device)
             self.eval_teacher = self.teacher(self.eval_ids)
 
+    def _shard(self, model: torch.nn.Module) -> bool:
+        """Under torchrun, FSDP2 for formats whose unroller runs the drafter through its own forward (the record's
+        unroller says `shardable`; the others average gradients with one flat all-reduce per step, every rank holding
+        the whole drafter): every transformers decoder layer its own unit, then the rest of the drafter, each
+        rank holding 1/world of the trainable weights, their gradients and AdamW state (fp32; gradients reduced in
+        fp32). Frozen weights (the embedding and head copies, `--freeze` groups) stay outside the units, plain and
+        whole on every rank: the loss reads the head directly, a chunk of rows at a time."""
+        if self.world <= 1 or not self.unroller.shardable:
+            return False
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        frozen = {p for p in model.parameters() if not p.requires_grad}
+        policy = MixedPrecisionPolicy(reduce_dtype=torch.float32)
+        for module in list(model.modules()):
+            if module is not model and type(module).__name__.endswith("DecoderLayer"):
+                fully_shard(module, mp_policy=policy, ignored_params=frozen)
+        fully_shard(model, mp_policy=policy, ignored_params=frozen)
+        return True
+
+    def _full_state(self, optimizer: bool = True) -> tuple[dict, dict | None]:
+        """The model's (and optimizer's) whole state: as it is in one process; gathered from every rank onto rank 0's
+        CPU when sharded (a collective: every rank calls it)."""
+        if not self.sharded:
+            return self.model.state_dict(), self.opt.state_dict() if optimizer else None
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
+
+        whole = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        if optimizer:
+            return get_state_dict(self.model, self.opt, options=whole)
+        return get_model_state_dict(self.model, options=whole), None
+
     # -- state ------------------------------------------------------------------------------------
 
     def _checkpoint(self) -> None:
+        model_state, opt_state = self._full_state()
+        if not self.is_main:
+            return
         state.save_checkpoint(self.state_dir, {
-            "step": self.step, "tokens": self.tokens, "data": asdict(self.stream.pos), "model": self.model.state_dict(),
-            "optimizer": self.opt.state_dict(), "scheduler": self.sched.state_dict(), "rng": state.rng_state(),
+            "step": self.step, "tokens": self.tokens, "data": asdict(self.stream.pos), "model": model_state,
+            "optimizer": opt_state, "scheduler": self.sched.state_dict(), "rng": state.rng_state(),
             "timing": dict(self.timing), "wall_s": self.wall_before + time.perf_counter() - self.t_start,
             "before": self.before, "history": self.history[-1] if self.history else None, "best": self.best,
         }, state.fingerprint(self.opts, self.world))
@@ -354,8 +394,14 @@ class Distiller:
         saved = state.load_checkpoint(self.state_dir, self.device, state.fingerprint(self.opts, self.world))
         if saved is None:
             return False
-        self.model.load_state_dict(saved["model"])
-        self.opt.load_state_dict(saved["optimizer"])
+        if self.sharded:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+            set_state_dict(self.model, self.opt, model_state_dict=saved["model"], optim_state_dict=saved["optimizer"],
+                           options=StateDictOptions(full_state_dict=True))
+        else:
+            self.model.load_state_dict(saved["model"])
+            self.opt.load_state_dict(saved["optimizer"])
         self.sched.load_state_dict(saved["scheduler"])
         self.step, self.tokens = int(saved["step"]), int(saved["tokens"])
         self.stream.seek(Position(**saved["data"]))
@@ -376,9 +422,10 @@ class Distiller:
         score = expected_length(agree)
         if self.best is None or score > self.best["estimate"]:
             self.best = {"estimate": score, "agree": list(agree), "step": self.step, "tokens": self.tokens}
+            trained = {n: p.full_tensor() if isinstance(p, DTensor) else p  # sharded: gathered, every rank
+                       for n, p in self.model.named_parameters() if p.requires_grad}
             if self.is_main:  # only rank 0 writes the output; the trained weights go to disk, not RAM
-                state.save_best(self.state_dir, self.step,
-                                {n: p for n, p in self.model.named_parameters() if p.requires_grad})
+                state.save_best(self.state_dir, self.step, trained)
                 state.prune_best(self.state_dir, {self.step, self.checkpointed_best})
 
     # -- steps ------------------------------------------------------------------------------------
@@ -394,28 +441,53 @@ class Distiller:
         self.model.train()
         return agree
 
-    def _micro(self, ids: torch.Tensor, key: str, weight: float) -> tuple[float, dict | None]:
+    def _passes(self, ids: torch.Tensor, key: str, weight: float) -> list[tuple]:
+        """A micro-batch's forward/backward passes: the teacher's outputs for its rows, cut into --micro-batch slices,
+        each with its share of the step's loss: (ids, teacher outputs, share, share of this micro-batch)."""
         t0 = time.perf_counter()
         te = self.teacher(ids, key)
         self._sync()
-        t1 = time.perf_counter()
-        self.timing["teacher_s"] += t1 - t0
+        self.timing["teacher_s"] += time.perf_counter() - t0
         if self.unroller.positions(ids.shape[1]) < 1:
-            return 0.0, None
+            return []
         rows = ids.shape[0]
         size = min(self.opts.micro_batch or rows, rows)
-        total, info = 0.0, None
+        out = []
         for lo in range(0, rows, size):  # --micro-batch: the gradient accumulates over slices of the rows
             part = slice(lo, lo + size)
-            share = weight * (min(rows, lo + size) - lo) / rows  # equal lengths: rows weigh as their anchors do
+            frac = (min(rows, lo + size) - lo) / rows  # equal lengths: rows weigh as their anchors do
             kv = {k: (a[part], b[part]) for k, (a, b) in te.kv.items()} if te.kv else None
+            sliced = TeacherOut(te.last[part], te.aux[part] if te.aux is not None else None, te.logits, kv)
+            out.append((ids[part], sliced, weight * frac, frac))
+        return out
+
+    def _run_passes(self, passes: list[tuple]) -> tuple[float, dict | None]:
+        """Forward and backward of each pass. Sharded, every rank must run as many as the others (each pass gathers
+        and reduces the same units): a rank with fewer runs held-out rows at weight 0; FSDP averages the gradients
+        over ranks, so each pass's loss is scaled by the world size to keep the step's sum."""
+        if self.sharded:
+            count = torch.tensor([len(passes)])
+            dist.all_reduce(count, op=dist.ReduceOp.MAX)
+            rows = self.eval_ids[:1]
+            filler = TeacherOut(self.eval_teacher.last[:1],
+                                self.eval_teacher.aux[:1] if self.eval_teacher.aux is not None else None,
+                                self.eval_teacher.logits,
+                                {k: (a[:1], b[:1]) for k, (a, b) in self.eval_teacher.kv.items()}
+                                if self.eval_teacher.kv else None)
+            passes = passes + [(rows, filler, 0.0, 0.0)] * (int(count) - len(passes))
+        t1 = time.perf_counter()
+        scale = self.world if self.sharded else 1
+        total, info = 0.0, None
+        weight = sum(p[2] for p in passes) or 1.0
+        for ids, te, share, frac in passes:
             with autocast(self.device, self.precision):
-                steps = self.unroller.unroll(ids[part], te.last[part], te.aux[part] if te.aux is not None else None,
-                                             te.logits, with_features=bool(self.opts.loss.feature_weight), kv=kv)
+                steps = self.unroller.unroll(ids, te.last, te.aux, te.logits,
+                                             with_features=bool(self.opts.loss.feature_weight), kv=te.kv)
                 loss, terms = distill_loss(steps, self.opts.loss)
-            (loss * share).backward()
-            total += float(loss.detach()) * share
-            info = _accumulate(info, terms, share / weight if weight else 1.0)
+            (loss * (share * scale)).backward()
+            if frac:  # logged CE/KL/agreement: the passes' average, weighted as the loss weighs them
+                total += float(loss.detach()) * share
+                info = _accumulate(info, terms, share / weight)
         self._sync()
         self.timing["drafter_s"] += time.perf_counter() - t1
         return total, info
@@ -455,15 +527,15 @@ class Distiller:
                  for idx, n, key in keys]
         self.timing["data_s"] += time.perf_counter() - t0
         self.opt.zero_grad(set_to_none=True)
-        loss, infos = 0.0, []
+        passes = []
         for ids, key, n in micro:
-            part, info = self._micro(ids, key, n / total_anchor)
-            loss += part
-            if info is not None:
-                infos.append(info)
+            passes += self._passes(ids, key, n / total_anchor)
+        loss, info = self._run_passes(passes)
+        infos = [info] if info is not None else []
         t1 = time.perf_counter()
         if self.world > 1:
-            self._allreduce()
+            if not self.sharded:
+                self._allreduce()
             lt = torch.tensor([loss], dtype=torch.float64)
             dist.all_reduce(lt)
             loss = float(lt)
@@ -507,6 +579,13 @@ class Distiller:
         train = self.wall_before + time.perf_counter() - self.t_start
         final = self.agreement()
         self._consider(final)
+        if self.sharded:  # rank 0 writes from a whole copy: gathered, into the drafter as it was loaded
+            whole, _ = self._full_state(optimizer=False)
+            if self.is_main:
+                from recycle.drafters import load_drafter
+
+                self.model = self.unroller.model = load_drafter(self.opts.drafter, dtype=torch.float32)
+                self.model.load_state_dict(whole)
         if self.is_main and self.best["step"] != self.step:  # rank 0 evaluates, chooses and writes
             self.model.load_state_dict(state.load_best(self.state_dir, self.best["step"]), strict=False)
         record = self._record(last, final, train, resumed)
@@ -529,21 +608,22 @@ class Distiller:
                 self._stopped()
             row = self.train_step(step)
             t0 = time.perf_counter()
+            acting = self.is_main or self.sharded  # sharded, every rank runs the drafter and gathers its weights
+            if acting and (self.step % o.eval_every == 0 or self.tokens >= o.tokens):
+                row["heldout_agree"] = self.agreement()
+                row["heldout_estimate"] = expected_length(row["heldout_agree"])
+                self._consider(row["heldout_agree"])
             if self.is_main:
-                if self.step % o.eval_every == 0 or self.tokens >= o.tokens:
-                    row["heldout_agree"] = self.agreement()
-                    row["heldout_estimate"] = expected_length(row["heldout_agree"])
-                    self._consider(row["heldout_agree"])
                 elapsed = self.wall_before + time.perf_counter() - self.t_start
                 row["wall_s"] = round(elapsed, 3)
                 row["tokens_per_s"] = (self.tokens - start_tokens) / max(1e-9, time.perf_counter() - t_run)
                 state.append_metrics(self.state_dir, row)
                 while snaps and self.tokens >= snaps[0]:
                     self._snapshot(snaps.pop(0))
-                if self.step % o.checkpoint_every == 0 and self.tokens < o.tokens:
-                    self._checkpoint()
                 if progress:
                     progress(row)
+            if acting and self.step % o.checkpoint_every == 0 and self.tokens < o.tokens:
+                self._checkpoint()
             if self.world > 1:
                 dist.barrier()
             self.timing["log_s"] += time.perf_counter() - t0
@@ -572,7 +652,7 @@ class Distiller:
         self.stop = signal.Signals(signum).name
 
     def _stopped(self) -> None:
-        if self.is_main and self.step > 0:
+        if (self.is_main or self.sharded) and self.step > 0:
             self._checkpoint()
         where = (f"step {self.step} ({self.tokens:,} of {self.opts.tokens:,} tokens) is checkpointed in {self.state_dir}"
                  if self.step > 0 else "no step had finished: nothing was saved")

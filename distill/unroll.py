@@ -51,6 +51,8 @@ class Unroller(ABC):
 
     default_steps = 3
     needs_kv = False  # the teacher must hand over the target's K/V (a Gemma 4 assistant attends it)
+    shardable = False  # FSDP2 under torchrun: the drafter runs only through its forward, trained weights never read
+    # outside it (the loss reads frozen heads only)
     aux_layers: list[int] | None = None
 
     def __init__(self, model: nn.Module, steps: int) -> None:
@@ -117,6 +119,7 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 class EagleUnroller(Unroller):
+    shardable = True
     def adopt_target_io(self, embed: torch.Tensor, head: torch.Tensor) -> dict:
         """An EAGLE drafter's frozen embedding and LM head(s) are copies of its source's; when the target moved
         away (post-training, a fine-tune), drafting against it with the old ones both feeds the module stale token

@@ -516,8 +516,8 @@ def render_distill(data: dict) -> None:
               "once the output is whole[/dim]")
 
 
-MEMORY_PARTS = {"weights": "drafter weights (fp32, frozen included)", "grads": "gradients (fp32)",
-                "optimizer": "AdamW moments (fp32)", "allreduce_buffer": "all-reduce buffer (several ranks)",
+MEMORY_PARTS = {"weights": "drafter weights (fp32; frozen whole, trained sharded)", "grads": "gradients (fp32)",
+                "optimizer": "AdamW moments (fp32)", "fsdp_gathered_unit": "the largest FSDP unit gathered (weights, grads)",
                 "teacher": "teacher (the target in process; a harvested cache: embedding + head)",
                 "activations_features": "activations: the teacher's features",
                 "activations_blocks": "activations: decoder layers, every draft step",
@@ -538,7 +538,8 @@ def render_memory(data: dict) -> None:
     t.add_row("[bold]total per rank[/bold]", f"[bold]{fmt_bytes(data['per_rank_bytes'])}[/bold]")
     out.print(t)
     out.print(f"drafter {fmt_count(data['params'])} parameters, {fmt_count(data['trainable_params'])} trained; "
-              f"target {fmt_count(data['target_params'])}; every rank holds the whole drafter (not sharded)")
+              f"target {fmt_count(data['target_params'])}; "
+              + ("FSDP2 shards what trains over the ranks" if data["sharded"] else "one process holds it all"))
     if data["fits"] is not None:
         out.print(f"{'fits' if data['fits'] else 'does not fit'} the {data['device']} "
                   f"({fmt_bytes(data['device_bytes'])})")
