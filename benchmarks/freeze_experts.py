@@ -16,7 +16,6 @@ estimate. At DeepSeek-V3 scale freezing the experts takes the trainable count fr
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -25,13 +24,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.quantized_drafters import chain2  # noqa: E402
-from recycle.bench import set_threads  # noqa: E402
+from benchmarks.quantized_drafters import DOMAIN, chain2, setup  # noqa: E402
 from recycle.converters.api import convert_checkpoint  # noqa: E402
 from recycle.distill.train import DistillOptions, distill, parse_tokens  # noqa: E402
-from recycle.prompts import code_prompts  # noqa: E402
 
-DOMAIN = "py:transformers"
 CASES = {  # name: (source of the modules, target)
     "deepseek (post-trained target)": (ROOT / "fixtures/deepseek_v3_mtp", ROOT / "fixtures/deepseek_v3_mtp_posttrained"),
     "glm-4.5 (new domain)": (ROOT / "fixtures/glm4_moe_mtp", ROOT / "fixtures/glm4_moe_mtp"),
@@ -39,20 +35,9 @@ CASES = {  # name: (source of the modules, target)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--work", default="/tmp/recycle-freeze")
-    ap.add_argument("--tokens", default="256k")
-    ap.add_argument("--prompts", type=int, default=8)
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--json", default=None)
-    a = ap.parse_args()
-    set_threads(a.threads)
-    work = Path(a.work)
-    work.mkdir(parents=True, exist_ok=True)
+    a, work, prompts = setup(__doc__, "/tmp/recycle-freeze")
     t0 = time.perf_counter()
     tokens = parse_tokens(a.tokens)
-    prompts = [("code", p) for p in code_prompts(a.prompts, source=DOMAIN)]
     rows = []
     for i, (case, (source, target)) in enumerate(CASES.items()):
         eagle = Path(convert_checkpoint(source, "eagle", work / f"eagle-{i}", overwrite=True)["out"])

@@ -45,9 +45,11 @@ def chain2(target: Path, prompts: list, tokens: int, drafter: Path | None = None
             "greedy_match": o["greedy_match"]}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--work", default="/tmp/recycle-quantized")
+def setup(doc: str, work: str) -> tuple[argparse.Namespace, Path, list]:
+    """The options these re-alignment benchmarks share (work dir, budget, prompts, threads, JSON), the work dir made,
+    and the held-out `py:transformers` code prompts every row is measured on."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--work", default=work)
     ap.add_argument("--tokens", default="256k")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=64)
@@ -55,11 +57,14 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     set_threads(a.threads)
-    work = Path(a.work)
-    work.mkdir(parents=True, exist_ok=True)
+    Path(a.work).mkdir(parents=True, exist_ok=True)
+    return a, Path(a.work), [("code", p) for p in code_prompts(a.prompts, source=DOMAIN)]
+
+
+def main() -> None:
+    a, work, prompts = setup(__doc__, "/tmp/recycle-quantized")
     t0 = time.perf_counter()
     targets = {"bf16": POST, "fp8": make_fp8(POST, work / "post-fp8"), "rtn4": make_rtn4(POST, work / "post-rtn4")}
-    prompts = [("code", p) for p in code_prompts(a.prompts, source=DOMAIN)]
     eagle = Path(convert_checkpoint(BASE, "eagle", work / "base-eagle", layouts="recycle,overlay",
                                     overwrite=True)["out"])
     rows: list[dict] = []

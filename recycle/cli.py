@@ -8,7 +8,6 @@ need none of them, so bad input fails in a fraction of a second.
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Annotated
 
 import typer
