@@ -13,6 +13,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from recycle.errors import RecycleError
@@ -43,19 +44,21 @@ GROUPS: tuple[Group, ...] = (
 BY_NAME = {g.name: g for g in GROUPS}
 
 
-def parse_groups(text: str | None) -> tuple[str, ...]:
-    """`--freeze experts,router` → ("experts", "router"); an unknown name is bad input."""
-    names = tuple(dict.fromkeys(n.strip() for n in (text or "").split(",") if n.strip()))
+def check_groups(names: Iterable[str]) -> tuple[str, ...]:
+    """The group names of `--freeze experts,router` (split by the CLI), blanks and repeats dropped; an unknown name
+    is bad input."""
+    names = tuple(dict.fromkeys(n.strip() for n in names if n.strip()))
     unknown = [n for n in names if n not in BY_NAME]
     if unknown:
         raise RecycleError(f"--freeze {','.join(unknown)}: unknown group (groups: {', '.join(BY_NAME)})")
     return names
 
 
-def freeze(model: nn.Module, groups: tuple[str, ...]) -> dict:
+def freeze(model: nn.Module, groups: Iterable[str]) -> dict:
     """Stop the gradient of every still-trainable parameter in `groups`; a group the drafter does not have is
     bad input (freezing nothing is never what was meant). Returns the record: groups, parameters frozen per
     group, and what still trains."""
+    groups = check_groups(groups)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     per_group = {}
     for name in groups:

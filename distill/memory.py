@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from recycle.distill.freeze import freeze, parse_groups
+from recycle.distill.freeze import BY_NAME, freeze
 from recycle.distill.losses import CHUNK_ROWS
 from recycle.errors import RecycleError
 from recycle.preflight import load_json
@@ -113,6 +113,12 @@ def _target_params(path: Path) -> tuple[int, int]:
     return sum(p.numel() for p in model.parameters()), io
 
 
+def fsdp_units(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules distill shards as FSDP2 units of their own (before the drafter as a whole): transformers'
+    decoder layers, one unit each."""
+    return [m for m in model.modules() if m is not model and type(m).__name__.endswith("DecoderLayer")]
+
+
 def _block_activations(c, rows: int) -> int:
     """Elements one draft step's decoder layer keeps for backward, per the config's shapes (named terms)."""
     h = c.hidden_size
@@ -145,9 +151,10 @@ def plan(drafter: str | Path, target: str | Path, *, batch: int, seq_len: int, d
 
     if world < 1:
         raise RecycleError("--world-size must be at least 1")
+    from recycle.distill.unroll import EagleUnroller
+
     model, config = _meta_drafter(Path(drafter).expanduser())
-    for name, p in model.named_parameters():  # the EAGLE unroller's own freeze: the embedding and head copies
-        p.requires_grad_(name.rsplit(".", 1)[0].split(".")[-1] not in ("embed", "head"))
+    EagleUnroller(model, draft_steps or EagleUnroller.default_steps)  # its own freeze: the embedding and head copies
     frozen = freeze(model, groups)
     params, trainable = frozen["params"], frozen["trainable_params"]
     trunk, io = _target_params(Path(target).expanduser())
@@ -155,13 +162,13 @@ def plan(drafter: str | Path, target: str | Path, *, batch: int, seq_len: int, d
     act_bytes = 2 if precision == "bf16" else 4
     rows = min(micro_batch or batch, batch) * seq_len  # what one forward/backward holds
     vocab, hidden = config.vocab_size, config.hidden_size
-    expert_params = sum(p.numel() for n, p in model.named_parameters() if ".mlp.experts." in n)
+    expert_params = sum(p.numel() for n, p in model.named_parameters() if BY_NAME["experts"].matches(n))
     if rows > CHUNK_ROWS:  # one chunk of drafter + teacher logits, softmaxes and the logits' grad at a time
         loss = 5 * CHUNK_ROWS * vocab * 4
     else:  # every step's drafter logits and log-softmax kept, the teacher's probabilities beside them
         loss = steps * 3 * rows * vocab * 4 + 2 * rows * vocab * 4
-    unit = max((sum(p.numel() for p in m.parameters() if p.requires_grad) for m in model.modules()
-                if type(m).__name__.endswith("DecoderLayer")), default=trainable)
+    unit = max((sum(p.numel() for p in m.parameters() if p.requires_grad) for m in fsdp_units(model)),
+               default=trainable)
     shards = max(1, world)
     parts = {
         "weights": (params - trainable) * 4 + math.ceil(trainable / shards) * 4,
@@ -213,7 +220,7 @@ def for_options(opts, world: int = 1, gpu: str | None = None, device_bytes: int 
     precision = opts.precision or ("bf16" if gpu or device_bytes else "fp32")
     return plan(opts.drafter, opts.target, batch=opts.batch, seq_len=opts.seq_len, draft_steps=opts.draft_steps,
                 world=world, precision=precision, cached_teacher=bool(opts.cache_hidden),
-                groups=parse_groups(",".join(opts.freeze)),
+                groups=tuple(opts.freeze),
                 gpu=gpu, device_bytes=device_bytes, micro_batch=opts.micro_batch)
 
 

@@ -84,6 +84,7 @@ class Teacher:
         they are never cached, so it needs the trunk."""
         self.device, self.precision = device, precision
         self.producer = producer  # distill.harvest.OnlineHarvest: wait for each key, delete it once read
+        self._vocab_head: tuple[torch.Tensor, torch.Tensor] | None = None  # (draft vocabulary, the head's rows)
         if trunk:
             self.model = load_target(target_dir, device=device, dtype=torch.float32)
             for p in self.model.parameters():
@@ -145,10 +146,18 @@ class Teacher:
         with autocast(self.device, self.precision):
             return target_states_and_kv(self.decoder, self.config, ids, self.kv_layers)
 
+    def _head_over(self, vocab: torch.Tensor) -> torch.Tensor:
+        """The head's rows for a draft vocabulary, selected once and kept (the loss asks for every chunk of every
+        step: at DeepSeek-V3's width a 32k-word selection is a 0.9 GB copy)."""
+        kept = self._vocab_head
+        if kept is None or kept[0].shape != vocab.shape or not torch.equal(kept[0], vocab):
+            self._vocab_head = (vocab, self.head.weight.index_select(0, vocab))
+        return self._vocab_head[1]
+
     @torch.no_grad()
     def logits(self, rows: torch.Tensor, vocab: torch.Tensor | None = None) -> torch.Tensor:
         """The target's logits of final-normed `rows`, over `vocab` (a draft vocabulary's target ids) or all."""
-        weight = self.head.weight if vocab is None else self.head.weight.index_select(0, vocab)
+        weight = self.head.weight if vocab is None else self._head_over(vocab)
         with autocast(self.device, self.precision):
             return softcap(torch.nn.functional.linear(rows.to(weight.dtype), weight).float(), self.config)
 

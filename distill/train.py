@@ -57,7 +57,7 @@ from recycle.checkpoint import load_json
 from recycle.corpus import is_corpus_name
 from recycle.distill import state
 from recycle.distill.data import PackedStream, Position, data_source, heldout_batch, regenerate
-from recycle.distill.freeze import freeze, parse_groups
+from recycle.distill.freeze import check_groups, freeze
 from recycle.distill.losses import distill_loss, step_terms
 from recycle.distill.schedule import EVAL_KEY, Schedule, Step, eval_prompt_len
 from recycle.distill.teacher import Teacher, TeacherOut, autocast
@@ -202,7 +202,7 @@ class Distiller:
         if o.loss is None:
             o.loss = LossConfig()
         o.validate()
-        o.freeze = parse_groups(",".join(o.freeze))
+        o.freeze = check_groups(o.freeze)
         src, tgt = Path(o.drafter).expanduser(), Path(o.target).expanduser()
         if not src.is_dir():
             raise RecycleError(f"{src}: no such drafter directory")
@@ -324,7 +324,7 @@ class Distiller:
             raise RecycleError(f"--seq-len {o.seq_len} is too short for {self.unroller.steps} draft steps")
         self.stream = PackedStream(self.source.train, self.tokenizer, o.seq_len, o.seed)
         self.stream.texts()  # read already (validation): the packing's cost is the first step's
-        self.frozen = freeze(model, tuple(o.freeze))  # after the format's own (embedding, head)
+        self.frozen = freeze(model, o.freeze)  # after the format's own (embedding, head)
         self.sharded = self._shard(model)
         params = self.unroller.trainable()
         self.opt = torch.optim.AdamW(params, lr=o.lr, betas=(0.9, 0.95), weight_decay=o.weight_decay,
@@ -355,11 +355,12 @@ class Distiller:
             return False
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+        from recycle.distill.memory import fsdp_units
+
         frozen = {p for p in model.parameters() if not p.requires_grad}
         policy = MixedPrecisionPolicy(reduce_dtype=torch.float32)
-        for module in list(model.modules()):
-            if module is not model and type(module).__name__.endswith("DecoderLayer"):
-                fully_shard(module, mp_policy=policy, ignored_params=frozen)
+        for module in fsdp_units(model):
+            fully_shard(module, mp_policy=policy, ignored_params=frozen)
         fully_shard(model, mp_policy=policy, ignored_params=frozen)
         return True
 
@@ -443,7 +444,7 @@ class Distiller:
 
     def _passes(self, ids: torch.Tensor, key: str, weight: float) -> list[tuple]:
         """A micro-batch's forward/backward passes: the teacher's outputs for its rows, cut into --micro-batch slices,
-        each with its share of the step's loss: (ids, teacher outputs, share, share of this micro-batch)."""
+        each with its share of the step's loss: (ids, teacher outputs, share)."""
         t0 = time.perf_counter()
         te = self.teacher(ids, key)
         self._sync()
@@ -458,7 +459,7 @@ class Distiller:
             frac = (min(rows, lo + size) - lo) / rows  # equal lengths: rows weigh as their anchors do
             kv = {k: (a[part], b[part]) for k, (a, b) in te.kv.items()} if te.kv else None
             sliced = TeacherOut(te.last[part], te.aux[part] if te.aux is not None else None, te.logits, kv)
-            out.append((ids[part], sliced, weight * frac, frac))
+            out.append((ids[part], sliced, weight * frac))
         return out
 
     def _run_passes(self, passes: list[tuple]) -> tuple[float, dict | None]:
@@ -474,18 +475,18 @@ class Distiller:
                                 self.eval_teacher.logits,
                                 {k: (a[:1], b[:1]) for k, (a, b) in self.eval_teacher.kv.items()}
                                 if self.eval_teacher.kv else None)
-            passes = passes + [(rows, filler, 0.0, 0.0)] * (int(count) - len(passes))
+            passes = passes + [(rows, filler, 0.0)] * (int(count) - len(passes))
         t1 = time.perf_counter()
         scale = self.world if self.sharded else 1
         total, info = 0.0, None
         weight = sum(p[2] for p in passes) or 1.0
-        for ids, te, share, frac in passes:
+        for ids, te, share in passes:
             with autocast(self.device, self.precision):
                 steps = self.unroller.unroll(ids, te.last, te.aux, te.logits,
                                              with_features=bool(self.opts.loss.feature_weight), kv=te.kv)
                 loss, terms = distill_loss(steps, self.opts.loss)
             (loss * (share * scale)).backward()
-            if frac:  # logged CE/KL/agreement: the passes' average, weighted as the loss weighs them
+            if share:  # logged CE/KL/agreement: the passes' average, weighted as the loss weighs them
                 total += float(loss.detach()) * share
                 info = _accumulate(info, terms, share / weight)
         self._sync()
@@ -531,7 +532,6 @@ class Distiller:
         for ids, key, n in micro:
             passes += self._passes(ids, key, n / total_anchor)
         loss, info = self._run_passes(passes)
-        infos = [info] if info is not None else []
         t1 = time.perf_counter()
         if self.world > 1:
             if not self.sharded:
@@ -549,7 +549,7 @@ class Distiller:
         self.step += 1
         self.tokens += sum(lengths)
         self.timing["optimizer_s"] += time.perf_counter() - t1
-        info = infos[0] if infos else {"ce": [], "kl": [], "agree": []}
+        info = info or {"ce": [], "kl": [], "agree": []}
         return {"step": self.step, "tokens": self.tokens, "loss": loss, "grad_norm": gnorm,
                 "lr": self.sched.get_last_lr()[0], "ce": info["ce"], "kl": info["kl"], "train_agree": info["agree"]}
 

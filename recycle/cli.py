@@ -349,7 +349,7 @@ def distill(
         out=f.output_path(f.renamed(output, old_output, "-o/--output", "--out"), drafter, "distilled"), data=data,
         self_distill=self_distill, prompt_len=prompt_len, sd_temperature=sd_temperature, seq_len=seq_len, batch=batch,
         lr=lr, draft_steps=draft_steps, loss=LossConfig(ce_weight, kl_weight, feature_weight, step_decay), init=init,
-        freeze=tuple(x for x in (freeze or "").split(",") if x.strip()), micro_batch=micro_batch,
+        freeze=tuple((freeze or "").split(",")), micro_batch=micro_batch,
         checkpoint_every=checkpoint_every, eval_every=eval_every, resume=resume,
         cache_hidden=str(cache_hidden) if cache_hidden else None, device=device, precision=precision, seed=seed,
         threads=threads, overwrite=overwrite, online=online)
