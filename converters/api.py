@@ -101,7 +101,7 @@ def _convert(opts: ConvertOptions, ckpt: Checkpoint, progress: Progress | None, 
     calibration = fmt.resolve("calibrate")(plan, w, opts, progress) if opts.calibrate is not None else None
     rows = mapping_rows(plan, SHORT_DTYPES[opts.dtype])
     options = {k: getattr(opts, k) for k in ("heads", "draft_vocab", "vocab_corpus", "layouts", "calibrate",
-                                             "eagle3_attention")}
+                                             "eagle3_attention", "eagle3_mlp")}
     options["vocab_corpus"] = str(opts.vocab_corpus) if opts.vocab_corpus else None
     options["layouts"] = list(plan.layouts) if plan.layouts else None
     record = provenance(w, fmt, opts.dtype, options, plan, rows)

@@ -111,7 +111,7 @@ def fit(feats: Features, steps: int = DEFAULT_STEPS, lr: float = DEFAULT_LR, see
 # -- collecting the features (runs the target and the source heads) ---------------------------------
 
 
-def _windows(tokenizer, data: str | None, tokens: int, length: int) -> torch.Tensor:
+def windows(tokenizer, data: str | None, tokens: int, length: int) -> torch.Tensor:
     """Calibration windows: the training side of `--data` (default: the stdlib train split), packed."""
     from recycle.texts import data_source
 
@@ -174,7 +174,7 @@ def collect(source: str | Path, target: str | Path, heads: int, tokens: int, dat
         src = MTP.from_checkpoint(ckpt)
         depth = min(heads, src.depth)
         lm = [src._role(src.layers[j], "head").weight for j in range(depth)]
-    wins = _windows(tok, data, tokens, seq_len + depth + 1)
+    wins = windows(tok, data, tokens, seq_len + depth + 1)
     layer = len(model.get_decoder().layers) - 1
     hs, ys = [], [[] for _ in range(depth)]
     for s in range(0, wins.shape[0], batch):

@@ -49,7 +49,10 @@ class ExperimentOptions:
     scratch_tokens: int | None = None  # a longer scratch run, to measure the tokens ratio
     scratch_marks: tuple[int, ...] = ()
     chain: int | None = None  # like-for-like chain length (default: the target's native depth)
-    calibrate: int | None = None  # --to medusa: calibrate the recycled ResBlocks on this many tokens
+    calibrate: int | None = None  # formats that calibrate (medusa, eagle3): the conversion's --calibrate tokens
+    convert_options: dict = field(default_factory=dict)  # further ConvertOptions fields (e.g. eagle3_mlp)
+    tree: str | None = None  # every snapshot decoded with this tree (default: each format's own)
+    inits: tuple[str, ...] = INITS  # the same-budget runs (the long scratch run comes with scratch_tokens)
     prompts: int = 8
     max_new_tokens: int = 64
     seq_len: int = 256
@@ -137,8 +140,12 @@ def run_experiment(opts: ExperimentOptions, log: Callable[[str], None] = print) 
         calibration = {"calibrate": opts.calibrate} if opts.calibrate and "calibrate" in takes else {}
         if assistant and "target" in takes and (calibration or "calibrate" not in takes):
             calibration["target"] = opts.target
-        convert_checkpoint(opts.source or opts.target, fmt, src, overwrite=True, **calibration)
-        plan = [(init, opts.tokens, opts.marks) for init in INITS]
+        extra = {k: v for k, v in opts.convert_options.items() if k in takes}
+        conv = convert_checkpoint(opts.source or opts.target, fmt, src, overwrite=True, **calibration, **extra)
+        made = json.loads((src / "recycle.json").read_text())
+        result.setdefault("conversions", {})[fmt] = {"seconds": conv["seconds"],
+                                                     "calibration": made.get("calibration")}
+        plan = [(init, opts.tokens, opts.marks) for init in opts.inits]
         if opts.scratch_tokens:
             plan.append(("scratch-long", opts.scratch_tokens, opts.scratch_marks))
         for init, budget, marks in plan:
@@ -155,7 +162,7 @@ def run_experiment(opts: ExperimentOptions, log: Callable[[str], None] = print) 
             curve = []
             for mark in marks:
                 d = snap / f"tokens_{mark}"
-                m = bench_tau(str(d), opts.target, prompts, opts.max_new_tokens)
+                m = bench_tau(str(d), opts.target, prompts, opts.max_new_tokens, tree=opts.tree)
                 point = {"tokens": mark, **m, "estimate": _estimate(d)}
                 if get(fmt).native_chain:
                     point["chain"] = bench_tau(str(d), opts.target, prompts, opts.max_new_tokens, tree=f"chain:{chain}")

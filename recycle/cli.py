@@ -70,6 +70,7 @@ def convert(
     draft_vocab: f.DraftVocab = None,
     vocab_corpus: f.VocabCorpus = None,
     eagle3_attention: f.Eagle3Attention = None,
+    eagle3_mlp: f.Eagle3Mlp = None,
     dtype: f.StorageDtype = "bf16",
     layouts: f.Layouts = None,
     calibrate: f.Calibrate = None,
@@ -92,6 +93,7 @@ def convert(
     opts = ConvertOptions(source=str(ckpt), to=to, out=f.output_path(output, ckpt, to), heads=heads,
                           draft_vocab=draft_vocab, vocab_corpus=str(vocab_corpus) if vocab_corpus else None,
                           dtype=dtype, overwrite=overwrite, layouts=layouts, eagle3_attention=eagle3_attention,
+                          eagle3_mlp=eagle3_mlp,
                           calibrate=parse_tokens(calibrate, "--calibrate") if calibrate else None,
                           calibrate_steps=calibrate_steps,
                           target=str(target) if target else None, data=data)

@@ -84,11 +84,16 @@ VocabCorpus = Annotated[Path | None, opt("--vocab-corpus", help="--to eagle3: te
 Eagle3Attention = Annotated[str | None, opt("--eagle3-attention", help="--to eagle3: llama (default; every engine) or "
                                             "mla (MLA sources: vLLM's DeepSeek EAGLE-3, which pairs with MLA targets on "
                                             "vLLM's CPU backend).", metavar="[llama|mla]")]
+Eagle3Mlp = Annotated[str | None, opt("--eagle3-mlp", help="--to eagle3 with --calibrate: wide (the default for a "
+                                      "MoE block: the target's dense width, the shared expert plus the routed experts "
+                                      "picked most often, then fitted) or shared (the shared expert's width).",
+                                      metavar="[shared|wide]")]
 StorageDtype = Annotated[str, opt("--dtype", help="Storage dtype of the output.", metavar=DTYPES)]
 Layouts = Annotated[str | None, opt("--layouts", help="--to eagle: comma list of recycle, nextn, overlay (default: "
                                     "all three).")]
 Calibrate = Annotated[str | None, opt("--calibrate", help="--to medusa: fit each ResBlock to the source head on this "
-                                      "many tokens (e.g. 64k) instead of the identity.", metavar="TOKENS")]
+                                      "many tokens (e.g. 64k) instead of the identity. --to eagle3: fit the folded "
+                                      "midlayer to the MTP module on them.", metavar="TOKENS")]
 CalibrateSteps = Annotated[int, opt("--calibrate-steps", help="With --calibrate: optimizer steps of the fit "
                                     "(fewer: faster, looser).")]
 CalibrationTarget = Annotated[Path | None, opt("--target", help="With --calibrate: the model whose states the heads "

@@ -23,9 +23,11 @@ from recycle.preflight import checkpoint_dir, data_name, drafter_dir, model_dir,
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")  # OWNER/NAME
 DTYPES = ("bf16", "fp16", "fp32")  # storage (--dtype) and compute (--precision) names; torch's in checkpoint.py
 PRECISIONS = ("bf16", "fp32")
+MLP_WIDTHS = ("shared", "wide")  # --eagle3-mlp: the midlayer's MLP at the shared expert's width, or the target's
 CONVERT_OPTIONS = {  # the format-specific convert options, by their flag
     "heads": "--heads", "draft_vocab": "--draft-vocab", "vocab_corpus": "--vocab-corpus", "layouts": "--layouts",
     "calibrate": "--calibrate", "target": "--target", "data": "--data", "eagle3_attention": "--eagle3-attention",
+    "eagle3_mlp": "--eagle3-mlp",
 }
 
 
@@ -55,9 +57,10 @@ class ConvertOptions:
     vocab_corpus: str | None = None  # eagle3, with draft_vocab
     layouts: tuple[str, ...] | str | None = None  # eagle
     eagle3_attention: str | None = None  # eagle3: llama (default) or mla
-    calibrate: int | None = None  # medusa: tokens to fit the ResBlocks on
+    eagle3_mlp: str | None = None  # eagle3 with calibrate: shared (default) or wide
+    calibrate: int | None = None  # medusa: tokens to fit the ResBlocks on; eagle3: to fit the midlayer on
     calibrate_steps: int = 400
-    target: str | None = None  # medusa with calibrate; eagle3/medusa from a Gemma 4 assistant
+    target: str | None = None  # with calibrate; eagle3/medusa from a Gemma 4 assistant
     data: str | None = None  # with calibrate
 
     def validate(self) -> None:
@@ -79,14 +82,24 @@ class ConvertOptions:
             raise RecycleError(f"{CONVERT_OPTIONS[key]} applies to --to {' or --to '.join(takers)} only")
         if self.vocab_corpus is not None and self.draft_vocab is None:
             raise RecycleError("--vocab-corpus needs --draft-vocab N")
-        if "calibrate" in fmt.options and self.calibrate is None and (self.target or self.data) is not None:
-            raise RecycleError("--target/--data need --calibrate TOKENS")
+        if "calibrate" in fmt.options and self.calibrate is None and self.data is not None:
+            raise RecycleError("--data needs --calibrate TOKENS")
+        _choice(self.eagle3_mlp, MLP_WIDTHS, "--eagle3-mlp")
+        if self.eagle3_mlp == "wide" and self.calibrate is None:
+            raise RecycleError("--eagle3-mlp wide needs --calibrate TOKENS (the routed experts it adds are chosen, "
+                               "scaled and fitted there)")
         _at_least((("--heads", self.heads, 1), ("--calibrate", self.calibrate, 1),
                    ("--calibrate-steps", self.calibrate_steps, 1)))
         data_name(self.data)
-        kinds.source(self.source)
+        source = kinds.source(self.source)
         if self.target is not None:
             kinds.target(self.target)
+        elif self.calibrate is not None:
+            from recycle.formats import of_config
+
+            if of_config(source) is not None:
+                raise RecycleError(f"--calibrate: {self.source} is a drafter; pass the model it drafts for as --target")
+            kinds.target(self.source, "--calibrate runs the source as its own target (no --target):")
 
 
 @dataclass(frozen=True)

@@ -57,7 +57,8 @@ FORMAT = DrafterFormat(
     engine="recycle.decoding.drafting:eagle3_engine",
     unroller="recycle.distill.unroll:Eagle3Unroller",
     converter="recycle.converters.eagle3:convert",
-    options=frozenset({"draft_vocab", "vocab_corpus", "eagle3_attention", "target"}),
+    calibrate="recycle.converters.calibrate_eagle3:calibrate",
+    options=frozenset({"draft_vocab", "vocab_corpus", "eagle3_attention", "eagle3_mlp", "target", "calibrate", "data"}),
     layouts={"model.safetensors": Layout(
         "EAGLE-3 official/SpecForge layout (midlayer.*), speculators keys in config.json", (
             "# vLLM",

@@ -1,7 +1,7 @@
 """Every output recycle writes for vLLM, run in vLLM and in recycle on the same prompt ids.
 
 For one trained fixture this makes each output (native MTP, the target stitched from `mtp_overlay/`,
-EAGLE-3 after a short distillation, calibrated Medusa), runs vLLM's CPU build once per target directory
+EAGLE-3 after a short distillation, the calibrated EAGLE-3 fold undistilled, calibrated Medusa), runs vLLM's CPU build once per target directory
 (plain decoding plus k=1 speculation with each output) and `recycle bench --tree chain:1` on the same
 prompt token ids, and returns one row per output: whether vLLM loads it, whether its speculative greedy
 output equals its plain output and recycle's AR output, and both engines' k=1 acceptance counts.
@@ -112,12 +112,16 @@ def make_outputs(fixture: Path, work: Path, distill_tokens: int, calibrate_token
                             eagle3_attention="mla" if mla else None)["out"]
     e3d = distill(DistillOptions(drafter=e3, target=str(fixture), tokens=distill_tokens, out=str(work / "eagle3-d"),
                                  overwrite=True, eval_every=10**6))["out"]
+    e3c = convert_checkpoint(fixture, "eagle3", work / "eagle3-cal", overwrite=True, calibrate=calibrate_tokens,
+                             eagle3_attention="mla" if mla else None)["out"]
     medusa = convert_checkpoint(fixture, "medusa", work / "medusa", overwrite=True, calibrate=calibrate_tokens)["out"]
     return {
         "mtp": (fixture, None, "mtp", "native MTP (the checkpoint as released)"),
         "stitched": (Path(stitched), None, "mtp", "target without MTP, stitched from `mtp_overlay/`"),
         "eagle3": (fixture, Path(e3d), "eagle3",
                    f"EAGLE-3 ({'MLA' if mla else 'Llama'} midlayer), distilled {distill_tokens // 1000}k tokens"),
+        "eagle3-cal": (fixture, Path(e3c), "eagle3", f"EAGLE-3 ({'MLA' if mla else 'Llama'} midlayer), calibrated "
+                       f"fold on {calibrate_tokens // 1000}k tokens, not distilled"),
         "medusa": (fixture, Path(medusa), "medusa", f"Medusa, calibrated on {calibrate_tokens // 1000}k tokens"),
     }
 
@@ -140,7 +144,7 @@ def interop(name: str, fixture: Path, work: Path, *, prompts: int = 6, new_token
     engine: dict[str, dict] = {}
     for target, runs in by_target.items():
         # plain first; a drafter vLLM refuses last (a refusal can leave the process unusable)
-        runs = [{"name": "plain"}, *sorted(runs, key=lambda r: r["name"] == "eagle3")]
+        runs = [{"name": "plain"}, *sorted(runs, key=lambda r: r["name"].startswith("eagle3"))]
         res = run_job({"target": str(target), "prompt_ids": ids, "max_new_tokens": new_tokens, "runs": runs})
         engine.update({(str(target), k): v for k, v in res.items()})
     ar = _ar_tokens(fixture, ids, new_tokens)
