@@ -75,7 +75,7 @@ def scale(a) -> str:
     import torch
 
     from recycle.converters.eagle3 import MLA_CONFIG_KEYS, llama_config
-    from recycle.drafters.eagle3 import Eagle3Drafter, layer_kind
+    from recycle.drafters.eagle3 import eagle3_module
 
     cfg = json.loads((ROOT / "benchmarks/configs/deepseek_v3/config.json").read_text())
     h, heads = cfg["hidden_size"], cfg["num_attention_heads"]
@@ -97,9 +97,7 @@ def scale(a) -> str:
                     "num_attention_heads": heads, "vocab_size": cfg["vocab_size"], "rms_norm_eps": cfg["rms_norm_eps"],
                     "max_position_embeddings": 4096, "hidden_act": "silu"}
             with torch.device("meta"):
-                kind = layer_kind(conf)
-                c = kind.config(**{k: conf[k] for k in kind.keys if k in conf})
-                model = Eagle3Drafter(c, h, kind=kind)
+                model = eagle3_module(conf)
             total = sum(p.numel() for n, p in model.named_parameters())
             exact = EXACT_COPIES + (MLA_EXACT if attention == "mla" else ())
             fitted = sum(p.numel() for n, p in model.named_parameters() if n not in exact)

@@ -37,8 +37,9 @@ GiB, 0.58B (8.7 GiB) for the MLA midlayer, whose MLA tensors are exact copies (`
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -233,8 +234,8 @@ def fit(unroller, cache: Cache, head, steps: int, device: torch.device, seed: in
     before = _scores(unroller, cache, held, head, device) if len(held) else None
     params = unroller.trainable()
     opt = torch.optim.Adam(params, lr=DEFAULT_LR)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / 20) * 0.5 * (
-        1 + torch.cos(torch.tensor(torch.pi * i / steps)).item()))
+    sched = torch.optim.lr_scheduler.LambdaLR(  # 20 warm-up steps, then cosine to 0
+        opt, lambda i: min(1.0, (i + 1) / 20) * 0.5 * (1 + math.cos(math.pi * i / steps)))
     cfg = LossConfig(ce_weight=0.0, kl_weight=1.0, feature_weight=FEATURE_WEIGHT)
     gen = torch.Generator().manual_seed(seed + 1)
     for i in range(steps):
@@ -267,8 +268,6 @@ def calibrate(plan, w, opts, progress: Callable | None = None) -> dict:
     config = plan.jsons["config.json"]
     aux = list(config["eagle_aux_hidden_state_layer_ids"])
     k_steps = Eagle3Unroller.default_steps
-    draft_ids = (torch.arange(config["draft_vocab_size"]) + _materialise({"d": tensors["d2t"]})["d"]
-                 if "d2t" in tensors else torch.arange(w.vocab_size))
     cache, teacher = collect(w, target, opts.calibrate, opts.data, k_steps, aux, device, progress)
     record: dict = {}
     if (opts.eagle3_mlp or ("wide" if cache.expert_use and w.config.get("intermediate_size") else "shared")) == "wide":
@@ -281,11 +280,12 @@ def calibrate(plan, w, opts, progress: Callable | None = None) -> dict:
                          "expert_use": {str(e): [round(a, 4), round(b, 4)] for e, (a, b) in
                                         sorted(cache.expert_use.items())}}
     fitted = {n for n, t in tensors.items() if t.kind != EXACT and (t.dtype is None or t.dtype.is_floating_point)}
-    drafter = build_eagle3(config, _materialise(tensors), dtype=torch.float32).to(device)
+    made = _materialise(tensors)  # read once: the fit starts from these, and the writer takes the exact ones from here
+    drafter = build_eagle3(config, made, dtype=torch.float32).to(device)
     unroller = Eagle3Unroller(drafter, k_steps, teacher.embed, aux)
     for name, p in drafter.named_parameters():
         p.requires_grad_(name in fitted)
-    head = _module_head(w, draft_ids.to(device), device)
+    head = _module_head(w, drafter.target_ids(), device)
     report = fit(unroller, cache, head, opts.calibrate_steps, device, progress=progress)
     state = {n: p.detach().cpu().clone() for n, p in drafter.named_parameters()}
     note = f"calibrated on {int(cache.ids.numel()):,} tokens"
@@ -294,10 +294,13 @@ def calibrate(plan, w, opts, progress: Callable | None = None) -> dict:
         note += (": held-out KL to the MTP module by step " + " / ".join(f"{a:.3f}→{b:.3f}" for a, b in zip(f["kl"], c["kl"]))
                  + ", top-1 agreement " + " / ".join(f"{a:.3f}→{b:.3f}" for a, b in
                                                     zip(f["top1_agreement"], c["top1_agreement"])))
-    for name in sorted(fitted):
-        old, t = tensors[name], state[name]
-        tensors[name] = Lazy(tuple(t.shape), (lambda t=t: t), old.sources + ("calibration",), APPROX,
-                             f"{old.note}; {note}" if old.note else note)
+    for name, old in list(tensors.items()):
+        if name in fitted:
+            t = state[name]
+            tensors[name] = Lazy(tuple(t.shape), (lambda t=t: t), old.sources + ("calibration",), APPROX,
+                                 f"{old.note}; {note}" if old.note else note)
+        else:  # unchanged, and already read: the writer need not read the source again
+            tensors[name] = replace(old, make=(lambda t=made[name]: t), reads=())
     plan.notes.append(f"EAGLE-3 midlayer calibrated to MTP module 0 ({len(fitted)} tensors fitted, {k_steps} steps)")
     return record | {"tokens": int(cache.ids.numel()), "data": opts.data or "stdlib",
                      "target": str(Path(target).resolve()), "steps": opts.calibrate_steps, "lr": DEFAULT_LR,

@@ -215,9 +215,6 @@ def convert(w: RoleWeights, req) -> Plan:
             raise RecycleError("--eagle3-attention mla needs an MLA source; an assistant folds into the llama one")
         return assistant.convert(w, bb, draft_ids=req.draft_ids, dtype_name=req.dtype_name)
     require_sequential(w, "eagle3")
-    if req.options.target is not None and req.options.calibrate is None:
-        raise RecycleError("--target with --to eagle3 is for --calibrate or a Gemma 4 assistant source (MTP modules "
-                           "carry their trunk's norm and head)")
     return fold(w, draft_ids=req.draft_ids, dtype_name=req.dtype_name, attention=attention)
 
 

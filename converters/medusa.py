@@ -42,8 +42,6 @@ def convert(w: RoleWeights, req) -> Plan:
             raise RecycleError(f"{w.ckpt.path}: Medusa heads from a {w.family.title} are fitted to it: pass "
                                "--calibrate TOKENS --target TARGET")
         backbone = require_target(w, req, "medusa")
-    elif req.options.target is not None and req.options.calibrate is None:
-        raise RecycleError("--target with --to medusa is for --calibrate TOKENS (the states the heads are fitted on)")
     heads = DEFAULT_HEADS if req.options.heads is None else req.options.heads
     return heads_plan(w, heads=heads, dtype_name=req.dtype_name, backbone=backbone)
 

@@ -57,7 +57,7 @@ class ConvertOptions:
     vocab_corpus: str | None = None  # eagle3, with draft_vocab
     layouts: tuple[str, ...] | str | None = None  # eagle
     eagle3_attention: str | None = None  # eagle3: llama (default) or mla
-    eagle3_mlp: str | None = None  # eagle3 with calibrate: shared (default) or wide
+    eagle3_mlp: str | None = None  # eagle3 with calibrate: wide (the default on a MoE block) or shared
     calibrate: int | None = None  # medusa: tokens to fit the ResBlocks on; eagle3: to fit the midlayer on
     calibrate_steps: int = 400
     target: str | None = None  # with calibrate; eagle3/medusa from a Gemma 4 assistant
@@ -91,13 +91,16 @@ class ConvertOptions:
         _at_least((("--heads", self.heads, 1), ("--calibrate", self.calibrate, 1),
                    ("--calibrate-steps", self.calibrate_steps, 1)))
         data_name(self.data)
-        source = kinds.source(self.source)
+        from recycle.formats import of_config
+
+        drafter_source = of_config(kinds.source(self.source)) is not None  # a Gemma 4 assistant
+        if self.target is not None and self.calibrate is None and not drafter_source:
+            raise RecycleError("--target needs --calibrate TOKENS here (alone it is for a Gemma 4 assistant source, "
+                               "which drafts for it; MTP modules carry their trunk's norm and head)")
         if self.target is not None:
             kinds.target(self.target)
         elif self.calibrate is not None:
-            from recycle.formats import of_config
-
-            if of_config(source) is not None:
+            if drafter_source:
                 raise RecycleError(f"--calibrate: {self.source} is a drafter; pass the model it drafts for as --target")
             kinds.target(self.source, "--calibrate runs the source as its own target (no --target):")
 

@@ -107,3 +107,10 @@ def test_a_reduced_draft_vocabulary_is_fitted_over_its_own_rows(tmp_path):
     assert "lm_head.weight" not in rec["calibration"]["fitted"]
     after = rec["calibration"]["report"]["calibrated"]["kl"]
     assert all(0 <= x < float("inf") for x in after)
+
+
+@pytest.mark.parametrize("to", ["eagle3", "medusa"])
+def test_target_without_calibrate_is_refused_for_mtp_sources(tmp_path, to):
+    res = run_cli("convert", str(GLM), "--to", to, "--target", str(GLM), "-o", str(tmp_path / "out"))
+    assert_bad_input(res, "--target needs --calibrate TOKENS")
+    assert not (tmp_path / "out").exists()

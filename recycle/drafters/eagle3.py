@@ -141,16 +141,21 @@ class Eagle3Drafter(nn.Module):
         return full
 
 
-def build_eagle3(config_dict: Mapping, state: Mapping[str, torch.Tensor], dtype: torch.dtype | None = None,
-                 attn_implementation: str = "sdpa") -> Eagle3Drafter:
+def eagle3_module(config_dict: Mapping, embed: bool = False, attn_implementation: str = "sdpa") -> Eagle3Drafter:
+    """The untrained module a config.json describes (build it under `torch.device("meta")` to size it)."""
     kind = layer_kind(config_dict)
     cfg = {k: config_dict[k] for k in kind.keys if k in config_dict}
     cfg["draft_vocab_size"] = config_dict.get("draft_vocab_size")
     cfg["norm_before_residual"] = bool(config_dict.get("norm_before_residual", False))
     config = kind.config(**cfg)
     config._attn_implementation = attn_implementation
-    model = Eagle3Drafter(config, config_dict.get("target_hidden_size"), embed="embed_tokens.weight" in state,
-                          kind=kind)
+    return Eagle3Drafter(config, config_dict.get("target_hidden_size"), embed=embed, kind=kind)
+
+
+def build_eagle3(config_dict: Mapping, state: Mapping[str, torch.Tensor], dtype: torch.dtype | None = None,
+                 attn_implementation: str = "sdpa") -> Eagle3Drafter:
+    model = eagle3_module(config_dict, "embed_tokens.weight" in state, attn_implementation)
+    config = model.config
     state = dict(state)
     if model.draft_vocab_size == config.vocab_size:  # identity maps (older recycle files stored them anyway)
         d2t, t2d = state.pop("d2t", None), state.pop("t2d", None)
