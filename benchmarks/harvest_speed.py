@@ -48,10 +48,10 @@ def main() -> None:
     rec = harvest(opts)
     from transformers import AutoTokenizer
 
-    batches = plan(opts, AutoTokenizer.from_pretrained(args.target))
+    batches, _ = plan(opts, AutoTokenizer.from_pretrained(args.target))
     teacher = Teacher(args.target, torch.device("cpu"), list(aux), "fp32")
     t0 = time.perf_counter()
-    for _, ids in batches:
+    for _, ids, _ in batches:
         teacher.features(ids)
     in_process = time.perf_counter() - t0
     report = {"target": args.target, "tokens": rec["tokens"], "seq_len": args.seq_len, "batch": args.batch,

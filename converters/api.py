@@ -84,7 +84,7 @@ def convert(opts: ConvertOptions, progress: Progress | None = None) -> dict:
 def _convert(opts: ConvertOptions, ckpt: Checkpoint, progress: Progress | None, started: float) -> dict:
     fmt = get(opts.to)
     writer = OutputDir(opts.out, overwrite=opts.overwrite, protect=(opts.source,))  # refuses a bad OUT before reading
-    if opts.target is not None:
+    if opts.target is not None and fmt.target_file is None:  # a file target (a trunk GGUF): its converter checks it
         check_fit(ckpt.config, checkpoint_dir(opts.target), ckpt.path, opts.target, f"--target {opts.target}")
     w = gather(ckpt)
     bb = backbone(opts.target) if w.family.kind == "drafter" and opts.target is not None else None
@@ -101,15 +101,20 @@ def _convert(opts: ConvertOptions, ckpt: Checkpoint, progress: Progress | None, 
     calibration = fmt.resolve("calibrate")(plan, w, opts, progress) if opts.calibrate is not None else None
     rows = mapping_rows(plan, SHORT_DTYPES[opts.dtype])
     options = {k: getattr(opts, k) for k in ("heads", "draft_vocab", "vocab_corpus", "layouts", "calibrate",
-                                             "eagle3_attention", "eagle3_mlp")}
+                                             "eagle3_attention", "eagle3_mlp", "module")}
     options["vocab_corpus"] = str(opts.vocab_corpus) if opts.vocab_corpus else None
     options["layouts"] = list(plan.layouts) if plan.layouts else None
     record = provenance(w, fmt, opts.dtype, options, plan, rows)
     if calibration is not None:
         record["calibration"] = calibration
     with writer as d:
-        d.write_safetensors(plan.tensors, SHORT_DTYPES[opts.dtype], progress=_labelled(progress, "writing tensors"),
-                            metadata={"recycle_format": fmt.name, "recycle_source_family": w.family.name})
+        safetensors = {rel: t for rel, t in plan.tensors.items() if rel not in plan.gguf}
+        if safetensors:
+            d.write_safetensors(safetensors, SHORT_DTYPES[opts.dtype], progress=_labelled(progress, "writing tensors"),
+                                metadata={"recycle_format": fmt.name, "recycle_source_family": w.family.name})
+        for rel, header in plan.gguf.items():  # GGUF side files (llama.cpp)
+            d.write_gguf(rel, header, plan.tensors[rel], SHORT_DTYPES[opts.dtype], header.keep_f32,
+                         progress=_labelled(progress, f"writing {rel}"))
         for rel, obj in plan.jsons.items():
             d.write_json(rel, obj)
         copied = [f for sub in plan.tokenizer_dirs for f in d.copy_tokenizer(ckpt.path, sub)]

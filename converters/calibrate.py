@@ -112,14 +112,18 @@ def fit(feats: Features, steps: int = DEFAULT_STEPS, lr: float = DEFAULT_LR, see
 
 
 def windows(tokenizer, data: str | None, tokens: int, length: int) -> torch.Tensor:
-    """Calibration windows: the training side of `--data` (default: the stdlib train split), packed."""
+    """Calibration windows: the training side of `--data` (default: the stdlib train split), packed. Conversations
+    are rendered with the target's chat template; calibration fits every position of the rendered text (the fit
+    matches features, which the template's tokens have as well)."""
+    from recycle.distill.data import chat_renderer, encode
     from recycle.texts import data_source
 
     texts = data_source(data).train()
-    eos = tokenizer.eos_token_id
+    renderer = chat_renderer(texts, tokenizer, "the target")
     ids: list[int] = []
-    for text in texts:
-        ids.extend(tokenizer(text, add_special_tokens=False)["input_ids"] + ([eos] if eos is not None else []))
+    for chunk in range(0, len(texts), 32):
+        for enc, _ in encode(texts[chunk:chunk + 32], tokenizer, renderer, lambda i, why: None):
+            ids.extend(enc)
         if len(ids) >= tokens + length:
             break
     rows = max(1, min(len(ids) // length, -(-tokens // length)))

@@ -56,6 +56,7 @@ class Lazy:
     dtype: torch.dtype | None = None
     raw: bool = False  # written byte for byte in its stored dtype (the overlay)
     reads: tuple[Span, ...] = ()
+    parts: tuple[Lazy, ...] = ()  # a stack of these along a new first dim: writers may stream them one by one
 
     def derive(self, shape: tuple[int, ...], fn: Callable[[torch.Tensor], torch.Tensor], kind: str | None = None,
                note: str | None = None) -> Lazy:
@@ -285,6 +286,7 @@ class Plan:
     tokenizer_dirs: tuple[str, ...] = ("",)  # subfolders that get the source's tokenizer files
     notes: list[str] = field(default_factory=list)
     layouts: tuple[str, ...] = ()  # the layouts chosen among a format's several (`--layouts`); () where it has one
+    gguf: dict[str, object] = field(default_factory=dict)  # relative .gguf file -> its header (converters.gguf.Header)
 
 
 def require_sequential(w: RoleWeights, to: str) -> None:

@@ -206,6 +206,53 @@ class OutputDir:
         write_all(f, struct.pack("<Q", len(blob)) + blob)
         return f
 
+    def write_gguf(self, rel: str, header, tensors: Mapping[str, Lazy], dtype: torch.dtype,
+                   keep_f32: Callable[[str, tuple[int, ...]], bool], progress: Progress | None = None) -> None:
+        """Stream one GGUF file (the `gguf` package writes the header, key/values and tensor infos; tensor data is
+        appended here one tensor at a time, a stacked tensor one part at a time, so peak memory is one part).
+        `header` is a `recycle.converters.gguf.Header`: its raw tensors are copied byte for byte from their GGUF."""
+        import numpy as np
+        from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
+
+        ggml = {torch.float32: (GGMLQuantizationType.F32, np.float32), torch.float16: (GGMLQuantizationType.F16,
+                np.float16), torch.bfloat16: (GGMLQuantizationType.BF16, np.uint16)}
+        path = self.path(rel)
+        w = GGUFWriter(path, header.arch)  # writes general.architecture itself
+        for key, value, vtype, sub in header.kv:
+            if key != "general.architecture":
+                w.add_key_value(key, value, GGUFValueType[vtype], GGUFValueType[sub] if sub else None)
+        plan: list[tuple[str, object, torch.dtype | None]] = []  # (name, Lazy or ReaderTensor, output dtype)
+        for name, t in header.raw.items():
+            w.add_tensor_info(name, t.data.shape, t.data.dtype, int(t.n_bytes), raw_dtype=t.tensor_type)
+            plan.append((name, t, None))
+        for name, lazy in tensors.items():
+            dt = torch.float32 if keep_f32(name, lazy.shape) else dtype
+            qtype, npt = ggml[dt]
+            w.add_tensor_info(name, lazy.shape, np.dtype(npt), nbytes(lazy.shape, dt), raw_dtype=qtype)
+            plan.append((name, lazy, dt))
+        w.write_header_to_file(path)
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        f = w.fout[0]
+        align = w.data_alignment
+        try:
+            for i, (name, src, dt) in enumerate(plan):
+                f.write(b"\0" * (-f.tell() % align))
+                if dt is None:  # a tensor of another GGUF, as stored
+                    write_all(f, np.ascontiguousarray(src.data).reshape(-1).view(np.uint8))
+                else:
+                    for part in (src.parts or (src,)):
+                        t = part.make()
+                        if tuple(t.shape) != part.shape:
+                            raise RecycleError(f"{name}: made shape {list(t.shape)}, planned {list(part.shape)}")
+                        write_all(f, t.to(dt).contiguous().reshape(-1).view(torch.uint8).numpy())
+                if progress:
+                    progress(i + 1, len(plan))
+            f.write(b"\0" * (-f.tell() % align))
+        finally:
+            w.close()
+        self.files[rel] = path.stat().st_size
+
     # -- commit -----------------------------------------------------------------------------------
 
     def _discard(self) -> None:

@@ -13,10 +13,17 @@ target reads is a real one. Epoch e visits documents in a shuffled order seeded 
 position in the stream is just (epoch, sequences taken) and a resumed run rebuilds the same stream
 and skips to it (re-encoding is cheap next to the target's forward).
 
+Conversations (`recycle.chat`) are rendered with the target's chat template instead, and carry a mask over
+their tokens: True on the assistant turns (plain text: every token), False on the template's and the other
+roles' tokens and on the EOS after a conversation. Windows carry their slice of it, so the mask survives packing;
+distill shifts it with the draft steps (`mask_steps`), and only masked-in predictions count in the loss and the
+held-out estimate. A source with no conversation has no mask at all (None), exactly as before.
+
 `--self-distill` (Medusa's recipe, formats-target §3.3): each packed sequence keeps its first
 `prompt_len` tokens as a prompt and the target regenerates the rest (greedy, or sampled with a seed
 derived from the batch index so a resumed run regenerates the same text), so the drafter learns
-the target's own distribution, not the corpus's.
+the target's own distribution, not the corpus's. On conversations the target writes each assistant turn itself
+instead, turn by turn after the turns before it (`regenerate_turns`); user, system and tool turns stay byte for byte.
 """
 
 from __future__ import annotations
@@ -28,10 +35,65 @@ from pathlib import Path
 
 import torch
 
+from recycle.chat import ChatRenderer, Conversation, Document, RenderError, has_conversations, read_template
 from recycle.errors import RecycleError
-from recycle.texts import DataSource, data_source, load_texts, split_tail  # noqa: F401  (re-exported)
+from recycle.texts import DataSource, ReadLog, data_source, load_texts, split_tail  # noqa: F401  (re-exported)
 
 ENCODE_CHUNK = 32  # documents per tokenizer call (the fast tokenizer batches internally)
+CHECK_CONVERSATIONS = 256  # rendered before any model loads: a template that renders none of them is refused
+
+# (indices of the documents, the documents, a key naming the chunk's place in the stream) -> the documents to encode
+Rewrite = Callable[[list[int], list[Document], str], list[Document]]
+# (prompts' token ids, max new tokens, temperature (0: greedy), seed, stop token ids) -> each prompt's new token ids
+Generate = Callable[[list[list[int]], int, float, int, list[int]], list[list[int]]]
+
+
+def chat_renderer(docs: list[Document], tokenizer, where: str, template: str | Path | None = None,
+                  log: ReadLog | None = None) -> ChatRenderer | None:
+    """The renderer for a source's conversations (None when it holds only text), checked on the first
+    CHECK_CONVERSATIONS of them now, before any model loads: a target without a template, or a template that
+    renders none of them, is refused in one line."""
+    if not has_conversations(docs):
+        return None
+    renderer = ChatRenderer(tokenizer, where, read_template(template) if template else None)
+    sample = [d for d in docs if isinstance(d, Conversation)][:CHECK_CONVERSATIONS]
+    errors = []
+    for conv in sample:
+        try:
+            renderer.render(conv)
+            return renderer
+        except RenderError as e:
+            errors.append(str(e))
+    raise RecycleError(f"--data: none of the first {len(sample)} conversations renders with {where}'s chat template "
+                       f"({errors[0]})")
+
+
+def source_renderer(opts, tokenizer, docs: list[Document] | None = None) -> ChatRenderer | None:
+    """`chat_renderer` for a distill or harvest run's options (`--data`, `--target`, `--chat-template`)."""
+    src = data_source(opts.data)
+    return chat_renderer(docs if docs is not None else src.train(), tokenizer, str(opts.target), opts.chat_template,
+                         src.log)
+
+
+def encode(docs: list[Document], tokenizer, renderer: ChatRenderer | None, skipped: Callable[[int, str], None]
+           ) -> Iterator[tuple[list[int], list[bool] | None]]:
+    """Each document's ids and mask, EOS appended (masked out after a conversation; text's mask None). A
+    conversation that fails to render yields nothing and is reported to `skipped(index, reason)`."""
+    eos = tokenizer.eos_token_id
+    for start in range(0, len(docs), ENCODE_CHUNK):
+        chunk = docs[start:start + ENCODE_CHUNK]
+        texts = [d for d in chunk if not isinstance(d, Conversation)]
+        encoded = iter(tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else [])
+        for i, d in enumerate(chunk):
+            if not isinstance(d, Conversation):
+                yield next(encoded) + ([eos] if eos is not None else []), None
+                continue
+            try:
+                r = renderer.render(d)
+            except RenderError as e:
+                skipped(start + i, str(e))
+                continue
+            yield r.ids + ([eos] if eos is not None else []), r.mask + ([False] if eos is not None else [])
 
 
 @dataclass
@@ -43,41 +105,68 @@ class Position:
 
 
 class PackedStream:
-    """Deterministic stream of `seq_len`-token windows over shuffled, EOS-separated documents."""
+    """Deterministic stream of `seq_len`-token windows over shuffled, EOS-separated documents, with their
+    assistant masks where the documents hold conversations (rendered by `renderer`; `log` counts what it skips;
+    `rewrite(indices, documents, key)` replaces a chunk of documents before they are encoded: `--self-distill` on
+    conversations)."""
 
-    def __init__(self, texts: Callable[[], list[str]], tokenizer, seq_len: int, seed: int = 0) -> None:
+    def __init__(self, texts: Callable[[], list[Document]], tokenizer, seq_len: int, seed: int = 0,
+                 renderer: ChatRenderer | None = None, log: ReadLog | None = None,
+                 rewrite: Rewrite | None = None) -> None:
         if seq_len < 8:
             raise RecycleError(f"--seq-len must be at least 8, got {seq_len}")
         self.tokenizer, self.seq_len, self.seed = tokenizer, seq_len, seed
+        self.renderer, self.log, self.rewrite = renderer, log, rewrite
+        self.failed: set[int] = set()
         tokenizer.model_max_length = 1 << 62  # documents are cut into windows here, never fed whole
         self._texts_fn, self._texts = texts, None
         self.eos = tokenizer.eos_token_id
         self.pos = Position()
         self._it: Iterator[list[int]] | None = None
 
-    def texts(self) -> list[str]:
+    def texts(self) -> list[Document]:
         if self._texts is None:
             self._texts = self._texts_fn()
             if not self._texts:
                 raise RecycleError("the training data holds no text")
+            if has_conversations(self._texts) and self.renderer is None:
+                raise RecycleError("the training data holds conversations: a chat renderer is needed")
         return self._texts
 
-    def _epoch(self, epoch: int) -> Iterator[list[int]]:
-        texts = self.texts()
-        order = list(range(len(texts)))
+    @property
+    def masked(self) -> bool:
+        return self.renderer is not None
+
+    def _skipped(self, index: int, reason: str) -> None:
+        if index not in self.failed and self.log is not None:  # counted once, not once per epoch
+            self.log.skip(reason)
+        self.failed.add(index)
+
+    def order(self, epoch: int) -> list[int]:
+        """The documents' indices in the order epoch `epoch` reads them."""
+        order = list(range(len(self.texts())))
         random.Random(f"{self.seed}:{epoch}").shuffle(order)
+        return order
+
+    def _epoch(self, epoch: int) -> Iterator[tuple[list[int], list[bool] | None]]:
+        texts = self.texts()
+        order = self.order(epoch)
         buf: list[int] = []
+        mbuf: list[bool] = []
         produced = 0
         for start in range(0, len(order), ENCODE_CHUNK):
-            batch = [texts[i] for i in order[start:start + ENCODE_CHUNK]]
-            for ids in self.tokenizer(batch, add_special_tokens=False)["input_ids"]:
+            idx = order[start:start + ENCODE_CHUNK]
+            chunk = [texts[i] for i in idx]
+            if self.rewrite is not None:
+                chunk = self.rewrite(idx, chunk, f"{self.seed}:{epoch}:{start}")
+            for j, (ids, mask) in enumerate(encode(chunk, self.tokenizer, self.renderer,
+                                                   lambda i, why: self._skipped(idx[i], why))):
                 buf.extend(ids)
-                if self.eos is not None:
-                    buf.append(self.eos)
+                mbuf.extend(mask if mask is not None else [True] * len(ids))
             while len(buf) >= self.seq_len:
-                yield buf[:self.seq_len]
+                yield buf[:self.seq_len], (mbuf[:self.seq_len] if self.masked else None)
                 produced += 1
-                buf = buf[self.seq_len:]
+                buf, mbuf = buf[self.seq_len:], mbuf[self.seq_len:]
         if produced == 0:
             raise RecycleError(f"the training data holds fewer than --seq-len {self.seq_len} tokens")
 
@@ -91,50 +180,166 @@ class PackedStream:
 
     def take(self, n: int) -> torch.Tensor:
         """The next n sequences as a [n, seq_len] long tensor (rolls over into the next epoch)."""
-        rows = []
+        return self.take_masked(n)[0]
+
+    def take_masked(self, n: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The next n sequences and their assistant masks ([n, seq_len] bool; None for a text-only source)."""
+        rows, masks = [], []
         if self._it is None:
             self.seek(self.pos)
         while len(rows) < n:
             try:
-                rows.append(next(self._it))
+                ids, mask = next(self._it)
+                rows.append(ids)
+                masks.append(mask)
                 self.pos.taken += 1
             except StopIteration:
                 self.pos = Position(self.pos.epoch + 1, 0)
                 self._it = self._epoch(self.pos.epoch)
-        return torch.tensor(rows, dtype=torch.long)
+        return torch.tensor(rows, dtype=torch.long), (torch.tensor(masks, dtype=torch.bool) if self.masked else None)
 
 
 def heldout_batch(tokenizer, seq_len: int, rows: int, data: str | Path | None = None) -> torch.Tensor:
-    """A fixed evaluation batch from the held-out side of `--data` (the stdlib held-out split without it).
+    """The held-out rows alone (text sources; see `heldout_rows`)."""
+    return heldout_rows(tokenizer, seq_len, rows, data)[0]
+
+
+def heldout_rows(tokenizer, seq_len: int, rows: int, data: str | Path | None = None,
+                 renderer: ChatRenderer | None = None,
+                 rewrite: Rewrite | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A fixed evaluation batch from the held-out side of `--data` (the stdlib held-out split without it), with its
+    assistant mask when it holds conversations; `rewrite` replaces each chunk of documents before it is encoded
+    (`--self-distill` on conversations: only the documents the batch reads are regenerated).
 
     One window per document, from the middle of each (documents in a fixed shuffled order), so the
     rows span `rows` documents and start in their body, not in licence headers; held-out text with too
     few long documents is packed like the training stream instead, and text shorter than one window
-    gives one shorter window.
+    gives one shorter window. Conversations are packed whole.
     """
     texts = data_source(data).heldout()
     if not texts:
         raise RecycleError(f"--data {data}: no held-out text (its tail is empty)")
+    if has_conversations(texts) and renderer is None:
+        raise RecycleError(f"--data {data}: its held-out side holds conversations: a chat renderer is needed")
     order = list(range(len(texts)))
     random.Random("heldout").shuffle(order)
     tokenizer.model_max_length = 1 << 62
-    eos = tokenizer.eos_token_id
     windows: list[list[int]] = []
     packed: list[int] = []
-    for start in range(0, len(order), ENCODE_CHUNK):
-        for enc in tokenizer([texts[i] for i in order[start:start + ENCODE_CHUNK]], add_special_tokens=False)["input_ids"]:
-            if len(enc) >= 2 * seq_len and len(windows) < rows:
-                mid = (len(enc) - seq_len) // 2
-                windows.append(enc[mid:mid + seq_len])
-            if len(packed) < rows * seq_len:
-                packed.extend(enc + ([eos] if eos is not None else []))
+    pmask: list[bool] = []
+    def documents() -> Iterator[tuple[list[int], list[bool] | None]]:
+        for start in range(0, len(order), ENCODE_CHUNK):
+            idx = order[start:start + ENCODE_CHUNK]
+            chunk = [texts[i] for i in idx]
+            if rewrite is not None:
+                chunk = rewrite(idx, chunk, f"heldout:{start}")
+            yield from encode(chunk, tokenizer, renderer, lambda i, why: None)
+
+    for ids, mask in documents():
+        body = ids[:-1] if tokenizer.eos_token_id is not None else ids
+        if mask is None and len(body) >= 2 * seq_len and len(windows) < rows:
+            mid = (len(body) - seq_len) // 2
+            windows.append(body[mid:mid + seq_len])
+        if len(packed) < rows * seq_len:
+            packed.extend(ids)
+            pmask.extend(mask if mask is not None else [True] * len(ids))
         if len(windows) >= rows:
-            return torch.tensor(windows, dtype=torch.long)
+            return torch.tensor(windows, dtype=torch.long), None
+        if len(packed) >= rows * seq_len and renderer is not None:
+            break
     if len(packed) < 8:
         raise RecycleError(f"--data {data}: its held-out side holds only {len(packed)} tokens")
     width = min(seq_len, len(packed))
     n = max(1, min(rows, len(packed) // width))
-    return torch.tensor([packed[i * width:(i + 1) * width] for i in range(n)], dtype=torch.long)
+    ids_t = torch.tensor([packed[i * width:(i + 1) * width] for i in range(n)], dtype=torch.long)
+    mask_t = torch.tensor([pmask[i * width:(i + 1) * width] for i in range(n)], dtype=torch.bool)
+    return ids_t, (mask_t if renderer is not None else None)
+
+
+def mask_steps(steps: list, mask: torch.Tensor | None) -> list:
+    """Only assistant predictions count: step k at anchor i predicts t_{i+k+2} (every unroller's convention,
+    `recycle.distill.unroll`), so its rows keep mask[:, i+k+2]. A None mask leaves the steps as they are."""
+    if mask is None:
+        return steps
+    t = steps[0].rows // mask.shape[0] if steps else 0
+    for k, s in enumerate(steps):
+        keep = mask[:, k + 2:k + 2 + t].reshape(-1).to(s.labels.device)
+        s.mask = keep if s.mask is None else (s.mask & keep)
+    return steps
+
+
+def in_process(model, pad_id: int | None, batch: int = 32) -> Generate:
+    """`Generate` with the target in this process (transformers' `generate`): prompts left-padded into batches of
+    `batch`, each row stopping at the first stop id (the rest of its batch runs on; what follows is cut)."""
+
+    @torch.no_grad()
+    def generate(prompts: list[list[int]], max_new: int, temperature: float, seed: int, stops: list[int]
+                 ) -> list[list[int]]:
+        device = next(model.parameters()).device
+        pad = pad_id if pad_id is not None else (stops[-1] if stops else 0)
+        kwargs: dict = {"do_sample": temperature > 0}
+        if temperature > 0:
+            kwargs.update(temperature=temperature, top_k=0)
+            torch.manual_seed(seed)
+        out: list[list[int]] = []
+        for lo in range(0, len(prompts), batch):
+            part = prompts[lo:lo + batch]
+            width = max(len(p) for p in part)
+            ids = torch.tensor([[pad] * (width - len(p)) + p for p in part], device=device)
+            attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in part], device=device)
+            out += model.generate(ids, attention_mask=attn, max_new_tokens=max_new, eos_token_id=stops or None,
+                                  pad_token_id=pad, **kwargs)[:, width:].tolist()
+        return out
+
+    return generate
+
+
+def regenerate_turns(generate: Generate, renderer: ChatRenderer, docs: list[Document], temperature: float, seed: int,
+                     max_new_tokens: int) -> list[Document]:
+    """Self-distillation on conversations: the target writes every assistant turn, in order, each after the turns
+    before it as regenerated (greedy, or sampled at `temperature`, round r seeded with `seed + r`), until the
+    template's end-of-turn token or `max_new_tokens`. User, system and tool turns are kept byte for byte; text
+    documents pass through. `generate` runs the target: in this process (`in_process`) or in vLLM (`harvest`)."""
+    tok = renderer.tokenizer
+    stops = renderer.stop_ids()
+    work = [[dict(m) for m in d.messages] if isinstance(d, Conversation) else None for d in docs]
+    rounds = max((len(d.assistant_turns()) for d in docs if isinstance(d, Conversation)), default=0)
+    for r in range(rounds):
+        todo = [(ci, d.assistant_turns()[r]) for ci, d in enumerate(docs)
+                if isinstance(d, Conversation) and len(d.assistant_turns()) > r]
+        prompts = [tok(renderer.prompt(work[ci][:ti]), add_special_tokens=False)["input_ids"] for ci, ti in todo]
+        for (ci, ti), new in zip(todo, generate(prompts, max_new_tokens, temperature, seed + r, stops)):
+            end = next((j for j, t in enumerate(new) if t in stops), len(new))
+            msg = {k: v for k, v in work[ci][ti].items() if k in ("role", "name")}
+            msg["content"] = tok.decode(new[:end], skip_special_tokens=False)
+            work[ci][ti] = msg
+    return [Conversation(tuple(w), d.kind) if w is not None else d for w, d in zip(work, docs)]
+
+
+class Regenerated:
+    """`harvest --self-distill` on conversations: each conversation the stream reads, regenerated once, a block of
+    `block` at a time in the order the stream's first epoch reads them (so one engine run serves many chunks;
+    later epochs reuse what the first one regenerated). `rewrite` is the stream's hook; `done` what was written."""
+
+    def __init__(self, stream: PackedStream, generate: Generate, temperature: float, seed: int, max_new: int,
+                 block: int) -> None:
+        self.stream, self.generate = stream, generate
+        self.temperature, self.seed, self.max_new, self.block = temperature, seed, max_new, max(1, block)
+        self.done: dict[int, Document] = {}
+        self.runs = 0
+
+    def rewrite(self, indices: list[int], docs: list[Document], key: str) -> list[Document]:
+        missing = [i for i in indices if i not in self.done]
+        if missing:
+            order = self.stream.order(0)
+            at = order.index(missing[0])
+            todo = list(dict.fromkeys(missing + [i for i in order[at:] if i not in self.done][:self.block]))
+            texts = self.stream.texts()
+            new = regenerate_turns(self.generate, self.stream.renderer, [texts[i] for i in todo], self.temperature,
+                                   self.seed + 1000 * self.runs, self.max_new)
+            self.done.update(zip(todo, new))
+            self.runs += 1
+        return [self.done[i] for i in indices]
 
 
 @torch.no_grad()

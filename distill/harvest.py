@@ -31,7 +31,8 @@ import torch
 from safetensors.torch import load_file
 
 from recycle.checkpoint import Checkpoint, load_json
-from recycle.distill.data import PackedStream, data_source, heldout_batch
+from recycle.distill.data import (
+    Generate, PackedStream, Regenerated, data_source, heldout_rows, regenerate_turns, source_renderer)
 from recycle.distill.schedule import EVAL_KEY, Schedule, eval_prompt_len
 from recycle.distill.teacher import store_features
 from recycle.errors import RecycleError
@@ -39,6 +40,7 @@ from recycle.families import match
 from recycle.options import DataOptions, HarvestOptions
 
 MANIFEST = "manifest.json"
+REGENERATED = "regenerated.jsonl"  # --self-distill on conversations: what the target wrote, reusable as --data
 FORMAT = "recycle-hidden-cache/1"
 
 
@@ -58,11 +60,31 @@ def fingerprint(target: str | os.PathLike) -> dict:
 
 def manifest_for(opts: HarvestOptions, keys: list[str], fp: dict | None = None) -> dict:
     return {"format": FORMAT, "target": str(Path(opts.target).resolve()), "fingerprint": fp or fingerprint(opts.target),
-            "aux_layers": list(opts.aux_layers), "data": opts.data, "seq_len": opts.seq_len, "batch": opts.batch,
+            "aux_layers": list(opts.aux_layers), "data": opts.data, "chat_template": opts.chat_template,
+            "seq_len": opts.seq_len, "batch": opts.batch,
             "seed": opts.seed, "tokens": opts.tokens, "keys": keys, "dtype": "bfloat16",
             "eval_rows": opts.eval_rows, "eval_prompt_len": opts.eval_prompt_len,
             "self_distill": {"prompt_len": opts.prompt_len, "temperature": opts.sd_temperature,
                              "continuation": "vLLM"} if opts.self_distill else None}
+
+
+def vllm_generate(target: str, parallel: dict | None = None) -> Generate:
+    """`Generate` in vLLM: one engine run per call (all of a round's prompts at once), rows stopping at the stop ids."""
+    from recycle.engines.vllm_env import run_job
+
+    def generate(prompts: list[list[int]], max_new: int, temperature: float, seed: int, stops: list[int]
+                 ) -> list[list[int]]:
+        if not prompts:
+            return []
+        res = run_job({"target": target, "prompt_ids": prompts, "max_new_tokens": max_new, "temperature": temperature,
+                       "seed": seed, "stop_token_ids": stops, "parallel": parallel or {},
+                       "max_model_len": max(len(p) for p in prompts) + max_new + 8,
+                       "runs": [{"name": "turns", "speculative_config": None}]})["turns"]
+        if "error" in res:
+            raise RecycleError(f"vLLM: {res['error']}")
+        return res["tokens"]
+
+    return generate
 
 
 def check_manifest(cache: Path, opts: DataOptions, aux_layers: list[int], world: int) -> dict:
@@ -83,7 +105,8 @@ def check_manifest(cache: Path, opts: DataOptions, aux_layers: list[int], world:
         raise RecycleError(f"--cache-hidden {cache}: harvested with --prompt-len {sd.get('prompt_len')} "
                            f"--sd-temperature {sd.get('temperature')} (distill: {opts.prompt_len}, "
                            f"{opts.sd_temperature})")
-    want = {"aux_layers": list(aux_layers), "data": opts.data, "seq_len": opts.seq_len, "batch": opts.batch,
+    want = {"aux_layers": list(aux_layers), "data": opts.data, "chat_template": opts.chat_template,
+            "seq_len": opts.seq_len, "batch": opts.batch,
             "seed": opts.seed, "eval_rows": opts.eval_rows, "eval_prompt_len": opts.eval_prompt_len}
     got = {k: m.get(k) for k in want}
     if got != want:
@@ -99,20 +122,48 @@ def check_manifest(cache: Path, opts: DataOptions, aux_layers: list[int], world:
     return m
 
 
-def eval_rows(opts: HarvestOptions, tokenizer) -> tuple[torch.Tensor, int]:
-    """distill's held-out rows and how many tokens of each stay as the prompt (0: scored as they are)."""
-    ev = heldout_batch(tokenizer, opts.seq_len, opts.eval_rows, opts.data)
-    return ev, eval_prompt_len(ev.shape[1], opts.eval_prompt_len)
+Window = tuple[str, torch.Tensor, torch.Tensor | None]  # (cache key, ids [n, T], assistant mask [n, T] or None)
 
 
-def plan(opts: HarvestOptions, tokenizer) -> list[tuple[str, torch.Tensor]]:
-    """(cache key, ids [n, T]) for every micro-batch distill will run, in order (one rank)."""
-    stream = PackedStream(data_source(opts.data).train, tokenizer, opts.seq_len, opts.seed)
-    out = []
+def eval_rows(opts: HarvestOptions, tokenizer, generate: Generate | None = None
+              ) -> tuple[torch.Tensor, int, torch.Tensor | None]:
+    """distill's held-out rows, how many tokens of each stay as the prompt (0: scored as they are, as conversations
+    always are) and their assistant mask (conversations; None for text). With `generate` (`--self-distill` on
+    conversations) the target writes the held-out conversations' assistant turns first, as distill does."""
+    renderer = source_renderer(opts, tokenizer)
+    rewrite = None
+    if generate is not None and renderer is not None:
+        rewrite = lambda idx, docs, key: regenerate_turns(  # noqa: E731
+            generate, renderer, docs, opts.sd_temperature, opts.seed, opts.seq_len)
+    ev, mask = heldout_rows(tokenizer, opts.seq_len, opts.eval_rows, opts.data, renderer, rewrite)
+    return ev, 0 if mask is not None else eval_prompt_len(ev.shape[1], opts.eval_prompt_len), mask
+
+
+def plan(opts: HarvestOptions, tokenizer, generate: Generate | None = None
+         ) -> tuple[list[Window], Regenerated | None]:
+    """Every micro-batch distill will run, in order (one rank), as (cache key, ids, assistant mask); conversations are
+    rendered with the target's template, as distill renders them. With `generate` and `--self-distill` on
+    conversations the target writes every assistant turn the windows read (`Regenerated`, also returned)."""
+    renderer = source_renderer(opts, tokenizer)
+    src = data_source(opts.data)
+    stream = PackedStream(src.train, tokenizer, opts.seq_len, opts.seed, renderer, src.log)
+    regen = None
+    if renderer is not None and opts.self_distill:
+        if generate is None:
+            raise RecycleError("--self-distill on conversations: the target must write the assistant turns "
+                               "(harvest runs them in vLLM)")
+        docs = stream.texts()
+        sample = [renderer.render(d) for d in docs[:64] if not isinstance(d, str)]
+        per_doc = sum(len(r.ids) for r in sample) / max(1, len(sample))
+        regen = Regenerated(stream, generate, opts.sd_temperature, opts.seed, opts.seq_len,
+                            block=int(1.1 * opts.tokens / max(1.0, per_doc)) + 32)
+        stream.rewrite = regen.rewrite
+    out: list[Window] = []
     for step in Schedule(opts.tokens, opts.batch, opts.seq_len).steps():
-        rows = stream.take(len(step.lengths))
-        out += [(mb.key, rows[list(mb.rows), :mb.length]) for mb in step.micro_batches()]
-    return out
+        rows, masks = stream.take_masked(len(step.lengths))
+        out += [(mb.key, rows[list(mb.rows), :mb.length], masks[list(mb.rows), :mb.length] if masks is not None else None)
+                for mb in step.micro_batches()]
+    return out, regen
 
 
 def final_norm(target: str | os.PathLike):
@@ -151,11 +202,13 @@ class _Job:
         if bad:
             raise RecycleError(f"aux layer {bad[0]}: the target has {n} layers")
         self.tokenizer = AutoTokenizer.from_pretrained(opts.target)
-        self.batches = plan(opts, self.tokenizer)
+        self.target = str(Path(opts.target).resolve())
+        self.chat = source_renderer(opts, self.tokenizer) is not None
+        gen = vllm_generate(self.target, opts.parallel) if self.chat and opts.self_distill else None
+        self.batches, self.regenerated = plan(opts, self.tokenizer, gen)
         self.norm = final_norm(opts.target)
         self.layers = [*opts.aux_layers, n] if n not in opts.aux_layers else list(opts.aux_layers)
-        self.eval, self.prompt = eval_rows(opts, self.tokenizer)
-        self.target = str(Path(opts.target).resolve())
+        self.eval, self.prompt, self.eval_mask = eval_rows(opts, self.tokenizer, gen)
 
     def regenerate_eval(self) -> None:
         """The held-out rows' continuations, written by the target in vLLM (greedy, as distill does)."""
@@ -176,14 +229,14 @@ class _Job:
         not the same draws)."""
         from recycle.engines.vllm_env import run_job
 
-        if not self.opts.self_distill:
+        if not self.opts.self_distill or self.chat:  # conversations: their turns were regenerated by `plan`
             return
         p = self.opts.prompt_len
         if not 1 <= p < self.opts.seq_len:
             raise RecycleError(f"--prompt-len must be in [1, {self.opts.seq_len - 1}], got {p}")
         # distill continues whole rows and then cuts the budget's last ones: a cut row is a prefix of that
         # (no shorter than the prompt: then it is the data's own text)
-        todo = [row for _, ids in self.batches for row in ids if len(row) > p]
+        todo = [row for _, ids, _ in self.batches for row in ids if len(row) > p]
         gen = run_job({"target": self.target, "prompt_ids": [r[:p].tolist() for r in todo],
                        "max_new_tokens_each": [len(r) - p for r in todo], "temperature": self.opts.sd_temperature,
                        "seed": self.opts.seed, "max_model_len": self.opts.seq_len + 8,
@@ -193,20 +246,34 @@ class _Job:
         it = iter(gen["tokens"])
         self.batches = [(key, ids if ids.shape[1] <= p else
                          torch.cat([ids[:, :p], torch.tensor([next(it) for _ in range(ids.shape[0])], dtype=ids.dtype)],
-                                   dim=1))
-                        for key, ids in self.batches]
+                                   dim=1), mask)
+                        for key, ids, mask in self.batches]
 
     def manifest(self, extra: dict | None = None) -> dict:
-        m = manifest_for(self.opts, [k for k, _ in self.batches], self.fp)
+        m = manifest_for(self.opts, [k for k, _, _ in self.batches], self.fp)
         m["eval"] = {"rows": int(self.eval.shape[0]), "seq_len": int(self.eval.shape[1]), "prompt_len": self.prompt,
-                     "continuation": "vLLM greedy" if self.prompt else "none (the held-out text itself)"}
+                     "continuation": "vLLM greedy" if self.prompt else "the target's own assistant turns (vLLM)"
+                     if self.regenerated is not None else "none (the held-out text itself)"}
+        if self.chat:
+            m["chat"] = {"assistant_mask": "stored with every key",
+                         "regenerated": f"{REGENERATED} ({len(self.regenerated.done)} conversations, every assistant "
+                         "turn written by the target in vLLM)" if self.regenerated is not None else None}
         return m | (extra or {})
+
+    def save_regenerated(self, dest: Path) -> None:
+        """The conversations vLLM regenerated, as JSONL rows in the order training reads them (reusable as --data)."""
+        if self.regenerated is None:
+            return
+        order = {i: n for n, i in enumerate(self.regenerated.stream.order(0))}
+        rows = [self.regenerated.done[i] for i in sorted(self.regenerated.done, key=order.__getitem__)]
+        dest.write_text("".join(json.dumps(d.to_json()) + "\n" for d in rows if not isinstance(d, str)),
+                        encoding="utf-8")
 
     def job(self, raw: Path, **how) -> dict:
         return {"mode": "harvest", "target": self.target, "layers": self.layers, "out_dir": str(raw.resolve()),
                 "parallel": self.opts.parallel or {}, **how}
 
-    def store(self, dest: Path, ids: torch.Tensor, files: list[str]) -> None:
+    def store(self, dest: Path, ids: torch.Tensor, files: list[str], mask: torch.Tensor | None = None) -> None:
         """One key's cache file from vLLM's per-window files (which are then removed)."""
         hs = torch.stack([load_file(f)["hidden_states"] for f in files])  # [n, T, len(layers), H]
         n, layers = self.n_layers, self.layers
@@ -215,7 +282,7 @@ class _Job:
         if self.opts.aux_layers:  # transformers' hidden_states[L] is the normed state
             aux = torch.cat([self.norm(hs[:, :, layers.index(i)]) if i == n else hs[:, :, layers.index(i)]
                              for i in self.opts.aux_layers], dim=-1)
-        store_features(dest, ids, last, aux)
+        store_features(dest, ids, last, aux, mask)
         for f in files:
             Path(f).unlink(missing_ok=True)
 
@@ -235,16 +302,17 @@ def harvest(opts: HarvestOptions, progress=None) -> dict:
     try:
         job.regenerate_eval()
         job.regenerate_windows()
-        batches = [*job.batches, (EVAL_KEY, job.eval)]
-        windows = [row.tolist() for _, ids in batches for row in ids]
+        batches = [*job.batches, (EVAL_KEY, job.eval, job.eval_mask)]
+        windows = [row.tolist() for _, ids, _ in batches for row in ids]
         res = run_job(job.job(work / "raw", windows=windows), env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
         files = iter(res["files"])
-        for key, ids in batches:
-            job.store(work / f"{key}.safetensors", ids, [next(files) for _ in range(ids.shape[0])])
+        for key, ids, mask in batches:
+            job.store(work / f"{key}.safetensors", ids, [next(files) for _ in range(ids.shape[0])], mask)
             if progress is not None:
                 progress(key)
         shutil.rmtree(work / "raw")
-        tokens = sum(int(ids.numel()) for _, ids in job.batches)
+        job.save_regenerated(work / REGENERATED)
+        tokens = sum(int(ids.numel()) for _, ids, _ in job.batches)
         manifest = job.manifest({"engine": {"seconds": round(res["seconds"], 3),
                                             "tokens_per_s": round(tokens / res["seconds"])}})
         (work / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
@@ -324,18 +392,18 @@ class OnlineHarvest:
         try:
             self.job.regenerate_eval()
             engine.start()
-            self._serve(0, EVAL_KEY, self.job.eval)
+            self._serve(0, EVAL_KEY, self.job.eval, self.job.eval_mask)
             while self._start_step is None and not self._closed:
                 time.sleep(self.POLL_S)
             n = 1
-            for key, ids in self.job.batches:
+            for key, ids, mask in self.job.batches:
                 if self._closed:
                     break
                 if int(key[1:9]) < (self._start_step or 0):
                     continue
                 while len(self._present()) >= self.ahead and not self._closed:
                     time.sleep(self.POLL_S)
-                self._serve(n, key, ids)
+                self._serve(n, key, ids, mask)
                 n += 1
         except BaseException as e:  # noqa: BLE001 - handed to the consumer, which raises it as one line
             self.error = e
@@ -353,7 +421,7 @@ class OnlineHarvest:
         except BaseException as e:  # noqa: BLE001
             self.error = e
 
-    def _serve(self, n: int, key: str, ids: torch.Tensor) -> None:
+    def _serve(self, n: int, key: str, ids: torch.Tensor, mask: torch.Tensor | None = None) -> None:
         tmp = self.feed / f".{n:06d}.tmp"
         tmp.write_text(json.dumps({"windows": ids.tolist()}))
         tmp.rename(self.feed / f"{n:06d}.json")
@@ -363,7 +431,7 @@ class OnlineHarvest:
                 raise self.error or RecycleError("online harvest: closed")
             time.sleep(self.POLL_S)
         files = json.loads(done.read_text())["files"]
-        self.job.store(self.dir / f"{key}.safetensors", ids, files)
+        self.job.store(self.dir / f"{key}.safetensors", ids, files, mask)
         sizes = []
         for p in self._present():  # the consumer deletes what it read at any moment: a file gone since the listing
             with contextlib.suppress(FileNotFoundError):  # no longer counts

@@ -185,13 +185,15 @@ class Teacher:
                 self._store(key, ids, last, aux)
         return TeacherOut(last, aux, self.logits)
 
-    def cached_ids(self, key: str) -> torch.Tensor:
-        """The token ids stored under `key` (a harvested cache's evaluation rows)."""
+    def cached_rows(self, key: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The token ids stored under `key` (a harvested cache's evaluation rows, or the rows vLLM regenerated),
+        and their assistant mask where the rows are conversations (None otherwise)."""
         if self.producer is not None:
             self.producer.wait(key)
         path = self._path(key)
         try:
-            return load_file(str(path))["input_ids"]
+            t = load_file(str(path))
+            return t["input_ids"], t.get(MASK_KEY)
         except Exception as e:  # noqa: BLE001 - missing or torn: the cache is unusable for this
             raise RecycleError(f"--cache-hidden {self.cache_dir}: no readable {path.name} ({type(e).__name__})") from None
 
@@ -216,12 +218,19 @@ class Teacher:
         store_features(self._path(key), ids, last, aux)
 
 
-def store_features(path: Path, ids: torch.Tensor, last: torch.Tensor, aux: torch.Tensor | None) -> None:
+MASK_KEY = "assistant_mask"  # conversations: which positions are assistant tokens (bool, as the ids)
+
+
+def store_features(path: Path, ids: torch.Tensor, last: torch.Tensor, aux: torch.Tensor | None,
+                   mask: torch.Tensor | None = None) -> None:
     """One `--cache-hidden` file (the one format the distiller and `recycle harvest` write): input ids,
-    the final-normed last state and the concatenated aux layers, bf16, written atomically."""
+    the final-normed last state and the concatenated aux layers, bf16, and for conversations the assistant mask,
+    written atomically."""
     tensors = {"input_ids": ids.cpu().contiguous(), "last": last.to(torch.bfloat16).cpu().contiguous()}
     if aux is not None:
         tensors["aux"] = aux.to(torch.bfloat16).cpu().contiguous()
+    if mask is not None:
+        tensors[MASK_KEY] = mask.to(torch.bool).cpu().contiguous()
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     save_file(tensors, str(tmp))
     os.replace(tmp, path)

@@ -37,6 +37,7 @@ Choices and why:
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
 import shutil
@@ -56,7 +57,9 @@ from recycle import __version__
 from recycle.checkpoint import load_json
 from recycle.corpus import is_corpus_name
 from recycle.distill import state
-from recycle.distill.data import PackedStream, Position, data_source, heldout_batch, regenerate
+from recycle.distill.data import (
+    PackedStream, Position, data_source, heldout_rows, in_process, mask_steps, regenerate, regenerate_turns,
+    source_renderer)
 from recycle.distill.freeze import check_groups, freeze
 from recycle.distill.losses import distill_loss, step_terms
 from recycle.distill.schedule import EVAL_KEY, Schedule, Step, eval_prompt_len
@@ -69,10 +72,11 @@ from recycle.preflight import parse_tokens  # noqa: F401  (the CLI and benchmark
 __all__ = ["DistillOptions", "Distiller", "distill", "default_precision", "expected_length", "parse_tokens"]
 
 
-def _passes(tokens: int, texts: list[str], tokenizer, sample: int = 64) -> float:
+def _passes(tokens: int, texts: list, tokenizer, sample: int = 64) -> float:
     """How many times a budget reads the training side: its tokens estimated from the characters and the
-    tokenizer's characters per token on the first documents (tokenizing all of a large corpus takes minutes)."""
-    head = texts[:sample]
+    tokenizer's characters per token on the first documents (tokenizing all of a large corpus takes minutes;
+    a conversation counts its turns' characters, the template's own tokens aside)."""
+    head = [t if isinstance(t, str) else "".join(m.get("content") or "" for m in t.messages) for t in texts[:sample]]
     chars = sum(len(t) for t in head)
     ids = sum(len(x) for x in tokenizer(head, add_special_tokens=False)["input_ids"]) if chars else 0
     total = sum(len(t) for t in texts) * (ids / chars if chars else 0.25)
@@ -250,6 +254,12 @@ class Distiller:
         with self._phase("reading the data and the tokenizer"):
             self.tokenizer = self._tokenizer()
             texts = self.source.train()  # now: bad data surfaces before any model is built
+            self.renderer = source_renderer(o, self.tokenizer, texts)  # conversations: the template, checked now
+        if o.self_distill and self.renderer is None and not 1 <= o.prompt_len < o.seq_len:  # text: a window's prompt
+            raise RecycleError(f"--prompt-len must be in [1, {o.seq_len - 1}], got {o.prompt_len}")
+        if self.renderer is not None and o.self_distill and o.online is not None:
+            raise RecycleError("--self-distill on conversations: not with --online (run recycle harvest --self-distill "
+                               "first, then distill --cache-hidden on its cache)")
         self.data_passes = _passes(o.tokens, texts, self.tokenizer)
         if self.data_passes > PASSES_WARN:
             self._note(f"note: --tokens {o.tokens:,} is about {self.data_passes:.0f} passes over the training side of "
@@ -303,7 +313,8 @@ class Distiller:
                 self.producer = OnlineHarvest(HarvestOptions(
                     target=o.target, out=o.cache_hidden, tokens=o.tokens, data=o.data, seq_len=o.seq_len,
                     batch=o.batch, seed=o.seed, aux_layers=tuple(aux or ()), eval_rows=o.eval_rows,
-                    eval_prompt_len=o.eval_prompt_len, parallel=o.vllm_parallel), o.online)
+                    eval_prompt_len=o.eval_prompt_len, parallel=o.vllm_parallel, chat_template=o.chat_template),
+                    o.online)
                 self.producer.wait(EVAL_KEY)  # vLLM's engine start and the held-out rows come first
         if o.cache_hidden and (Path(o.cache_hidden) / "manifest.json").is_file():  # made by `recycle harvest`
             from recycle.distill.harvest import check_manifest
@@ -322,7 +333,10 @@ class Distiller:
         self.model = model
         if self.unroller.positions(o.seq_len) < 1:
             raise RecycleError(f"--seq-len {o.seq_len} is too short for {self.unroller.steps} draft steps")
-        self.stream = PackedStream(self.source.train, self.tokenizer, o.seq_len, o.seed)
+        # conversations regenerated here, unless harvest's vLLM wrote them (the cache holds each key's rows and mask)
+        rewrite = self._regenerate_chunk if self.renderer is not None and o.self_distill and not harvested else None
+        self.stream = PackedStream(self.source.train, self.tokenizer, o.seq_len, o.seed, self.renderer,
+                                   self.source.log, rewrite)
         self.stream.texts()  # read already (validation): the packing's cost is the first step's
         self.frozen = freeze(model, o.freeze)  # after the format's own (embedding, head)
         self.sharded = self._shard(model)
@@ -331,18 +345,48 @@ class Distiller:
                                      foreach=True)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(self.schedule.total_steps, o.warmup,
                                                                            o.min_lr))
+        self.eval_mask = None
         if harvested is not None:  # vLLM wrote the held-out continuations and their features
             self.eval_prompt = int(harvested["eval"]["prompt_len"])
-            self.eval_ids = self.teacher.cached_ids(EVAL_KEY).to(self.device)
+            ids, mask = self.teacher.cached_rows(EVAL_KEY)
+            self.eval_ids = ids.to(self.device)
             self.eval_teacher = self.teacher(self.eval_ids, EVAL_KEY)
+            if self.renderer is not None and mask is None:  # an older cache: the same rows, their mask rebuilt here
+                ev, mask = heldout_rows(self.tokenizer, o.seq_len, o.eval_rows, o.data, self.renderer)
+                mask = mask if torch.equal(ev, ids) else None
+            self.eval_mask = mask.to(self.device) if mask is not None else None
             return
         with self._phase(f"the target continues {o.eval_rows} held-out rows (the held-out estimate's text)"):
-            ev = heldout_batch(self.tokenizer, o.seq_len, o.eval_rows, o.data)
-            self.eval_prompt = eval_prompt_len(ev.shape[1], o.eval_prompt_len, self.unroller.steps)
+            rewrite = None
+            if self.renderer is not None and o.self_distill:  # the held-out conversations as the target answers them
+                rewrite = lambda idx, docs, key: self._regenerate_chunk(idx, docs, key, timed=False)  # noqa: E731
+            ev, mask = heldout_rows(self.tokenizer, o.seq_len, o.eval_rows, o.data, self.renderer, rewrite)
+            self.eval_mask = mask.to(self.device) if mask is not None else None
+            # conversations are scored on their assistant turns as they are; text rows continue from a prompt
+            self.eval_prompt = 0 if mask is not None else eval_prompt_len(ev.shape[1], o.eval_prompt_len,
+                                                                          self.unroller.steps)
             if self.eval_prompt:  # the text greedy decoding verifies
                 ev = regenerate(self.teacher.model, ev, self.eval_prompt, 0.0, o.seed)
             self.eval_ids = ev.to(self.device)
             self.eval_teacher = self.teacher(self.eval_ids)
+
+    def _regenerate_chunk(self, indices: list[int], docs: list, key: str, timed: bool = True) -> list:
+        """`--self-distill` on conversations: the target writes the assistant turns of a chunk of documents (seeded
+        by the chunk's place in the stream, so a resumed run writes the same); `--save-regenerated` keeps them."""
+        import zlib
+
+        o = self.opts
+        t0 = time.perf_counter()
+        was = self.teacher.model.training
+        out = regenerate_turns(in_process(self.teacher.model, self.tokenizer.pad_token_id), self.renderer, docs,
+                               o.sd_temperature, o.seed * 1_000_003 + zlib.crc32(key.encode()), o.seq_len)
+        self.teacher.model.train(was)
+        if timed:  # teacher compute, timed on its own (the held-out set's is set-up)
+            self.timing["generate_s"] += time.perf_counter() - t0
+        if o.save_regenerated and self.is_main:
+            with open(Path(o.save_regenerated).expanduser(), "a", encoding="utf-8") as f:
+                f.writelines(json.dumps(d.to_json()) + "\n" for d in out if hasattr(d, "to_json"))
+        return out
 
     def _shard(self, model: torch.nn.Module) -> bool:
         """Under torchrun, FSDP2 for formats whose unroller runs the drafter through its own forward (the record's
@@ -437,14 +481,15 @@ class Distiller:
         self.model.eval()
         with autocast(self.device, self.precision):
             te = self.eval_teacher
-            steps = self.unroller.unroll(self.eval_ids, te.last, te.aux, te.logits, kv=te.kv)
+            steps = mask_steps(self.unroller.unroll(self.eval_ids, te.last, te.aux, te.logits, kv=te.kv),
+                               self.eval_mask)
             agree = [float(step_terms(s, grad=False)["agree"]) for s in steps]
         self.model.train()
         return agree
 
-    def _passes(self, ids: torch.Tensor, key: str, weight: float) -> list[tuple]:
+    def _passes(self, ids: torch.Tensor, key: str, weight: float, mask: torch.Tensor | None = None) -> list[tuple]:
         """A micro-batch's forward/backward passes: the teacher's outputs for its rows, cut into --micro-batch slices,
-        each with its share of the step's loss: (ids, teacher outputs, share)."""
+        each with its share of the step's loss and its rows' assistant mask: (ids, teacher outputs, share, mask)."""
         t0 = time.perf_counter()
         te = self.teacher(ids, key)
         self._sync()
@@ -459,7 +504,7 @@ class Distiller:
             frac = (min(rows, lo + size) - lo) / rows  # equal lengths: rows weigh as their anchors do
             kv = {k: (a[part], b[part]) for k, (a, b) in te.kv.items()} if te.kv else None
             sliced = TeacherOut(te.last[part], te.aux[part] if te.aux is not None else None, te.logits, kv)
-            out.append((ids[part], sliced, weight * frac))
+            out.append((ids[part], sliced, weight * frac, mask[part] if mask is not None else None))
         return out
 
     def _run_passes(self, passes: list[tuple]) -> tuple[float, dict | None]:
@@ -475,15 +520,16 @@ class Distiller:
                                 self.eval_teacher.logits,
                                 {k: (a[:1], b[:1]) for k, (a, b) in self.eval_teacher.kv.items()}
                                 if self.eval_teacher.kv else None)
-            passes = passes + [(rows, filler, 0.0)] * (int(count) - len(passes))
+            passes = passes + [(rows, filler, 0.0, None)] * (int(count) - len(passes))
         t1 = time.perf_counter()
         scale = self.world if self.sharded else 1
         total, info = 0.0, None
         weight = sum(p[2] for p in passes) or 1.0
-        for ids, te, share in passes:
+        for ids, te, share, mask in passes:
             with autocast(self.device, self.precision):
-                steps = self.unroller.unroll(ids, te.last, te.aux, te.logits,
-                                             with_features=bool(self.opts.loss.feature_weight), kv=te.kv)
+                steps = mask_steps(self.unroller.unroll(ids, te.last, te.aux, te.logits,
+                                                        with_features=bool(self.opts.loss.feature_weight), kv=te.kv),
+                                   mask)
                 loss, terms = distill_loss(steps, self.opts.loss)
             (loss * (share * scale)).backward()
             if share:  # logged CE/KL/agreement: the passes' average, weighted as the loss weighs them
@@ -512,25 +558,31 @@ class Distiller:
         o = self.opts
         t0 = time.perf_counter()
         lengths = step.lengths
-        rows = self.stream.take(len(lengths))
+        generated = self.timing["generate_s"]
+        rows, masks = self.stream.take_masked(len(lengths))
+        t0 += self.timing["generate_s"] - generated  # conversations regenerated as the stream read them
         keys = [(list(mb.rows), mb.length, mb.key) for mb in step.micro_batches(self.rank, self.world)]
         written = {}
         if o.self_distill and self.harvested:  # vLLM wrote the continuations: the cache holds each key's rows
-            written = {key: self.teacher.cached_ids(key) for _, _, key in keys}
-        elif o.self_distill:  # the target's generation is teacher compute, timed on its own
+            written = {key: self.teacher.cached_rows(key) for _, _, key in keys}  # (ids, assistant mask or None)
+        elif o.self_distill and masks is None:  # the target's generation is teacher compute, timed on its own
+            # (conversations were regenerated turn by turn as the stream read them)
             tg = time.perf_counter()
             rows = regenerate(self.teacher.model, rows, o.prompt_len, o.sd_temperature, o.seed * 1_000_003 + self.step)
             self.timing["generate_s"] += time.perf_counter() - tg
             t0 += time.perf_counter() - tg
         anchors = [max(0, self.unroller.positions(n)) for n in lengths]
         total_anchor = max(1, sum(anchors))
-        micro = [(written.get(key, rows[idx, :n]).to(self.device), key, sum(anchors[i] for i in idx))
-                 for idx, n, key in keys]
+        micro = []
+        for idx, n, key in keys:
+            ids, mask = written.get(key, (rows[idx, :n], masks[idx, :n] if masks is not None else None))
+            micro.append((ids.to(self.device), key, sum(anchors[i] for i in idx),
+                          mask.to(self.device) if mask is not None else None))
         self.timing["data_s"] += time.perf_counter() - t0
         self.opt.zero_grad(set_to_none=True)
         passes = []
-        for ids, key, n in micro:
-            passes += self._passes(ids, key, n / total_anchor)
+        for ids, key, n, mask in micro:
+            passes += self._passes(ids, key, n / total_anchor, mask)
         loss, info = self._run_passes(passes)
         t1 = time.perf_counter()
         if self.world > 1:
@@ -680,7 +732,12 @@ class Distiller:
             "steps": self.step,
             "data": {"source": o.data or "stdlib", **self.source.log.to_json(), "passes": round(self.data_passes, 2),
                      "self_distill": o.self_distill,
-                     "prompt_len": o.prompt_len if o.self_distill else None,
+                     "chat": None if self.renderer is None else {
+                         "template": o.chat_template or "the target tokenizer's", "mask": self.renderer.method,
+                         "counted": "assistant tokens only (empty reasoning blocks excluded)",
+                         "self_distill": "every assistant turn written by the target, turn by turn" if o.self_distill
+                         else None},
+                     "prompt_len": o.prompt_len if o.self_distill and self.renderer is None else None,
                      "temperature": o.sd_temperature if o.self_distill else None,
                      "seq_len": o.seq_len, "batch_per_rank": o.batch, "world_size": self.world, "seed": o.seed},
             "losses": {**asdict(o.loss), "draft_steps": self.unroller.steps, "objective":
@@ -697,7 +754,9 @@ class Distiller:
                                                       else " (tail, not trained on)"),
                         "rows": int(self.eval_ids.shape[0]), "seq_len": int(self.eval_ids.shape[1]),
                         "continuation": f"target greedy after {self.eval_prompt} prompt tokens" if self.eval_prompt
-                        else "none (the held-out text itself)"},
+                        else "the target's own assistant turns" if self.eval_mask is not None and o.self_distill
+                        else "none (the held-out text itself)",
+                        "counted": "assistant tokens" if self.eval_mask is not None else "every position"},
             "target_io": self.target_io,
             "train_s": round(wall, 3),
             "setup_s": self.setup_phases,

@@ -189,17 +189,11 @@ def open_session(opts: BenchOptions) -> Session:
     from transformers import AutoTokenizer
 
     from recycle.decoding.target import quiet_transformers
-    from recycle.prompts import default_prompts
+    from recycle.prompts import default_prompts, encode_prompts
 
     opts.validate()
     device = resolve_device(opts.device)
     tdir = Path(opts.target)
-    model = load_target(tdir, device=device, dtype=SHORT_DTYPES[opts.precision])
-    target = Target(model)
-    masks = MaskCache(target.dtype, device)
-    with quiet_transformers():
-        engine = load_engine(opts.drafter, target, masks, tree=opts.tree, native=opts.native, target_dir=str(tdir))
-    target.set_taps(engine.taps)
     tok_dir = tdir if (tdir / "tokenizer.json").is_file() or (tdir / "tokenizer_config.json").is_file() else opts.drafter
     try:
         with quiet_transformers():
@@ -207,16 +201,22 @@ def open_session(opts: BenchOptions) -> Session:
     except Exception as e:  # noqa: BLE001 - a corrupt tokenizer file is bad input
         raise RecycleError(f"{tok_dir}: no usable tokenizer ({' '.join(str(e).split())[:160]})") from None
     prompts = opts.prompts if opts.prompts is not None else default_prompts()
-    encoded = [tokenizer(text, add_special_tokens=False)["input_ids"] for _, text in prompts]
+    encoded = encode_prompts(tokenizer, prompts, str(tdir), opts.chat_template)  # before any model loads
     if any(not ids for ids in encoded):
         raise RecycleError("a prompt encodes to no tokens")
+    model = load_target(tdir, device=device, dtype=SHORT_DTYPES[opts.precision])
+    target = Target(model)
+    masks = MaskCache(target.dtype, device)
+    with quiet_transformers():
+        engine = load_engine(opts.drafter, target, masks, tree=opts.tree, native=opts.native, target_dir=str(tdir))
+    target.set_taps(engine.taps)
     eos = getattr(tokenizer, "eos_token_id", None) if opts.stop_at_eos else None
     return Session(model, target, masks, engine, encoded, eos)
 
 
 def run_bench(opts: BenchOptions, progress: Progress | None = None) -> dict:
     """Benchmark one drafter against AR decoding of its target; returns the JSON-ready report."""
-    from recycle.prompts import default_prompts
+    from recycle.prompts import default_prompts, prompt_text
 
     ses = open_session(opts)
     model, target, masks, engine, encoded, eos = ses.model, ses.target, ses.masks, ses.engine, ses.encoded, ses.eos
@@ -243,7 +243,7 @@ def run_bench(opts: BenchOptions, progress: Progress | None = None) -> dict:
         ours.append(sp.tokens)
         match = (ar.tokens == sp.tokens) if opts.temperature <= 0 else None
         rows.append({
-            "set": kind, "prompt_tokens": len(ids), "text": text[:80],
+            "set": kind, "prompt_tokens": len(ids), "text": prompt_text(text)[:80],
             "ar": {k: v for k, v in asdict(ar.stats).items() if k != "accept_lengths"} | {"tokens_per_s": _tps(ar.stats)},
             "spec": {k: v for k, v in asdict(sp.stats).items() if k != "accept_lengths"}
             | {"tokens_per_s": _tps(sp.stats), "tau": sp.stats.tau},

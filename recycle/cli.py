@@ -8,6 +8,7 @@ need none of them, so bad input fails in a fraction of a second.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -45,10 +46,20 @@ def inspect(
     never writes. Stale copies (the trunk moved after its MTP modules were trained) and declared-but-missing
     modules are findings.
 
-    Example: `recycle inspect fixtures/deepseek_v3_mtp --stats`
+    Example: `recycle inspect fixtures/deepseek_v3_mtp --stats`; a GGUF file (`recycle inspect model.gguf`): its
+    architecture, declared and stored MTP blocks and their tensor types (--stats does not apply).
     """
     from recycle.preflight import checkpoint_dir
 
+    if str(ckpt).endswith(".gguf") and not Path(ckpt).is_dir():  # llama.cpp's files: their header, no weights
+        from recycle.gguf_file import inspect_gguf
+        from recycle.report import render_gguf
+
+        data = inspect_gguf(ckpt)
+        print_json(data) if json_out else render_gguf(data)
+        if strict and data["worst"] == "error":
+            raise typer.Exit(EXIT_FINDINGS)
+        return
     checkpoint_dir(ckpt)
     from recycle.audit import inspect_checkpoint
     from recycle.report import Reporter, render_inspect
@@ -77,6 +88,7 @@ def convert(
     calibrate_steps: f.CalibrateSteps = 400,
     target: f.CalibrationTarget = None,
     data: f.CalibrationData = None,
+    module: f.Module = None,
     overwrite: f.Overwrite = False,
     json_out: f.Json = False,
 ) -> None:
@@ -86,6 +98,7 @@ def convert(
     (nothing appears unless everything was written), never touches the source.
 
     Example: `recycle convert fixtures/deepseek_v3_mtp --to eagle -o /tmp/ds-eagle`
+    llama.cpp: `recycle convert fixtures/glm4_moe_mtp --to gguf -o /tmp/glm-mtp` writes mtp.gguf for `-md`.
     """
     from recycle.options import ConvertOptions
     from recycle.preflight import parse_tokens
@@ -96,7 +109,7 @@ def convert(
                           eagle3_mlp=eagle3_mlp,
                           calibrate=parse_tokens(calibrate, "--calibrate") if calibrate else None,
                           calibrate_steps=calibrate_steps,
-                          target=str(target) if target else None, data=data)
+                          target=str(target) if target else None, data=data, module=module)
     opts.validate()
     from recycle.converters.api import convert as run
     from recycle.report import Reporter, render_convert
@@ -165,6 +178,7 @@ def bench(
     drafter: f.DrafterArg = None,
     target: f.Target = None,
     prompts: f.Prompts = None,
+    chat_template: f.ChatTemplate = None,
     max_new_tokens: f.MaxNew = None,
     quick: f.Quick = False,
     temperature: f.Temperature = 0.0,
@@ -186,11 +200,12 @@ def bench(
     draft/verify time, tokens/s, measured and cost-model speedup are reported, with their spread over prompts.
 
     Example: `recycle bench /tmp/ds-eagle --target fixtures/deepseek_v3_mtp --quick`
+    Chat: `--prompts chats.jsonl` (messages / conversations rows) renders each through the assistant's turn prompt.
     """
     new = max_new_tokens if max_new_tokens is not None else (64 if quick else 128)
     opts = _bench_options(drafter, target, prompts, quick, new, precision, dtype,
                           temperature=temperature, tree=tree, device=device, native=native_mtp, compare_hf=compare_hf,
-                          seed=seed, repeats=repeats, save=save)
+                          seed=seed, repeats=repeats, save=save, chat_template=chat_template)
     from recycle.bench import run_bench, set_threads
     from recycle.report import Reporter, render_bench
 
@@ -207,6 +222,7 @@ def plan(
     drafter: f.DrafterArg = None,
     target: f.Target = None,
     prompts: f.Prompts = None,
+    chat_template: f.ChatTemplate = None,
     gpus: f.Gpus = "H100,H200,A100,L40S,RTX4090",
     batch_sizes: f.BatchSizes = None,
     old_batch: f.OldBatchSizes = None,
@@ -234,7 +250,7 @@ def plan(
     from recycle.options import PlanOptions, parse_batch_sizes
 
     bench_opts = _bench_options(drafter, target, prompts, False, max_new_tokens, precision, dtype, device=device,
-                                native=native_mtp)
+                                native=native_mtp, chat_template=chat_template)
     sizes = f.renamed(batch_sizes, old_batch, "--batch-sizes", "--batch (plan)")
     opts = PlanOptions(bench=bench_opts, gpus=[g for g in gpus.split(",") if g.strip()],
                        batches=parse_batch_sizes("1,8,32,128" if sizes is None else sizes), context=context,
@@ -302,6 +318,8 @@ def distill(
     self_distill: f.SelfDistill = False,
     prompt_len: f.PromptLen = 64,
     sd_temperature: f.SdTemperature = 0.0,
+    chat_template: f.ChatTemplate = None,
+    save_regenerated: f.SaveRegenerated = None,
     output: f.Output = None,
     old_output: f.OldOutput = None,
     resume: f.Resume = False,
@@ -337,6 +355,8 @@ def distill(
     best held-out snapshot is written (never one worse than the input).
 
     Example: `recycle distill /tmp/ds-eagle --target fixtures/deepseek_v3_mtp --tokens 64k -o /tmp/ds-eagle-64k`
+    Chat: `--data chats.jsonl` (OpenAI messages or ShareGPT rows) renders with the target's chat template and
+    trains on the assistant tokens only; add --self-distill to let the target write each assistant turn.
     Memory first: `recycle distill SOURCE_OR_DRAFTER --target T --plan --gpu H100 --world-size 8 --freeze experts`
     """
     from recycle.options import DistillOptions, LossConfig
@@ -354,7 +374,8 @@ def distill(
         freeze=tuple((freeze or "").split(",")), micro_batch=micro_batch,
         checkpoint_every=checkpoint_every, eval_every=eval_every, resume=resume,
         cache_hidden=str(cache_hidden) if cache_hidden else None, device=device, precision=precision, seed=seed,
-        threads=threads, overwrite=overwrite, online=online)
+        threads=threads, overwrite=overwrite, online=online, chat_template=chat_template,
+        save_regenerated=save_regenerated)
     if memory_plan:
         from recycle.distill.memory import check, for_options
         from recycle.report import render_memory
@@ -389,6 +410,7 @@ def harvest(
     self_distill: f.SelfDistill = False,
     prompt_len: f.PromptLen = 64,
     sd_temperature: f.SdTemperature = 0.0,
+    chat_template: f.ChatTemplate = None,
     tensor_parallel_size: f.TensorParallel = 1,
     pipeline_parallel_size: f.PipelineParallel = 1,
     data_parallel_size: f.DataParallel = 1,
@@ -415,7 +437,7 @@ def harvest(
                                   ("data_parallel_size", data_parallel_size)) if v != 1}
     opts = HarvestOptions(target=str(target), out=f.output_path(output, target, "cache"), tokens=parse_tokens(tokens), data=data, seq_len=seq_len,
                           batch=batch, seed=seed, overwrite=overwrite, parallel=parallel, self_distill=self_distill,
-                          prompt_len=prompt_len, sd_temperature=sd_temperature)
+                          prompt_len=prompt_len, sd_temperature=sd_temperature, chat_template=chat_template)
     opts.validate()
     if drafter is not None:
         drafter_dir(drafter)

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 from recycle.checkpoint import SCALE_SUFFIX, Checkpoint
 from recycle.errors import RecycleError
+from recycle.ggufarch import DEEPSEEK2, GLM4MOE, GGUFArch
 
 ROLES = ("embed_norm", "hidden_norm", "proj", "block", "final_norm", "head", "embed")
 SHARED_ROLES = ("final_norm", "head", "embed")  # roles a module may borrow from the trunk
@@ -121,6 +122,9 @@ class Family:
     nextn_architecture: str | None = None
     # Checkpoints stored under another codebase's names (Meta's reference Llama): how transformers runs them.
     hf_layout: HFLayout | None = None
+    # llama.cpp's names for the module and its hyper-parameters (`convert --to gguf`); None: no MTP graph there
+    # that recycle writes for (recycle.ggufarch)
+    gguf: GGUFArch | None = None
     notes: str = ""
 
 
@@ -146,6 +150,7 @@ DEEPSEEK_V3 = Family(
     block_class="transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3DecoderLayer",
     zero_embed_at_pos0=True,
     nextn_architecture="DeepseekV3ForCausalLMNextN",
+    gguf=DEEPSEEK2,
     notes="MTP module k at model.layers.{L+k}; embed/head copies stored in the release",
 )
 
@@ -159,6 +164,7 @@ FAMILIES: tuple[Family, ...] = (
         model_types=("deepseek_v32", "glm_moe_dsa"),
         architectures=("DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM"),
         block_class="transformers.models.deepseek_v32.modeling_deepseek_v32.DeepseekV32DecoderLayer",
+        gguf=None,  # llama.cpp's deepseek32 graph has the indexer: not written by recycle yet
         notes="DeepSeek's layout; the block's attention carries the sparse-attention indexer (self_attn.indexer.*)",
     ),
     Family(
@@ -173,6 +179,7 @@ FAMILIES: tuple[Family, ...] = (
         block_class="transformers.models.glm4_moe.modeling_glm4_moe.Glm4MoeDecoderLayer",
         zero_embed_at_pos0=True,
         nextn_architecture="Glm4MoeForCausalLMNextN",
+        gguf=GLM4MOE,
         notes="GLM-4.6 ships the MTP layer in mtp.safetensors without the embed/head copies",
     ),
     Family(

@@ -45,23 +45,31 @@ DrafterArg = Annotated[Path | None, typer.Argument(help="Drafter directory (from
                                                    "target directory itself to draft with its own MTP modules.",
                                                    metavar="DRAFTER_DIR")]
 Tokens = Annotated[str, opt("--tokens", help="Budget in target tokens read: 64k, 2M, 1.5B ...")]
-Data = Annotated[str | None, opt("--data", help="Text file, JSONL ('text' field), directory of text files or a saved "
-                                  "`datasets` dataset (its tail is held out); or a corpus: stdlib (default) or "
-                                  "py:PACKAGE (an installed package's source).")]
+Data = Annotated[str | None, opt("--data", help="Text file, JSONL/JSON rows ('text', OpenAI 'messages' or ShareGPT "
+                                  "'conversations'), directory of text files, a saved `datasets` dataset, or hf:NAME "
+                                  "(a dataset in the local datasets cache, offline); its tail is held out. Or a "
+                                  "corpus: stdlib (default) or py:PACKAGE (an installed package's source). "
+                                  "Conversations render with the target's chat template; only assistant tokens count.")]
+ChatTemplate = Annotated[str | None, opt("--chat-template", help="A Jinja chat template file, used in place of the "
+                                          "target tokenizer's own (needed for conversations when it has none).")]
+SaveRegenerated = Annotated[str | None, opt("--save-regenerated", help="With --self-distill on conversations: append "
+                                            "each regenerated conversation to this JSONL (reuse it as --data).")]
 SeqLen = Annotated[int, opt("--seq-len", help="Tokens per packed sequence.")]
 Batch = Annotated[int, opt("--batch", help="Sequences per optimizer step and rank.")]
 Seed = Annotated[int, opt("--seed", help="Seed for the data order (and initialisation, sampling).")]
 SelfDistill = Annotated[bool, opt("--self-distill", help="The target writes each sequence after its first "
-                                   "--prompt-len tokens (its own distribution).")]
+                                   "--prompt-len tokens (its own distribution); on conversations, every assistant "
+                                   "turn, turn by turn.")]
 PromptLen = Annotated[int, opt("--prompt-len", help="Self-distillation prompt tokens per sequence.")]
 SdTemperature = Annotated[float, opt("--sd-temperature", help="Self-distillation sampling temperature (0: greedy).")]
 Device = Annotated[str | None, opt("--device", help="Default: cuda when available.", metavar="[cpu|cuda]")]
 Precision = Annotated[str | None, opt("--precision", help="Compute dtype.", metavar=DTYPES)]
 OldDtype = Annotated[str | None, opt("--dtype", hidden=True, help="Old name of --precision.")]
 Threads = Annotated[int | None, opt("--threads", help="torch CPU threads (default: torch's choice).")]
-Prompts = Annotated[str | None, opt("--prompts", help='JSONL, one {"prompt": "..."} per line (a "set" field groups '
-                                     "them); or a corpus: stdlib (held-out code + English, the default) or "
-                                     "py:PACKAGE.")]
+Prompts = Annotated[str | None, opt("--prompts", help='JSONL, one {"prompt": "..."} or conversation ("messages" / '
+                                     '"conversations", rendered with the chat template up to the assistant turn) '
+                                     'per line (a "set" field groups them); or a corpus: stdlib (held-out code + '
+                                     "English, the default) or py:PACKAGE.")]
 Tree = Annotated[str | None, opt("--tree", help="chain[:N], dynamic[:DEPTH,TOPK,TOTAL], or a JSON list of "
                                   "Medusa-style paths (or a file holding one).")]
 MaxNew = Annotated[int | None, opt("--max-new-tokens", help="New tokens per prompt.")]
@@ -98,7 +106,10 @@ CalibrateSteps = Annotated[int, opt("--calibrate-steps", help="With --calibrate:
                                     "(fewer: faster, looser).")]
 CalibrationTarget = Annotated[Path | None, opt("--target", help="With --calibrate: the model whose states the heads "
                                                "read (default: the checkpoint). From a Gemma 4 assistant: the model it "
-                                               "drafts for.", metavar="TARGET_DIR")]
+                                               "drafts for. --to gguf: the trunk GGUF the side file pairs with (its "
+                                               "header and token_embd are copied).", metavar="TARGET")]
+Module = Annotated[int | None, opt("--module", help="--to gguf: the MTP module to write (llama.cpp drafts with one; "
+                                    "needed when the checkpoint has several).")]
 CalibrationData = Annotated[str | None, opt("--data", help="With --calibrate: calibration text, as distill's --data.")]
 
 # -- stitch, harvest: the target's old place -------------------------------------------------------------------

@@ -27,7 +27,7 @@ MLP_WIDTHS = ("shared", "wide")  # --eagle3-mlp: the midlayer's MLP at the share
 CONVERT_OPTIONS = {  # the format-specific convert options, by their flag
     "heads": "--heads", "draft_vocab": "--draft-vocab", "vocab_corpus": "--vocab-corpus", "layouts": "--layouts",
     "calibrate": "--calibrate", "target": "--target", "data": "--data", "eagle3_attention": "--eagle3-attention",
-    "eagle3_mlp": "--eagle3-mlp",
+    "eagle3_mlp": "--eagle3-mlp", "module": "--module",
 }
 
 
@@ -60,8 +60,9 @@ class ConvertOptions:
     eagle3_mlp: str | None = None  # eagle3 with calibrate: wide (the default on a MoE block) or shared
     calibrate: int | None = None  # medusa: tokens to fit the ResBlocks on; eagle3: to fit the midlayer on
     calibrate_steps: int = 400
-    target: str | None = None  # with calibrate; eagle3/medusa from a Gemma 4 assistant
+    target: str | None = None  # with calibrate; eagle3/medusa from a Gemma 4 assistant; gguf: the trunk GGUF file
     data: str | None = None  # with calibrate
+    module: int | None = None  # gguf: which MTP module to write (llama.cpp drafts with one)
 
     def validate(self) -> None:
         """Every check that reads no tensor; the format record says which options apply to it."""
@@ -69,9 +70,14 @@ class ConvertOptions:
 
         checkpoint_dir(self.source)
         output_dir(self.out, self.overwrite, (self.source,))
-        if self.target is not None:
-            checkpoint_dir(self.target)
         fmt = get(self.to)
+        target_file = fmt.target_file is not None and self.target is not None
+        if target_file:  # a file the format pairs with (gguf: the trunk GGUF), read by its converter
+            if not Path(self.target).is_file() or not str(self.target).endswith(fmt.target_file):
+                raise RecycleError(f"--target {self.target}: --to {self.to} takes the trunk's {fmt.target_file} "
+                                   "file (no such file)")
+        elif self.target is not None:
+            checkpoint_dir(self.target)
         if not fmt.convertible:
             raise RecycleError(f"--to {self.to}: recycle convert writes {', '.join(convertible())}")
         if self.dtype not in DTYPES:
@@ -88,16 +94,16 @@ class ConvertOptions:
         if self.eagle3_mlp == "wide" and self.calibrate is None:
             raise RecycleError("--eagle3-mlp wide needs --calibrate TOKENS (the routed experts it adds are chosen, "
                                "scaled and fitted there)")
-        _at_least((("--heads", self.heads, 1), ("--calibrate", self.calibrate, 1),
+        _at_least((("--heads", self.heads, 1), ("--calibrate", self.calibrate, 1), ("--module", self.module, 0),
                    ("--calibrate-steps", self.calibrate_steps, 1)))
         data_name(self.data)
         from recycle.formats import of_config
 
         drafter_source = of_config(kinds.source(self.source)) is not None  # a Gemma 4 assistant
-        if self.target is not None and self.calibrate is None and not drafter_source:
+        if self.target is not None and self.calibrate is None and not drafter_source and not target_file:
             raise RecycleError("--target needs --calibrate TOKENS here (alone it is for a Gemma 4 assistant source, "
                                "which drafts for it; MTP modules carry their trunk's norm and head)")
-        if self.target is not None:
+        if self.target is not None and not target_file:
             kinds.target(self.target)
         elif self.calibrate is not None:
             if drafter_source:
@@ -130,9 +136,15 @@ class DataOptions:
     sd_temperature: float = 0.0
     eval_rows: int = 16  # the held-out batch
     eval_prompt_len: int = 64  # its rows keep this many tokens; the target writes the rest
+    chat_template: str | None = None  # a Jinja file replacing the target tokenizer's chat template (conversations)
+    save_regenerated: str | None = None  # --self-distill on conversations: append each regenerated one here (JSONL)
 
     def validate(self) -> None:
         model_dir(self.target)
+        if self.chat_template is not None and not Path(self.chat_template).expanduser().is_file():
+            raise RecycleError(f"--chat-template {self.chat_template}: no such file")
+        if self.save_regenerated is not None and not self.self_distill:
+            raise RecycleError("--save-regenerated keeps what --self-distill regenerates: pass --self-distill")
         if isinstance(self.tokens, str):
             self.tokens = parse_tokens(self.tokens)
         if self.tokens < 1:
@@ -140,8 +152,6 @@ class DataOptions:
         if self.seq_len < 8:
             raise RecycleError("--seq-len must be at least 8")
         _at_least((("--batch", self.batch, 1), ("--prompt-len", self.prompt_len, 1)))
-        if self.self_distill and not 1 <= self.prompt_len < self.seq_len:
-            raise RecycleError(f"--prompt-len must be in [1, {self.seq_len - 1}], got {self.prompt_len}")
         if not (self.sd_temperature >= 0 and math.isfinite(self.sd_temperature)):
             raise RecycleError("--sd-temperature must be 0 (greedy) or a positive number")
         data_name(self.data)
@@ -241,7 +251,8 @@ class BenchOptions:
 
     drafter: str | None  # drafter directory; None with native=True: the target's own MTP modules
     target: str
-    prompts: list[tuple[str, str]] | None = None  # (set, text); None: recycle.prompts.default_prompts()
+    prompts: list[tuple[str, object]] | None = None  # (set, text or Conversation); None: recycle.prompts.default_prompts()
+    chat_template: str | None = None  # a Jinja file in place of the target tokenizer's (conversation prompts)
     max_new_tokens: int = 128
     temperature: float = 0.0
     tree: str | None = None

@@ -104,7 +104,7 @@ def data_name(data: str | os.PathLike | None) -> None:
     """`--data`: a corpus name or a path that exists."""
     from recycle.corpus import corpus_root, is_corpus_name
 
-    if data is None:
+    if data is None or str(data).startswith("hf:"):  # a cached dataset by name: found (or not) when read
         return
     if is_corpus_name(str(data)):
         corpus_root(str(data))

@@ -6,7 +6,10 @@ headers; natural-language prompts are the opening sentences of those modules' an
 docstrings. Both are text, so any target's tokenizer can encode them. `--prompts` takes a corpus
 name (`stdlib`: code and English, the default; `py:PACKAGE`: code from an installed package's
 held-out files, e.g. the post-trained fixture's domain `py:transformers`) or the user's own JSONL,
-one `{"prompt": "..."}` per line (optionally `"set": "NAME"`: bench and plan report per set).
+one `{"prompt": "..."}` per line (optionally `"set": "NAME"`: bench and plan report per set). A line may
+instead hold a conversation (OpenAI `messages` or ShareGPT `conversations`, `recycle.chat`): its prompt is
+the turns before its last assistant turn, rendered by bench with the target's chat template up to the
+assistant's generation prompt, as an engine's chat endpoint feeds the model.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import json
 import re
 from pathlib import Path
 
+from recycle.chat import Conversation, document, generation_prompt
 from recycle.corpus import STDLIB, documents, is_corpus_name
 from recycle.errors import RecycleError
 
@@ -78,7 +82,10 @@ def default_prompts() -> list[tuple[str, str]]:
     return [("code", p) for p in code_prompts()] + [("text", p) for p in text_prompts()]
 
 
-def prompt_set(value: str | Path, limit: int | None = None) -> list[tuple[str, str]]:
+Prompt = str | Conversation  # a conversation is rendered by bench, with the target's template
+
+
+def prompt_set(value: str | Path, limit: int | None = None) -> list[tuple[str, Prompt]]:
     """`--prompts`: a corpus name (see the module docstring) or a JSONL file; the first `limit` prompts."""
     if is_corpus_name(str(value)):
         name = str(value)
@@ -90,8 +97,22 @@ def prompt_set(value: str | Path, limit: int | None = None) -> list[tuple[str, s
     return prompts[:limit] if limit else prompts
 
 
-def read_jsonl(path: str | Path) -> list[tuple[str, str]]:
-    """A user's prompts: one JSON object with a non-empty string "prompt" per non-blank line."""
+class _Refuse:
+    """A row's skip reason is a user error here: a prompts file is small and every line was meant."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+
+    def skip(self, reason: str, n: int = 1) -> None:
+        raise RecycleError(f"{self.where}: {reason}")
+
+    def saw(self, kind: str) -> None:
+        pass
+
+
+def read_jsonl(path: str | Path) -> list[tuple[str, Prompt]]:
+    """A user's prompts: one JSON object per non-blank line, a non-empty string "prompt" or a conversation (its
+    turns before the last assistant turn become a `Conversation` prompt)."""
     p = Path(path)
     if not p.is_file():
         raise RecycleError(f"{p}: no such prompts file")
@@ -103,12 +124,45 @@ def read_jsonl(path: str | Path) -> list[tuple[str, str]]:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
             raise RecycleError(f"{p}:{i}: not JSON ({e.msg})") from None
-        if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str) or not obj["prompt"]:
-            raise RecycleError(f'{p}:{i}: expected {{"prompt": "..."}} with a non-empty string')
+        prompt: Prompt
+        if isinstance(obj, dict) and ("messages" in obj or "conversations" in obj):
+            conv = document(obj, _Refuse(f"{p}:{i}"))
+            prompt = Conversation(generation_prompt(conv), conv.kind)
+            if not prompt.messages:
+                raise RecycleError(f"{p}:{i}: the conversation opens with the assistant: no prompt before it")
+        elif not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str) or not obj["prompt"]:
+            raise RecycleError(f'{p}:{i}: expected {{"prompt": "..."}} with a non-empty string, or a conversation '
+                               '("messages" or "conversations")')
+        else:
+            prompt = obj["prompt"]
         group = obj.get("set", "user")
         if not isinstance(group, str) or not group:
             raise RecycleError(f'{p}:{i}: "set" must be a non-empty string (the prompt set it belongs to)')
-        out.append((group, obj["prompt"]))
+        out.append((group, prompt))
     if not out:
         raise RecycleError(f"{p}: holds no prompts")
+    return out
+
+
+def prompt_text(prompt: Prompt) -> str:
+    """What a report shows of a prompt: its text, or a conversation's last turn."""
+    return prompt if isinstance(prompt, str) else prompt.messages[-1]["content"]
+
+
+def encode_prompts(tokenizer, prompts: list[tuple[str, Prompt]], where: str, template: str | Path | None = None
+                   ) -> list[list[int]]:
+    """Token ids of each prompt: text as it is; a conversation rendered with the target's chat template (or
+    `--chat-template`) through the assistant's generation prompt. A target without a template is refused."""
+    from recycle.chat import ChatRenderer, RenderError, read_template
+
+    renderer = None
+    out = []
+    for _, prompt in prompts:
+        if isinstance(prompt, Conversation):
+            renderer = renderer or ChatRenderer(tokenizer, where, read_template(template) if template else None)
+            try:
+                prompt = renderer.prompt(prompt.messages)
+            except RenderError as e:
+                raise RecycleError(f"--prompts: {e}") from None
+        out.append(tokenizer(prompt, add_special_tokens=False)["input_ids"])
     return out

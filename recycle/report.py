@@ -298,16 +298,43 @@ def render_inspect(data: dict, show_all: bool = False) -> None:
     if data.get("stats"):
         render_stats(data, every=show_all)
 
-    if data["findings"]:
+    render_findings(data["findings"])
+
+
+def render_findings(findings: list[dict]) -> None:
+    if findings:
         f = table("findings")
         for col in ("severity", "code", "message"):
             f.add_column(col, overflow="fold")
-        for fd in data["findings"]:
+        for fd in findings:
             style = SEVERITY_STYLE.get(fd["severity"], "")
             f.add_row(f"[{style}]{fd['severity']}[/{style}]", fd["code"], fd["message"])
         out.print(f)
     else:
         out.print("[green]no findings[/green]")
+
+
+def render_gguf(data: dict) -> None:
+    """`recycle inspect FILE.gguf` for people: what the file holds, its MTP blocks and their tensor types."""
+    mtp = data["mtp"]
+    head = Table.grid(padding=(0, 2))
+    head.add_column(style="bold")
+    head.add_column()
+    head.add_row("architecture", f"{data['architecture']}  [dim]{data['name'] or ''}[/dim]")
+    head.add_row("holds", f"{data['holds']}  [dim]({data['block_count']} blocks, {data['tensors']} tensors, "
+                 f"{fmt_bytes(data['bytes'])})[/dim]")
+    head.add_row("MTP", f"{mtp['declared']} declared (nextn_predict_layers), blocks {mtp['blocks'] or '-'}; "
+                 f"nextn tensors stored for {mtp['stored'] or 'none'}; {fmt_count(mtp['params'])} parameters")
+    head.add_row("vocabulary", str(data["vocab"]))
+    out.print(Panel(head, title=f"recycle inspect  {data['path']}", expand=False))
+    if mtp["tensor_types"]:
+        t = table("MTP block tensor types")
+        t.add_column("block")
+        t.add_column("types")
+        for block, types in mtp["tensor_types"].items():
+            t.add_row(block, " ".join(f"{k}:{v}" for k, v in types.items()) or "-")
+        out.print(t)
+    render_findings(data["findings"])
 
 def render_convert(data: dict) -> None:
     """Rich summary for people: where it went, what it holds, how much was exact."""

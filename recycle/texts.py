@@ -1,9 +1,11 @@
 """Where text comes from: `--data` paths and built-in corpora, split into a training side and a held-out side.
 
-A path (a text file, JSONL with a `text` field, a directory of text files, a dataset saved with
-`datasets.save_to_disk`, imported only then) gives up the tail of its text as the held-out side; a
-built-in corpus (`stdlib`, `py:PACKAGE`: `recycle.corpus`) has its train/held-out split by file. Both
-distillation (`recycle.distill.data`) and calibration (`recycle.converters.calibrate`) read text through here.
+A path (a text file, JSONL or JSON rows, a directory of text files, a dataset saved with
+`datasets.save_to_disk`) or `hf:NAME` (a dataset in the local `datasets` cache, loaded offline) gives up the
+tail of its documents as the held-out side; a built-in corpus (`stdlib`, `py:PACKAGE`: `recycle.corpus`) has
+its train/held-out split by file. Rows are plain text or conversations (OpenAI `messages`, ShareGPT
+`conversations`: `recycle.chat`), detected row by row; a document is a `str` or a `Conversation`. Distillation
+(`recycle.distill.data`), harvest and calibration (`recycle.converters.calibrate`) read text through here.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from recycle.chat import Conversation, Document, document
 from recycle.errors import RecycleError
 
 TEXT_SUFFIXES = (".txt", ".md", ".py", ".rst", ".jsonl", ".json")
@@ -21,16 +24,21 @@ SNIFF_BYTES = 8192  # a file whose first bytes hold a NUL, or do not decode as U
 
 @dataclass
 class ReadLog:
-    """What reading `--data` found: documents kept, and what was skipped and why (the distill record says)."""
+    """What reading `--data` found: documents kept, rows read by kind (text, messages, sharegpt), and what was
+    skipped and why (the distill record says)."""
 
     documents: int = 0
+    rows: dict[str, int] = field(default_factory=dict)
     skipped: dict[str, int] = field(default_factory=dict)
 
     def skip(self, reason: str, n: int = 1) -> None:
         self.skipped[reason] = self.skipped.get(reason, 0) + n
 
+    def saw(self, kind: str) -> None:
+        self.rows[kind] = self.rows.get(kind, 0) + 1
+
     def to_json(self) -> dict:
-        return {"documents": self.documents, "skipped": dict(self.skipped)}
+        return {"documents": self.documents, "rows": dict(self.rows), "skipped": dict(self.skipped)}
 
 
 def is_binary(path: Path) -> bool:
@@ -45,22 +53,7 @@ def is_binary(path: Path) -> bool:
     return False
 
 
-def _row_text(row: object, log: ReadLog) -> str | None:
-    """A row's text (`{"text": ...}`), or None with the reason counted."""
-    if not isinstance(row, dict):
-        log.skip("not a JSON object")
-        return None
-    text = row.get("text")
-    if not isinstance(text, str):
-        log.skip("no 'text' field" if "text" not in row else "'text' is not a string")
-        return None
-    if not text.strip():
-        log.skip("empty text")
-        return None
-    return text
-
-
-def _jsonl_texts(path: Path, log: ReadLog) -> Iterator[str]:
+def _jsonl_texts(path: Path, log: ReadLog) -> Iterator[Document]:
     with path.open(encoding="utf-8", errors="replace") as f:
         for line in f:
             line = line.strip()
@@ -71,23 +64,23 @@ def _jsonl_texts(path: Path, log: ReadLog) -> Iterator[str]:
             except json.JSONDecodeError:
                 log.skip("not valid JSON")
                 continue
-            text = _row_text(row, log)
-            if text is not None:
-                yield text
+            doc = document(row, log)
+            if doc is not None:
+                yield doc
 
 
-def _json_texts(path: Path, log: ReadLog) -> list[str]:
-    """A .json file: a list of `{"text": ...}` rows (or one such object)."""
+def _json_texts(path: Path, log: ReadLog) -> list[Document]:
+    """A .json file: a list of rows (text or conversations), or one such row."""
     try:
         data = json.loads(path.read_text(encoding="utf-8", errors="replace"))
     except json.JSONDecodeError:
         log.skip("not valid JSON")
         return []
     rows = data if isinstance(data, list) else [data]
-    return [t for t in (_row_text(r, log) for r in rows) if t is not None]
+    return [d for d in (document(r, log) for r in rows) if d is not None]
 
 
-def _file_texts(path: Path, log: ReadLog) -> list[str]:
+def _file_texts(path: Path, log: ReadLog) -> list[Document]:
     if is_binary(path):
         log.skip("binary file")
         return []
@@ -99,6 +92,7 @@ def _file_texts(path: Path, log: ReadLog) -> list[str]:
     if not text.strip():
         log.skip("empty file")
         return []
+    log.saw("text")
     return [text]
 
 
@@ -106,24 +100,66 @@ def _is_saved_dataset(path: Path) -> bool:
     return path.is_dir() and any((path / n).is_file() for n in ("dataset_info.json", "state.json", "dataset_dict.json"))
 
 
-def _dataset_texts(path: Path, log: ReadLog) -> list[str]:
-    try:
-        # optional dependency, imported only here
-        from datasets import DatasetDict, load_from_disk
-    except ImportError:
-        raise RecycleError(f"{path}: looks like a saved `datasets` dataset; pip install datasets to read it") from None
-    ds = load_from_disk(str(path))
+DATASET_COLUMNS = ("text", "messages", "conversations")
+HUB_PREFIX = "hf:"
+
+
+def _rows_of(ds, where: str, log: ReadLog) -> list[Document]:
+    from datasets import DatasetDict
+
     if isinstance(ds, DatasetDict):
         ds = ds["train"] if "train" in ds else ds[sorted(ds)[0]]
-    if "text" not in ds.column_names:
-        raise RecycleError(f"{path}: the dataset has no 'text' column (columns: {', '.join(ds.column_names)})")
-    return [t for t in (_row_text({"text": t}, log) for t in ds["text"]) if t is not None]
+    if not set(DATASET_COLUMNS) & set(ds.column_names):
+        raise RecycleError(f"{where}: the dataset has none of the columns {', '.join(DATASET_COLUMNS)} (columns: "
+                           f"{', '.join(ds.column_names)})")
+    keep = [c for c in ds.column_names if c in DATASET_COLUMNS]
+    out = []
+    for row in ds.select_columns(keep):
+        # Arrow fills the fields a turn lacks with None; a column of another row kind is None too
+        row = {k: v for k, v in row.items() if v is not None}
+        if "messages" in row or "conversations" in row:
+            key = "messages" if "messages" in row else "conversations"
+            row[key] = [{k: v for k, v in t.items() if v is not None} if isinstance(t, dict) else t for t in row[key]]
+        doc = document(row, log)
+        if doc is not None:
+            out.append(doc)
+    return out
+
+
+def _import_datasets(where: str):
+    try:
+        import datasets  # optional dependency, imported only here
+    except ImportError:
+        raise RecycleError(f"{where}: a `datasets` dataset; pip install datasets to read it") from None
+    return datasets
+
+
+def _dataset_texts(path: Path, log: ReadLog) -> list[Document]:
+    datasets = _import_datasets(str(path))
+    return _rows_of(datasets.load_from_disk(str(path)), str(path), log)
+
+
+def _cached_dataset_texts(name: str, log: ReadLog) -> list[Document]:
+    """`hf:NAME`: a dataset already in the local `datasets`/Hub cache, loaded with the Hub switched off (nothing is
+    fetched at run time)."""
+    import os
+
+    os.environ["HF_HUB_OFFLINE"] = os.environ["HF_DATASETS_OFFLINE"] = "1"
+    datasets = _import_datasets(HUB_PREFIX + name)
+    datasets.config.HF_HUB_OFFLINE = datasets.config.HF_DATASETS_OFFLINE = True
+    try:
+        ds = datasets.load_dataset(name)
+    except Exception as e:  # noqa: BLE001 - a missing cache entry surfaces as one of several exception types
+        raise RecycleError(f"--data {HUB_PREFIX}{name}: not in the local datasets cache ({' '.join(str(e).split())[:120]}); "
+                           "recycle never downloads: fetch it once with datasets.load_dataset, or save it with "
+                           "save_to_disk and pass that directory") from None
+    return _rows_of(ds, HUB_PREFIX + name, log)
 
 
 HELDOUT_SHARE = 0.05  # of a `--data` path's text, taken from its tail as the held-out side
 
 
-def _path_texts(path: Path, log: ReadLog) -> Callable[[], list[str]]:
+def _path_texts(path: Path, log: ReadLog) -> Callable[[], list[Document]]:
     """A loader of every document under a `--data` path (validated now, read on call); what it skips is counted
     in `log`, and a path that yields no document at all is refused."""
     if _is_saved_dataset(path):
@@ -137,29 +173,35 @@ def _path_texts(path: Path, log: ReadLog) -> Callable[[], list[str]]:
         if not files:
             raise RecycleError(f"--data {path}: holds no text files ({' '.join(TEXT_SUFFIXES)})")
         read = lambda: [t for p in files for t in _file_texts(p, log)]  # noqa: E731
+    return _checked(str(path), read, log)
 
-    def texts() -> list[str]:
+
+def _checked(where: str, read: Callable[[], list[Document]], log: ReadLog) -> Callable[[], list[Document]]:
+    """`read`, refusing a source that yields no document at all (with what was skipped, and why)."""
+
+    def texts() -> list[Document]:
         out = read()
         log.documents = len(out)
         if not out:
             why = ", ".join(f"{n} {r}" for r, n in log.skipped.items()) or "nothing in it"
-            raise RecycleError(f"--data {path}: holds no text documents ({why}; rows need a \"text\" field)")
+            raise RecycleError(f"--data {where}: holds no text documents ({why}; rows need a \"text\", "
+                               "\"messages\" or \"conversations\" field)")
         return out
 
     return texts
 
 
-def split_tail(texts: list[str], share: float = HELDOUT_SHARE) -> tuple[list[str], list[str]]:
+def split_tail(texts: list[Document], share: float = HELDOUT_SHARE) -> tuple[list[Document], list[Document]]:
     """(train, held-out): the held-out side is the tail of the documents holding `share` of the text.
 
     Whole documents go to the held-out side, last first, while they fit in `share` of the
     characters; when even the last document is larger than the share, its tail is cut off at a
-    line boundary instead.
+    line boundary instead (a text; a conversation is never cut: it goes whole, unless it is the only one).
     Deterministic, and the two sides never share a character.
     """
     total = sum(len(t) for t in texts)
     want = max(1, int(total * share))
-    held: list[str] = []
+    held: list[Document] = []
     got = 0
     rest = list(texts)
     while rest and got < want:
@@ -171,11 +213,18 @@ def split_tail(texts: list[str], share: float = HELDOUT_SHARE) -> tuple[list[str
             continue
         if held:  # the next document would overshoot the share: stop short of it
             break
+        if isinstance(last, Conversation):
+            if len(rest) > 1:
+                held.insert(0, rest.pop())
+            break
         cut = last.rfind("\n", 0, len(last) - need) + 1 or len(last) - need
         rest[-1] = last[:cut]
         held.insert(0, last[cut:])
         break
-    return [t for t in rest if t.strip()], [t for t in held if t.strip()]
+    def kept(docs: list[Document]) -> list[Document]:
+        return [t for t in docs if isinstance(t, Conversation) or t.strip()]
+
+    return kept(rest), kept(held)
 
 
 @dataclass(frozen=True)
@@ -188,8 +237,8 @@ class DataSource:
     """
 
     name: str
-    train: Callable[[], list[str]]
-    heldout: Callable[[], list[str]]
+    train: Callable[[], list[Document]]
+    heldout: Callable[[], list[Document]]
     log: ReadLog = field(default_factory=ReadLog)  # filled as the path is read (built-in corpora skip nothing)
 
 
@@ -202,21 +251,24 @@ def data_source(data: str | Path | None) -> DataSource:
         corpus_root(name)  # an unknown package fails here, before any loading
         return DataSource(name, lambda: [d.text for d in documents("train", source=name)],
                           lambda: [d.text for d in documents("heldout", source=name)])
-    path = Path(data).expanduser()
-    if not path.exists():
-        raise RecycleError(f"--data {path}: no such file or directory")
     log = ReadLog()
-    every = _path_texts(path, log)
-    cache: dict[str, tuple[list[str], list[str]]] = {}
+    if str(data).startswith(HUB_PREFIX):
+        every = _checked(str(data), lambda: _cached_dataset_texts(str(data)[len(HUB_PREFIX):], log), log)
+    else:
+        path = Path(data).expanduser()
+        if not path.exists():
+            raise RecycleError(f"--data {path}: no such file or directory")
+        every = _path_texts(path, log)
+    cache: dict[str, tuple[list[Document], list[Document]]] = {}
 
-    def sides() -> tuple[list[str], list[str]]:
+    def sides() -> tuple[list[Document], list[Document]]:
         if "s" not in cache:
             cache["s"] = split_tail(every())
         return cache["s"]
 
-    return DataSource(str(path), lambda: sides()[0], lambda: sides()[1], log)
+    return DataSource(str(data), lambda: sides()[0], lambda: sides()[1], log)
 
 
-def load_texts(data: str | Path | None) -> Callable[[], list[str]]:
+def load_texts(data: str | Path | None) -> Callable[[], list[Document]]:
     """A loader of the training documents of a source (validated now, read on call)."""
     return data_source(data).train

@@ -4,7 +4,8 @@ This file runs inside vLLM's own virtual environment (vLLM pins an older transfo
 imports only the standard library and vLLM. `recycle.engines.vllm_env` writes the job and reads the result:
 
     job    {"target": DIR, "prompt_ids": [[int]], "max_new_tokens": N (or "max_new_tokens_each": [N]),
-            "temperature": T (0: greedy), "seed": S,
+            "temperature": T (0: greedy), "seed": S, "stop_token_ids": [int] (optional: a row ends at the first
+            of them, which it keeps; without them rows run to their length, EOS ignored),
             "runs": [{"name": str, "speculative_config": {...} | null}], "max_model_len": int}
     result {name: {"tokens": [[int]], "seconds": float, "accepted_per_pos": [int], "drafts": int,
                    "draft_tokens": int, "accepted": int}} or {name: {"error": "..."}}
@@ -53,13 +54,16 @@ def run(job: dict) -> dict:
     prompts = [TokensPrompt(prompt_token_ids=ids) for ids in job["prompt_ids"]]
     t, seed = job.get("temperature", 0.0), job.get("seed", 0)
     each = job.get("max_new_tokens_each") or [job["max_new_tokens"]] * len(prompts)
-    params = [SamplingParams(temperature=t, max_tokens=n, ignore_eos=True, seed=seed + i if t > 0 else None)
+    stops = job.get("stop_token_ids") or None
+    params = [SamplingParams(temperature=t, max_tokens=n, ignore_eos=stops is None, stop_token_ids=stops,
+                             seed=seed + i if t > 0 else None)
               for i, n in enumerate(each)]
     common = dict(model=job["target"], skip_tokenizer_init=True, enforce_eager=True, dtype=job.get("dtype", "float32"),
                   max_model_len=job.get("max_model_len", 1024), disable_log_stats=False, seed=0,
                   gpu_memory_utilization=job.get("gpu_memory_utilization", 0.5),
                   compilation_config={"custom_ops": ["all", "-rotary_embedding"]})
     common.update(cpu_mla(job["target"], common["dtype"]))
+    common.update(job.get("parallel", {}))  # tensor/pipeline/data parallel sizes, under vLLM's own names
     result: dict = {}
     for spec in job["runs"]:
         extra = {"speculative_config": spec["speculative_config"]} if spec.get("speculative_config") else {}

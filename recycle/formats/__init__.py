@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from recycle.errors import RecycleError
-from recycle.formats import eagle, eagle3, gemma4_assistant, medusa, native_mtp, parallel_heads
+from recycle.formats import eagle, eagle3, gemma4_assistant, gguf, medusa, native_mtp, parallel_heads
 from recycle.formats.record import DrafterFormat, Layout, Reads
 from recycle.preflight import load_json
 
@@ -21,6 +21,7 @@ FORMATS: dict[str, DrafterFormat] = {f.name: f for f in (
     gemma4_assistant.FORMAT,
     native_mtp.FORMAT,
     parallel_heads.FORMAT,
+    gguf.FORMAT,
 )}
 PROVENANCE = "recycle.json"
 BENCH_REPORT = "bench.json"  # `recycle bench --save` writes it into a drafter directory; the model card reads it

@@ -87,6 +87,7 @@ class DrafterFormat:
     source_layout: str | None = None  # a subfolder holding its modules in the source's own layout (convert reads it)
     native_chain: bool = False  # its chain is the MTP modules' own (compare it with native MTP at the same depth)
     fit_extra: str | None = None  # (drafter config, target config, where) -> None: checks beyond width and vocab
+    target_file: str | None = None  # `--target` is a file with this suffix the output pairs with (gguf: ".gguf")
 
     def resolve(self, what: str) -> Any:
         """The object a "module:attribute" field names, imported now."""

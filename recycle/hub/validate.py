@@ -14,7 +14,7 @@ import torch
 
 from recycle.checkpoint import Checkpoint, load_json
 from recycle.drafters import load_drafter
-from recycle.formats import BENCH_REPORT, convertible, of_config
+from recycle.formats import BENCH_REPORT, convertible, get, of_config
 from recycle.errors import RecycleError
 from recycle.preflight import drafter_record
 
@@ -142,6 +142,10 @@ def validate_drafter(path: str | os.PathLike, progress: Progress | None = None) 
     fmt = (record.get("target") or {}).get("format")
     if fmt not in convertible():
         raise RecycleError(f"{d / PROVENANCE}: target.format is {fmt!r}, expected one of {', '.join(convertible())}")
+    if get(fmt).detect is None:  # a file for another program (a GGUF side file), not a drafter directory
+        files = ", ".join(sorted(get(fmt).layouts))
+        raise RecycleError(f"{d}: a {get(fmt).title}; recycle push publishes drafter directories (with a config.json): "
+                           f"upload {files} beside the trunk GGUFs it pairs with (`hf upload REPO {d / files}`)")
     config = load_json(d / "config.json", "config.json")
     described = of_config(config)
     if described is None or described.name != fmt:

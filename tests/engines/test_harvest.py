@@ -111,3 +111,40 @@ def test_self_distill_harvest_matches_in_process(tmp_path):
     # Measured 2026-11-24: vLLM wrote every window token for token as transformers did; the losses differ by
     # 1.6e-3 (relative) at most because the cache holds bf16 features and the in-process teacher fp32 ones.
     assert max(abs(x - y) / abs(y) for x, y in zip(la, lb)) < 3e-3
+
+
+def test_harvest_self_distill_on_conversations_writes_the_targets_turns_in_vllm(tmp_path):
+    """`harvest --self-distill` on chat data: vLLM writes every assistant turn (greedy, turn by turn) as the
+    in-process generator does, user turns stay byte for byte, the cache stores each window's assistant mask and the
+    regenerated set, and distill trains from it on assistant tokens."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from recycle.chat import ChatRenderer, Conversation
+    from recycle.decoding.target import quiet_transformers
+    from recycle.distill.data import in_process, regenerate_turns
+
+    root = Path(__file__).resolve().parents[2]
+    chat, data = root / "fixtures" / "deepseek_v3_mtp_chat", root / "docs" / "chats.jsonl"
+    common = dict(tokens=2048, seq_len=128, batch=4, seed=0, data=str(data), self_distill=True)
+    harvest(HarvestOptions(target=str(chat), out=str(tmp_path / "cache"), **common))
+    manifest = json.loads((tmp_path / "cache" / "manifest.json").read_text())
+    assert manifest["chat"]["assistant_mask"] == "stored with every key"
+    regenerated = [json.loads(line)["messages"] for line in (tmp_path / "cache" / "regenerated.jsonl").open()]
+    originals = {json.dumps([m for m in json.loads(line)["messages"] if m["role"] != "assistant"])
+                 for line in data.open()}
+    assert regenerated and all(json.dumps([m for m in r if m["role"] != "assistant"]) in originals for r in regenerated)
+    tok = AutoTokenizer.from_pretrained(chat)
+    with quiet_transformers():
+        model = AutoModelForCausalLM.from_pretrained(chat, dtype=torch.float32).eval()
+    sources = {json.dumps([m for m in json.loads(line)["messages"] if m["role"] != "assistant"]):
+               Conversation(tuple(json.loads(line)["messages"])) for line in data.open()}
+    sample = [sources[json.dumps([m for m in r if m["role"] != "assistant"])] for r in regenerated[:4]]
+    ours = regenerate_turns(in_process(model, tok.pad_token_id), ChatRenderer(tok), sample, 0.0, 0, 128)
+    assert [list(c.messages) for c in ours] == regenerated[:4]  # greedy fp32: vLLM's turns are transformers'
+    for key in manifest["keys"]:
+        assert "assistant_mask" in load_file(str(tmp_path / "cache" / f"{key}.safetensors"))
+    e = convert_checkpoint(chat, "eagle", tmp_path / "eagle")["out"]
+    rec = distill(DistillOptions(drafter=e, target=str(chat), cache_hidden=str(tmp_path / "cache"), out=str(tmp_path / "o"),
+                                 eval_every=10**6, **common))
+    assert rec["trunk_loaded"] is False and rec["heldout"]["counted"] == "assistant tokens"
+    assert rec["cache_hits"] == len(manifest["keys"]) + 1

@@ -1,0 +1,147 @@
+"""Chat-tuned target (issue 32): does re-aligning on conversations, with the assistant mask, and with the target's
+own regenerated answers, pay over re-aligning on plain text?
+
+On `fixtures/deepseek_v3_mtp_chat` (the DeepSeek fixture's trunk instruction-tuned on stdlib conversations, MTP
+tensors stale), judged on held-out chat prompts (the fixture's `chat_heldout.jsonl`: functions from files neither
+side trained on, each rendered with the chat template through the assistant's generation prompt):
+
+  native       the stale MTP modules as the engines chain them (bench --native-mtp)
+  plain        convert --to eagle, distilled on plain text (the stdlib corpus: today's path)
+  chat-text    the training conversations rendered to text, every token counted (no mask)
+  chat         the training conversations, assistant tokens only (the mask)
+  chat-regen   the same conversations with every assistant turn written by the target (greedy), regenerated once
+               in vLLM (`recycle harvest --self-distill`'s generator), saved as JSONL and reused as --data
+  chat-sd      distill --self-distill in process (transformers' generate, regenerated as training reads them):
+               slow on a CPU, not in the default list
+
+Every distilled drafter gets the same token budget(s); each budget is a separate run from the converted drafter.
+Reports α per depth and τ (chain:3 by default), and each run's held-out estimate (over its own held-out rows, so
+compare those only within a variant).
+
+    python benchmarks/chat_realign.py --tokens 256k,1M --json /tmp/chat_realign.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from fixtures.build_chat import conversations, write_jsonl  # noqa: E402
+from recycle.bench import BenchOptions, run_bench  # noqa: E402
+from recycle.converters.api import convert_checkpoint  # noqa: E402
+from recycle.distill.train import DistillOptions, distill, parse_tokens  # noqa: E402
+from recycle.prompts import read_jsonl  # noqa: E402
+
+TARGET = ROOT / "fixtures" / "deepseek_v3_mtp_chat"
+VARIANTS = ("native", "plain", "chat-text", "chat", "chat-regen")
+
+
+def bench(drafter: str | None, prompts: list, tree: str, tokens: int) -> dict:
+    r = run_bench(BenchOptions(drafter=drafter, target=str(TARGET), prompts=prompts, max_new_tokens=tokens, tree=tree,
+                               native=drafter is None))
+    o = r["overall"]
+    return {"tau": o["spec"]["tau"], "acceptance": o["spec"]["acceptance"], "speedup": o["speedup"],
+            "greedy_match": o["greedy_match"]}
+
+
+def rendered_text(convs, path: Path) -> None:
+    """The conversations as the template renders them, as plain text rows: every token counts."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(TARGET)
+    path.write_text("".join(json.dumps({"text": tok.apply_chat_template(list(c.messages), tokenize=False)}) + "\n"
+                            for c in convs))
+
+
+def regenerated(data: Path, out: Path, tokens: int, seq_len: int) -> dict:
+    """Every assistant turn the windows of a `tokens` budget read, written by the target in vLLM (greedy), as harvest
+    --self-distill writes them (its planner and generator, without the feature extraction), saved as JSONL."""
+    from transformers import AutoTokenizer
+
+    from recycle.distill.harvest import plan, vllm_generate
+    from recycle.options import HarvestOptions
+
+    t0 = time.perf_counter()
+    opts = HarvestOptions(target=str(TARGET), out=str(out.parent / "unused"), tokens=tokens, data=str(data),
+                          seq_len=seq_len, self_distill=True)
+    _, regen = plan(opts, AutoTokenizer.from_pretrained(TARGET), vllm_generate(str(TARGET.resolve())))
+    order = {i: n for n, i in enumerate(regen.stream.order(0))}
+    rows = [regen.done[i] for i in sorted(regen.done, key=order.__getitem__)]
+    out.write_text("".join(json.dumps(d.to_json()) + "\n" for d in rows))
+    return {"conversations": len(rows), "engine_runs": regen.runs, "wall_s": round(time.perf_counter() - t0, 1)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--work", default="/tmp/recycle-chat")
+    ap.add_argument("--tokens", default="256k", help="one budget or several, comma-separated")
+    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--tree", default="chain:3")
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    if a.threads:
+        import torch
+
+        torch.set_num_threads(a.threads)
+    budgets = [parse_tokens(t) for t in a.tokens.split(",")]
+    variants = a.variants.split(",")
+    work = Path(a.work)
+    work.mkdir(parents=True, exist_ok=True)
+    prompts = read_jsonl(TARGET / "chat_heldout.jsonl")[:a.prompts]
+    train = conversations("train")
+    write_jsonl(work / "chat_train.jsonl", train)
+    rendered_text(train, work / "chat_text.jsonl")
+    out: dict = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": platform.processor()
+                 or platform.machine(), "budgets": budgets, "tree": a.tree, "prompts": len(prompts),
+                 "max_new_tokens": a.max_new_tokens, "seq_len": a.seq_len, "variants": {}}
+    if "chat-regen" in variants:
+        out["regenerated"] = regenerated(work / "chat_train.jsonl", work / "chat_regen.jsonl", max(budgets), a.seq_len)
+        print("regenerated", json.dumps(out["regenerated"]), flush=True)
+    data = {"plain": ("stdlib", False), "chat-text": (str(work / "chat_text.jsonl"), False),
+            "chat": (str(work / "chat_train.jsonl"), False), "chat-regen": (str(work / "chat_regen.jsonl"), False),
+            "chat-sd": (str(work / "chat_train.jsonl"), True)}
+    eagle = convert_checkpoint(TARGET, "eagle", work / "eagle", overwrite=True, layouts="recycle")["out"]
+    for name in variants:
+        for budget in ([0] if name == "native" else budgets):
+            t0 = time.perf_counter()
+            row: dict = {"tokens": budget}
+            if name == "native":
+                row["bench"] = bench(None, prompts, a.tree, a.max_new_tokens)
+            else:
+                src, sd = data[name]
+                rec = distill(DistillOptions(drafter=eagle, target=str(TARGET), tokens=budget, data=src,
+                                             self_distill=sd, seq_len=a.seq_len, out=str(work / f"eagle-{name}-{budget}"),
+                                             overwrite=True, threads=a.threads, checkpoint_every=10**9, eval_every=25))
+                row["distill"] = {"tokens_per_s": rec.get("tokens_per_s"), "train_s": rec.get("train_s"),
+                                  "heldout_estimate_before": rec["final"]["heldout_estimate_before"],
+                                  "heldout_estimate_after": rec["final"]["heldout_estimate_after"],
+                                  "selected_step": rec["selected"]["step"], "steps": rec["steps"],
+                                  "counted": rec["heldout"]["counted"], "generate_s": rec["timing"].get("generate_s"),
+                                  "rows": rec["data"].get("rows"), "skipped": rec["data"].get("skipped")}
+                row["bench"] = bench(rec["out"], prompts, a.tree, a.max_new_tokens)
+            row["wall_s"] = round(time.perf_counter() - t0, 1)
+            out["variants"][f"{name}@{budget}"] = row
+            print(name, json.dumps(row), flush=True)
+            if a.json:  # after every run, so a long benchmark leaves what it measured
+                Path(a.json).write_text(json.dumps(out, indent=1) + "\n")
+    print("| variant | tokens | τ | α by depth | held-out estimate before → after |")
+    for key, row in out["variants"].items():
+        b, d = row["bench"], row.get("distill") or {}
+        est = f"{d['heldout_estimate_before']} → {d['heldout_estimate_after']}" if d else "—"
+        print(f"| {key.split('@')[0]} | {row['tokens']:,} | {b['tau']:.3f} | "
+              f"{' / '.join(f'{x:.3f}' for x in b['acceptance'])} | {est} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,112 @@
+"""recycle's GGUF side files in llama.cpp (issue 31): agreement with recycle, and the stale case re-aligned.
+
+1. Agreement, on both MTP fixtures: the trunk GGUF from llama.cpp's own converter (f32; DeepSeek-V3's drops MTP),
+   recycle's side file (`convert --to gguf`, f32), `llama-server --spec-type draft-mtp --spec-draft-n-max N`
+   against `recycle bench --tree chain:N` on the same prompt ids (stdlib held-out code), N = 1, 2, 3: τ, drafted /
+   accepted, and whether the drafted greedy output equals plain llama.cpp's. llama.cpp applies its one module at
+   every draft position, so recycle drafts with `convert --to eagle` of the same module (its one layer chained on
+   its own output, as llama.cpp and vLLM chain it), not with the checkpoint's second module at depth 2.
+2. The stale case: `fixtures/deepseek_v3_mtp_posttrained` (trunk trained on, its modules not), on its new domain
+   (py:transformers held-out prompts): the stale module's side file against the side file of its module after
+   `recycle distill --tokens BUDGET` (the distilled drafter converted with `--target TRUNK.gguf`), both engines.
+3. Write time of the side files (seconds) for the fixtures.
+
+    python benchmarks/llama_cpp_mtp.py --distill-tokens 256k --json /tmp/llama_cpp_mtp.json
+
+Needs the managed llama.cpp (`recycle.engines.llama_cpp`: built on first use, 15-26 min on two cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from recycle.converters.api import convert_checkpoint  # noqa: E402
+from recycle.distill.train import DistillOptions, distill, parse_tokens  # noqa: E402
+from recycle.prompts import prompt_set  # noqa: E402
+from tests.engines.llama_interop import FIXTURES, llama_runs, recycle_run, side_file, trunk_gguf  # noqa: E402
+
+POSTTRAINED = ROOT / "fixtures" / "deepseek_v3_mtp_posttrained"
+
+
+def ids_of(fixture: Path, prompts) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(fixture))
+    return [tok(p, add_special_tokens=False)["input_ids"] for _, p in prompts]
+
+
+def compare(target: Path, trunk: Path, side: Path, drafter: Path | None, prompts, new_tokens: int, depths) -> dict:
+    ids = ids_of(target, prompts)
+    plain = llama_runs(trunk, None, ids, new_tokens, 1)["tokens"]
+    rows = {}
+    for n in depths:
+        ll = llama_runs(trunk, side, ids, new_tokens, n)
+        rc = recycle_run(target, drafter, prompts, new_tokens, n)
+        rows[n] = {"llama_cpp": {"tau": ll["tau"], "drafted": ll["drafted"], "accepted": ll["accepted"],
+                                 "steps": ll["steps"], "lossless": ll["tokens"] == plain},
+                   "recycle": {"tau": rc["tau"], "tried": rc["tried"], "accepted": rc["accepted"],
+                               "acceptance": rc["acceptance"]}}
+        print(target.name, side.parent.name, n, json.dumps(rows[n]), flush=True)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--work", default="/tmp/recycle-llama-cpp")
+    ap.add_argument("--prompts", type=int, default=6)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--depths", default="1,2,3")
+    ap.add_argument("--distill-tokens", default="256k")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    work = Path(a.work)
+    work.mkdir(parents=True, exist_ok=True)
+    depths = [int(x) for x in a.depths.split(",")]
+    out: dict = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": platform.processor()
+                 or platform.machine(), "prompts": a.prompts, "max_new_tokens": a.max_new_tokens, "agreement": {},
+                 "write_s": {}}
+    code = prompt_set("stdlib", a.prompts)
+    for name, fx in FIXTURES.items():
+        trunk = trunk_gguf(fx, work)
+        t0 = time.perf_counter()
+        side = side_file(fx, work, f"{fx.name}-side")
+        out["write_s"][name] = round(time.perf_counter() - t0, 2)
+        eagle = Path(convert_checkpoint(fx, "eagle", work / f"{fx.name}-eagle", overwrite=True)["out"])
+        out["agreement"][name] = compare(fx, trunk, side, eagle, code, a.max_new_tokens, depths)
+    budget = parse_tokens(a.distill_tokens)
+    trunk = trunk_gguf(POSTTRAINED, work)
+    stale = side_file(POSTTRAINED, work, "posttrained-stale")
+    eagle = convert_checkpoint(POSTTRAINED, "eagle", work / "pt-eagle", overwrite=True)["out"]
+    t0 = time.perf_counter()
+    rec = distill(DistillOptions(drafter=eagle, target=str(POSTTRAINED), tokens=budget, data="py:transformers",
+                                 out=str(work / "pt-eagle-d"), overwrite=True, checkpoint_every=10**9))
+    distill_s = time.perf_counter() - t0
+    realigned = side_file(Path(rec["out"]), work, "posttrained-realigned", trunk=trunk)
+    domain = prompt_set("py:transformers", a.prompts)
+    out["stale"] = {"distill_tokens": budget, "distill_s": round(distill_s, 1),
+                    "stale": compare(POSTTRAINED, trunk, stale, Path(eagle), domain, a.max_new_tokens, depths),
+                    "realigned": compare(POSTTRAINED, trunk, realigned, Path(rec["out"]), domain, a.max_new_tokens,
+                                         depths)}
+    if a.json:
+        Path(a.json).write_text(json.dumps(out, indent=1) + "\n")
+    print("| fixture | side file | n_max | llama.cpp τ | recycle τ | llama.cpp accepted/drafted | recycle accepted/tried "
+          "| lossless |")
+    rows = [(n, "native", r) for n, r in out["agreement"].items()]
+    rows += [("post-trained", k, out["stale"][k]) for k in ("stale", "realigned")]
+    for fixture, what, by_n in rows:
+        for n, r in by_n.items():
+            ll, rc = r["llama_cpp"], r["recycle"]
+            print(f"| {fixture} | {what} | {n} | {ll['tau']:.3f} | {rc['tau']:.3f} | {ll['accepted']}/{ll['drafted']} | "
+                  f"{rc['accepted']}/{rc['tried']} | {'yes' if ll['lossless'] else 'NO'} |")
+
+
+if __name__ == "__main__":
+    main()

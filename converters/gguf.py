@@ -1,0 +1,272 @@
+"""`recycle convert SOURCE --to gguf`: an MTP-only GGUF side file that llama.cpp drafts with, next to a trunk GGUF.
+
+llama.cpp (`--spec-type draft-mtp -md mtp.gguf`) loads the side file as a model of the trunk's architecture whose
+one block is the MTP module (`recycle.ggufarch` says how it is named and which hyper-parameters it reads); the
+trunk stays whatever GGUF the user runs, quantized or not. The names, the hyper-parameters and the tensor
+transforms come from the family's `gguf` record; this module only applies them:
+
+  * the module's leaves under `blk.{n}.nextn.*`, its decoder block under the trunk's per-layer names, routed
+    experts stacked per projection (written expert by expert: the stacked tensor is never held), MLA's kv_b split;
+  * `token_embd` and `output_norm`, which llama.cpp's loaders require in the side file too: the source trunk's,
+    or with `--target TRUNK.gguf` the trunk file's own bytes (its quantization kept);
+  * `nextn.embed_tokens` only where the module's embedding differs from the trunk's (llama.cpp falls back to
+    `token_embd` without it), `nextn.shared_head_head` always (the side file carries no `output`);
+  * hyper-parameters and the vocabulary: from `--target TRUNK.gguf`'s header when given (so the two files agree by
+    construction; block_count and nextn_predict_layers set for the side file), else from the source's config.json
+    and tokenizer.json.
+
+Norms, biases and the router stay float32 (as llama.cpp's converter keeps them); the rest is `--dtype` (f32, f16
+or bf16).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from recycle.converters.roles import EXACT, Lazy, Plan, RoleWeights, require_sequential, same_values, stored
+from recycle.errors import RecycleError
+from recycle.families import FAMILIES, merged_config
+from recycle.ggufarch import NEXTN, TRUNK, GGUFArch
+
+SIDE_FILE = "mtp.gguf"
+FILE_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 32}  # general.file_type (LLAMA_FTYPE_*)
+NORMAL, UNUSED, CONTROL, USER_DEFINED = 1, 5, 3, 4  # gguf.TokenType
+GPT2_REGEX_PRE = "gpt-2"  # a plain ByteLevel pre-tokenizer with GPT-2's regex (the fixtures' tokenizer)
+
+
+@dataclass
+class Header:
+    """A GGUF file's header as the writer needs it: architecture, key/values (key, value, GGUF type name, the
+    array element type where the value is a list) in order, and tensors copied as they are from another GGUF."""
+
+    arch: str
+    kv: list[tuple[str, object, str, str | None]] = field(default_factory=list)
+    raw: dict[str, object] = field(default_factory=dict)  # name -> gguf.ReaderTensor (copied byte for byte)
+    f32: tuple[str, ...] = ()  # name suffixes kept float32 whatever the file's type (and every 1-D tensor)
+
+    def keep_f32(self, name: str, shape: tuple[int, ...]) -> bool:
+        """Tensors llama.cpp's converter keeps in float32: 1-D ones, norms, biases and the router."""
+        return len(shape) <= 1 or name.endswith(self.f32)
+
+    def add(self, key: str, value, vtype: str, sub: str | None = None) -> None:
+        if value is not None and value != []:  # GGUF has no empty arrays (a vocabulary without merges)
+            self.kv = [row for row in self.kv if row[0] != key] + [(key, value, vtype, sub)]
+
+
+def supported() -> str:
+    """Families llama.cpp drafts with that recycle writes, for messages."""
+    return ", ".join(f"{f.title.split(' (')[0]} ({f.gguf.arch})" for f in FAMILIES if f.gguf is not None)
+
+
+def arch_of(w: RoleWeights) -> GGUFArch:
+    arch = w.family.gguf
+    if arch is None:
+        raise RecycleError(f"{w.ckpt.path}: llama.cpp has no MTP graph recycle writes for {w.family.title}; "
+                           f"--to gguf covers {supported()}")
+    return arch
+
+
+def _block(arch: GGUFArch, block: Mapping[str, Lazy], n: int, cfg: Mapping) -> dict[str, Lazy]:
+    """The decoder block under llama.cpp's per-layer names (experts stacked, kv_b split)."""
+    out: dict[str, Lazy] = {}
+    experts: dict[str, dict[int, Lazy]] = {}
+    for rel, lazy in block.items():
+        if m := re.match(arch.experts, rel):
+            experts.setdefault(m.group(2), {})[int(m.group(1))] = lazy
+            continue
+        if arch.split_kv_b and rel == "self_attn.kv_b_proj.weight":
+            out.update(_split_kv_b(lazy, n, cfg))
+            continue
+        for pattern, template in arch.block:
+            if m := re.match(pattern, rel):
+                out[template.format(*m.groups(), n=n)] = lazy
+                break
+        else:
+            raise RecycleError(f"MTP block tensor {rel}: llama.cpp's {arch.arch} graph has no name for it "
+                               f"({arch.source})")
+    for proj, by_index in sorted(experts.items()):
+        parts = [by_index[i] for i in sorted(by_index)]
+        if sorted(by_index) != list(range(len(parts))):
+            raise RecycleError(f"MTP block: routed experts {sorted(by_index)[:4]}... are not numbered 0..{len(parts) - 1}")
+        out[f"blk.{n}.ffn_{proj}_exps.weight"] = Lazy(
+            (len(parts), *parts[0].shape), lambda ps=parts: torch.stack([p.make() for p in ps]),
+            tuple(s for p in parts for s in p.sources), EXACT, f"{len(parts)} experts stacked (expert-major)",
+            parts=tuple(parts))
+    return out
+
+
+def _split_kv_b(lazy: Lazy, n: int, cfg: Mapping) -> dict[str, Lazy]:
+    """MLA's kv_b_proj [heads·(nope+v), kv_lora] → attn_k_b [heads, kv_lora, nope] (transposed) and attn_v_b
+    [heads, v, kv_lora], as llama.cpp's absorbed-MLA graph reads them."""
+    heads, nope, v = cfg["num_attention_heads"], cfg["qk_nope_head_dim"], cfg["v_head_dim"]
+    rank = lazy.shape[1]
+    if lazy.shape[0] != heads * (nope + v):
+        raise RecycleError(f"kv_b_proj has {lazy.shape[0]} rows, config implies {heads}·({nope}+{v})")
+
+    def part(t: torch.Tensor, k: bool) -> torch.Tensor:
+        t = t.reshape(heads, nope + v, rank)
+        return t[:, :nope].transpose(1, 2).contiguous() if k else t[:, nope:].contiguous()
+
+    return {f"blk.{n}.attn_k_b.weight": lazy.derive((heads, rank, nope), lambda t: part(t, True),
+                                                    note="kv_b_proj's key rows per head, transposed"),
+            f"blk.{n}.attn_v_b.weight": lazy.derive((heads, v, rank), lambda t: part(t, False),
+                                                    note="kv_b_proj's value rows per head")}
+
+
+def _trunk(w: RoleWeights, role: str) -> str | None:
+    """The source trunk's tensor name for `embed` / `final_norm` (None when the source stores no trunk)."""
+    names = {"embed": w.family.trunk.get("embed", ()), "final_norm": ("model.norm.weight",
+                                                                        "model.language_model.norm.weight")}[role]
+    return next((n for n in names if n in w.ckpt.tensors), None)
+
+
+def convert(w: RoleWeights, req) -> Plan:
+    """The side file's tensors and header (see the module docstring)."""
+    require_sequential(w, "gguf")
+    arch = arch_of(w)
+    opts = req.options
+    if opts.module is None and len(w.modules) > 1:
+        raise RecycleError(f"{opts.source}: {len(w.modules)} MTP modules, and llama.cpp drafts with one (its "
+                           f"{arch.arch} graph asserts n_layer_nextn == 1, {arch.source}; it reuses that module "
+                           "for every draft position): pass --module 0 to write the first")
+    k = opts.module or 0
+    if not 0 <= k < len(w.modules):
+        raise RecycleError(f"--module {k}: {opts.source} has modules 0..{len(w.modules) - 1}")
+    mod = w.modules[k]
+    cfg = merged_config(w.ckpt.config)
+    n = w.num_hidden_layers
+    trunk_gguf = read_trunk(opts.target, arch, w, n) if opts.target else None
+    tensors: dict[str, Lazy] = {}
+    notes = [f"module {k} as llama.cpp's blk.{n} ({arch.arch}, {arch.source})"]
+    header = trunk_gguf if trunk_gguf is not None else Header(arch.arch)
+    header.f32 = arch.f32
+    if trunk_gguf is not None:
+        notes.append(f"token_embd, output_norm and the header's keys copied from {opts.target}")
+    if trunk_gguf is None:
+        for gname, role in TRUNK.items():
+            name = _trunk(w, role)
+            if name is None:
+                raise RecycleError(f"{opts.source}: no trunk {role.replace('_', ' ')} ({gname} of the side file, "
+                                   "which llama.cpp requires); pass --target TRUNK.gguf to copy it from the trunk file")
+            tensors[gname] = stored(w.ckpt, name)
+    for role, suffix in NEXTN.items():
+        lazy = mod.leaves.get(role)
+        if lazy is None:
+            continue
+        if role == "embed":
+            trunk = _trunk(w, "embed")
+            if trunk is not None and len(lazy.sources) == 1 and same_values(w.ckpt, lazy.sources[0], trunk):
+                notes.append("nextn.embed_tokens left out: the module's embedding equals the trunk's token_embd")
+                continue
+        tensors[f"blk.{n}.nextn.{suffix}.weight"] = lazy
+    tensors.update(_block(arch, mod.block, n, cfg))
+    dtype = {"fp32": torch.float32, "f32": torch.float32, "fp16": torch.float16, "f16": torch.float16,
+             "bf16": torch.bfloat16}.get(opts.dtype, torch.bfloat16)
+    _metadata(header, arch, w, cfg, n, dtype, opts.source, trunk_gguf is not None)
+    return Plan({SIDE_FILE: tensors}, {}, tokenizer_dirs=(), notes=notes, gguf={SIDE_FILE: header})
+
+
+def _metadata(h: Header, arch: GGUFArch, w: RoleWeights, cfg: Mapping, n: int, dtype: torch.dtype, source: str,
+              from_trunk: bool) -> None:
+    a = arch.arch
+    if not from_trunk:
+        h.add("general.architecture", a, "STRING")
+        h.add("general.type", "model", "STRING")
+        h.add("general.name", f"{Path(source).name}-mtp", "STRING")
+        for key, vtype, get in arch.hparams:
+            try:
+                value = get(cfg)
+            except (KeyError, TypeError, ZeroDivisionError) as e:
+                raise RecycleError(f"{w.ckpt.path}/config.json: cannot derive {a}.{key} ({e})") from None
+            h.add(f"{a}.{key}", value, vtype)
+        for key, value, vtype, sub in tokenizer_kv(w.ckpt.path, int(cfg["vocab_size"]), arch):
+            h.add(key, value, vtype, sub)
+    h.add(f"{a}.block_count", n + 1, "UINT32")
+    h.add(f"{a}.nextn_predict_layers", 1, "UINT32")
+    h.add("general.file_type", FILE_TYPES[dtype], "UINT32")
+    h.add("general.quantization_version", 2, "UINT32")
+    h.add("recycle.source", Path(source).resolve().name, "STRING")
+
+
+def tokenizer_kv(path: Path, vocab_size: int, arch: GGUFArch) -> list[tuple[str, object, str, str | None]]:
+    """The vocabulary as llama.cpp's `gpt2` tokenizer reads it, from tokenizer.json (a byte-level BPE): tokens in id
+    order ([PAD{i}] where an id has none), their types, merges, and the special ids of config.json."""
+    f = Path(path) / "tokenizer.json"
+    if not f.is_file():
+        raise RecycleError(f"{path}: no tokenizer.json for the side file's vocabulary; pass --target TRUNK.gguf")
+    spec = json.loads(f.read_text(encoding="utf-8"))
+    model = spec.get("model") or {}
+    if model.get("type") != "BPE":
+        raise RecycleError(f"{f}: a {model.get('type')} tokenizer; recycle writes byte-level BPE vocabularies only: "
+                           "pass --target TRUNK.gguf to take the trunk file's")
+    tokens, types = [f"[PAD{i}]" for i in range(vocab_size)], [UNUSED] * vocab_size
+    for tok, i in model["vocab"].items():
+        if i < vocab_size:
+            tokens[i], types[i] = tok, NORMAL
+    for t in spec.get("added_tokens", []):
+        if t["id"] < vocab_size:
+            tokens[t["id"]], types[t["id"]] = t["content"], CONTROL if t.get("special") else USER_DEFINED
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+    pre = spec.get("pre_tokenizer") or {}
+    gpt2 = pre.get("type") == "ByteLevel" and pre.get("use_regex", True)
+    cfg = json.loads((Path(path) / "config.json").read_text())
+    tok_cfg = Path(path) / "tokenizer_config.json"
+    tcfg = json.loads(tok_cfg.read_text()) if tok_cfg.is_file() else {}
+    out: list[tuple[str, object, str, str | None]] = [
+        ("tokenizer.ggml.model", "gpt2", "STRING", None),
+        ("tokenizer.ggml.pre", GPT2_REGEX_PRE if gpt2 else arch.tokenizer_pre, "STRING", None),
+        ("tokenizer.ggml.tokens", tokens, "ARRAY", "STRING"),
+        ("tokenizer.ggml.token_type", types, "ARRAY", "INT32"),
+        ("tokenizer.ggml.merges", merges, "ARRAY", "STRING"),
+    ]
+    for key, cfg_key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
+                         ("padding_token_id", "pad_token_id")):
+        value = cfg.get(cfg_key)
+        if isinstance(value, list):
+            value = value[0] if value else None
+        if isinstance(value, int):
+            out.append((f"tokenizer.ggml.{key}", value, "UINT32", None))
+    for key in ("add_bos_token", "add_eos_token"):
+        if isinstance(tcfg.get(key), bool):
+            out.append((f"tokenizer.ggml.{key}", tcfg[key], "BOOL", None))
+    return out
+
+
+def read_trunk(path: str | Path, arch: GGUFArch, w: RoleWeights, n: int) -> Header:
+    """`--target TRUNK.gguf`: its header (every key but the file's own general ones) and its token_embd /
+    output_norm, after checking it is the same model's trunk (architecture, layers, width, vocabulary)."""
+    from recycle.gguf_file import open_gguf, value_of
+
+    r = open_gguf(path)
+    got = value_of(r, "general.architecture")
+    where = f"--target {path}"
+    if got != arch.arch:
+        raise RecycleError(f"{where}: a {got} GGUF, and this side file is {arch.arch} ({w.family.title})")
+    checks = ((f"{got}.block_count", n, "layers"), (f"{got}.embedding_length", w.hidden_size, "hidden size"))
+    for key, want, what in checks:
+        have = value_of(r, key)
+        if have is not None and int(have) != want:
+            raise RecycleError(f"{where}: {what} {have}, the MTP source's is {want} ({key})")
+    vocab = len(r.fields["tokenizer.ggml.tokens"].data) if "tokenizer.ggml.tokens" in r.fields else None
+    if vocab is not None and vocab != w.vocab_size:
+        raise RecycleError(f"{where}: vocabulary of {vocab} tokens, the MTP source's is {w.vocab_size}")
+    h = Header(arch.arch)
+    for key, field_ in r.fields.items():
+        if key.startswith("GGUF.") or key in ("general.file_type", "general.quantization_version") \
+                or key.startswith("split."):
+            continue
+        vtype = field_.types[0].name
+        sub = field_.types[-1].name if vtype == "ARRAY" else None
+        h.add(key, field_.contents(), vtype, sub)
+    present = {t.name: t for t in r.tensors}
+    for gname in TRUNK:
+        if gname not in present:
+            raise RecycleError(f"{where}: holds no {gname} (a trunk GGUF from llama.cpp's converter does)")
+        h.raw[gname] = present[gname]
+    return h

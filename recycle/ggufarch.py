@@ -1,0 +1,169 @@
+"""How llama.cpp names an MTP module and its hyper-parameters in a GGUF file, per llama.cpp architecture, as data.
+
+A family row of `recycle.families` points at one `GGUFArch` (`Family.gguf`); `recycle convert --to gguf`
+(`recycle.converters.gguf`) reads nothing else to write a side file. llama.cpp (checked at the commit the
+`llama-cpp-python` 0.3.36 sdist vendors, 0c1e570) loads an MTP-only GGUF passed with `-md` as a model of the
+trunk's architecture whose `block_count` is the trunk's plus one and whose only block is `blk.{n}` (n = the
+trunk's layer count): the module's decoder block under the trunk's own per-layer names, plus
+`blk.{n}.nextn.{eh_proj,enorm,hnorm,embed_tokens,shared_head_head,shared_head_norm}`
+(`gguf-py/gguf/constants.py`: `MODEL_TENSOR.NEXTN_*`), and the trunk's `token_embd` and `output_norm`, which
+its loaders create as required tensors (`src/models/glm4-moe.cpp` and `src/models/deepseek2.cpp`,
+`load_arch_tensors`). Only one module: both MTP graphs assert `n_layer_nextn == 1`.
+
+Block names: (regex over the block's tensor names relative to its prefix, GGUF name template). `{n}` is the
+block index, `{0}`, `{1}` the regex's groups. Routed experts are stacked into one 3-D tensor per projection
+(`ffn_{gate,up,down}_exps`, expert-major), as llama.cpp's converter stacks them; MLA's `kv_b_proj` is split per
+head into `attn_k_b` (transposed) and `attn_v_b` (`conversion/deepseek.py`, `DeepseekV2Model.modify_tensors`).
+
+Hyper-parameters: (key under `{arch}.`, GGUF value type, a function of the merged HF config returning the value,
+or None to leave the key out), in the order llama.cpp's converter writes them. The side file's block_count and
+nextn_predict_layers are set by the converter, not here. Values were checked against the converter's output for
+the bundled fixtures (tests/engines/test_llama_cpp.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+# GGUF value types (gguf.GGUFValueType), by name: this module imports nothing heavy
+U32, F32, BOOL, STR = "UINT32", "FLOAT32", "BOOL", "STRING"
+SIGMOID, SOFTMAX = 2, 1  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_*
+YARN = "yarn"
+
+Getter = Callable[[Mapping], object]
+
+
+def _rope(cfg: Mapping) -> Mapping:
+    """transformers 5 keeps rope settings under `rope_parameters`; older configs under `rope_scaling` + `rope_theta`."""
+    return cfg.get("rope_parameters") or {**(cfg.get("rope_scaling") or {}), "rope_theta": cfg.get("rope_theta")}
+
+
+def _yarn(cfg: Mapping, key: str):
+    r = _rope(cfg)
+    return r.get(key) if r.get("rope_type", r.get("type")) == YARN and r.get("factor") is not None else None
+
+
+def _gating(cfg: Mapping, default: int | None = None):
+    return {"sigmoid": SIGMOID, "softmax": SOFTMAX}.get(cfg.get("scoring_func"), default)
+
+
+def _if_true(value):
+    return True if value else None
+
+
+@dataclass(frozen=True)
+class GGUFArch:
+    arch: str  # general.architecture: llama.cpp's LLM_ARCH name
+    block: tuple[tuple[str, str], ...]  # (regex over block-relative names, GGUF template)
+    hparams: tuple[tuple[str, str, Getter], ...]  # (key under "{arch}.", value type, getter)
+    tokenizer_pre: str  # llama.cpp's pre-tokenizer name for the family's released tokenizer
+    source: str  # where llama.cpp defines the MTP graph (file), for messages and the record
+    split_kv_b: bool = False  # MLA: kv_b_proj -> attn_k_b (transposed per head) + attn_v_b
+    experts: str = r"^mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$"  # stacked into ffn_{2}_exps
+    f32: tuple[str, ...] = (".bias", "_norm.weight", "ffn_gate_inp.weight", "exp_probs_b.bias")  # kept float32
+
+
+# The trunk tensors the side file carries (llama.cpp creates them as required tensors), by GGUF name.
+TRUNK = {"token_embd.weight": "embed", "output_norm.weight": "final_norm"}
+# The module's leaves (canonical roles of recycle.converters.roles) under blk.{n}.nextn.*
+NEXTN = {"proj": "eh_proj", "embed_norm": "enorm", "hidden_norm": "hnorm", "embed": "embed_tokens",
+         "head": "shared_head_head", "final_norm": "shared_head_norm"}
+
+# Per-layer names every DeepSeek/GLM-style MoE block shares (llama.cpp's LLM_TENSOR_* names).
+MOE_FFN = (
+    (r"^input_layernorm\.weight$", "blk.{n}.attn_norm.weight"),
+    (r"^mlp\.gate\.weight$", "blk.{n}.ffn_gate_inp.weight"),
+    (r"^mlp\.gate\.e_score_correction_bias$", "blk.{n}.exp_probs_b.bias"),
+    (r"^mlp\.shared_experts\.(gate|up|down)_proj\.weight$", "blk.{n}.ffn_{0}_shexp.weight"),
+    (r"^mlp\.(gate|up|down)_proj\.weight$", "blk.{n}.ffn_{0}.weight"),  # a dense MTP block
+)
+
+COMMON_HPARAMS: tuple[tuple[str, str, Getter], ...] = (
+    ("context_length", U32, lambda c: c.get("max_position_embeddings")),
+    ("embedding_length", U32, lambda c: c.get("hidden_size")),
+    ("feed_forward_length", U32, lambda c: c.get("intermediate_size")),
+    ("attention.head_count", U32, lambda c: c.get("num_attention_heads")),
+)
+ROPE_AND_EXPERTS: tuple[tuple[str, str, Getter], ...] = (
+    ("rope.scaling.type", STR, lambda c: YARN if _yarn(c, "factor") is not None else None),
+    ("rope.scaling.factor", F32, lambda c: _yarn(c, "factor")),
+    ("rope.scaling.original_context_length", U32, lambda c: _yarn(c, "original_max_position_embeddings")),
+    ("rope.scaling.yarn_beta_fast", F32, lambda c: _yarn(c, "beta_fast")),
+    ("rope.scaling.yarn_beta_slow", F32, lambda c: _yarn(c, "beta_slow")),
+    ("rope.freq_base", F32, lambda c: _rope(c).get("rope_theta")),
+    ("attention.layer_norm_rms_epsilon", F32, lambda c: c.get("rms_norm_eps")),
+    ("expert_count", U32, lambda c: c.get("n_routed_experts")),
+    ("expert_used_count", U32, lambda c: c.get("num_experts_per_tok")),
+    ("expert_group_count", U32, lambda c: c.get("n_group")),
+    ("expert_group_used_count", U32, lambda c: c.get("topk_group")),
+)
+
+GLM4MOE = GGUFArch(
+    arch="glm4moe",
+    block=(
+        *MOE_FFN,
+        (r"^self_attn\.(q|k|v)_proj\.(weight|bias)$", "blk.{n}.attn_{0}.{1}"),
+        (r"^self_attn\.o_proj\.weight$", "blk.{n}.attn_output.weight"),
+        (r"^self_attn\.(q|k)_norm\.weight$", "blk.{n}.attn_{0}_norm.weight"),
+        (r"^post_attention_layernorm\.weight$", "blk.{n}.post_attention_norm.weight"),
+    ),
+    hparams=(
+        *COMMON_HPARAMS,
+        ("attention.head_count_kv", U32, lambda c: c.get("num_key_value_heads")),
+        *ROPE_AND_EXPERTS,
+        ("attention.key_length", U32, lambda c: c.get("head_dim")),
+        ("attention.value_length", U32, lambda c: c.get("head_dim")),
+        ("rope.dimension_count", U32, lambda c: int((c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"])
+                                                    * (_rope(c).get("partial_rotary_factor")
+                                                       or c.get("partial_rotary_factor") or 0.5))),
+        ("expert_feed_forward_length", U32, lambda c: c.get("moe_intermediate_size")),
+        ("expert_shared_count", U32, lambda c: c.get("n_shared_experts")),
+        ("leading_dense_block_count", U32, lambda c: c.get("first_k_dense_replace")),
+        ("expert_gating_func", U32, lambda c: SIGMOID),
+        ("expert_weights_scale", F32, lambda c: c.get("routed_scaling_factor")),
+        ("expert_weights_norm", BOOL, lambda c: c.get("norm_topk_prob")),
+    ),
+    tokenizer_pre="glm4",
+    source="src/models/glm4-moe.cpp",
+)
+
+DEEPSEEK2 = GGUFArch(
+    arch="deepseek2",
+    block=(
+        *MOE_FFN,
+        (r"^self_attn\.q_a_proj\.weight$", "blk.{n}.attn_q_a.weight"),
+        (r"^self_attn\.q_a_layernorm\.weight$", "blk.{n}.attn_q_a_norm.weight"),
+        (r"^self_attn\.q_b_proj\.weight$", "blk.{n}.attn_q_b.weight"),
+        (r"^self_attn\.q_proj\.weight$", "blk.{n}.attn_q.weight"),  # no q LoRA (V2-Lite style)
+        (r"^self_attn\.kv_a_proj_with_mqa\.weight$", "blk.{n}.attn_kv_a_mqa.weight"),
+        (r"^self_attn\.kv_a_layernorm\.weight$", "blk.{n}.attn_kv_a_norm.weight"),
+        (r"^self_attn\.o_proj\.weight$", "blk.{n}.attn_output.weight"),
+        (r"^post_attention_layernorm\.weight$", "blk.{n}.ffn_norm.weight"),
+    ),
+    hparams=(
+        *COMMON_HPARAMS,
+        ("attention.head_count_kv", U32, lambda c: 1),  # MLA runs as MQA over the compressed cache
+        *ROPE_AND_EXPERTS,
+        ("expert_gating_func", U32, lambda c: _gating(c)),
+        ("attention.key_length", U32, lambda c: c["kv_lora_rank"] + c["qk_rope_head_dim"]),
+        ("attention.value_length", U32, lambda c: c["kv_lora_rank"]),
+        ("leading_dense_block_count", U32, lambda c: c.get("first_k_dense_replace") or 0),
+        ("vocab_size", U32, lambda c: c.get("vocab_size")),
+        ("attention.q_lora_rank", U32, lambda c: c.get("q_lora_rank")),
+        ("attention.kv_lora_rank", U32, lambda c: c["kv_lora_rank"]),
+        ("attention.key_length_mla", U32, lambda c: c["qk_nope_head_dim"] + c["qk_rope_head_dim"]),
+        ("attention.value_length_mla", U32, lambda c: c["v_head_dim"]),
+        ("expert_feed_forward_length", U32, lambda c: c.get("moe_intermediate_size") or c.get("intermediate_size")),
+        ("expert_shared_count", U32, lambda c: c.get("n_shared_experts") or 0),
+        ("expert_weights_scale", F32, lambda c: c.get("routed_scaling_factor")),
+        ("expert_weights_norm", BOOL, lambda c: _if_true(c.get("norm_topk_prob"))),
+        ("rope.dimension_count", U32, lambda c: c["qk_rope_head_dim"]),
+        # llama.cpp divides this by 0.1 when it reads it (its TAG_DEEPSEEK2_YARN_LOG_MUL_FIX)
+        ("rope.scaling.yarn_log_multiplier", F32, lambda c: (0.1 * _rope(c)["mscale_all_dim"])
+         if _rope(c).get("mscale_all_dim") is not None else None),
+    ),
+    tokenizer_pre="deepseek-v3",
+    source="src/models/deepseek2.cpp",
+    split_kv_b=True,
+)

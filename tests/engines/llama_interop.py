@@ -1,0 +1,75 @@
+"""recycle's GGUF side files run in llama.cpp and in recycle on the same prompt token ids.
+
+For a fixture: its trunk GGUF made by llama.cpp's own converter (`--no-mtp`; DeepSeek-V3's converter drops MTP
+anyway), recycle's side file (`convert --to gguf`), and `llama-server --spec-type draft-mtp` against plain
+`llama-server` and `recycle bench` on the same prompt ids. `tests/engines/test_llama_cpp.py` asserts on the rows;
+`benchmarks/llama_cpp_mtp.py` prints them (docs/engines.md, BENCHMARKS.md).
+
+How the two count: llama.cpp's `draft_n` / `draft_n_accepted` are the tokens its MTP head drafted and the target
+accepted over a request; recycle's are the same per depth (`tried`, `accepted`). Both verify every draft step with
+the target, so at n_max = 1 each step drafts one token and the counts are the same quantity.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from recycle.bench import BenchOptions, run_bench
+from recycle.converters.api import convert_checkpoint
+from recycle.engines.llama_cpp import LlamaServer, convert_trunk
+from recycle.prompts import prompt_set
+
+ROOT = Path(__file__).resolve().parents[2]
+FIXTURES = {"DeepSeek-V3": ROOT / "fixtures" / "deepseek_v3_mtp", "GLM-4.5": ROOT / "fixtures" / "glm4_moe_mtp"}
+
+
+@dataclass
+class Side:
+    """One side file on one trunk: what llama.cpp and recycle did with it at each n_max."""
+
+    name: str
+    llama: dict  # n_max -> {"tokens": [[...]], "drafted": int, "accepted": int, "tau": float}
+    recycle: dict  # n_max -> {"accepted": int, "tried": int, "tau": float}
+    plain: list[list[int]]  # llama.cpp without a draft
+    ar: list[list[int]]  # recycle's AR tokens
+
+
+def prompt_ids(fixture: Path, n: int) -> tuple[list, list[list[int]]]:
+    from transformers import AutoTokenizer
+
+    ps = prompt_set("stdlib", n)
+    tok = AutoTokenizer.from_pretrained(str(fixture))
+    return ps, [tok(p, add_special_tokens=False)["input_ids"] for _, p in ps]
+
+
+def llama_runs(trunk: Path, side: Path | None, ids: list[list[int]], new_tokens: int, n_max: int) -> dict:
+    """Greedy completions of every prompt; with a side file, the draft counts and τ = 1 + accepted / verification
+    steps (llama.cpp's own "mean len": the steps it drafted at, bonus token included)."""
+    with LlamaServer(trunk, side, n_max=n_max) as server:
+        outs = [server.complete(p, new_tokens) for p in ids]
+        steps = int(server.metrics().get("spec_decode_num_drafts_total", 0)) if side is not None else 0
+    drafted, accepted = sum(o["drafted"] for o in outs), sum(o["accepted"] for o in outs)
+    return {"tokens": [o["tokens"] for o in outs], "drafted": drafted, "accepted": accepted, "steps": steps,
+            "tau": 1 + accepted / steps if steps else None}
+
+
+def recycle_run(target: Path, drafter: Path | None, prompts, new_tokens: int, n_max: int) -> dict:
+    r = run_bench(BenchOptions(drafter=str(drafter) if drafter else None, native=drafter is None, target=str(target),
+                               prompts=prompts, max_new_tokens=new_tokens, tree=f"chain:{n_max}", stop_at_eos=False,
+                               warmup=False))
+    spec = r["overall"]["spec"]
+    return {"accepted": int(sum(spec["accepted"])), "tried": int(sum(spec["tried"])), "tau": spec["tau"],
+            "acceptance": spec["acceptance"]}
+
+
+def trunk_gguf(target: Path, work: Path) -> Path:
+    out = work / f"{target.name}-trunk-f32.gguf"
+    return out if out.is_file() else convert_trunk(target, out, mtp="no")
+
+
+def side_file(source: Path, work: Path, name: str, *, trunk: Path | None = None, module: int | None = 0) -> Path:
+    """recycle's side file for `source` (a checkpoint or a distilled drafter), f32 like the trunk."""
+    out = convert_checkpoint(source, "gguf", work / name, overwrite=True, dtype="fp32",
+                             target=str(trunk) if trunk else None, module=module)["out"]
+    return Path(out) / "mtp.gguf"

@@ -1,0 +1,98 @@
+"""recycle's GGUF side files in llama.cpp (slow: llama.cpp is built once per machine, `recycle.engines.llama_cpp`).
+
+* The side file equals llama.cpp's own MTP export where llama.cpp has one (GLM-4.5's `--mtp`; DeepSeek-V3's
+  converter drops MTP, so a one-module copy relabelled as GLM-4.7-Flash's `Glm4MoeLiteForCausalLM`, the same
+  deepseek2 graph, is exported instead): the same tensors, values and header.
+* llama.cpp drafts with it next to a trunk GGUF from its own converter, losslessly, and its n_max = 1 acceptance
+  is recycle's within 2% (llama.cpp never drafts past a request's last token, recycle's bench does: up to one
+  draft per prompt more on recycle's side).
+* A distilled drafter converts too, its header and token_embd taken from the trunk GGUF (`--target`).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf import GGUFReader
+
+from fixtures.derive import derive
+from recycle.converters.api import convert_checkpoint
+from recycle.distill.train import DistillOptions, distill
+from recycle.engines.llama_cpp import convert_trunk
+from tests.engines.interop import _ar_tokens
+from tests.engines.llama_interop import FIXTURES, llama_runs, prompt_ids, recycle_run, side_file, trunk_gguf
+
+pytestmark = pytest.mark.slow
+# Keys whose values name the file, not the model
+NAMING = {"general.name", "general.size_label", "recycle.source"}
+OPTIONAL = {"output.weight"}  # llama.cpp's export carries the trunk's head too; the module's shared_head_head is used
+
+
+def _contents(path: Path) -> tuple[dict, dict]:
+    r = GGUFReader(str(path))
+    kv = {k: f.contents() for k, f in r.fields.items() if not k.startswith("GGUF.") and k not in NAMING}
+    return kv, {t.name: t for t in r.tensors}
+
+
+def _assert_same_export(ours: Path, theirs: Path) -> None:
+    kv_a, ts_a = _contents(ours)
+    kv_b, ts_b = _contents(theirs)
+    assert kv_a == kv_b
+    missing = set(ts_b) - set(ts_a) - OPTIONAL
+    # nextn.embed_tokens: left out where it equals token_embd (llama.cpp falls back to token_embd)
+    assert missing <= {n for n in ts_b if n.endswith("nextn.embed_tokens.weight")}, missing
+    for n in missing:
+        assert np.array_equal(np.asarray(ts_b[n].data), np.asarray(ts_b["token_embd.weight"].data))
+    assert set(ts_a) <= set(ts_b)
+    for n, t in ts_a.items():
+        assert t.tensor_type == ts_b[n].tensor_type and list(t.shape) == list(ts_b[n].shape), n
+        assert np.array_equal(np.asarray(t.data), np.asarray(ts_b[n].data)), n
+
+
+def test_side_files_equal_llama_cpps_own_mtp_export(tmp_path):
+    glm = FIXTURES["GLM-4.5"]
+    _assert_same_export(side_file(glm, tmp_path, "glm"), convert_trunk(glm, tmp_path / "glm-mtp.gguf", mtp="only"))
+    one = Path(derive(FIXTURES["DeepSeek-V3"], tmp_path / "ds1", 1)["out"])
+    lite = tmp_path / "ds1-lite"
+    lite.mkdir()
+    for f in one.iterdir():
+        (lite / f.name).symlink_to(f)
+    cfg = json.loads((one / "config.json").read_text())
+    (lite / "config.json").unlink()
+    (lite / "config.json").write_text(json.dumps({**cfg, "architectures": ["Glm4MoeLiteForCausalLM"]}))
+    _assert_same_export(side_file(FIXTURES["DeepSeek-V3"], tmp_path, "ds"),
+                        convert_trunk(lite, tmp_path / "ds-mtp.gguf", mtp="only"))
+
+
+@pytest.mark.parametrize("name", sorted(FIXTURES))
+def test_llama_cpp_drafts_losslessly_with_the_side_file_and_counts_as_recycle(name, tmp_path):
+    fixture = FIXTURES[name]
+    prompts, ids = prompt_ids(fixture, 4)
+    trunk = trunk_gguf(fixture, tmp_path)
+    assert "nextn" not in " ".join(t.name for t in GGUFReader(str(trunk)).tensors)  # the trunk alone
+    side = side_file(fixture, tmp_path, "side")
+    plain = llama_runs(trunk, None, ids, 48, 1)
+    drafted = llama_runs(trunk, side, ids, 48, 1)
+    assert drafted["tokens"] == plain["tokens"] == _ar_tokens(fixture, ids, 48)
+    ours = recycle_run(fixture, None, prompts, 48, 1)
+    assert 0 <= ours["tried"] - drafted["drafted"] <= len(ids)  # recycle also drafts at each prompt's last step
+    rate_llama, rate_ours = drafted["accepted"] / drafted["drafted"], ours["accepted"] / ours["tried"]
+    assert abs(rate_llama - rate_ours) <= 0.02 * rate_ours, (drafted, ours)
+
+
+def test_a_distilled_drafter_converts_against_the_trunk_gguf_and_drafts(tmp_path):
+    fixture = FIXTURES["DeepSeek-V3"]
+    prompts, ids = prompt_ids(fixture, 2)
+    trunk = trunk_gguf(fixture, tmp_path)
+    eagle = convert_checkpoint(fixture, "eagle", tmp_path / "eagle")["out"]
+    trained = distill(DistillOptions(drafter=eagle, target=str(fixture), tokens=2048, seq_len=64, batch=4,
+                                     out=str(tmp_path / "eagle-d"), eval_every=10**6))["out"]
+    side = side_file(Path(trained), tmp_path, "realigned", trunk=trunk)
+    kv, _ = _contents(side)
+    assert kv["deepseek2.block_count"] == 11 and kv["tokenizer.ggml.tokens"] == _contents(trunk)[0][
+        "tokenizer.ggml.tokens"]
+    plain = llama_runs(trunk, None, ids, 32, 1)
+    assert llama_runs(trunk, side, ids, 32, 2)["tokens"] == plain["tokens"]

@@ -1,0 +1,188 @@
+"""`recycle convert --to gguf` and `recycle inspect FILE.gguf`: llama.cpp's names, shapes and values for both MLA and
+GQA fixtures, the header from config or from a trunk GGUF, and bad input. (llama.cpp itself runs the side files in
+the slow suite: tests/engines/test_llama_cpp.py.)"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
+from gguf.quants import quantize
+
+from recycle.checkpoint import Checkpoint
+from tests.cli_helpers import assert_bad_input, run_cli
+
+ROOT = Path(__file__).resolve().parents[1]
+DS, GLM = ROOT / "fixtures" / "deepseek_v3_mtp", ROOT / "fixtures" / "glm4_moe_mtp"
+
+GLM_NAMES = {  # what llama.cpp's own converter exports for this fixture's NextN layer (--mtp), less its optional
+    # nextn.embed_tokens (equal to token_embd here) and output (shared_head_head is there)
+    "token_embd.weight", "output_norm.weight", "blk.10.nextn.eh_proj.weight", "blk.10.nextn.enorm.weight",
+    "blk.10.nextn.hnorm.weight", "blk.10.nextn.shared_head_head.weight", "blk.10.nextn.shared_head_norm.weight",
+    "blk.10.attn_norm.weight", "blk.10.ffn_down_exps.weight", "blk.10.ffn_gate_exps.weight",
+    "blk.10.ffn_up_exps.weight", "blk.10.exp_probs_b.bias", "blk.10.ffn_gate_inp.weight",
+    "blk.10.ffn_down_shexp.weight", "blk.10.ffn_gate_shexp.weight", "blk.10.ffn_up_shexp.weight",
+    "blk.10.post_attention_norm.weight", "blk.10.attn_k_norm.weight", "blk.10.attn_k.bias", "blk.10.attn_k.weight",
+    "blk.10.attn_output.weight", "blk.10.attn_q_norm.weight", "blk.10.attn_q.bias", "blk.10.attn_q.weight",
+    "blk.10.attn_v.bias", "blk.10.attn_v.weight"}
+
+
+def read(path: Path) -> tuple[dict, dict]:
+    r = GGUFReader(str(path))
+    kv = {k: f.contents() for k, f in r.fields.items() if not k.startswith("GGUF.")}
+    return kv, {t.name: t for t in r.tensors}
+
+
+def values(t) -> torch.Tensor:
+    """A reader tensor as float32 in torch's row-major shape (GGUF stores dims innermost first)."""
+    data = np.asarray(t.data)
+    if t.tensor_type == GGMLQuantizationType.BF16:  # the reader hands BF16 over as raw bytes
+        data = (np.ascontiguousarray(data).reshape(-1).view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    return torch.from_numpy(np.array(data, dtype=np.float32)).reshape([int(d) for d in reversed(t.shape)])
+
+
+@pytest.fixture(scope="module")
+def sides(tmp_path_factory) -> dict[str, Path]:
+    out = tmp_path_factory.mktemp("gguf")
+    made = {}
+    for name, src, extra in (("glm", GLM, ()), ("ds", DS, ("--module", "0"))):
+        res = run_cli("convert", str(src), "--to", "gguf", "-o", str(out / name), *extra)
+        assert res.exit_code == 0, res.output
+        made[name] = out / name / "mtp.gguf"
+    return made
+
+
+def test_glm_side_file_has_llama_cpps_names_header_and_values(sides):
+    kv, ts = read(sides["glm"])
+    assert set(ts) == GLM_NAMES
+    cfg = json.loads((GLM / "config.json").read_text())
+    assert kv["general.architecture"] == "glm4moe" and kv["glm4moe.block_count"] == cfg["num_hidden_layers"] + 1
+    assert kv["glm4moe.nextn_predict_layers"] == 1 and kv["glm4moe.expert_gating_func"] == 2
+    assert kv["glm4moe.rope.dimension_count"] == cfg["head_dim"] // 2  # GLM's half-rotary heads
+    assert kv["glm4moe.expert_count"] == cfg["n_routed_experts"] and kv["glm4moe.attention.head_count_kv"] == 2
+    ck = Checkpoint(GLM)
+    # bf16 by default; norms, biases and the router in f32, as llama.cpp's converter keeps them
+    assert ts["blk.10.attn_q.weight"].tensor_type == GGMLQuantizationType.BF16
+    for n in ("blk.10.attn_norm.weight", "blk.10.attn_q.bias", "blk.10.ffn_gate_inp.weight", "blk.10.exp_probs_b.bias"):
+        assert ts[n].tensor_type == GGMLQuantizationType.F32, n
+    assert torch.equal(values(ts["blk.10.ffn_gate_inp.weight"]), ck.get("model.layers.10.mlp.gate.weight").float())
+    gate = values(ts["blk.10.ffn_gate_exps.weight"])  # [experts, ff, hidden], expert-major
+    for e in (0, 5):
+        want = ck.get(f"model.layers.10.mlp.experts.{e}.gate_proj.weight").to(torch.bfloat16).float()
+        assert torch.equal(gate[e], want)
+    assert torch.equal(values(ts["blk.10.nextn.eh_proj.weight"]),
+                       ck.get("model.layers.10.eh_proj.weight").to(torch.bfloat16).float())
+    assert torch.equal(values(ts["token_embd.weight"]), ck.get("model.embed_tokens.weight").to(torch.bfloat16).float())
+    tok = json.loads((GLM / "tokenizer.json").read_text())
+    assert kv["tokenizer.ggml.model"] == "gpt2" and kv["tokenizer.ggml.pre"] == "gpt-2"
+    assert kv["tokenizer.ggml.tokens"][:3] == [t["content"] for t in tok["added_tokens"][:3]]
+    assert len(kv["tokenizer.ggml.merges"]) == len(tok["model"]["merges"])
+    record = json.loads((sides["glm"].parent / "recycle.json").read_text())
+    assert record["target"]["format"] == "gguf" and record["summary"]["exact"] == len(GLM_NAMES)
+
+
+def test_deepseek_side_file_splits_mla_kv_b_as_llama_cpp_reads_it(sides):
+    kv, ts = read(sides["ds"])
+    cfg = json.loads((DS / "config.json").read_text())
+    heads, nope, v, rank = cfg["num_attention_heads"], cfg["qk_nope_head_dim"], cfg["v_head_dim"], cfg["kv_lora_rank"]
+    assert kv["general.architecture"] == "deepseek2" and kv["deepseek2.block_count"] == 11
+    assert kv["deepseek2.attention.key_length"] == rank + cfg["qk_rope_head_dim"]
+    assert kv["deepseek2.attention.key_length_mla"] == nope + cfg["qk_rope_head_dim"]
+    assert kv["deepseek2.attention.head_count_kv"] == 1 and kv["deepseek2.vocab_size"] == cfg["vocab_size"]
+    assert "blk.11.attn_q_a.weight" not in ts and "blk.10.ffn_norm.weight" in ts  # module 0 only, DeepSeek's names
+    kv_b = Checkpoint(DS).get("model.layers.10.self_attn.kv_b_proj.weight").to(torch.bfloat16).float()
+    k_b, v_b = values(ts["blk.10.attn_k_b.weight"]), values(ts["blk.10.attn_v_b.weight"])
+    assert k_b.shape == (heads, rank, nope) and v_b.shape == (heads, v, rank)
+    rebuilt = torch.cat([k_b.transpose(1, 2), v_b], dim=1).reshape(heads * (nope + v), rank)
+    assert torch.equal(rebuilt, kv_b)
+    # DeepSeek stores a physical copy of the embedding in its module: equal to the trunk's, so left out
+    assert "blk.10.nextn.embed_tokens.weight" not in ts and "blk.10.nextn.shared_head_head.weight" in ts
+
+
+def _trunk_gguf(path: Path, arch: str, layers: int, hidden: int, vocab: int) -> np.ndarray:
+    """A small trunk GGUF as llama.cpp's converter lays one out (no blocks needed here), its token_embd Q8_0."""
+    w = GGUFWriter(str(path), arch)
+    w.add_uint32(f"{arch}.block_count", layers)
+    w.add_uint32(f"{arch}.embedding_length", hidden)
+    w.add_string("tokenizer.ggml.model", "gpt2")
+    w.add_array("tokenizer.ggml.tokens", [f"t{i}" for i in range(vocab)])
+    embed = quantize(np.random.default_rng(0).standard_normal((vocab, hidden)).astype(np.float32),
+                     GGMLQuantizationType.Q8_0)
+    w.add_tensor("token_embd.weight", embed, raw_dtype=GGMLQuantizationType.Q8_0)
+    w.add_tensor("output_norm.weight", np.ones(hidden, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return embed
+
+
+def test_a_trunk_gguf_gives_the_header_and_its_quantized_token_embd(tmp_path):
+    cfg = json.loads((GLM / "config.json").read_text())
+    trunk = tmp_path / "trunk-q8.gguf"
+    embed = _trunk_gguf(trunk, "glm4moe", cfg["num_hidden_layers"], cfg["hidden_size"], cfg["vocab_size"])
+    res = run_cli("convert", str(GLM), "--to", "gguf", "--target", str(trunk), "-o", str(tmp_path / "side"), "--json")
+    assert res.exit_code == 0, res.output
+    kv, ts = read(tmp_path / "side" / "mtp.gguf")
+    assert kv["tokenizer.ggml.tokens"][:2] == ["t0", "t1"]  # the trunk's vocabulary, not the source's
+    assert kv["glm4moe.block_count"] == cfg["num_hidden_layers"] + 1 and kv["glm4moe.nextn_predict_layers"] == 1
+    assert ts["token_embd.weight"].tensor_type == GGMLQuantizationType.Q8_0
+    assert np.array_equal(np.asarray(ts["token_embd.weight"].data), embed)  # byte for byte
+    for bad, (arch, layers, hidden, vocab), why in (
+            ("arch", ("deepseek2", 10, 128, 4096), "a deepseek2 GGUF"),
+            ("layers", ("glm4moe", 12, 128, 4096), "layers 12"),
+            ("width", ("glm4moe", 10, 64, 4096), "hidden size 64"),
+            ("vocab", ("glm4moe", 10, 128, 1000), "vocabulary of 1000 tokens")):
+        path = tmp_path / f"{bad}.gguf"
+        _trunk_gguf(path, arch, layers, hidden, vocab)
+        res = run_cli("convert", str(GLM), "--to", "gguf", "--target", str(path), "-o", str(tmp_path / bad))
+        assert_bad_input(res, why)
+        assert not (tmp_path / bad).exists()
+
+
+def test_what_llama_cpp_cannot_draft_with_is_refused_in_one_line(tmp_path):
+    res = run_cli("convert", str(DS), "--to", "gguf", "-o", str(tmp_path / "o"))
+    assert_bad_input(res, "llama.cpp drafts with one")
+    res = run_cli("convert", str(ROOT / "fixtures" / "meta_mtp_parallel"), "--to", "gguf", "-o", str(tmp_path / "o"))
+    assert_bad_input(res, "sequential MTP modules")
+    res = run_cli("convert", str(DS), "--to", "gguf", "--module", "2", "-o", str(tmp_path / "o"))
+    assert_bad_input(res, "has modules 0..1")
+    res = run_cli("convert", str(DS), "--to", "gguf", "--module", "0", "--target", str(DS), "-o", str(tmp_path / "o"))
+    assert_bad_input(res, "takes the trunk's .gguf file")
+    res = run_cli("convert", str(DS), "--to", "eagle", "--module", "0", "-o", str(tmp_path / "o"))
+    assert_bad_input(res, "--module applies to --to gguf only")
+    assert not (tmp_path / "o").exists()
+
+
+def test_inspect_reads_gguf_headers_and_reports_missing_mtp(tmp_path, sides):
+    res = run_cli("inspect", str(sides["glm"]), "--json")
+    data = json.loads(res.stdout)
+    assert data["holds"] == "MTP side file" and data["mtp"] == {
+        "declared": 1, "stored": [10], "blocks": [10], "params": data["mtp"]["params"],
+        "tensor_types": {"10": {"F32": 12, "BF16": 12}}} and data["worst"] == "ok"
+    declared = tmp_path / "declared.gguf"  # a trunk that declares its NextN layer but stores none of it
+    w = GGUFWriter(str(declared), "glm4moe")
+    w.add_uint32("glm4moe.block_count", 2)
+    w.add_uint32("glm4moe.nextn_predict_layers", 1)
+    w.add_tensor("blk.0.attn_norm.weight", np.ones(8, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    res = run_cli("inspect", str(declared), "--json", "--strict")
+    data = json.loads(res.stdout)
+    assert [f["code"] for f in data["findings"]] == ["mtp_declared_missing"] and data["holds"] == "trunk only"
+    assert res.exit_code != 0
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(sides["glm"].read_bytes()[:5000])
+    assert_bad_input(run_cli("inspect", str(cut)), "truncated")
+    text = tmp_path / "text.gguf"
+    text.write_text("not a gguf")
+    assert_bad_input(run_cli("inspect", str(text)), "not a GGUF file")
+    # a side file is for llama.cpp, not a drafter directory push publishes
+    assert_bad_input(run_cli("push", str(sides["glm"].parent), "--repo", "me/x", "--dry-run"),
+                     "recycle push publishes drafter directories")
