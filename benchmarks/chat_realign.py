@@ -89,6 +89,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--reuse", action="store_true", help="reuse WORK/chat_regen.jsonl from an earlier run")
     a = ap.parse_args()
     if a.threads:
         import torch
@@ -105,7 +106,7 @@ def main() -> None:
     out: dict = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": platform.processor()
                  or platform.machine(), "budgets": budgets, "tree": a.tree, "prompts": len(prompts),
                  "max_new_tokens": a.max_new_tokens, "seq_len": a.seq_len, "variants": {}}
-    if "chat-regen" in variants:
+    if "chat-regen" in variants and not (a.reuse and (work / "chat_regen.jsonl").is_file()):
         out["regenerated"] = regenerated(work / "chat_train.jsonl", work / "chat_regen.jsonl", max(budgets), a.seq_len)
         print("regenerated", json.dumps(out["regenerated"]), flush=True)
     data = {"plain": ("stdlib", False), "chat-text": (str(work / "chat_text.jsonl"), False),

@@ -81,6 +81,8 @@ def main() -> None:
         out["write_s"][name] = round(time.perf_counter() - t0, 2)
         eagle = Path(convert_checkpoint(fx, "eagle", work / f"{fx.name}-eagle", overwrite=True)["out"])
         out["agreement"][name] = compare(fx, trunk, side, eagle, code, a.max_new_tokens, depths)
+        if a.json:  # after every phase, so a long run leaves what it measured
+            Path(a.json).write_text(json.dumps(out, indent=1) + "\n")
     budget = parse_tokens(a.distill_tokens)
     trunk = trunk_gguf(POSTTRAINED, work)
     stale = side_file(POSTTRAINED, work, "posttrained-stale")

@@ -99,9 +99,11 @@ def _convert(opts: ConvertOptions, ckpt: Checkpoint, progress: Progress | None, 
     if not plan.tensors:
         raise RecycleError(f"--layouts {opts.layouts}: nothing to write ({'; '.join(plan.notes)})")
     calibration = fmt.resolve("calibrate")(plan, w, opts, progress) if opts.calibrate is not None else None
+    if opts.eagle3_names is not None:  # the names the chosen readers expect (the record's spellings)
+        plan.tensors = {rel: fmt.disk_names(ts, fmt.spellings[opts.eagle3_names]) for rel, ts in plan.tensors.items()}
     rows = mapping_rows(plan, SHORT_DTYPES[opts.dtype])
     options = {k: getattr(opts, k) for k in ("heads", "draft_vocab", "vocab_corpus", "layouts", "calibrate",
-                                             "eagle3_attention", "eagle3_mlp", "module")}
+                                             "eagle3_attention", "eagle3_mlp", "module", "eagle3_names")}
     options["vocab_corpus"] = str(opts.vocab_corpus) if opts.vocab_corpus else None
     options["layouts"] = list(plan.layouts) if plan.layouts else None
     record = provenance(w, fmt, opts.dtype, options, plan, rows)

@@ -33,6 +33,7 @@ def write_drafter(src_dir: str | os.PathLike, writer, fmt, main: dict[str, torch
                   record: dict, metadata: dict[str, str] | None = None) -> dict[str, int]:
     """`main`: the trained weights under model.safetensors' names; `fmt`: the drafter's DrafterFormat."""
     src = Path(src_dir)
+    main = fmt.disk_names(main, fmt.spelling(stored_layout(src / WEIGHTS)))  # the file's own spelling of the names
     planned = {WEIGHTS: main}
     dropped: list[str] = []
     notes: list[str] = []

@@ -89,6 +89,7 @@ def convert(
     target: f.CalibrationTarget = None,
     data: f.CalibrationData = None,
     module: f.Module = None,
+    eagle3_names: f.Eagle3Names = None,
     overwrite: f.Overwrite = False,
     json_out: f.Json = False,
 ) -> None:
@@ -109,7 +110,7 @@ def convert(
                           eagle3_mlp=eagle3_mlp,
                           calibrate=parse_tokens(calibrate, "--calibrate") if calibrate else None,
                           calibrate_steps=calibrate_steps,
-                          target=str(target) if target else None, data=data, module=module)
+                          target=str(target) if target else None, data=data, module=module, eagle3_names=eagle3_names)
     opts.validate()
     from recycle.converters.api import convert as run
     from recycle.report import Reporter, render_convert

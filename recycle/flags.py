@@ -108,6 +108,9 @@ CalibrationTarget = Annotated[Path | None, opt("--target", help="With --calibrat
                                                "read (default: the checkpoint). From a Gemma 4 assistant: the model it "
                                                "drafts for. --to gguf: the trunk GGUF the side file pairs with (its "
                                                "header and token_embd are copied).", metavar="TARGET")]
+Eagle3Names = Annotated[str | None, opt("--eagle3-names", help="--to eagle3: tensor names for official (midlayer.*: "
+                                        "vLLM, SGLang, SpecForge; the default) or speculators (layers.0.*: vLLM, "
+                                        "speculators).", metavar="[official|speculators]")]
 Module = Annotated[int | None, opt("--module", help="--to gguf: the MTP module to write (llama.cpp drafts with one; "
                                     "needed when the checkpoint has several).")]
 CalibrationData = Annotated[str | None, opt("--data", help="With --calibrate: calibration text, as distill's --data.")]

@@ -27,7 +27,7 @@ MLP_WIDTHS = ("shared", "wide")  # --eagle3-mlp: the midlayer's MLP at the share
 CONVERT_OPTIONS = {  # the format-specific convert options, by their flag
     "heads": "--heads", "draft_vocab": "--draft-vocab", "vocab_corpus": "--vocab-corpus", "layouts": "--layouts",
     "calibrate": "--calibrate", "target": "--target", "data": "--data", "eagle3_attention": "--eagle3-attention",
-    "eagle3_mlp": "--eagle3-mlp", "module": "--module",
+    "eagle3_mlp": "--eagle3-mlp", "module": "--module", "eagle3_names": "--eagle3-names",
 }
 
 
@@ -63,6 +63,7 @@ class ConvertOptions:
     target: str | None = None  # with calibrate; eagle3/medusa from a Gemma 4 assistant; gguf: the trunk GGUF file
     data: str | None = None  # with calibrate
     module: int | None = None  # gguf: which MTP module to write (llama.cpp drafts with one)
+    eagle3_names: str | None = None  # eagle3: official (midlayer.*, the default) or speculators (layers.0.*)
 
     def validate(self) -> None:
         """Every check that reads no tensor; the format record says which options apply to it."""
@@ -91,6 +92,8 @@ class ConvertOptions:
         if "calibrate" in fmt.options and self.calibrate is None and self.data is not None:
             raise RecycleError("--data needs --calibrate TOKENS")
         _choice(self.eagle3_mlp, MLP_WIDTHS, "--eagle3-mlp")
+        if self.eagle3_names is not None:
+            _choice(self.eagle3_names, tuple(fmt.spellings), "--eagle3-names")
         if self.eagle3_mlp == "wide" and self.calibrate is None:
             raise RecycleError("--eagle3-mlp wide needs --calibrate TOKENS (the routed experts it adds are chosen, "
                                "scaled and fitted there)")

@@ -310,37 +310,71 @@ def test_eagle3_mla_needs_an_mla_source(tmp_path):
     assert res.exit_code == 2 and "needs an MLA source" in res.stderr and not (tmp_path / "out").exists()
 
 
-def test_eagle3_loads_with_speculators(converted, tmp_path):
-    """The speculators package (separate cached venv) loads the directory; with its `layers.0.*`
-    names mapped from our `midlayer.*`, every tensor it holds equals ours."""
+SPECULATORS_RUN = """
+import sys, json, torch
+from safetensors.torch import load_file, save_file
+from speculators import SpeculatorModel, SpeculatorModelConfig
+d, inputs, out, save = sys.argv[1:5]
+cfg = SpeculatorModelConfig.from_pretrained(d)
+cfg.transformer_layer_config._attn_implementation = "eager"
+m = SpeculatorModel.from_pretrained(d, config=cfg).float().eval()
+sd, stored = m.state_dict(), load_file(d + "/model.safetensors")
+absent = sorted(k for k in stored if k not in sd)
+differ = sorted(k for k in stored if k in sd and not torch.equal(sd[k].to(stored[k].dtype), stored[k]))
+x = load_file(inputs)
+got = {}
+with torch.no_grad():
+    m.embed_tokens.weight.copy_(x["embed"])  # recycle's EAGLE-3 reads the target's embedding
+    hook = m.lm_head.register_forward_hook(lambda mod, i, o: got.setdefault("logits", o))
+    m(hidden_states=x["aux"], input_ids=x["ids"], document_ids=torch.zeros_like(x["ids"]), ttt_steps=1)
+    hook.remove()
+save_file({"logits": got["logits"].contiguous()}, out)
+m.save_pretrained(save)
+print(json.dumps({"cls": type(m).__name__, "absent": absent, "differ": differ}))
+"""
+
+
+def test_eagle3_loads_in_speculators_with_its_names_and_gives_our_logits(converted, tmp_path):
+    """speculators 0.9.0 (separate cached venv) reads `layers.0.*`: with `--eagle3-names speculators` every stored
+    tensor lands on its parameter and its first draft step's logits equal recycle's (fp32, eager attention, the
+    target's embedding in both); a directory speculators saves loads back in recycle with the same logits. The
+    default (`midlayer.*`, SGLang's) is measured too: speculators leaves that layer initialised at random."""
     sys.path.insert(0, str(Path(__file__).parent))
     import validators
+    from safetensors.torch import save_file
 
     try:
         py = validators.speculators_python()
     except validators.Unreachable as e:
         pytest.skip(f"PyPI unreachable, cannot install speculators: {e}")
-    d = converted(FIXTURE, "eagle3", draft_vocab=512)
-    script = tmp_path / "load.py"
-    script.write_text(
-        "import sys, json, torch\n"
-        "from safetensors.torch import load_file\n"
-        "from speculators import SpeculatorModel\n"
-        "d = sys.argv[1]\n"
-        "plain = SpeculatorModel.from_pretrained(d)\n"
-        "m = SpeculatorModel.from_pretrained(d, key_mapping={r'^midlayer\\.': 'layers.0.'})\n"
-        "sd = m.state_dict()\n"
-        "ours = load_file(d + '/model.safetensors')\n"
-        "diff = [k for k, v in ours.items() if not torch.equal(sd[k.replace('midlayer.', 'layers.0.')].to(v.dtype), v)]\n"
-        "print(json.dumps({'cls': type(m).__name__, 'plain': type(plain).__name__, 'diff': diff,\n"
-        "                  'draft_vocab': m.config.draft_vocab_size, 'aux': m.config.eagle_aux_hidden_state_layer_ids}))\n"
-    )
+    official = converted(FIXTURE, "eagle3", draft_vocab=512)
+    ours = tmp_path / "spec"
+    assert run_cli("convert", str(FIXTURE), "--to", "eagle3", "--draft-vocab", "512", "--eagle3-names", "speculators",
+                   "-o", str(ours)).exit_code == 0
+    assert {k.split(".")[0] for k in load_file(ours / "model.safetensors")} >= {"layers", "fc", "lm_head"}
+    g = torch.Generator().manual_seed(0)
+    aux, ids = torch.randn(1, 12, 3 * H, generator=g), torch.randint(0, 4096, (1, 12), generator=g)
+    embed = Checkpoint(FIXTURE).get("model.embed_tokens.weight").float()
+    save_file({"aux": aux, "ids": ids, "embed": embed}, str(tmp_path / "in.safetensors"))
+    (tmp_path / "run.py").write_text(SPECULATORS_RUN)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    res = subprocess.run([str(py), str(script), str(d)], capture_output=True, text=True, env=env, timeout=300)
-    assert res.returncode == 0, res.stderr[-3000:]
-    out = json.loads(res.stdout.strip().splitlines()[-1])
-    assert out == {"cls": "Eagle3DraftModel", "plain": "Eagle3DraftModel", "diff": [], "draft_vocab": 512,
-                   "aux": fold_aux_layers(L)}
+
+    def speculators(d: Path, name: str) -> dict:
+        res = subprocess.run([str(py), str(tmp_path / "run.py"), str(d), str(tmp_path / "in.safetensors"),
+                              str(tmp_path / f"{name}.safetensors"), str(tmp_path / f"{name}-saved")],
+                             capture_output=True, text=True, env=env, timeout=300)
+        assert res.returncode == 0, res.stderr[-3000:]
+        return json.loads(res.stdout.strip().splitlines()[-1])
+
+    assert speculators(official, "official")["absent"] == sorted(
+        k for k in load_file(official / "model.safetensors") if k.startswith("midlayer."))
+    assert speculators(ours, "ours") == {"cls": "Eagle3DraftModel", "absent": [], "differ": []}
+    theirs = load_file(str(tmp_path / "ours.safetensors"))["logits"]
+    with torch.no_grad():
+        mine, _ = load_drafter(ours)(aux, inputs_embeds=torch.nn.functional.embedding(ids, embed))
+        back, _ = load_drafter(tmp_path / "ours-saved")(aux, input_ids=ids)  # speculators' own save, read here
+    torch.testing.assert_close(theirs, mine, atol=1e-4, rtol=0)
+    torch.testing.assert_close(back, mine, atol=1e-4, rtol=0)
 
 
 # -- Medusa -------------------------------------------------------------------------------------

@@ -41,6 +41,6 @@ def load_drafter(path: str | os.PathLike, dtype: torch.dtype | None = None, attn
     except Exception as e:  # noqa: BLE001 - a truncated or foreign file
         raise RecycleError(f"{d / WEIGHTS}: corrupt or unreadable safetensors ({' '.join(str(e).split())[:160]})") from None
     try:
-        return fmt.resolve("build")(d, cfg, state, dtype, attn_implementation)
+        return fmt.resolve("build")(d, cfg, fmt.module_names(state), dtype, attn_implementation)
     except (RuntimeError, KeyError, ValueError) as e:
         raise RecycleError(f"{d}: weights do not fit the {fmt.name} drafter ({str(e).splitlines()[0]})") from None

@@ -58,7 +58,12 @@ FORMAT = DrafterFormat(
     unroller="recycle.distill.unroll:Eagle3Unroller",
     converter="recycle.converters.eagle3:convert",
     calibrate="recycle.converters.calibrate_eagle3:calibrate",
-    options=frozenset({"draft_vocab", "vocab_corpus", "eagle3_attention", "eagle3_mlp", "target", "calibrate", "data"}),
+    options=frozenset({"draft_vocab", "vocab_corpus", "eagle3_attention", "eagle3_mlp", "target", "calibrate", "data",
+                       "eagle3_names"}),
+    # SpecForge's and SGLang's `midlayer.*`, or speculators' `layers.0.*` (speculators 0.9 leaves a midlayer.* file's
+    # layer randomly initialised; SGLang @03d5a777 drops layers.0.* silently; vLLM reads both)
+    aliases=(("midlayer.", "layers.0."),),
+    spellings={"official": None, "speculators": "layers.0."},
     layouts={"model.safetensors": Layout(
         "EAGLE-3 official/SpecForge layout (midlayer.*), speculators keys in config.json", (
             "# vLLM",
@@ -69,8 +74,9 @@ FORMAT = DrafterFormat(
             "python -m sglang.launch_server --model {target} --speculative-algorithm EAGLE3 \\",
             "  --speculative-draft-model-path {repo} --speculative-num-steps 3 --speculative-eagle-topk 1 "
             "--speculative-num-draft-tokens 4"),
-        readers="vLLM 0.32 (`method: eagle3`), SGLang (`--speculative-algorithm EAGLE3`; layout checked against its "
-                "loader) and speculators 0.9.0; the MLA-attention variant loads in vLLM only",
+        readers="vLLM 0.32 (`method: eagle3`) and SGLang (`--speculative-algorithm EAGLE3`; layout checked against "
+                "its loader); with `--eagle3-names speculators` (`layers.0.*`) vLLM and speculators 0.9.0 instead of "
+                "SGLang; the MLA-attention variant loads in vLLM only",
         refused_by=lambda cfg: ("SGLang", "speculators") if cfg.get("model_type") == MLA_MODEL_TYPE else ())},
     loading_note="config.json is the engines' (`architectures: [LlamaForCausalLMEagle3]`, `model_type: llama`; the "
                  "MLA variant's `Eagle3DeepseekV2ForCausalLM`): vLLM, SGLang and speculators look those values up, so "

@@ -88,6 +88,38 @@ class DrafterFormat:
     native_chain: bool = False  # its chain is the MTP modules' own (compare it with native MTP at the same depth)
     fit_extra: str | None = None  # (drafter config, target config, where) -> None: checks beyond width and vocab
     target_file: str | None = None  # `--target` is a file with this suffix the output pairs with (gguf: ".gguf")
+    # (the module's name prefix, the same prefix as other tools spell it on disk): files with either are read,
+    # and a trained drafter is written back in the spelling its directory used (EAGLE-3: midlayer. / layers.0.)
+    aliases: tuple[tuple[str, str], ...] = ()
+    spellings: Mapping[str, str | None] = field(default_factory=dict)  # convert's name choices -> on-disk prefix
+
+    def module_names(self, state: Mapping[str, Any]) -> dict[str, Any]:
+        """A state read from disk under the module's own names (`aliases` undone)."""
+        out = {}
+        for name, value in state.items():
+            for ours, theirs in self.aliases:
+                if name.startswith(theirs):
+                    name = ours + name[len(theirs):]
+                    break
+            out[name] = value
+        return out
+
+    def disk_names(self, state: Mapping[str, Any], spelling: str | None = None) -> dict[str, Any]:
+        """A module state under the names a file uses: `spelling` one of the aliases' on-disk prefixes (None: the
+        module's own names)."""
+        swap = {ours: theirs for ours, theirs in self.aliases if theirs == spelling}
+        out = {}
+        for name, value in state.items():
+            for ours, theirs in swap.items():
+                if name.startswith(ours):
+                    name = theirs + name[len(ours):]
+                    break
+            out[name] = value
+        return out
+
+    def spelling(self, names) -> str | None:
+        """Which alias spelling a file's names use (None: the module's own)."""
+        return next((theirs for _, theirs in self.aliases if any(n.startswith(theirs) for n in names)), None)
 
     def resolve(self, what: str) -> Any:
         """The object a "module:attribute" field names, imported now."""
