@@ -113,29 +113,30 @@ def main() -> None:
             "chat": (str(work / "chat_train.jsonl"), False), "chat-regen": (str(work / "chat_regen.jsonl"), False),
             "chat-sd": (str(work / "chat_train.jsonl"), True)}
     eagle = convert_checkpoint(TARGET, "eagle", work / "eagle", overwrite=True, layouts="recycle")["out"]
-    for name in variants:
-        for budget in ([0] if name == "native" else budgets):
-            t0 = time.perf_counter()
-            row: dict = {"tokens": budget}
-            if name == "native":
-                row["bench"] = bench(None, prompts, a.tree, a.max_new_tokens)
-            else:
-                src, sd = data[name]
-                rec = distill(DistillOptions(drafter=eagle, target=str(TARGET), tokens=budget, data=src,
-                                             self_distill=sd, seq_len=a.seq_len, out=str(work / f"eagle-{name}-{budget}"),
-                                             overwrite=True, threads=a.threads, checkpoint_every=10**9, eval_every=25))
-                row["distill"] = {"tokens_per_s": rec.get("tokens_per_s"), "train_s": rec.get("train_s"),
-                                  "heldout_estimate_before": rec["final"]["heldout_estimate_before"],
-                                  "heldout_estimate_after": rec["final"]["heldout_estimate_after"],
-                                  "selected_step": rec["selected"]["step"], "steps": rec["steps"],
-                                  "counted": rec["heldout"]["counted"], "generate_s": rec["timing"].get("generate_s"),
-                                  "rows": rec["data"].get("rows"), "skipped": rec["data"].get("skipped")}
-                row["bench"] = bench(rec["out"], prompts, a.tree, a.max_new_tokens)
-            row["wall_s"] = round(time.perf_counter() - t0, 1)
-            out["variants"][f"{name}@{budget}"] = row
-            print(name, json.dumps(row), flush=True)
-            if a.json:  # after every run, so a long benchmark leaves what it measured
-                Path(a.json).write_text(json.dumps(out, indent=1) + "\n")
+    runs = [(name, 0) for name in variants if name == "native"]
+    runs += [(name, budget) for budget in budgets for name in variants if name != "native"]  # every variant per budget
+    for name, budget in runs:
+        t0 = time.perf_counter()
+        row: dict = {"tokens": budget}
+        if name == "native":
+            row["bench"] = bench(None, prompts, a.tree, a.max_new_tokens)
+        else:
+            src, sd = data[name]
+            rec = distill(DistillOptions(drafter=eagle, target=str(TARGET), tokens=budget, data=src,
+                                         self_distill=sd, seq_len=a.seq_len, out=str(work / f"eagle-{name}-{budget}"),
+                                         overwrite=True, threads=a.threads, checkpoint_every=10**9, eval_every=25))
+            row["distill"] = {"tokens_per_s": rec.get("tokens_per_s"), "train_s": rec.get("train_s"),
+                              "heldout_estimate_before": rec["final"]["heldout_estimate_before"],
+                              "heldout_estimate_after": rec["final"]["heldout_estimate_after"],
+                              "selected_step": rec["selected"]["step"], "steps": rec["steps"],
+                              "counted": rec["heldout"]["counted"], "generate_s": rec["timing"].get("generate_s"),
+                              "rows": rec["data"].get("rows"), "skipped": rec["data"].get("skipped")}
+            row["bench"] = bench(rec["out"], prompts, a.tree, a.max_new_tokens)
+        row["wall_s"] = round(time.perf_counter() - t0, 1)
+        out["variants"][f"{name}@{budget}"] = row
+        print(name, json.dumps(row), flush=True)
+        if a.json:  # after every run, so a long benchmark leaves what it measured
+            Path(a.json).write_text(json.dumps(out, indent=1) + "\n")
     print("| variant | tokens | τ | α by depth | held-out estimate before → after |")
     for key, row in out["variants"].items():
         b, d = row["bench"], row.get("distill") or {}

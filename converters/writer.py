@@ -235,6 +235,8 @@ class OutputDir:
         w.write_ti_data_to_file()
         f = w.fout[0]
         align = w.data_alignment
+        pieces = [part for _, src, dt in plan if dt is not None for part in (src.parts or (src,))]
+        ahead = {id(a): b for a, b in zip(pieces, pieces[1:])}  # each piece's successor: its bytes are asked for early
         try:
             for i, (name, src, dt) in enumerate(plan):
                 f.write(b"\0" * (-f.tell() % align))
@@ -242,6 +244,8 @@ class OutputDir:
                     write_all(f, np.ascontiguousarray(src.data).reshape(-1).view(np.uint8))
                 else:
                     for part in (src.parts or (src,)):
+                        if id(part) in ahead:
+                            read_ahead(ahead[id(part)].reads)
                         t = part.make()
                         if tuple(t.shape) != part.shape:
                             raise RecycleError(f"{name}: made shape {list(t.shape)}, planned {list(part.shape)}")

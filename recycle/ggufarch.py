@@ -1,19 +1,22 @@
 """How llama.cpp names an MTP module and its hyper-parameters in a GGUF file, per llama.cpp architecture, as data.
 
 A family row of `recycle.families` points at one `GGUFArch` (`Family.gguf`); `recycle convert --to gguf`
-(`recycle.converters.gguf`) reads nothing else to write a side file. llama.cpp (checked at the commit the
-`llama-cpp-python` 0.3.36 sdist vendors, 0c1e570) loads an MTP-only GGUF passed with `-md` as a model of the
-trunk's architecture whose `block_count` is the trunk's plus one and whose only block is `blk.{n}` (n = the
-trunk's layer count): the module's decoder block under the trunk's own per-layer names, plus
-`blk.{n}.nextn.{eh_proj,enorm,hnorm,embed_tokens,shared_head_head,shared_head_norm}`
-(`gguf-py/gguf/constants.py`: `MODEL_TENSOR.NEXTN_*`), and the trunk's `token_embd` and `output_norm`, which
-its loaders create as required tensors (`src/models/glm4-moe.cpp` and `src/models/deepseek2.cpp`,
-`load_arch_tensors`). Only one module: both MTP graphs assert `n_layer_nextn == 1`.
+(`recycle.converters.gguf`) reads nothing else to write a side file. llama.cpp, at the commit the
+`llama-cpp-python` 0.3.36 sdist vendors (0c1e570; file:line below are of that tree), loads an MTP-only GGUF passed
+with `-md` as a model of the trunk's architecture whose `block_count` is the trunk's plus one and whose only block
+is `blk.{n}` (n = the trunk's layer count; `src/models/glm4-moe.cpp:32-36`, `src/models/deepseek2.cpp:59-63` tell
+an MTP-only file by its missing `blk.0.attn_norm`): the module's decoder block under the trunk's own per-layer
+names, plus `blk.{n}.nextn.{eh_proj,enorm,hnorm,embed_tokens,shared_head_head,shared_head_norm}`
+(`gguf-py/gguf/constants.py:1992-1997`; embed_tokens, shared_head_* optional: `glm4-moe.cpp:118-120`,
+`deepseek2.cpp:156-158`), and the trunk's `token_embd` and `output_norm`, which its loaders create as required
+tensors (`glm4-moe.cpp:45,48`, `deepseek2.cpp:84,87`). Only one module: both MTP graphs assert
+`n_layer_nextn == 1` (`glm4-moe.cpp:135`, `deepseek2.cpp:173`).
 
 Block names: (regex over the block's tensor names relative to its prefix, GGUF name template). `{n}` is the
 block index, `{0}`, `{1}` the regex's groups. Routed experts are stacked into one 3-D tensor per projection
-(`ffn_{gate,up,down}_exps`, expert-major), as llama.cpp's converter stacks them; MLA's `kv_b_proj` is split per
-head into `attn_k_b` (transposed) and `attn_v_b` (`conversion/deepseek.py`, `DeepseekV2Model.modify_tensors`).
+(`ffn_{gate,up,down}_exps`, expert-major), as llama.cpp's converter stacks them (`conversion/glm.py:218`,
+`conversion/deepseek.py:415`); MLA's `kv_b_proj` is split per head into `attn_k_b` (transposed) and `attn_v_b`
+(`conversion/deepseek.py:434`).
 
 Hyper-parameters: (key under `{arch}.`, GGUF value type, a function of the merged HF config returning the value,
 or None to leave the key out), in the order llama.cpp's converter writes them. The side file's block_count and

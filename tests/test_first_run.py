@@ -90,7 +90,8 @@ def test_skipped_rows_are_counted_and_many_passes_warned(drafters, tmp_path: Pat
     assert res.exit_code == 0, res.output
     rec = json.loads(res.stdout)
     assert rec["data"]["documents"] == 6
-    assert rec["data"]["skipped"] == {"no 'text' field": 1, "empty text": 1, "not valid JSON": 1}
+    assert rec["data"]["skipped"] == {"'messages' is not a list of turns": 1, "empty text": 1, "not valid JSON": 1}
+    assert rec["data"]["rows"] == {"text": 6}
     assert rec["data"]["passes"] > 4 and "passes over the training side" in res.stderr
     assert rec["wall_s"] >= rec["train_s"]  # the command's time, setup included
 

@@ -110,3 +110,36 @@ def test_gemma4_fixture_build_runs(tmp_path: Path) -> None:
     load_drafter(tmp_path / "gemma4_assistant")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["gemma4_assistant", "gemma4_target",
                                                           "gemma4_target_posttrained"]
+
+
+def test_chat_build_keeps_the_mtp_bytes_and_reserves_its_specials(tmp_path: Path) -> None:
+    out = tmp_path / "chat"
+    _run("fixtures/build_chat.py", "--out", str(out), "--steps", "2", "--batch", "2", "--seq", "64", "--no-compile",
+         "--eval-windows", "2")
+    base, chat = Checkpoint(FIXTURE), Checkpoint(out)
+    assert all(torch.equal(base.raw(n), chat.raw(n)) for n in match(base).mtp_names)
+    report = json.loads((out / "build_report.json").read_text())
+    assert report["steps"] == 2 and len(report["reserved"]) == 5 and (out / "chat_heldout.jsonl").is_file()
+    assert "{% generation %}" in json.loads((out / "tokenizer_config.json").read_text())["chat_template"]
+
+
+def test_chat_realign_runs(tmp_path: Path) -> None:
+    out = _run("benchmarks/chat_realign.py", "--variants", "native,plain,chat", "--tokens", "2k", "--seq-len", "64",
+               "--prompts", "2", "--max-new-tokens", "8", "--work", str(tmp_path), "--json", str(tmp_path / "c.json"))
+    result = json.loads((tmp_path / "c.json").read_text())
+    assert set(result["variants"]) == {"native@0", "plain@2000", "chat@2000"}
+    assert result["variants"]["chat@2000"]["distill"]["counted"] == "assistant tokens" and "| chat |" in out
+
+
+def test_gguf_scale_runs(tmp_path: Path) -> None:
+    out = _run("benchmarks/gguf_scale.py", "--hidden", "512", "--vocab", "8192", "--experts", "4", "--dir",
+               str(tmp_path / "g"))
+    assert "gguf / safetensors wall" in out and "side file at 256 experts" in out
+
+
+def test_llama_cpp_benchmark_runs(tmp_path: Path) -> None:
+    out = _run("benchmarks/llama_cpp_mtp.py", "--prompts", "1", "--max-new-tokens", "8", "--depths", "1",
+               "--distill-tokens", "4k", "--work", str(tmp_path), "--json", str(tmp_path / "l.json"))
+    result = json.loads((tmp_path / "l.json").read_text())
+    assert set(result["agreement"]) == {"DeepSeek-V3", "GLM-4.5"} and set(result["stale"]) >= {"stale", "realigned"}
+    assert "| post-trained | realigned | 1 |" in out
