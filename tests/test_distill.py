@@ -390,6 +390,7 @@ def test_fsdp2_two_ranks_equal_one_process(converted: dict[str, Path], tmp_path:
         assert torch.allclose(p, q, rtol=1e-3, atol=1e-5), n
 
 
+@pytest.mark.slow  # three 2-rank runs (~40 s); resume after SIGKILL stays in the default run for one process
 def test_fsdp2_resume_after_sigkill_is_bit_exact(converted: dict[str, Path], tmp_path: Path) -> None:
     """2 sharded ranks killed (SIGKILL, the whole group) after a checkpoint, resumed with --resume: the drafter equals
     an uninterrupted 2-rank run's bit for bit (the checkpoint holds the whole state, gathered from the shards)."""
@@ -504,7 +505,8 @@ def _harvest_in_process(opts, aux: tuple[int, ...]) -> None:
     (out / "manifest.json").write_text(json.dumps(manifest))
 
 
-@pytest.mark.parametrize("fmt", ["eagle", "eagle3_mla"])
+# eagle3_mla (the same path with the MLA midlayer; ~25 s) runs in the slow suite, to keep the default run short
+@pytest.mark.parametrize("fmt", ["eagle", pytest.param("eagle3_mla", marks=pytest.mark.slow)])
 def test_distill_from_a_harvested_cache_never_loads_the_trunk(converted: dict[str, Path], tmp_path: Path,
                                                               monkeypatch: pytest.MonkeyPatch, fmt: str) -> None:
     """With a harvested cache the target's layers are never built (only its config, embedding and head are

@@ -80,8 +80,17 @@ def _threads() -> str:
     return str(torch.get_num_threads())
 
 
-@pytest.mark.parametrize("path", [pytest.param(p, marks=pytest.mark.xdist_group(f"docs:{_name(p)}"), id=_name(p))
-                                  for p in (README, *DOCS)])
+# The scenario pages whose blocks train on their own fixtures (40-90 s each here) run in the slow suite, so that
+# the default run stays near ten minutes on two cores; the README and the per-command pages run every time.
+SLOW_PAGES = {"docs/gemma4.md", "docs/parallel-heads.md", "docs/quantized.md", "docs/stale-mtp.md"}
+
+
+def _page(p: Path):
+    marks = [pytest.mark.xdist_group(f"docs:{_name(p)}")] + ([pytest.mark.slow] if _name(p) in SLOW_PAGES else [])
+    return pytest.param(p, marks=marks, id=_name(p))
+
+
+@pytest.mark.parametrize("path", [_page(p) for p in (README, *DOCS)])
 def test_every_readme_command_runs(path: Path, tmp_path: Path) -> None:
     script = ["set -euo pipefail"]
     for marker, commands in blocks(path):
