@@ -90,6 +90,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--json", default=None)
     ap.add_argument("--reuse", action="store_true", help="reuse WORK/chat_regen.jsonl from an earlier run")
+    ap.add_argument("--seed", type=int, default=0,
+                    help="distillation seed (the order training reads the data in): repeat a run to see its spread")
     a = ap.parse_args()
     if a.threads:
         import torch
@@ -123,7 +125,8 @@ def main() -> None:
         else:
             src, sd = data[name]
             rec = distill(DistillOptions(drafter=eagle, target=str(TARGET), tokens=budget, data=src,
-                                         self_distill=sd, seq_len=a.seq_len, out=str(work / f"eagle-{name}-{budget}"),
+                                         self_distill=sd, seq_len=a.seq_len, seed=a.seed,
+                                         out=str(work / f"eagle-{name}-{budget}-s{a.seed}"),
                                          overwrite=True, threads=a.threads, checkpoint_every=10**9, eval_every=25))
             row["distill"] = {"tokens_per_s": rec.get("tokens_per_s"), "train_s": rec.get("train_s"),
                               "heldout_estimate_before": rec["final"]["heldout_estimate_before"],
@@ -133,7 +136,7 @@ def main() -> None:
                               "rows": rec["data"].get("rows"), "skipped": rec["data"].get("skipped")}
             row["bench"] = bench(rec["out"], prompts, a.tree, a.max_new_tokens)
         row["wall_s"] = round(time.perf_counter() - t0, 1)
-        out["variants"][f"{name}@{budget}"] = row
+        out["variants"][f"{name}@{budget}" + (f"/seed{a.seed}" if a.seed else "")] = row
         print(name, json.dumps(row), flush=True)
         if a.json:  # after every run, so a long benchmark leaves what it measured
             Path(a.json).write_text(json.dumps(out, indent=1) + "\n")
