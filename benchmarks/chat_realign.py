@@ -78,6 +78,47 @@ def regenerated(data: Path, out: Path, tokens: int, seq_len: int) -> dict:
     return {"conversations": len(rows), "engine_runs": regen.runs, "wall_s": round(time.perf_counter() - t0, 1)}
 
 
+def summarize(files: list[str], work: Path) -> None:
+    """Runs of several --json files (one per seed) side by side: τ per seed, mean and sd, α by depth (mean), the
+    differences paired by seed; and how the regenerated set differs from the conversations it came from."""
+    import statistics as st
+
+    runs: dict[str, dict[int, dict]] = {}
+    for f in files:
+        for key, row in json.loads(Path(f).read_text())["variants"].items():
+            name, _, seed = key.partition("/seed")
+            runs.setdefault(name, {})[int(seed or 0)] = row["bench"]
+    print("| variant | seeds | τ per seed | mean (sd) | α by depth (mean) |")
+    for name, by_seed in runs.items():
+        taus = [by_seed[s]["tau"] for s in sorted(by_seed)]
+        depths = len(next(iter(by_seed.values()))["acceptance"])
+        alpha = [st.mean(by_seed[s]["acceptance"][d] for s in by_seed) for d in range(depths)]
+        sd = f"{st.stdev(taus):.3f}" if len(taus) > 1 else "-"
+        print(f"| {name} | {sorted(by_seed)} | {' / '.join(f'{t:.3f}' for t in taus)} | {st.mean(taus):.3f} ({sd}) "
+              f"| {' / '.join(f'{x:.3f}' for x in alpha)} |")
+    for a, b in (("chat-text", "plain"), ("chat", "chat-text"), ("chat-regen", "chat")):
+        for budget in sorted({k.split("@")[1] for k in runs if k.startswith(a + "@")}):
+            x, y = runs.get(f"{a}@{budget}", {}), runs.get(f"{b}@{budget}", {})
+            diffs = [x[s]["tau"] - y[s]["tau"] for s in sorted(set(x) & set(y))]
+            if diffs:
+                print(f"{a} − {b} @{budget}: " + " ".join(f"{d:+.3f}" for d in diffs) + f", mean {st.mean(diffs):+.3f}")
+    if (work / "chat_regen.jsonl").is_file():
+        original = {json.dumps([m for m in r["messages"] if m["role"] != "assistant"]): r
+                    for r in map(json.loads, (work / "chat_train.jsonl").read_text().splitlines())}
+        same = turns = chars_a = chars_b = unmatched = 0
+        for r in map(json.loads, (work / "chat_regen.jsonl").read_text().splitlines()):
+            o = original.get(json.dumps([m for m in r["messages"] if m["role"] != "assistant"]))
+            if o is None:  # its user/system turns are not an original conversation's, byte for byte
+                unmatched += 1
+                continue
+            for m, n in zip((m for m in o["messages"] if m["role"] == "assistant"),
+                            (m for m in r["messages"] if m["role"] == "assistant")):
+                turns, same = turns + 1, same + (m["content"].strip() == n["content"].strip())
+                chars_a, chars_b = chars_a + len(m["content"]), chars_b + len(n["content"])
+        print(f"regenerated: {turns} assistant turns, {same} equal to the original, {chars_b:,} characters against "
+              f"{chars_a:,}; conversations whose other turns match no original: {unmatched}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--variants", default=",".join(VARIANTS))
@@ -92,7 +133,11 @@ def main() -> None:
     ap.add_argument("--reuse", action="store_true", help="reuse WORK/chat_regen.jsonl from an earlier run")
     ap.add_argument("--seed", type=int, default=0,
                     help="distillation seed (the order training reads the data in): repeat a run to see its spread")
+    ap.add_argument("--summarize", default=None, metavar="A.json,B.json",
+                    help="print runs of earlier --json files side by side (seeds paired) and exit")
     a = ap.parse_args()
+    if a.summarize:
+        return summarize(a.summarize.split(","), Path(a.work))
     if a.threads:
         import torch
 
