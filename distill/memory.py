@@ -6,9 +6,10 @@ the bytes follow the code as it is written today:
 
 - weights: every drafter parameter in fp32; grads and AdamW's two moments (fp32) for the trainable ones. With
   several ranks FSDP2 shards the trainable weights, their grads and moments (1/world each) and every rank holds
-  the largest unit gathered whole (weights and gradients) while it runs; frozen weights stay whole on every rank;
-- the teacher: the target's trunk in fp32 in the same process, or its embedding and head only when the features
-  come from a `recycle harvest` cache;
+  the largest unit gathered whole (weights and gradients; bf16 under bf16 compute) while it runs; frozen weights
+  stay whole on every rank;
+- the teacher: the target's trunk in the same process (bf16 on a GPU under bf16 compute, else fp32), or its
+  embedding and head only when the features come from a `recycle harvest` cache;
 - activations, per rank (rows = batch × seq_len): the teacher's features kept for the step, each draft step's
   decoder-layer activations saved for backward (norms, projections, attention, the dense MLP or the routed and
   shared experts at top-k), under bf16 autocast a bf16 copy of every expert weight per draft step (the per-expert
@@ -144,9 +145,11 @@ def _block_activations(c, rows: int) -> int:
 
 def plan(drafter: str | Path, target: str | Path, *, batch: int, seq_len: int, draft_steps: int | None,
          world: int = 1, precision: str = "fp32", cached_teacher: bool = False, groups: tuple[str, ...] = (),
-         gpu: str | None = None, device_bytes: int | None = None, micro_batch: int | None = None) -> MemoryPlan:
+         gpu: str | None = None, device_bytes: int | None = None, micro_batch: int | None = None,
+         fsdp: bool = False) -> MemoryPlan:
     """The per-rank memory of `recycle distill` with these options (see the module's docstring). `gpu` names a
-    device of `recycle.hardware`'s table to fit (its memory); `device_bytes` gives the memory directly."""
+    device of `recycle.hardware`'s table to fit (its memory); `device_bytes` gives the memory directly. `fsdp`:
+    sharded with one rank too (torchrun with one process), which gathers each unit as several ranks do."""
     from recycle.hardware import gpu as find_gpu
 
     if world < 1:
@@ -170,12 +173,15 @@ def plan(drafter: str | Path, target: str | Path, *, batch: int, seq_len: int, d
     unit = max((sum(p.numel() for p in m.parameters() if p.requires_grad) for m in fsdp_units(model)),
                default=trainable)
     shards = max(1, world)
+    on_gpu = bool(gpu or device_bytes)
+    teacher_bytes = 2 if on_gpu and precision == "bf16" else 4  # distill.teacher: bf16 weights on a bf16 GPU run
+    gathered = 4 if precision == "bf16" else 8  # a unit's weights and grads while it runs: bf16 under bf16 compute
     parts = {
         "weights": (params - trainable) * 4 + math.ceil(trainable / shards) * 4,
         "grads": math.ceil(trainable / shards) * 4,
         "optimizer": math.ceil(trainable / shards) * 8,
-        "fsdp_gathered_unit": unit * 8 if world > 1 else 0,
-        "teacher": (io if cached_teacher else trunk) * 4,
+        "fsdp_gathered_unit": unit * gathered if world > 1 or fsdp else 0,
+        "teacher": io * 4 if cached_teacher else trunk * teacher_bytes,  # a cache's embedding and head: fp32
         "activations_features": rows * hidden * 4 * 2,
         "activations_blocks": steps * _block_activations(config, rows) * act_bytes,
         "activations_expert_copies": steps * expert_params * 2 if precision == "bf16" else 0,
@@ -188,7 +194,7 @@ def plan(drafter: str | Path, target: str | Path, *, batch: int, seq_len: int, d
     return MemoryPlan(parts, params, trainable, trunk, {
         "batch": batch, "seq_len": seq_len, "draft_steps": steps, "world_size": world, "precision": precision,
         "teacher": "harvested cache" if cached_teacher else "in process", "freeze": list(groups),
-        "micro_batch": micro_batch}, budget, device)
+        "micro_batch": micro_batch, "fsdp": world > 1 or fsdp}, budget, device)
 
 
 def advice(p: MemoryPlan) -> str:
@@ -214,14 +220,15 @@ def check(p: MemoryPlan) -> None:
                            f"{p.budget / GIB:.1f} GiB; try {advice(p)} (recycle distill ... --plan shows the parts)")
 
 
-def for_options(opts, world: int = 1, gpu: str | None = None, device_bytes: int | None = None) -> MemoryPlan:
+def for_options(opts, world: int = 1, gpu: str | None = None, device_bytes: int | None = None,
+                fsdp: bool = False) -> MemoryPlan:
     """The plan of a DistillOptions run (the one mapping of distill's options onto the plan); the precision is
     the run's, else bf16 on a named GPU and fp32 otherwise (distill's own default on a CPU without bf16)."""
     precision = opts.precision or ("bf16" if gpu or device_bytes else "fp32")
     return plan(opts.drafter, opts.target, batch=opts.batch, seq_len=opts.seq_len, draft_steps=opts.draft_steps,
                 world=world, precision=precision, cached_teacher=bool(opts.cache_hidden),
                 groups=tuple(opts.freeze),
-                gpu=gpu, device_bytes=device_bytes, micro_batch=opts.micro_batch)
+                gpu=gpu, device_bytes=device_bytes, micro_batch=opts.micro_batch, fsdp=fsdp)
 
 
 __all__ = ["MemoryPlan", "plan", "advice", "check", "for_options"]

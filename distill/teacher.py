@@ -86,7 +86,10 @@ class Teacher:
         self.producer = producer  # distill.harvest.OnlineHarvest: wait for each key, delete it once read
         self._vocab_head: tuple[torch.Tensor, torch.Tensor] | None = None  # (draft vocabulary, the head's rows)
         if trunk:
-            self.model = load_target(target_dir, device=device, dtype=torch.float32)
+            # bf16 weights on a GPU when the run computes in bf16 (autocast ran the matmuls in bf16 already): half
+            # the teacher's memory; fp32 on a CPU, where bf16 kernels are emulated on most machines
+            dtype = torch.bfloat16 if device.type == "cuda" and precision == "bf16" else torch.float32
+            self.model = load_target(target_dir, device=device, dtype=dtype)
             for p in self.model.parameters():
                 p.requires_grad_(False)
             self.decoder = self.model.get_decoder()

@@ -52,6 +52,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+from torch.profiler import record_function
 
 from recycle import __version__
 from recycle.checkpoint import load_json
@@ -65,6 +66,7 @@ from recycle.distill.losses import distill_loss, step_terms
 from recycle.distill.schedule import EVAL_KEY, Schedule, Step, eval_prompt_len
 from recycle.distill.teacher import Teacher, TeacherOut, autocast
 from recycle.distill.unroll import Unroller
+from recycle.hardware import peak_rss_bytes
 from recycle.errors import Interrupted, RecycleError
 from recycle.options import DistillOptions, LossConfig
 from recycle.preflight import parse_tokens  # noqa: F401  (the CLI and benchmarks take it from here too)
@@ -114,9 +116,10 @@ def _device(name: str | None, rank: int) -> torch.device:
 
 
 def _dist() -> tuple[int, int]:
-    """(rank, world); joins the process group when torchrun set WORLD_SIZE > 1."""
+    """(rank, world); joins the process group when torchrun started the process, one rank included (FSDP2 over
+    a mesh of one: the sharded code path on a single GPU, as a larger run takes it)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world <= 1:
+    if world <= 1 and "TORCHELASTIC_RUN_ID" not in os.environ:
         return 0, 1
     if not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -295,7 +298,8 @@ class Distiller:
             from recycle.distill.memory import check, for_options
 
             total = torch.cuda.get_device_properties(self.device).total_memory
-            check(for_options(replace(o, precision=self.precision), self.world, device_bytes=total))
+            check(for_options(replace(o, precision=self.precision), self.world, device_bytes=total,
+                              fsdp=dist.is_initialized()))
         with self._phase("loading the drafter"), quiet_transformers():
             model = load_drafter(o.drafter, dtype=torch.float32)
         aux = self.fmt.reads(self.drafter_config, self.target_config).aux_layers
@@ -395,14 +399,16 @@ class Distiller:
         rank holding 1/world of the trainable weights, their gradients and AdamW state (fp32; gradients reduced in
         fp32). Frozen weights (the embedding and head copies, `--freeze` groups) stay outside the units, plain and
         whole on every rank: the loss reads the head directly, a chunk of rows at a time."""
-        if self.world <= 1 or not self.unroller.shardable:
+        if not dist.is_initialized() or not self.unroller.shardable:
             return False
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         from recycle.distill.memory import fsdp_units
 
         frozen = {p for p in model.parameters() if not p.requires_grad}
-        policy = MixedPrecisionPolicy(reduce_dtype=torch.float32)
+        # bf16 compute: units gathered in bf16 (half the all-gather and the gathered copy), reduced in fp32
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if self.precision == "bf16" else None,
+                                      reduce_dtype=torch.float32)
         for module in fsdp_units(model):
             fully_shard(module, mp_policy=policy, ignored_params=frozen)
         fully_shard(model, mp_policy=policy, ignored_params=frozen)
@@ -491,8 +497,9 @@ class Distiller:
         """A micro-batch's forward/backward passes: the teacher's outputs for its rows, cut into --micro-batch slices,
         each with its share of the step's loss and its rows' assistant mask: (ids, teacher outputs, share, mask)."""
         t0 = time.perf_counter()
-        te = self.teacher(ids, key)
-        self._sync()
+        with record_function("recycle.teacher"):  # named ranges: what a profiler (benchmarks/distill_gpu.py) attributes
+            te = self.teacher(ids, key)
+            self._sync()
         self.timing["teacher_s"] += time.perf_counter() - t0
         if self.unroller.positions(ids.shape[1]) < 1:
             return []
@@ -512,7 +519,7 @@ class Distiller:
         and reduces the same units): a rank with fewer runs held-out rows at weight 0; FSDP averages the gradients
         over ranks, so each pass's loss is scaled by the world size to keep the step's sum."""
         if self.sharded:
-            count = torch.tensor([len(passes)])
+            count = torch.tensor([len(passes)], device=self.device)  # NCCL reduces device tensors only
             dist.all_reduce(count, op=dist.ReduceOp.MAX)
             rows = self.eval_ids[:1]
             filler = TeacherOut(self.eval_teacher.last[:1],
@@ -525,17 +532,18 @@ class Distiller:
         scale = self.world if self.sharded else 1
         total, info = 0.0, None
         weight = sum(p[2] for p in passes) or 1.0
-        for ids, te, share, mask in passes:
-            with autocast(self.device, self.precision):
-                steps = mask_steps(self.unroller.unroll(ids, te.last, te.aux, te.logits,
-                                                        with_features=bool(self.opts.loss.feature_weight), kv=te.kv),
-                                   mask)
-                loss, terms = distill_loss(steps, self.opts.loss)
-            (loss * (share * scale)).backward()
-            if share:  # logged CE/KL/agreement: the passes' average, weighted as the loss weighs them
-                total += float(loss.detach()) * share
-                info = _accumulate(info, terms, share / weight)
-        self._sync()
+        with record_function("recycle.drafter"):
+            for ids, te, share, mask in passes:
+                with autocast(self.device, self.precision):
+                    steps = mask_steps(self.unroller.unroll(ids, te.last, te.aux, te.logits,
+                                                            with_features=bool(self.opts.loss.feature_weight),
+                                                            kv=te.kv), mask)
+                    loss, terms = distill_loss(steps, self.opts.loss)
+                (loss * (share * scale)).backward()
+                if share:  # logged CE/KL/agreement: the passes' average, weighted as the loss weighs them
+                    total += float(loss.detach()) * share
+                    info = _accumulate(info, terms, share / weight)
+            self._sync()
         self.timing["drafter_s"] += time.perf_counter() - t1
         return total, info
 
@@ -588,13 +596,14 @@ class Distiller:
         if self.world > 1:
             if not self.sharded:
                 self._allreduce()
-            lt = torch.tensor([loss], dtype=torch.float64)
+            lt = torch.tensor([loss], dtype=torch.float64, device=self.device)
             dist.all_reduce(lt)
             loss = float(lt)
         params = self.unroller.trainable()
         if any(p.grad is not None for p in params):
-            gnorm = float(torch.nn.utils.clip_grad_norm_(params, o.clip))
-            self.opt.step()
+            with record_function("recycle.optimizer"):
+                gnorm = float(torch.nn.utils.clip_grad_norm_(params, o.clip))
+                self.opt.step()
         else:
             gnorm = 0.0
         self.sched.step()
@@ -766,6 +775,10 @@ class Distiller:
             "overhead_share": round((t["data_s"] + t["optimizer_s"] + t["log_s"]) / step_s, 4) if step_s else None,
             "device": str(self.device),
             "precision": self.precision,
+            "sharded": "fsdp2" if self.sharded else None,
+            # the most the run held at once: the CUDA allocator's peak, or the process's peak RSS on a CPU
+            "peak_memory_bytes": torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda"
+            else peak_rss_bytes(),
             "resumed": resumed,
             "cache_hits": self.teacher.cache_hits,
             "trunk_loaded": self.teacher.model is not None,

@@ -83,3 +83,10 @@ def cpu_has_bf16() -> bool:
     """Native bf16 (AVX512-BF16 or AMX): where bf16 autocast is fast; elsewhere it is emulated, 12× slower."""
     caps = cpu_capabilities()
     return bool(caps.get("avx512_bf16") or caps.get("amx_bf16"))
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory so far (Linux reports ru_maxrss in KiB)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -188,6 +188,8 @@ def test_distill_raises_agreement_and_keeps_the_format(converted: dict[str, Path
     d = prov["distillation"][0]
     assert d["tokens"] == rec["tokens"] and d["budget_tokens"] == rec["tokens"] and d["tokens_per_s"] > 0
     assert 0 < d["target_forward_share"] < 1 and 0 <= d["overhead_share"] < 1
+    import resource  # one process, no torchrun: not sharded; the peak is this process's RSS so far (monotone)
+    assert d["sharded"] is None and 0 < d["peak_memory_bytes"] <= resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     assert not (Path(rec["state_dir"]) / "checkpoint.pt").exists()
     assert (Path(rec["state_dir"]) / "metrics.jsonl").read_text().count("\n") == rec["steps"]
     # the embedding and head stay the target's (frozen), the rest was re-initialised and trained
