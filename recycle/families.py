@@ -182,11 +182,11 @@ FAMILIES: tuple[Family, ...] = (
         gguf=GLM4MOE,
         notes="GLM-4.6 ships the MTP layer in mtp.safetensors without the embed/head copies",
     ),
-    Family(
+    QWEN3_NEXT := Family(
         name="qwen3_next",
-        title="Qwen3-Next / Qwen3.5 / Qwen3.6",
-        model_types=("qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text"),
-        architectures=("Qwen3NextForCausalLM", "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration"),
+        title="Qwen3-Next",
+        model_types=("qwen3_next",),
+        architectures=("Qwen3NextForCausalLM",),
         roles={
             "embed_norm": ("mtp.pre_fc_norm_embedding.weight",),
             "hidden_norm": ("mtp.pre_fc_norm_hidden.weight",),
@@ -206,6 +206,28 @@ FAMILIES: tuple[Family, ...] = (
         block_class="transformers.models.qwen3_next.modeling_qwen3_next.Qwen3NextDecoderLayer",
         chained_state="post_norm",
         notes="fc and the pre-fc/final norms are shared by every depth; norms are zero-centred (1+w)",
+    ),
+    # Qwen3.5 / 3.6: Qwen3-Next's MTP layout over their own decoder layers (a gated full-attention layer with
+    # a dense MLP, or the MoE one); released as the multimodal class (trunk under model.language_model.) or
+    # text-only (Qwen3_5ForCausalLM, which vLLM and llama.cpp's converter also take).
+    dataclasses.replace(
+        QWEN3_NEXT,
+        name="qwen3_5",
+        title="Qwen3.5 / Qwen3.6 (dense)",
+        model_types=("qwen3_5", "qwen3_5_text"),
+        architectures=("Qwen3_5ForConditionalGeneration", "Qwen3_5ForCausalLM"),
+        block_shapes={k: v for k, v in COMMON_BLOCK_SHAPES.items() if k != "mlp.gate.weight"},
+        block_class="transformers.models.qwen3_5.modeling_qwen3_5.Qwen3_5DecoderLayer",
+        notes="Qwen3-Next's mtp.* layout; the MTP layer is a gated full-attention layer with a dense MLP",
+    ),
+    dataclasses.replace(
+        QWEN3_NEXT,
+        name="qwen3_5_moe",
+        title="Qwen3.5 / Qwen3.6 (MoE)",
+        model_types=("qwen3_5_moe", "qwen3_5_moe_text"),
+        architectures=("Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeForCausalLM"),
+        block_class="transformers.models.qwen3_5_moe.modeling_qwen3_5_moe.Qwen3_5MoeDecoderLayer",
+        notes="Qwen3-Next's mtp.* layout; the MTP layer is a gated full-attention layer with the MoE MLP",
     ),
     Family(
         name="mimo",

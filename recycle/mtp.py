@@ -16,6 +16,7 @@ checkpoint expert layouts (per-expert tensors) into the fused parameters its lay
 
 from __future__ import annotations
 
+import copy
 import importlib
 import os
 import types
@@ -42,9 +43,12 @@ def block_rotary(block_class: str, config: PretrainedConfig) -> nn.Module | None
     """The rotary embedding that goes with a decoder-layer class (its module's `*RotaryEmbedding`), or
     None when the model has none: blocks run outside their model need the position embeddings it makes."""
     block_cls = import_object(block_class)
-    rotary_name = block_cls.__name__.replace("DecoderLayer", "RotaryEmbedding")
-    rotary_cls = getattr(importlib.import_module(block_cls.__module__), rotary_name, None)
-    return rotary_cls(config) if rotary_cls is not None else None
+    module = importlib.import_module(block_cls.__module__)
+    for suffix in ("RotaryEmbedding", "TextRotaryEmbedding"):  # multimodal models name their text model's "Text"
+        rotary_cls = getattr(module, block_cls.__name__.replace("DecoderLayer", suffix), None)
+        if rotary_cls is not None:
+            return rotary_cls(config)
+    return None
 
 
 def block_config(config: Mapping, attn_implementation: str = "sdpa", model_type: str | None = None) -> PretrainedConfig:
@@ -163,6 +167,8 @@ class MTP(nn.Module):
         super().__init__()
         if family.block_class is None or family.kind != "mtp" or family.concat_order is None:
             raise RecycleError(f"family '{family.name}' has no sequential MTP runtime (kind {family.kind})")
+        # a copy: the caller's config (a trunk's, when a fixture trains them together) keeps its own layer lists
+        config = copy.copy(config)
         self.config, self.family = config, family
         base = int(getattr(config, "num_hidden_layers", 0) or 0)
         # MTP blocks sit after the trunk's layers: per-layer lists in the config must reach them.

@@ -93,10 +93,16 @@ EXPECT: dict[str, Expect] = {
                          ("model.embed_tokens.weight", "lm_head.weight",
                           "model.layers.0.linear_attn.in_proj_qkvz.weight", "model.layers.1.self_attn.q_norm.weight"),
                          norm="1+w"),
-    "qwen3_5": Expect("qwen3_next", 1, 1, QWEN_ROLES,
+    "qwen3_5": Expect("qwen3_5", 1, 1, QWEN_ROLES,
                       {"head": "lm_head.weight", "embed": "model.language_model.embed_tokens.weight"}, 11,
                       "mtp.layers.0.", ("model.language_model.norm.weight", "model.visual.patch_embed.proj.weight",
                                         "model.language_model.layers.0.linear_attn.in_proj_qkv.weight"), norm="1+w"),
+    # Qwen3.5 MoE: Qwen3-Next's MoE block (25 tensors) in Qwen3.5's multimodal layout.
+    "qwen3_5_moe": Expect("qwen3_5_moe", 1, 1, QWEN_ROLES,
+                          {"head": "lm_head.weight", "embed": "model.language_model.embed_tokens.weight"}, 25,
+                          "mtp.layers.0.", ("model.language_model.norm.weight",
+                                            "model.language_model.layers.0.mlp.experts.3.down_proj.weight"),
+                          norm="1+w"),
     "mimo": Expect("mimo", 1, 1, {
         "embed_norm": ["model.mtp_layers.0.token_layernorm.weight"],
         "hidden_norm": ["model.mtp_layers.0.hidden_layernorm.weight"],
@@ -158,6 +164,7 @@ SECOND_MODULE = {
     "glm4_6": "model.layers.3.",
     "qwen3_next": "mtp.layers.1.",
     "qwen3_5": "mtp.layers.1.",
+    "qwen3_5_moe": "mtp.layers.1.",
     "mimo": "model.mtp_layers.1.",
     "ernie4_5": "model.mtp_block.1.",
     "longcat_flash": "model.mtp.layers.1.",
@@ -282,7 +289,7 @@ def _norm_names(mod) -> list[str]:
     return roles + block
 
 
-@pytest.mark.parametrize("variant", ["qwen3_next", "qwen3_5", "deepseek_v3", "mimo", "nemotron_h"])
+@pytest.mark.parametrize("variant", ["qwen3_next", "qwen3_5", "qwen3_5_moe", "deepseek_v3", "mimo", "nemotron_h"])
 def test_norm_weights_follow_the_convention(matched, variant):
     """Zero-centred `(1+w)` norms are stored near 0; plain `w` norms near 1."""
     ckpt, m = matched(variant)

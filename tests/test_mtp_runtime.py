@@ -175,7 +175,8 @@ def test_fp8_variant_matches_bf16(tmp_path, mtp, trunk, ids):
         assert agree > 0.8, (k, agree)
 
 
-@pytest.mark.parametrize("variant", ["deepseek_v3_fp8", "glm4_5", "glm4_6", "qwen3_next", "mimo", "ernie4_5"])
+@pytest.mark.parametrize("variant", ["deepseek_v3_fp8", "glm4_5", "glm4_6", "qwen3_next", "qwen3_5", "qwen3_5_moe", "mimo",
+                                     "ernie4_5"])
 def test_runtime_runs_other_families(family_dir, variant):
     """Every family with a block class builds from its exact layout and runs both concat orders/norm styles."""
     model = MTP.from_checkpoint(family_dir(variant))

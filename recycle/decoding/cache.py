@@ -5,6 +5,12 @@ path's entries are valid next step; recomputing them would cost a target forward
 gathered instead (index_select along the sequence dim of every layer's key and value, written
 just after the prefix) and the tail is cropped. A chain whose accepted nodes are already in place
 only needs the crop.
+
+Recurrent layers (Gated DeltaNet in Qwen3-Next/3.5, Mamba in hybrids) hold one state that has already
+absorbed every verified token, rejected ones included, and transformers cannot crop it (its
+`LinearAttentionLayer.is_croppable` is False once a recurrent state exists). So a hybrid target's
+linear-attention states are snapshotted before each verification (`snapshot`, a few KB per layer) and,
+when drafts were rejected, put back (`restore`) for the loop to run the accepted tokens again.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from collections.abc import Sequence
 
 import torch
 from transformers import Cache
+from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
 from recycle.errors import RecycleError
 
@@ -57,3 +64,32 @@ def keep(cache: Cache, prefix: int, nodes: Sequence[int], index: torch.Tensor | 
             t = getattr(lyr, name)
             t[..., prefix : prefix + n, :] = t.index_select(-2, src)
             setattr(lyr, name, t[..., : prefix + n, :])
+
+
+def recurrent_layers(cache: Cache) -> list:
+    """The cache's linear-attention (recurrent) layers: empty for an attention-only target."""
+    return [lyr for lyr in getattr(cache, "layers", ()) if isinstance(lyr, LinearAttentionCacheLayerMixin)]
+
+
+Snapshot = list[tuple[object, dict, dict, dict]]
+
+
+def snapshot(cache: Cache) -> Snapshot:
+    """Copies of every recurrent layer's conv and recurrent states (and whether it has seen a token)."""
+    out = []
+    for lyr in recurrent_layers(cache):
+        clone = lambda states: {i: None if t is None else t.clone() for i, t in states.items()}  # noqa: E731
+        out.append((lyr, clone(lyr.conv_states), clone(lyr.recurrent_states), dict(lyr.has_previous_state)))
+    return out
+
+
+def restore(snap: Snapshot) -> None:
+    """Put the recurrent states back as `snapshot` found them (in place: the layers keep their tensors)."""
+    for lyr, conv, rec, seen in snap:
+        for states, saved in ((lyr.conv_states, conv), (lyr.recurrent_states, rec)):
+            for i, t in saved.items():
+                if t is None or states[i] is None:
+                    states[i] = t
+                else:
+                    states[i].copy_(t)
+        lyr.has_previous_state.update(seen)

@@ -450,6 +450,7 @@ def parse_shape(value: str | None, default: Shape, max_depth: int | None = None)
 
 
 DEFAULT_DYNAMIC = DynamicTreeSpec()
+HYBRID_CHAIN = 3  # the default for targets that verify chains only (vLLM's and llama.cpp's MTP drafting: chains)
 
 
 @dataclass
@@ -539,5 +540,11 @@ def load_engine(drafter_dir: str | None, target: Target, masks: MaskCache, tree:
         model = load_drafter(d, dtype=target.dtype).to(target.device)
         req = EngineRequest(d, target, masks, tree, model, cfg)
     engine = fmt.resolve("engine")(req)
+    if target.recurrent and not isinstance(engine.shape, int):  # linear attention cannot take a tree mask
+        if tree is not None:
+            raise RecycleError(f"--tree {tree}: this target has recurrent (linear-attention) layers, which verify "
+                               "chains only: use --tree chain:N")
+        req.tree = f"chain:{HYBRID_CHAIN}"
+        engine = fmt.resolve("engine")(req)
     engine.format = fmt
     return engine

@@ -17,6 +17,7 @@ from recycle.decoding.drafting import Drafter
 from recycle.decoding.target import Target
 from recycle.decoding.tree import MaskCache
 from recycle.decoding.verify import sample, target_probs, verify
+from recycle.errors import RecycleError
 
 
 @dataclass
@@ -24,7 +25,8 @@ class DecodeStats:
     """What one generation measured. Times in seconds; `accepted[d]`/`tried[d]` count draft depth d+1."""
 
     new_tokens: int = 0
-    forwards: int = 0  # target forwards, prefill included
+    forwards: int = 0  # target forwards, prefill included (and a hybrid target's re-runs after a rejection)
+    rollbacks: int = 0  # hybrid targets: verifications whose rejected drafts sent the recurrent states back
     steps: int = 0  # speculative steps (forwards after the prefill)
     tree_nodes: int = 0  # draft nodes verified, summed over steps
     prefill_s: float = 0.0
@@ -88,6 +90,7 @@ def generate(
     _sync(dev)
     t0 = time.perf_counter()
     cache = target.new_cache()
+    recurrent = target.recurrent  # a hybrid target: states rolled back on rejection
     drafter.bind(cache)
     ids = torch.tensor([prompt], device=dev)
     pos = torch.arange(len(prompt), device=dev)[None]
@@ -109,15 +112,29 @@ def generate(
             mask, pos = None, torch.tensor([[prefix]], device=dev)
         else:
             mask, pos = masks.mask(tree.parents, tree.depths, prefix)
+        if recurrent:
+            if mask is not None and tree.parents != list(range(-1, len(tree) - 1)):
+                raise RecycleError("a hybrid target (recurrent layers) verifies chains only: use --tree chain:N")
+            saved = kv.snapshot(cache)
+            mask = None  # a chain is causal
         logits, feats = target.forward(ids, pos, mask, cache)
         path, tok = verify(tree, logits if dev.type == "cpu" or temperature <= 0 else logits.cpu(), temperature, rng, gen)
-        kv.keep(cache, prefix, path)
+        accepted = [tree.tokens[i] for i in path]
+        if recurrent and len(path) < len(tree):
+            # the recurrent states absorbed the rejected drafts: back to before the chain, then the accepted tokens
+            # again (their logits are not needed: `tok` came from this verification)
+            kv.restore(saved)
+            kv.crop(cache, prefix)
+            _, feats = target.forward(ids[:, : len(path)], pos[:, : len(path)], None, cache, logits_for=slice(0, 0))
+            st.rollbacks += 1
+            st.forwards += 1
+        else:
+            kv.keep(cache, prefix, path)
+            if len(path) < len(tree):
+                sel = torch.tensor(path, device=dev)
+                feats = {k: v.index_select(0, sel) for k, v in feats.items()}
         _sync(dev)
         t3 = time.perf_counter()
-        accepted = [tree.tokens[i] for i in path]
-        if len(path) < len(tree):
-            sel = torch.tensor(path, device=dev)
-            feats = {k: v.index_select(0, sel) for k, v in feats.items()}
         drafter.commit(accepted, feats)
         t4 = time.perf_counter()
         st.draft_s += (t2 - t1) + (t4 - t3)

@@ -138,6 +138,10 @@ class Target:
         self._hooks: list = []
         self.taps: tuple[str, ...] = ()
         self.set_taps(taps)
+        from recycle.decoding.cache import recurrent_layers
+
+        # a hybrid (Gated DeltaNet / Mamba layers): verifies chains, its states rolled back on rejection
+        self.recurrent = bool(recurrent_layers(self.new_cache()))
 
     @property
     def device(self) -> torch.device:
