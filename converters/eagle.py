@@ -189,7 +189,8 @@ def rewrite(src, main: dict, model) -> tuple[dict, list[str], list[str]]:
     dropped, notes = [], []
     rc = load_json(src / "config.json", "drafter config.json").get("recycle", {})
     fam = BY_NAME.get(rc.get("family", ""))
-    canonical = fam is not None and fam.norm == "w" and fam.concat_order == "eh"
+    # zero-centred norms are stored back as the family stores them (MTP.checkpoint_tensors); a [h; e] concat is not
+    canonical = fam is not None and fam.concat_order == "eh"
     for sub, base in (("nextn", 0), ("mtp_overlay", int(rc.get("source_num_hidden_layers", 0)))):
         for p in sorted((src / sub).glob("*.safetensors")) if (src / sub).is_dir() else []:
             head = stored_layout(p)
@@ -204,7 +205,7 @@ def rewrite(src, main: dict, model) -> tuple[dict, list[str], list[str]]:
                 if weight is not None and weight in head and head[weight][1].itemsize == 1:
                     continue  # made with its weight
                 if k not in named or tuple(named[k].shape) != shp or not dt.is_floating_point:
-                    why = "non-canonical norms/concat" if not canonical else f"{k} is not a trained weight"
+                    why = "non-canonical concat" if not canonical else f"{k} is not a trained weight"
                 elif dt.itemsize == 1:
                     if fp8 is None or k + SCALE_SUFFIX not in head:
                         why = "FP8 without a block-FP8 config"

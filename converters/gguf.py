@@ -10,7 +10,9 @@ transforms come from the family's `gguf` record; this module only applies them:
   * `token_embd` and `output_norm`, which llama.cpp's loaders require in the side file too: the source trunk's,
     or with `--target TRUNK.gguf` the trunk file's own bytes (its quantization kept);
   * `nextn.embed_tokens` only where the module's embedding differs from the trunk's (llama.cpp falls back to
-    `token_embd` without it), `nextn.shared_head_head` always (the side file carries no `output`);
+    `token_embd` without it), the head always (`nextn.shared_head_head`, or `output` where llama.cpp's own
+    export puts it there: Qwen3.5);
+  * zero-centred norms (Qwen3.5) stored +1, as llama.cpp's converter stores them;
   * hyper-parameters and the vocabulary: from `--target TRUNK.gguf`'s header when given (so the two files agree by
     construction; block_count and nextn_predict_layers set for the side file), else from the source's config.json
     and tokenizer.json.
@@ -164,8 +166,17 @@ def convert(w: RoleWeights, req) -> Plan:
             if trunk is not None and len(lazy.sources) == 1 and same_values(w.ckpt, lazy.sources[0], trunk):
                 notes.append("nextn.embed_tokens left out: the module's embedding equals the trunk's token_embd")
                 continue
-        tensors[f"blk.{n}.nextn.{suffix}.weight"] = lazy
-    tensors.update(_block(arch, mod.block, n, cfg))
+        name = arch.head.format(n=n) if role == "head" else f"blk.{n}.nextn.{suffix}.weight"
+        tensors[name] = lazy
+    block = _block(arch, mod.block, n, cfg)
+    tensors.update(block)
+    if arch.norm_offset:  # zero-centred norms stored as llama.cpp multiplies by them: w + offset (the module's
+        off = arch.norm_offset  # role leaves are plain `w` already: recycle's roles hold every norm that way)
+        for name, lazy in list(tensors.items()):
+            if (name in block or name == "output_norm.weight") and name.endswith(arch.norms):
+                tensors[name] = lazy.derive(lazy.shape, lambda t, o=off: t.float() + o,
+                                            note=f"{lazy.note + '; ' if lazy.note else ''}stored +{off:g} "
+                                                 "(zero-centred norm, as llama.cpp's converter stores it)")
     dtype = {"fp32": torch.float32, "f32": torch.float32, "fp16": torch.float16, "f16": torch.float16,
              "bf16": torch.bfloat16}.get(opts.dtype, torch.bfloat16)
     _metadata(header, arch, w, cfg, n, dtype, opts.source, trunk_gguf is not None)
@@ -184,7 +195,8 @@ def _metadata(h: Header, arch: GGUFArch, w: RoleWeights, cfg: Mapping, n: int, d
                 value = get(cfg)
             except (KeyError, TypeError, ZeroDivisionError) as e:
                 raise RecycleError(f"{w.ckpt.path}/config.json: cannot derive {a}.{key} ({e})") from None
-            h.add(f"{a}.{key}", value, vtype)
+            vtype, _, sub = vtype.partition(":")  # "ARRAY:INT32": an array of INT32
+            h.add(f"{a}.{key}", value, vtype, sub or None)
         for key, value, vtype, sub in tokenizer_kv(w.ckpt.path, int(cfg["vocab_size"]), arch):
             h.add(key, value, vtype, sub)
     h.add(f"{a}.block_count", n + 1, "UINT32")

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from recycle.checkpoint import SCALE_SUFFIX, Checkpoint
 from recycle.errors import RecycleError
-from recycle.ggufarch import DEEPSEEK2, GLM4MOE, GGUFArch
+from recycle.ggufarch import DEEPSEEK2, GLM4MOE, QWEN35, GGUFArch
 
 ROLES = ("embed_norm", "hidden_norm", "proj", "block", "final_norm", "head", "embed")
 SHARED_ROLES = ("final_norm", "head", "embed")  # roles a module may borrow from the trunk
@@ -218,6 +218,7 @@ FAMILIES: tuple[Family, ...] = (
         architectures=("Qwen3_5ForConditionalGeneration", "Qwen3_5ForCausalLM"),
         block_shapes={k: v for k, v in COMMON_BLOCK_SHAPES.items() if k != "mlp.gate.weight"},
         block_class="transformers.models.qwen3_5.modeling_qwen3_5.Qwen3_5DecoderLayer",
+        gguf=QWEN35,
         notes="Qwen3-Next's mtp.* layout; the MTP layer is a gated full-attention layer with a dense MLP",
     ),
     dataclasses.replace(

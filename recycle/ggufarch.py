@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 # GGUF value types (gguf.GGUFValueType), by name: this module imports nothing heavy
 U32, F32, BOOL, STR = "UINT32", "FLOAT32", "BOOL", "STRING"
+I32_ARRAY, BOOL_ARRAY = "ARRAY:INT32", "ARRAY:BOOL"  # array values: "ARRAY:<element type>"
 SIGMOID, SOFTMAX = 2, 1  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_*
 YARN = "yarn"
 
@@ -65,6 +66,12 @@ class GGUFArch:
     split_kv_b: bool = False  # MLA: kv_b_proj -> attn_k_b (transposed per head) + attn_v_b
     experts: str = r"^mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$"  # stacked into ffn_{2}_exps
     f32: tuple[str, ...] = (".bias", "_norm.weight", "ffn_gate_inp.weight", "exp_probs_b.bias")  # kept float32
+    # Zero-centred norms ((1+w)·x̂, Qwen3-Next/3.5): llama.cpp's graph multiplies by the stored weight, so its
+    # converter stores w + 1 (in the checkpoint's dtype, then cast); every tensor whose GGUF name ends so.
+    norm_offset: float = 0.0
+    norms: tuple[str, ...] = ("norm.weight",)
+    # where the module's LM head goes: its own nextn tensor, or the file's `output` (llama.cpp's Qwen3.5 export)
+    head: str = "blk.{n}.nextn.shared_head_head.weight"
 
 
 # The trunk tensors the side file carries (llama.cpp creates them as required tensors), by GGUF name.
@@ -169,4 +176,66 @@ DEEPSEEK2 = GGUFArch(
     tokenizer_pre="deepseek-v3",
     source="src/models/deepseek2.cpp",
     split_kv_b=True,
+)
+
+
+def _head_dim(c: Mapping) -> int:
+    return c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+
+
+def _qwen_rope_sections(c: Mapping) -> list[int]:
+    """Qwen3.5's interleaved MRoPE sections, padded to llama.cpp's four (its default when the config has none)."""
+    sec = list(_rope(c).get("mrope_section") or [11, 11, 10])
+    return sec + [0] * (4 - len(sec))
+
+
+def _recurrent_layers(c: Mapping) -> list[bool]:
+    """Which blocks are Gated DeltaNet: the trunk's from layer_types (or every full_attention_interval-th is
+    attention), the MTP block (appended, as llama.cpp's converter does) is not."""
+    n = c["num_hidden_layers"]
+    kinds = c.get("layer_types") or ["full_attention" if (i + 1) % c.get("full_attention_interval", 4) == 0
+                                     else "linear_attention" for i in range(n)]
+    return [k == "linear_attention" for k in kinds[:n]] + [False]
+
+
+# Qwen3.5 / 3.6 dense (`conversion/qwen.py` Qwen3_5TextModel over Qwen3NextModel and _QwenMtpMixin; graph
+# `src/models/qwen35.cpp` graph_mtp): mtp.fc/pre_fc_norm_*/norm become nextn.eh_proj/enorm/hnorm/shared_head_norm
+# of blk.{n}, the gated full-attention block keeps the trunk's per-layer names (q_proj with its gate half as attn_q),
+# every norm but linear_attn's is stored +1, and the export carries the trunk's lm_head as `output`.
+QWEN35 = GGUFArch(
+    arch="qwen35",
+    block=(
+        (r"^input_layernorm\.weight$", "blk.{n}.attn_norm.weight"),
+        (r"^post_attention_layernorm\.weight$", "blk.{n}.post_attention_norm.weight"),
+        (r"^self_attn\.(q|k|v)_proj\.weight$", "blk.{n}.attn_{0}.weight"),
+        (r"^self_attn\.o_proj\.weight$", "blk.{n}.attn_output.weight"),
+        (r"^self_attn\.(q|k)_norm\.weight$", "blk.{n}.attn_{0}_norm.weight"),
+        (r"^mlp\.(gate|up|down)_proj\.weight$", "blk.{n}.ffn_{0}.weight"),
+    ),
+    hparams=(
+        ("context_length", U32, lambda c: c.get("max_position_embeddings")),
+        ("embedding_length", U32, lambda c: c.get("hidden_size")),
+        ("feed_forward_length", U32, lambda c: c.get("intermediate_size")),
+        ("attention.head_count", U32, lambda c: c.get("num_attention_heads")),
+        ("attention.head_count_kv", U32, lambda c: c.get("num_key_value_heads")),
+        ("rope.dimension_sections", I32_ARRAY, _qwen_rope_sections),
+        ("rope.freq_base", F32, lambda c: _rope(c).get("rope_theta")),
+        ("attention.layer_norm_rms_epsilon", F32, lambda c: c.get("rms_norm_eps")),
+        ("attention.key_length", U32, _head_dim),
+        ("attention.value_length", U32, _head_dim),
+        ("ssm.conv_kernel", U32, lambda c: c["linear_conv_kernel_dim"]),
+        ("ssm.state_size", U32, lambda c: c["linear_key_head_dim"]),
+        ("ssm.group_count", U32, lambda c: c["linear_num_key_heads"]),
+        ("ssm.time_step_rank", U32, lambda c: c["linear_num_value_heads"]),
+        ("ssm.inner_size", U32, lambda c: c["linear_value_head_dim"] * c["linear_num_value_heads"]),
+        ("attention.recurrent_layers", BOOL_ARRAY, _recurrent_layers),
+        ("full_attention_interval", U32, lambda c: c.get("full_attention_interval", 4)),
+        ("rope.dimension_count", U32, lambda c: int(_head_dim(c) * (_rope(c).get("partial_rotary_factor")
+                                                                     or c.get("partial_rotary_factor") or 0.25))),
+    ),
+    tokenizer_pre="qwen35",
+    source="src/models/qwen35.cpp",
+    f32=(".bias", "norm.weight"),
+    norm_offset=1.0,
+    head="output.weight",
 )

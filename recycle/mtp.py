@@ -32,7 +32,7 @@ from transformers.masking_utils import create_causal_mask
 
 from recycle.checkpoint import SCALE_SUFFIX, STORAGE_KEYS, Checkpoint
 from recycle.errors import RecycleError
-from recycle.families import Family, MTPMatch, match
+from recycle.families import BY_NAME, Family, MTPMatch, match
 from recycle.imports import import_object
 
 LEAF_ROLES = ("embed_norm", "hidden_norm", "proj", "final_norm", "head", "embed")
@@ -314,6 +314,7 @@ class MTP(nn.Module):
         Borrowed roles are written as copies where the family's releases store copies.
         """
         fam = self.family
+        stored_norm = BY_NAME[fam.name].norm if fam.name in BY_NAME else fam.norm  # an EAGLE drafter runs `w`
         base = int(num_hidden_layers if num_hidden_layers is not None else self.config.num_hidden_layers)
         out: dict[str, torch.Tensor] = {}
         for k, layer in enumerate(self.layers):
@@ -324,7 +325,10 @@ class MTP(nn.Module):
                     module = self._shared.get(role)
                 if module is None or role not in fam.roles:
                     continue
-                out[fam.roles[role][0].format(**ctx)] = module.weight.detach().clone()
+                w = module.weight.detach().clone()
+                if isinstance(module, Norm) and module.style == "w" and stored_norm == "1+w":
+                    w = w.float() - 1.0  # a plain `w` (an EAGLE drafter's) stored zero-centred, as the family stores it
+                out[fam.roles[role][0].format(**ctx)] = w
             prefix = fam.block[0].format(s=k, **ctx)
             state = {n: t.detach().clone() for n, t in layer.block.state_dict().items()}
             for rel, t in to_checkpoint_layout(state, self.config).items():

@@ -177,3 +177,31 @@ def test_speculative_sampling_on_a_hybrid_follows_the_target_law() -> None:
         keep = expected >= 5
         stat = float((((counts[i] - expected) ** 2) / expected.clamp(min=1e-12))[keep].sum())
         assert chi2_sf(stat, int(keep.sum()) - 1) > 1e-3, (i, counts[i].tolist(), expected.tolist())
+
+
+def test_a_distilled_qwen_drafter_writes_its_overlay_back_and_stitches(qwen_dir: Path, tmp_path: Path) -> None:
+    """Zero-centred norms: the EAGLE drafter trains them as plain `w`, the overlay stores them as the family does
+    (w − 1), so `recycle stitch` puts the trained module back and the target's own MTP runtime runs it."""
+    from safetensors.torch import load_file
+
+    from recycle.converters.api import convert_checkpoint
+    from recycle.converters.overlay import stitch
+    from recycle.distill.train import DistillOptions, distill
+    from recycle.drafters import load_drafter
+
+    eagle = convert_checkpoint(qwen_dir, "eagle", tmp_path / "eagle")["out"]
+    rec = distill(DistillOptions(drafter=eagle, target=str(qwen_dir), tokens=6 * 4 * 64, seq_len=64, batch=4,
+                                 lr=3e-3, eval_every=10**6, out=str(tmp_path / "d"), init="scratch"))
+    out = Path(rec["out"])
+    drafter = load_drafter(out)
+    overlay = load_file(str(out / "mtp_overlay" / "mtp.safetensors"))
+    assert set(overlay) == set(load_file(str(Path(eagle) / "mtp_overlay" / "mtp.safetensors")))
+    trained = drafter.layers[0].embed_norm.weight.detach().float()
+    # the drafter file holds 1 + w in bf16 (steps of 2^-7 near 1); the overlay w itself, from the fp32 weights
+    assert (overlay["mtp.pre_fc_norm_embedding.weight"].float() - (trained - 1)).abs().max() <= 2 ** -8
+    assert not torch.equal(overlay["mtp.pre_fc_norm_embedding.weight"],  # it trained (scratch init moved it)
+                           load_file(str(qwen_dir / "model.safetensors"))["mtp.pre_fc_norm_embedding.weight"])
+    stitched = tmp_path / "stitched"
+    stitch(out / "mtp_overlay", qwen_dir, stitched)
+    native = MTP.from_checkpoint(stitched)
+    assert torch.allclose(1 + native.layers[0].embed_norm.weight, trained, atol=1e-2)
