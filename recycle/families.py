@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from recycle.checkpoint import SCALE_SUFFIX, Checkpoint
 from recycle.errors import RecycleError
-from recycle.ggufarch import DEEPSEEK2, GLM4MOE, QWEN35, GGUFArch
+from recycle.ggufarch import DEEPSEEK2, GLM4MOE, QWEN3NEXT, QWEN35, GGUFArch
 
 ROLES = ("embed_norm", "hidden_norm", "proj", "block", "final_norm", "head", "embed")
 SHARED_ROLES = ("final_norm", "head", "embed")  # roles a module may borrow from the trunk
@@ -205,6 +205,7 @@ FAMILIES: tuple[Family, ...] = (
         block_shapes={**COMMON_BLOCK_SHAPES, "mlp.shared_expert_gate.weight": ("1", "H")},
         block_class="transformers.models.qwen3_next.modeling_qwen3_next.Qwen3NextDecoderLayer",
         chained_state="post_norm",
+        gguf=QWEN3NEXT,
         notes="fc and the pre-fc/final norms are shared by every depth; norms are zero-centred (1+w)",
     ),
     # Qwen3.5 / 3.6: Qwen3-Next's MTP layout over their own decoder layers (a gated full-attention layer with
@@ -228,6 +229,7 @@ FAMILIES: tuple[Family, ...] = (
         model_types=("qwen3_5_moe", "qwen3_5_moe_text"),
         architectures=("Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeForCausalLM"),
         block_class="transformers.models.qwen3_5_moe.modeling_qwen3_5_moe.Qwen3_5MoeDecoderLayer",
+        gguf=None,  # llama.cpp's qwen35moe graph exists; its converter refused our checked layout (vocabulary assert)
         notes="Qwen3-Next's mtp.* layout; the MTP layer is a gated full-attention layer with the MoE MLP",
     ),
     Family(

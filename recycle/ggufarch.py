@@ -239,3 +239,35 @@ QWEN35 = GGUFArch(
     norm_offset=1.0,
     head="output.weight",
 )
+
+
+# Qwen3-Next (`conversion/qwen.py` Qwen3NextModel over Qwen2MoeModel and _QwenMtpMixin; `src/models/qwen3next.cpp`):
+# Qwen3.5's MTP wiring and norms, a MoE block (routed experts stacked, one shared expert with its sigmoid gate),
+# plain (not multimodal) RoPE.
+QWEN_ATTENTION = QWEN35.block[:5]
+QWEN3NEXT = GGUFArch(
+    arch="qwen3next",
+    block=(
+        *QWEN_ATTENTION,
+        (r"^mlp\.gate\.weight$", "blk.{n}.ffn_gate_inp.weight"),
+        (r"^mlp\.shared_expert\.(gate|up|down)_proj\.weight$", "blk.{n}.ffn_{0}_shexp.weight"),
+        (r"^mlp\.shared_expert_gate\.weight$", "blk.{n}.ffn_gate_inp_shexp.weight"),
+    ),
+    hparams=(
+        *QWEN35.hparams[:5],
+        ("rope.freq_base", F32, lambda c: _rope(c).get("rope_theta")),
+        ("attention.layer_norm_rms_epsilon", F32, lambda c: c.get("rms_norm_eps")),
+        ("expert_count", U32, lambda c: c.get("num_experts")),
+        ("expert_used_count", U32, lambda c: c.get("num_experts_per_tok")),
+        ("attention.key_length", U32, _head_dim),
+        ("attention.value_length", U32, _head_dim),
+        ("expert_feed_forward_length", U32, lambda c: c.get("moe_intermediate_size")),
+        ("expert_shared_feed_forward_length", U32, lambda c: c.get("shared_expert_intermediate_size")),
+        *QWEN35.hparams[10:],
+    ),
+    tokenizer_pre="qwen2",
+    source="src/models/qwen3next.cpp",
+    f32=(".bias", "norm.weight"),
+    norm_offset=1.0,
+    head="output.weight",
+)

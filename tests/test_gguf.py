@@ -155,6 +155,11 @@ def test_what_llama_cpp_cannot_draft_with_is_refused_in_one_line(tmp_path):
     assert_bad_input(res, "takes the trunk's .gguf file")
     res = run_cli("convert", str(DS), "--to", "eagle", "--module", "0", "-o", str(tmp_path / "o"))
     assert_bad_input(res, "--module applies to --to gguf only")
+    from fixtures.families import make
+
+    moe = make("qwen3_5_moe").write(tmp_path / "qwen3_5_moe")  # llama.cpp has the graph; recycle's file is unchecked
+    res = run_cli("convert", str(moe), "--to", "gguf", "-o", str(tmp_path / "o"))
+    assert_bad_input(res, "llama.cpp has no MTP graph recycle writes for Qwen3.5 / Qwen3.6 (MoE)")
     assert not (tmp_path / "o").exists()
 
 
@@ -186,3 +191,51 @@ def test_inspect_reads_gguf_headers_and_reports_missing_mtp(tmp_path, sides):
     # a side file is for llama.cpp, not a drafter directory push publishes
     assert_bad_input(run_cli("push", str(sides["glm"].parent), "--repo", "me/x", "--dry-run"),
                      "recycle push publishes drafter directories")
+
+
+# llama.cpp's own `--mtp` export of the Qwen layouts (fixtures/build_trained.py's recipes at initialisation),
+# block 8 after the 8 trunk layers; the slow suite compares whole files against it.
+QWEN_BLOCK = {"attn_norm", "post_attention_norm", "attn_q", "attn_k", "attn_v", "attn_output", "attn_q_norm",
+              "attn_k_norm"}
+QWEN_NAMES = {
+    "qwen3_5": {"token_embd.weight", "output_norm.weight", "output.weight"}
+    | {f"blk.8.nextn.{n}.weight" for n in ("eh_proj", "enorm", "hnorm", "shared_head_norm")}
+    | {f"blk.8.{n}.weight" for n in QWEN_BLOCK | {"ffn_gate", "ffn_up", "ffn_down"}},
+    "qwen3_next": {"token_embd.weight", "output_norm.weight", "output.weight"}
+    | {f"blk.8.nextn.{n}.weight" for n in ("eh_proj", "enorm", "hnorm", "shared_head_norm")}
+    | {f"blk.8.{n}.weight" for n in QWEN_BLOCK | {"ffn_gate_exps", "ffn_up_exps", "ffn_down_exps", "ffn_gate_inp",
+                                                   "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp",
+                                                   "ffn_gate_inp_shexp"}},
+}
+
+
+@pytest.mark.parametrize("family,arch", [("qwen3_5", "qwen35"), ("qwen3_next", "qwen3next")])
+def test_qwen_side_files_have_llama_cpps_names_header_and_plus_one_norms(family, arch, tmp_path):
+    from safetensors.torch import load_file
+
+    from fixtures.build_trained import untrained
+
+    src = untrained(family, tmp_path / "src", seed=5)
+    with torch.no_grad():  # trained-looking norms: zero-centred weights away from 0
+        state = load_file(str(src / "model.safetensors"))
+        for k in state:
+            if k.endswith("norm.weight") and "linear_attn" not in k:
+                state[k] = (torch.randn_like(state[k].float()) * 0.1).to(state[k].dtype)
+        from safetensors.torch import save_file
+        save_file(state, str(src / "model.safetensors"), metadata={"format": "pt"})
+    res = run_cli("convert", str(src), "--to", "gguf", "--dtype", "fp32", "-o", str(tmp_path / "side"))
+    assert res.exit_code == 0, res.output
+    kv, ts = read(tmp_path / "side" / "mtp.gguf")
+    assert set(ts) == QWEN_NAMES[family]
+    assert kv["general.architecture"] == arch and kv[f"{arch}.block_count"] == 9
+    assert kv[f"{arch}.nextn_predict_layers"] == 1 and kv[f"{arch}.full_attention_interval"] == 4
+    assert kv[f"{arch}.attention.recurrent_layers"] == [True, True, True, False] * 2 + [False]
+    assert kv[f"{arch}.rope.dimension_count"] == 16 and kv[f"{arch}.ssm.inner_size"] == 128
+    assert (kv.get(f"{arch}.rope.dimension_sections") == [3, 3, 2, 0]) == (arch == "qwen35")
+    for gguf_name, name in (("blk.8.nextn.enorm.weight", "mtp.pre_fc_norm_embedding.weight"),
+                            ("blk.8.attn_q_norm.weight", "mtp.layers.0.self_attn.q_norm.weight"),
+                            ("blk.8.post_attention_norm.weight", "mtp.layers.0.post_attention_layernorm.weight"),
+                            ("output_norm.weight", "model.norm.weight")):
+        assert torch.equal(values(ts[gguf_name]), state[name].float() + 1), gguf_name  # stored w + 1
+    assert torch.equal(values(ts["output.weight"]), state["lm_head.weight"].float())
+    assert torch.equal(values(ts["blk.8.nextn.eh_proj.weight"]), state["mtp.fc.weight"].float())

@@ -9,8 +9,6 @@ drafting stays lossless exactly where that matters: chains rejected in the middl
 from __future__ import annotations
 
 import json
-import shutil
-import sys
 from pathlib import Path
 
 import pytest
@@ -27,23 +25,15 @@ from recycle.checkpoint import Checkpoint
 from recycle.mtp import MTP
 from tests.test_decoding import _exact_marginals, chi2_sf
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def qwen_dir(tmp_path_factory) -> Path:
     """An untrained Qwen3.5 checkpoint in the trained fixture's layout (`fixtures/build_trained.py`'s recipe):
     text-only `Qwen3_5ForCausalLM`, 6 DeltaNet + 2 attention layers, one MTP layer under `mtp.*`."""
-    sys.path.insert(0, str(ROOT / "fixtures"))
-    import build_trained as bt
+    from fixtures.build_trained import untrained
 
-    out = tmp_path_factory.mktemp("qwen3_5")
-    recipe = bt.RECIPES["qwen3_5"]
-    cfg, trunk, mtp = bt.build_models(3, recipe)
-    bt.save(out, cfg, trunk, mtp, recipe)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(ROOT / "fixtures/deepseek_v3_mtp" / name, out / name)
-    return out
+    return untrained("qwen3_5", tmp_path_factory.mktemp("qwen3_5"), seed=3)
 
 
 def test_layout_is_the_family_row_s_and_transformers_ignores_the_mtp(qwen_dir: Path) -> None:
