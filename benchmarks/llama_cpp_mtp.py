@@ -12,6 +12,7 @@
 3. Write time of the side files (seconds) for the fixtures.
 
     python benchmarks/llama_cpp_mtp.py --distill-tokens 256k --json /tmp/llama_cpp_mtp.json
+    python benchmarks/llama_cpp_mtp.py --fixtures Qwen3.5 --no-stale --json /tmp/llama_cpp_qwen.json
 
 Needs the managed llama.cpp (`recycle.engines.llama_cpp`: built on first use, 15-26 min on two cores).
 """
@@ -65,6 +66,8 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--depths", default="1,2,3")
     ap.add_argument("--distill-tokens", default="256k")
+    ap.add_argument("--fixtures", default=None, help="comma list of the fixtures to compare (default: all)")
+    ap.add_argument("--no-stale", action="store_true", help="skip part 2 (the post-trained DeepSeek re-aligned)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     work = Path(a.work)
@@ -74,7 +77,8 @@ def main() -> None:
                  or platform.machine(), "prompts": a.prompts, "max_new_tokens": a.max_new_tokens, "agreement": {},
                  "write_s": {}}
     code = prompt_set("stdlib", a.prompts)
-    for name, fx in FIXTURES.items():
+    chosen = a.fixtures.split(",") if a.fixtures else list(FIXTURES)
+    for name, fx in ((n, FIXTURES[n]) for n in chosen):
         trunk = trunk_gguf(fx, work)
         t0 = time.perf_counter()
         side = side_file(fx, work, f"{fx.name}-side")
@@ -83,6 +87,8 @@ def main() -> None:
         out["agreement"][name] = compare(fx, trunk, side, eagle, code, a.max_new_tokens, depths)
         if a.json:  # after every phase, so a long run leaves what it measured
             Path(a.json).write_text(json.dumps(out, indent=1) + "\n")
+    if a.no_stale:
+        return _table(out)
     budget = parse_tokens(a.distill_tokens)
     trunk = trunk_gguf(POSTTRAINED, work)
     stale = side_file(POSTTRAINED, work, "posttrained-stale")
@@ -99,10 +105,14 @@ def main() -> None:
                                          depths)}
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=1) + "\n")
+    _table(out)
+
+
+def _table(out: dict) -> None:
     print("| fixture | side file | n_max | llama.cpp τ | recycle τ | llama.cpp accepted/drafted | recycle accepted/tried "
           "| lossless |")
     rows = [(n, "native", r) for n, r in out["agreement"].items()]
-    rows += [("post-trained", k, out["stale"][k]) for k in ("stale", "realigned")]
+    rows += [("post-trained", k, out["stale"][k]) for k in ("stale", "realigned") if "stale" in out]
     for fixture, what, by_n in rows:
         for n, r in by_n.items():
             ll, rc = r["llama_cpp"], r["recycle"]

@@ -89,6 +89,7 @@ def _summary(stats: list[DecodeStats]) -> dict:
         "verify_s": sum(s.verify_s for s in stats),
         "prefill_s": sum(s.prefill_s for s in stats),
         "tree_nodes_per_step": sum(s.tree_nodes for s in stats) / steps if steps else 0.0,
+        "rollbacks": sum(s.rollbacks for s in stats),  # hybrid targets: steps whose recurrent states went back
     }
 
 

@@ -168,7 +168,8 @@ def run_plan(opts: PlanOptions, progress: Progress | None = None) -> dict:
     chain_max = ses.engine_for(f"chain:{min(opts.max_chain, limit or opts.max_chain)}", bopts)
     k_max = chain_max.shape
     fmt = ses.engine.format
-    trees = [None] if fmt.static_tree else [None, *DYNAMIC_TREES]
+    # a hybrid target (recurrent layers) verifies chains only: its default engine is already a chain
+    trees = [None] if fmt.static_tree or ses.target.recurrent else [None, *DYNAMIC_TREES]
     engines: list[tuple[str, Drafter]] = [("ar", Drafter()), ("chain:1", ses.engine_for("chain:1", bopts)),
                                           (f"chain:{k_max}", chain_max)]
     for t in trees:

@@ -21,7 +21,8 @@ from recycle.engines.llama_cpp import LlamaServer, convert_trunk
 from recycle.prompts import prompt_set
 
 ROOT = Path(__file__).resolve().parents[2]
-FIXTURES = {"DeepSeek-V3": ROOT / "fixtures" / "deepseek_v3_mtp", "GLM-4.5": ROOT / "fixtures" / "glm4_moe_mtp"}
+FIXTURES = {"DeepSeek-V3": ROOT / "fixtures" / "deepseek_v3_mtp", "GLM-4.5": ROOT / "fixtures" / "glm4_moe_mtp",
+            "Qwen3.5": ROOT / "fixtures" / "qwen3_5_mtp"}
 
 
 @dataclass

@@ -65,6 +65,12 @@ def test_side_files_equal_llama_cpps_own_mtp_export(tmp_path):
     (lite / "config.json").write_text(json.dumps({**cfg, "architectures": ["Glm4MoeLiteForCausalLM"]}))
     _assert_same_export(side_file(FIXTURES["DeepSeek-V3"], tmp_path, "ds"),
                         convert_trunk(lite, tmp_path / "ds-mtp.gguf", mtp="only"))
+    qwen = FIXTURES["Qwen3.5"]  # zero-centred norms stored +1, the head as `output`, the hybrid's header keys
+    _assert_same_export(side_file(qwen, tmp_path, "qwen"), convert_trunk(qwen, tmp_path / "qwen-mtp.gguf", mtp="only"))
+    from fixtures.build_trained import untrained
+
+    nxt = untrained("qwen3_next", tmp_path / "qwen3_next", seed=1)  # no trained Qwen3-Next fixture: its recipe
+    _assert_same_export(side_file(nxt, tmp_path, "next"), convert_trunk(nxt, tmp_path / "next-mtp.gguf", mtp="only"))
 
 
 @pytest.mark.parametrize("name", sorted(FIXTURES))
