@@ -399,3 +399,19 @@ def quantize_fp8(weight: torch.Tensor, block: tuple[int, int] = (128, 128)) -> t
     scale = amax / torch.finfo(torch.float8_e4m3fn).max
     q = (tiles / scale[:, None, :, None]).view(bm * block[0], bn * block[1])[:m, :n]
     return q.to(torch.float8_e4m3fn), scale.float()
+
+
+def meta_state(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """One safetensors file's tensors as meta tensors (names, shapes, dtypes from its header; nothing read):
+    enough to build and check a module on the meta device (`push` validates a 27 GB drafter this way)."""
+    from safetensors import safe_open
+
+    out = {}
+    with safe_open(str(path), "pt") as f:
+        for name in f.keys():
+            sl = f.get_slice(name)
+            dtype = DTYPES.get(sl.get_dtype(), (0, None))[1]
+            if dtype is None:
+                raise RecycleError(f"{path}: tensor {name} has dtype {sl.get_dtype()}, which torch cannot hold")
+            out[name] = torch.empty(tuple(sl.get_shape()), dtype=dtype, device="meta")
+    return out

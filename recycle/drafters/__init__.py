@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from recycle.checkpoint import meta_state
 from recycle.drafters.eagle import EagleDrafter
 from recycle.drafters.eagle3 import Eagle3Drafter
 from recycle.drafters.medusa import MedusaDrafter
@@ -36,8 +37,10 @@ def load_drafter(path: str | os.PathLike, dtype: torch.dtype | None = None, attn
     cfg = load_json(d / "config.json", "drafter config.json")
     if not (d / WEIGHTS).is_file():
         raise RecycleError(f"{d / WEIGHTS}: missing")
-    try:
-        state = load_file(str(d / WEIGHTS))
+    try:  # on the meta device (push's validation) the header alone: shapes and dtypes, no bytes read
+        state = meta_state(d / WEIGHTS) if torch.get_default_device().type == "meta" else load_file(str(d / WEIGHTS))
+    except RecycleError:
+        raise
     except Exception as e:  # noqa: BLE001 - a truncated or foreign file
         raise RecycleError(f"{d / WEIGHTS}: corrupt or unreadable safetensors ({' '.join(str(e).split())[:160]})") from None
     try:
