@@ -36,7 +36,12 @@ def qwen_dir(tmp_path_factory) -> Path:
     return untrained("qwen3_5", tmp_path_factory.mktemp("qwen3_5"), seed=3)
 
 
-def test_layout_is_the_family_row_s_and_transformers_ignores_the_mtp(qwen_dir: Path) -> None:
+TRAINED = Path(__file__).resolve().parents[1] / "fixtures" / "qwen3_5_mtp"
+
+
+@pytest.mark.parametrize("which", ["recipe", "trained"])
+def test_layout_is_the_family_row_s_and_transformers_ignores_the_mtp(qwen_dir: Path, which: str) -> None:
+    qwen_dir = TRAINED if which == "trained" else qwen_dir
     cfg = json.loads((qwen_dir / "config.json").read_text())
     assert cfg["architectures"] == ["Qwen3_5ForCausalLM"] and cfg["model_type"] == "qwen3_5_text"
     assert cfg["mtp_num_hidden_layers"] == 1 and "num_nextn_predict_layers" not in cfg
@@ -195,3 +200,23 @@ def test_a_distilled_qwen_drafter_writes_its_overlay_back_and_stitches(qwen_dir:
     stitch(out / "mtp_overlay", qwen_dir, stitched)
     native = MTP.from_checkpoint(stitched)
     assert torch.allclose(1 + native.layers[0].embed_norm.weight, trained, atol=1e-2)
+
+
+def test_the_trained_module_drafts_losslessly_through_rejections() -> None:
+    """The trained fixture's own module, reused for 3 draft steps (as vLLM and llama.cpp reuse it): accepted and
+    rejected mid-chain on real text, and the output is plain decoding's."""
+    from recycle.prompts import default_prompts, encode_prompts
+    from transformers import AutoTokenizer
+
+    with quiet_transformers():
+        target = Target(load_target(TRAINED))
+        masks = MaskCache(target.dtype, target.device)
+        engine = load_engine(None, target, masks, tree="chain:3", native=True, target_dir=str(TRAINED))
+    target.set_taps(engine.taps)
+    ids = encode_prompts(AutoTokenizer.from_pretrained(TRAINED), default_prompts()[:2], str(TRAINED), None)
+    accepted = rollbacks = 0
+    for prompt in ids:
+        spec = generate(target, engine, prompt, 24)
+        assert spec.tokens == generate(target, Drafter(), prompt, 24).tokens
+        accepted, rollbacks = accepted + sum(spec.stats.accepted), rollbacks + spec.stats.rollbacks
+    assert accepted > 0 and rollbacks > 0
