@@ -12,7 +12,7 @@
 3. Write time of the side files (seconds) for the fixtures.
 
     python benchmarks/llama_cpp_mtp.py --distill-tokens 256k --json /tmp/llama_cpp_mtp.json
-    python benchmarks/llama_cpp_mtp.py --fixtures Qwen3.5 --no-stale --json /tmp/llama_cpp_qwen.json
+    python benchmarks/llama_cpp_mtp.py --fixtures Qwen3.5 --no-stale --embedded --json /tmp/llama_cpp_qwen.json
 
 Needs the managed llama.cpp (`recycle.engines.llama_cpp`: built on first use, 15-26 min on two cores).
 """
@@ -30,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from recycle.converters.api import convert_checkpoint  # noqa: E402
+from recycle.engines.llama_cpp import convert_trunk  # noqa: E402
 from recycle.distill.train import DistillOptions, distill, parse_tokens  # noqa: E402
 from recycle.prompts import prompt_set  # noqa: E402
 from tests.engines.llama_interop import FIXTURES, llama_runs, recycle_run, side_file, trunk_gguf  # noqa: E402
@@ -68,6 +69,8 @@ def main() -> None:
     ap.add_argument("--distill-tokens", default="256k")
     ap.add_argument("--fixtures", default=None, help="comma list of the fixtures to compare (default: all)")
     ap.add_argument("--no-stale", action="store_true", help="skip part 2 (the post-trained DeepSeek re-aligned)")
+    ap.add_argument("--embedded", action="store_true", help="also draft with llama.cpp's own GGUF holding the module "
+                    "(its converter keeps it: not DeepSeek-V3's)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     work = Path(a.work)
@@ -85,6 +88,14 @@ def main() -> None:
         out["write_s"][name] = round(time.perf_counter() - t0, 2)
         eagle = Path(convert_checkpoint(fx, "eagle", work / f"{fx.name}-eagle", overwrite=True)["out"])
         out["agreement"][name] = compare(fx, trunk, side, eagle, code, a.max_new_tokens, depths)
+        if a.embedded:  # llama.cpp's own conversion with the module inside the one GGUF (no -md), at n_max = 1
+            whole = convert_trunk(fx, work / f"{fx.name}-with-mtp-f32.gguf", mtp="keep")
+            ids = ids_of(fx, code)
+            ll = llama_runs(whole, None, ids, a.max_new_tokens, 1, embedded=True)
+            plain = llama_runs(trunk, None, ids, a.max_new_tokens, 1)["tokens"]
+            out.setdefault("embedded", {})[name] = {"tau": ll["tau"], "drafted": ll["drafted"],
+                                                    "accepted": ll["accepted"], "lossless": ll["tokens"] == plain}
+            print(name, "MTP inside the trunk GGUF, n_max 1", json.dumps(out["embedded"][name]), flush=True)
         if a.json:  # after every phase, so a long run leaves what it measured
             Path(a.json).write_text(json.dumps(out, indent=1) + "\n")
     if a.no_stale:

@@ -138,12 +138,15 @@ class LlamaServer:
     `complete(ids, n)` → the greedy continuation's token ids and the request's draft counts."""
 
     def __init__(self, trunk: str | os.PathLike, side: str | os.PathLike | None = None, n_max: int = 1,
-                 threads: int = 1, ctx: int = 2048, timeout: float = 120.0) -> None:
+                 threads: int = 1, ctx: int = 2048, timeout: float = 120.0, embedded: bool = False) -> None:
+        """`embedded`: draft with the MTP block inside `trunk` itself (a GGUF converted with its module), no -md."""
         self.port = _free_port()
         cmd = [str(binary("llama-server")), "-m", str(trunk), "--host", "127.0.0.1", "--port", str(self.port),
                "-t", str(threads), "-c", str(ctx), "-np", "1", "--temp", "0", "--metrics"]
         if side is not None:
-            cmd += ["-md", str(side), "--spec-type", "draft-mtp", "--spec-draft-n-max", str(n_max)]
+            cmd += ["-md", str(side)]
+        if side is not None or embedded:
+            cmd += ["--spec-type", "draft-mtp", "--spec-draft-n-max", str(n_max)]
         self.cmd, self.timeout = cmd, timeout
         self.proc: subprocess.Popen | None = None
 

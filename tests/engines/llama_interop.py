@@ -44,12 +44,15 @@ def prompt_ids(fixture: Path, n: int) -> tuple[list, list[list[int]]]:
     return ps, [tok(p, add_special_tokens=False)["input_ids"] for _, p in ps]
 
 
-def llama_runs(trunk: Path, side: Path | None, ids: list[list[int]], new_tokens: int, n_max: int) -> dict:
-    """Greedy completions of every prompt; with a side file, the draft counts and τ = 1 + accepted / verification
-    steps (llama.cpp's own "mean len": the steps it drafted at, bonus token included)."""
-    with LlamaServer(trunk, side, n_max=n_max) as server:
+def llama_runs(trunk: Path, side: Path | None, ids: list[list[int]], new_tokens: int, n_max: int,
+               embedded: bool = False) -> dict:
+    """Greedy completions of every prompt; with a side file (or `embedded`: the MTP block inside the trunk file),
+    the draft counts and τ = 1 + accepted / verification steps (llama.cpp's own "mean len": the steps it drafted
+    at, bonus token included)."""
+    with LlamaServer(trunk, side, n_max=n_max, embedded=embedded) as server:
         outs = [server.complete(p, new_tokens) for p in ids]
-        steps = int(server.metrics().get("spec_decode_num_drafts_total", 0)) if side is not None else 0
+        drafting = side is not None or embedded
+        steps = int(server.metrics().get("spec_decode_num_drafts_total", 0)) if drafting else 0
     drafted, accepted = sum(o["drafted"] for o in outs), sum(o["accepted"] for o in outs)
     return {"tokens": [o["tokens"] for o in outs], "drafted": drafted, "accepted": accepted, "steps": steps,
             "tau": 1 + accepted / steps if steps else None}
