@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from recycle.checkpoint import SCALE_SUFFIX, Checkpoint
 from recycle.errors import RecycleError
-from recycle.ggufarch import DEEPSEEK2, GLM4MOE, QWEN3NEXT, QWEN35, GGUFArch
+from recycle.ggufarch import DEEPSEEK2, GLM4MOE, QWEN3NEXT, QWEN35, QWEN35MOE, GGUFArch
 
 ROLES = ("embed_norm", "hidden_norm", "proj", "block", "final_norm", "head", "embed")
 SHARED_ROLES = ("final_norm", "head", "embed")  # roles a module may borrow from the trunk
@@ -229,7 +229,7 @@ FAMILIES: tuple[Family, ...] = (
         model_types=("qwen3_5_moe", "qwen3_5_moe_text"),
         architectures=("Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeForCausalLM"),
         block_class="transformers.models.qwen3_5_moe.modeling_qwen3_5_moe.Qwen3_5MoeDecoderLayer",
-        gguf=None,  # llama.cpp's qwen35moe graph exists; its converter refused our checked layout (vocabulary assert)
+        gguf=QWEN35MOE,
         notes="Qwen3-Next's mtp.* layout; the MTP layer is a gated full-attention layer with the MoE MLP",
     ),
     Family(

@@ -271,3 +271,17 @@ QWEN3NEXT = GGUFArch(
     norm_offset=1.0,
     head="output.weight",
 )
+
+
+# Qwen3.5 / 3.6 MoE (`conversion/qwen.py` Qwen3_5MoeTextModel; `src/models/qwen35moe.cpp`): Qwen3-Next's MoE block
+# with Qwen3.5's MRoPE header (no dense feed_forward_length: the text config has no intermediate_size).
+QWEN35MOE = GGUFArch(
+    arch="qwen35moe",
+    block=QWEN3NEXT.block,
+    hparams=(*QWEN35.hparams[:10], *QWEN3NEXT.hparams[7:9], *QWEN3NEXT.hparams[11:13], *QWEN35.hparams[10:]),
+    tokenizer_pre="qwen35",
+    source="src/models/qwen35moe.cpp",
+    f32=(".bias", "norm.weight"),
+    norm_offset=1.0,
+    head="output.weight",
+)

@@ -157,9 +157,9 @@ def test_what_llama_cpp_cannot_draft_with_is_refused_in_one_line(tmp_path):
     assert_bad_input(res, "--module applies to --to gguf only")
     from fixtures.families import make
 
-    moe = make("qwen3_5_moe").write(tmp_path / "qwen3_5_moe")  # llama.cpp has the graph; recycle's file is unchecked
-    res = run_cli("convert", str(moe), "--to", "gguf", "-o", str(tmp_path / "o"))
-    assert_bad_input(res, "llama.cpp has no MTP graph recycle writes for Qwen3.5 / Qwen3.6 (MoE)")
+    v32 = make("deepseek_v32").write(tmp_path / "v32")  # llama.cpp has the graph (with the indexer); not written
+    res = run_cli("convert", str(v32), "--to", "gguf", "-o", str(tmp_path / "o"))
+    assert_bad_input(res, "llama.cpp has no MTP graph recycle writes for DeepSeek-V3.2")
     assert not (tmp_path / "o").exists()
 
 
@@ -209,7 +209,11 @@ QWEN_NAMES = {
 }
 
 
-@pytest.mark.parametrize("family,arch", [("qwen3_5", "qwen35"), ("qwen3_next", "qwen3next")])
+QWEN_NAMES["qwen3_5_moe"] = QWEN_NAMES["qwen3_next"]
+
+
+@pytest.mark.parametrize("family,arch", [("qwen3_5", "qwen35"), ("qwen3_next", "qwen3next"),
+                                         ("qwen3_5_moe", "qwen35moe")])
 def test_qwen_side_files_have_llama_cpps_names_header_and_plus_one_norms(family, arch, tmp_path):
     from safetensors.torch import load_file
 
@@ -231,7 +235,7 @@ def test_qwen_side_files_have_llama_cpps_names_header_and_plus_one_norms(family,
     assert kv[f"{arch}.nextn_predict_layers"] == 1 and kv[f"{arch}.full_attention_interval"] == 4
     assert kv[f"{arch}.attention.recurrent_layers"] == [True, True, True, False] * 2 + [False]
     assert kv[f"{arch}.rope.dimension_count"] == 16 and kv[f"{arch}.ssm.inner_size"] == 128
-    assert (kv.get(f"{arch}.rope.dimension_sections") == [3, 3, 2, 0]) == (arch == "qwen35")
+    assert (kv.get(f"{arch}.rope.dimension_sections") == [3, 3, 2, 0]) == arch.startswith("qwen35")
     for gguf_name, name in (("blk.8.nextn.enorm.weight", "mtp.pre_fc_norm_embedding.weight"),
                             ("blk.8.attn_q_norm.weight", "mtp.layers.0.self_attn.q_norm.weight"),
                             ("blk.8.post_attention_norm.weight", "mtp.layers.0.post_attention_layernorm.weight"),

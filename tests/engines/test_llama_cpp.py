@@ -69,8 +69,10 @@ def test_side_files_equal_llama_cpps_own_mtp_export(tmp_path):
     _assert_same_export(side_file(qwen, tmp_path, "qwen"), convert_trunk(qwen, tmp_path / "qwen-mtp.gguf", mtp="only"))
     from fixtures.build_trained import untrained
 
-    nxt = untrained("qwen3_next", tmp_path / "qwen3_next", seed=1)  # no trained Qwen3-Next fixture: its recipe
-    _assert_same_export(side_file(nxt, tmp_path, "next"), convert_trunk(nxt, tmp_path / "next-mtp.gguf", mtp="only"))
+    for family in ("qwen3_next", "qwen3_5_moe"):  # no trained fixtures: their recipes at initialisation
+        src = untrained(family, tmp_path / family, seed=1)
+        _assert_same_export(side_file(src, tmp_path, f"{family}-side"),
+                            convert_trunk(src, tmp_path / f"{family}-mtp.gguf", mtp="only"))
 
 
 @pytest.mark.parametrize("name", sorted(FIXTURES))
