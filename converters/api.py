@@ -16,6 +16,7 @@ import torch
 
 from recycle import __version__
 from recycle.checkpoint import SHORT_DTYPES, ST_NAMES, TORCH_NAMES, Checkpoint
+from recycle.converters.gguf import DTYPES as GGUF_DTYPES
 from recycle.converters.overlay import stitch as stitch_overlay
 from recycle.converters.reexport import source_view  # noqa: F401  (the scripts' name for it)
 from recycle.converters.roles import APPROX, EXACT, FRESH, Backbone, Plan, RoleWeights, backbone, gather
@@ -37,12 +38,17 @@ class ConvertRequest:
     backbone: Backbone | None = None  # the target of a drafter-kind source (a Gemma 4 assistant)
 
 
-def mapping_rows(plan: Plan, dtype: torch.dtype) -> list[dict]:
+def mapping_rows(plan: Plan, dtype: str) -> list[dict]:
+    """recycle.json's mapping table: every written tensor with its shape, stored type and provenance (a GGUF
+    file's tensors as its header stores them: float32 norms, q8_0 blocks)."""
     rows = []
     for file, tensors in plan.tensors.items():
+        header = plan.gguf.get(file)
         for name, lazy in tensors.items():
-            dt = lazy.dtype or dtype
-            rows.append({"file": file, "tensor": name, "shape": list(lazy.shape), "dtype": ST_NAMES[dt],
+            dt = header.storage(name, lazy.shape, GGUF_DTYPES[dtype]) if header is not None else \
+                lazy.dtype or SHORT_DTYPES[dtype]
+            rows.append({"file": file, "tensor": name, "shape": list(lazy.shape),
+                         "dtype": dt.upper() if isinstance(dt, str) else ST_NAMES[dt],
                          "from": list(lazy.sources), "kind": lazy.kind, **({"note": lazy.note} if lazy.note else {})})
     return rows
 
@@ -63,7 +69,7 @@ def provenance(w: RoleWeights, fmt: DrafterFormat, dtype: str, options: dict, pl
             "module_prefixes": [mod.prefix for mod in w.modules],
             "fp8": any(w.ckpt.tensors[n].is_fp8 for n in m.mtp_names),
         },
-        "target": {"format": fmt.name, "dtype": TORCH_NAMES[dtype], "options": options,
+        "target": {"format": fmt.name, "dtype": TORCH_NAMES.get(dtype, dtype), "options": options,
                    "layouts": {k: v.what for k, v in fmt.layouts.items()  # the ones written
                                if any(f == k or (k.endswith("/") and f.startswith(k)) for f in plan.tensors)}},
         "summary": {"tensors": len(rows), **{k: sum(r["kind"] == k for r in rows) for k in (EXACT, APPROX, FRESH)}},
@@ -95,13 +101,13 @@ def _convert(opts: ConvertOptions, ckpt: Checkpoint, progress: Progress | None, 
         # an assistant ships no tokenizer: its target's is the one it shares
         draft_ids = top_tokens(bb.path if bb is not None else ckpt.path, opts.draft_vocab, w.vocab_size,
                                opts.vocab_corpus)
-    plan = fmt.resolve("converter")(w, ConvertRequest(opts, TORCH_NAMES[opts.dtype], draft_ids, bb))
+    plan = fmt.resolve("converter")(w, ConvertRequest(opts, TORCH_NAMES.get(opts.dtype, opts.dtype), draft_ids, bb))
     if not plan.tensors:
         raise RecycleError(f"--layouts {opts.layouts}: nothing to write ({'; '.join(plan.notes)})")
     calibration = fmt.resolve("calibrate")(plan, w, opts, progress) if opts.calibrate is not None else None
     if opts.eagle3_names is not None:  # the names the chosen readers expect (the record's spellings)
         plan.tensors = {rel: fmt.disk_names(ts, fmt.spellings[opts.eagle3_names]) for rel, ts in plan.tensors.items()}
-    rows = mapping_rows(plan, SHORT_DTYPES[opts.dtype])
+    rows = mapping_rows(plan, opts.dtype)
     options = {k: getattr(opts, k) for k in ("heads", "draft_vocab", "vocab_corpus", "layouts", "calibrate",
                                              "eagle3_attention", "eagle3_mlp", "module", "eagle3_names")}
     options["vocab_corpus"] = str(opts.vocab_corpus) if opts.vocab_corpus else None
@@ -115,7 +121,7 @@ def _convert(opts: ConvertOptions, ckpt: Checkpoint, progress: Progress | None, 
             d.write_safetensors(safetensors, SHORT_DTYPES[opts.dtype], progress=_labelled(progress, "writing tensors"),
                                 metadata={"recycle_format": fmt.name, "recycle_source_family": w.family.name})
         for rel, header in plan.gguf.items():  # GGUF side files (llama.cpp)
-            d.write_gguf(rel, header, plan.tensors[rel], SHORT_DTYPES[opts.dtype], header.keep_f32,
+            d.write_gguf(rel, header, plan.tensors[rel], GGUF_DTYPES[opts.dtype],
                          progress=_labelled(progress, f"writing {rel}"))
         for rel, obj in plan.jsons.items():
             d.write_json(rel, obj)
@@ -126,7 +132,7 @@ def _convert(opts: ConvertOptions, ckpt: Checkpoint, progress: Progress | None, 
     return {
         "out": str(writer.out),
         "format": fmt.name,
-        "dtype": TORCH_NAMES[opts.dtype],
+        "dtype": TORCH_NAMES.get(opts.dtype, opts.dtype),
         "family": w.family.name,
         "modules": len(w.modules),
         "files": files,

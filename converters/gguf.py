@@ -17,8 +17,8 @@ transforms come from the family's `gguf` record; this module only applies them:
     construction; block_count and nextn_predict_layers set for the side file), else from the source's config.json
     and tokenizer.json.
 
-Norms, biases and the router stay float32 (as llama.cpp's converter keeps them); the rest is `--dtype` (f32, f16
-or bf16).
+Norms, biases and the router stay float32 (as llama.cpp's converter keeps them); the rest is `--dtype` (f32, f16,
+bf16, or q8_0: GGML's 8-bit blocks, the head and embeddings kept f16).
 """
 
 from __future__ import annotations
@@ -37,7 +37,14 @@ from recycle.families import FAMILIES, merged_config
 from recycle.ggufarch import NEXTN, TRUNK, GGUFArch
 
 SIDE_FILE = "mtp.gguf"
-FILE_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 32}  # general.file_type (LLAMA_FTYPE_*)
+Q8_0 = "q8_0"  # GGML's 8-bit blocks (32 weights + one f16 scale), as llama.cpp's Q8_0 stores them
+DTYPES = {"fp32": torch.float32, "f32": torch.float32, "fp16": torch.float16, "f16": torch.float16,
+          "bf16": torch.bfloat16, Q8_0: Q8_0}
+FILE_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 32, Q8_0: 7}  # general.file_type (LLAMA_FTYPE_*)
+# Under q8_0 the head and the embeddings stay f16: what the module's acceptance rests on most (MTP heads quantized
+# hard reportedly accept nothing), and a small share of the file beside the experts.
+PRECISE = ("token_embd.weight", "output.weight")  # whole names
+PRECISE_SUFFIXES = (".nextn.embed_tokens.weight", ".nextn.shared_head_head.weight")
 NORMAL, UNUSED, CONTROL, USER_DEFINED = 1, 5, 3, 4  # gguf.TokenType
 GPT2_REGEX_PRE = "gpt-2"  # a plain ByteLevel pre-tokenizer with GPT-2's regex (the fixtures' tokenizer)
 
@@ -55,6 +62,15 @@ class Header:
     def keep_f32(self, name: str, shape: tuple[int, ...]) -> bool:
         """Tensors llama.cpp's converter keeps in float32: 1-D ones, norms, biases and the router."""
         return len(shape) <= 1 or name.endswith(self.f32)
+
+    def storage(self, name: str, shape: tuple[int, ...], dtype):
+        """What one tensor is written as under the file's `dtype` (a torch dtype or `Q8_0`): float32 where llama.cpp
+        keeps it so; under q8_0, f16 for the head and embeddings and for rows not a whole number of 32-blocks."""
+        if self.keep_f32(name, shape):
+            return torch.float32
+        if dtype == Q8_0 and (name in PRECISE or name.endswith(PRECISE_SUFFIXES) or shape[-1] % 32):
+            return torch.float16
+        return dtype
 
     def add(self, key: str, value, vtype: str, sub: str | None = None) -> None:
         if value is not None and value != []:  # GGUF has no empty arrays (a vocabulary without merges)
@@ -177,13 +193,12 @@ def convert(w: RoleWeights, req) -> Plan:
                 tensors[name] = lazy.derive(lazy.shape, lambda t, o=off: t.float() + o,
                                             note=f"{lazy.note + '; ' if lazy.note else ''}stored +{off:g} "
                                                  "(zero-centred norm, as llama.cpp's converter stores it)")
-    dtype = {"fp32": torch.float32, "f32": torch.float32, "fp16": torch.float16, "f16": torch.float16,
-             "bf16": torch.bfloat16}.get(opts.dtype, torch.bfloat16)
+    dtype = DTYPES.get(opts.dtype, torch.bfloat16)
     _metadata(header, arch, w, cfg, n, dtype, opts.source, trunk_gguf is not None)
     return Plan({SIDE_FILE: tensors}, {}, tokenizer_dirs=(), notes=notes, gguf={SIDE_FILE: header})
 
 
-def _metadata(h: Header, arch: GGUFArch, w: RoleWeights, cfg: Mapping, n: int, dtype: torch.dtype, source: str,
+def _metadata(h: Header, arch: GGUFArch, w: RoleWeights, cfg: Mapping, n: int, dtype, source: str,
               from_trunk: bool) -> None:
     a = arch.arch
     if not from_trunk:

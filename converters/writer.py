@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import os
 import shutil
 import struct
@@ -206,16 +207,26 @@ class OutputDir:
         write_all(f, struct.pack("<Q", len(blob)) + blob)
         return f
 
-    def write_gguf(self, rel: str, header, tensors: Mapping[str, Lazy], dtype: torch.dtype,
-                   keep_f32: Callable[[str, tuple[int, ...]], bool], progress: Progress | None = None) -> None:
+    def write_gguf(self, rel: str, header, tensors: Mapping[str, Lazy], dtype,
+                   progress: Progress | None = None) -> None:
         """Stream one GGUF file (the `gguf` package writes the header, key/values and tensor infos; tensor data is
         appended here one tensor at a time, a stacked tensor one part at a time, so peak memory is one part).
-        `header` is a `recycle.converters.gguf.Header`: its raw tensors are copied byte for byte from their GGUF."""
+        `header` is a `recycle.converters.gguf.Header`: its raw tensors are copied byte for byte from their GGUF, and
+        `header.storage` says what each tensor is written as under `dtype` (a torch dtype, or "q8_0": quantized by
+        the `gguf` package's own Q8_0 routine, part by part along the rows)."""
         import numpy as np
         from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
+        from gguf.quants import quantize
 
         ggml = {torch.float32: (GGMLQuantizationType.F32, np.float32), torch.float16: (GGMLQuantizationType.F16,
-                np.float16), torch.bfloat16: (GGMLQuantizationType.BF16, np.uint16)}
+                np.float16), torch.bfloat16: (GGMLQuantizationType.BF16, np.uint16),
+                "q8_0": (GGMLQuantizationType.Q8_0, np.uint8)}
+
+        def size_of(shape: tuple[int, ...], dt) -> int:
+            return math.prod(shape[:-1]) * shape[-1] // 32 * 34 if dt == "q8_0" else nbytes(shape, dt)
+
+        def q8_shape(shape: tuple[int, ...]) -> tuple[int, ...]:  # the byte shape the gguf writer takes for Q8_0
+            return (*shape[:-1], shape[-1] // 32 * 34)
         path = self.path(rel)
         w = GGUFWriter(path, header.arch)  # writes general.architecture itself
         for key, value, vtype, sub in header.kv:
@@ -226,9 +237,10 @@ class OutputDir:
             w.add_tensor_info(name, t.data.shape, t.data.dtype, int(t.n_bytes), raw_dtype=t.tensor_type)
             plan.append((name, t, None))
         for name, lazy in tensors.items():
-            dt = torch.float32 if keep_f32(name, lazy.shape) else dtype
+            dt = header.storage(name, lazy.shape, dtype)
             qtype, npt = ggml[dt]
-            w.add_tensor_info(name, lazy.shape, np.dtype(npt), nbytes(lazy.shape, dt), raw_dtype=qtype)
+            shape = q8_shape(lazy.shape) if dt == "q8_0" else lazy.shape
+            w.add_tensor_info(name, shape, np.dtype(npt), size_of(lazy.shape, dt), raw_dtype=qtype)
             plan.append((name, lazy, dt))
         w.write_header_to_file(path)
         w.write_kv_data_to_file()
@@ -249,7 +261,10 @@ class OutputDir:
                         t = part.make()
                         if tuple(t.shape) != part.shape:
                             raise RecycleError(f"{name}: made shape {list(t.shape)}, planned {list(part.shape)}")
-                        write_all(f, t.to(dt).contiguous().reshape(-1).view(torch.uint8).numpy())
+                        if dt == "q8_0":
+                            write_all(f, quantize(t.float().numpy(), GGMLQuantizationType.Q8_0).reshape(-1))
+                        else:
+                            write_all(f, t.to(dt).contiguous().reshape(-1).view(torch.uint8).numpy())
                 if progress:
                     progress(i + 1, len(plan))
             f.write(b"\0" * (-f.tell() % align))

@@ -96,7 +96,8 @@ Eagle3Mlp = Annotated[str | None, opt("--eagle3-mlp", help="--to eagle3 with --c
                                       "MoE block: the target's dense width, the shared expert plus the routed experts "
                                       "picked most often, then fitted) or shared (the shared expert's width).",
                                       metavar="[shared|wide]")]
-StorageDtype = Annotated[str, opt("--dtype", help="Storage dtype of the output.", metavar=DTYPES)]
+StorageDtype = Annotated[str, opt("--dtype", help="Storage dtype of the output (--to gguf also q8_0: llama.cpp's "
+                                 "8-bit blocks, the head and embeddings kept f16).", metavar=DTYPES)]
 Layouts = Annotated[str | None, opt("--layouts", help="--to eagle: comma list of recycle, nextn, overlay (default: "
                                     "all three).")]
 Calibrate = Annotated[str | None, opt("--calibrate", help="--to medusa: fit each ResBlock to the source head on this "

@@ -81,8 +81,9 @@ class ConvertOptions:
             checkpoint_dir(self.target)
         if not fmt.convertible:
             raise RecycleError(f"--to {self.to}: recycle convert writes {', '.join(convertible())}")
-        if self.dtype not in DTYPES:
-            raise RecycleError(f"unknown dtype '{self.dtype}' (choose from {', '.join(DTYPES)})")
+        allowed = DTYPES + fmt.extra_dtypes  # the GGUF side file also takes llama.cpp's q8_0
+        if self.dtype not in allowed:
+            raise RecycleError(f"unknown dtype '{self.dtype}' (choose from {', '.join(allowed)})")
         given = {k for k in CONVERT_OPTIONS if getattr(self, k) is not None}
         for key in sorted(given - fmt.options):
             takers = [name for name in convertible() if key in get(name).options]

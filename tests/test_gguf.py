@@ -243,3 +243,26 @@ def test_qwen_side_files_have_llama_cpps_names_header_and_plus_one_norms(family,
         assert torch.equal(values(ts[gguf_name]), state[name].float() + 1), gguf_name  # stored w + 1
     assert torch.equal(values(ts["output.weight"]), state["lm_head.weight"].float())
     assert torch.equal(values(ts["blk.8.nextn.eh_proj.weight"]), state["mtp.fc.weight"].float())
+
+
+def test_q8_0_side_file_quantizes_the_block_and_keeps_head_and_norms_precise(tmp_path):
+    from gguf.quants import dequantize
+
+    qwen = ROOT / "fixtures" / "qwen3_5_mtp"
+    for dt in ("fp32", "q8_0"):
+        res = run_cli("convert", str(qwen), "--to", "gguf", "--dtype", dt, "-o", str(tmp_path / dt))
+        assert res.exit_code == 0, res.output
+    kv, q8 = read(tmp_path / "q8_0" / "mtp.gguf")
+    _, f32 = read(tmp_path / "fp32" / "mtp.gguf")
+    assert kv["general.file_type"] == 7  # LLAMA_FTYPE_MOSTLY_Q8_0
+    types = {n: t.tensor_type.name for n, t in q8.items()}
+    assert types["blk.8.attn_q.weight"] == types["blk.8.ffn_up.weight"] == types["blk.8.nextn.eh_proj.weight"] == "Q8_0"
+    assert types["output.weight"] == types["token_embd.weight"] == "F16"  # the head and embeddings stay precise
+    assert types["blk.8.ffn_down.weight"] == "F16"  # 344-wide rows: not whole 32-blocks
+    assert types["blk.8.nextn.enorm.weight"] == types["output_norm.weight"] == "F32"
+    w = values(f32["blk.8.attn_q.weight"])
+    got = torch.from_numpy(dequantize(np.asarray(q8["blk.8.attn_q.weight"].data), GGMLQuantizationType.Q8_0))
+    assert got.shape == w.shape and (got - w).abs().max() <= w.abs().max() / 127  # one 8-bit step at most
+    assert (tmp_path / "q8_0" / "mtp.gguf").stat().st_size < 0.6 * (tmp_path / "fp32" / "mtp.gguf").stat().st_size
+    res = run_cli("convert", str(qwen), "--to", "eagle", "--dtype", "q8_0", "-o", str(tmp_path / "e"))
+    assert_bad_input(res, "unknown dtype 'q8_0' (choose from bf16, fp16, fp32)")

@@ -18,6 +18,7 @@ FORMAT = DrafterFormat(
     converter="recycle.converters.gguf:convert",
     options=frozenset({"target", "module"}),
     target_file=".gguf",
+    extra_dtypes=("q8_0",),
     layouts={SIDE_FILE: Layout("llama.cpp MTP-only GGUF (blk.N.nextn.*, the module's block as blk.N.*)", (
         "# llama.cpp (b9180+): the trunk GGUF you run, quantized or not, plus this side file",
         "llama-server -m TRUNK.gguf -md {local}/mtp.gguf --spec-type draft-mtp --spec-draft-n-max 2",),

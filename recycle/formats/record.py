@@ -88,6 +88,7 @@ class DrafterFormat:
     native_chain: bool = False  # its chain is the MTP modules' own (compare it with native MTP at the same depth)
     fit_extra: str | None = None  # (drafter config, target config, where) -> None: checks beyond width and vocab
     target_file: str | None = None  # `--target` is a file with this suffix the output pairs with (gguf: ".gguf")
+    extra_dtypes: tuple[str, ...] = ()  # `--dtype` values beyond bf16/fp16/fp32 the output can store (gguf: q8_0)
     # (the module's name prefix, the same prefix as other tools spell it on disk): files with either are read,
     # and a trained drafter is written back in the spelling its directory used (EAGLE-3: midlayer. / layers.0.)
     aliases: tuple[tuple[str, str], ...] = ()
