@@ -53,7 +53,8 @@ def mapping_rows(plan: Plan, dtype: str) -> list[dict]:
     return rows
 
 
-def provenance(w: RoleWeights, fmt: DrafterFormat, dtype: str, options: dict, plan: Plan, rows: list[dict]) -> dict:
+def provenance(w: RoleWeights, fmt: DrafterFormat, dtype_name: str, options: dict, plan: Plan,
+               rows: list[dict]) -> dict:
     m = w.match
     return {
         "recycle_version": __version__,
@@ -69,7 +70,7 @@ def provenance(w: RoleWeights, fmt: DrafterFormat, dtype: str, options: dict, pl
             "module_prefixes": [mod.prefix for mod in w.modules],
             "fp8": any(w.ckpt.tensors[n].is_fp8 for n in m.mtp_names),
         },
-        "target": {"format": fmt.name, "dtype": TORCH_NAMES.get(dtype, dtype), "options": options,
+        "target": {"format": fmt.name, "dtype": dtype_name, "options": options,
                    "layouts": {k: v.what for k, v in fmt.layouts.items()  # the ones written
                                if any(f == k or (k.endswith("/") and f.startswith(k)) for f in plan.tensors)}},
         "summary": {"tensors": len(rows), **{k: sum(r["kind"] == k for r in rows) for k in (EXACT, APPROX, FRESH)}},
@@ -101,7 +102,8 @@ def _convert(opts: ConvertOptions, ckpt: Checkpoint, progress: Progress | None, 
         # an assistant ships no tokenizer: its target's is the one it shares
         draft_ids = top_tokens(bb.path if bb is not None else ckpt.path, opts.draft_vocab, w.vocab_size,
                                opts.vocab_corpus)
-    plan = fmt.resolve("converter")(w, ConvertRequest(opts, TORCH_NAMES.get(opts.dtype, opts.dtype), draft_ids, bb))
+    dtype_name = TORCH_NAMES.get(opts.dtype, opts.dtype)  # torch's name; a GGUF-only type (q8_0) as it is
+    plan = fmt.resolve("converter")(w, ConvertRequest(opts, dtype_name, draft_ids, bb))
     if not plan.tensors:
         raise RecycleError(f"--layouts {opts.layouts}: nothing to write ({'; '.join(plan.notes)})")
     calibration = fmt.resolve("calibrate")(plan, w, opts, progress) if opts.calibrate is not None else None
@@ -112,7 +114,7 @@ def _convert(opts: ConvertOptions, ckpt: Checkpoint, progress: Progress | None, 
                                              "eagle3_attention", "eagle3_mlp", "module", "eagle3_names")}
     options["vocab_corpus"] = str(opts.vocab_corpus) if opts.vocab_corpus else None
     options["layouts"] = list(plan.layouts) if plan.layouts else None
-    record = provenance(w, fmt, opts.dtype, options, plan, rows)
+    record = provenance(w, fmt, dtype_name, options, plan, rows)
     if calibration is not None:
         record["calibration"] = calibration
     with writer as d:
@@ -132,7 +134,7 @@ def _convert(opts: ConvertOptions, ckpt: Checkpoint, progress: Progress | None, 
     return {
         "out": str(writer.out),
         "format": fmt.name,
-        "dtype": TORCH_NAMES.get(opts.dtype, opts.dtype),
+        "dtype": dtype_name,
         "family": w.family.name,
         "modules": len(w.modules),
         "files": files,

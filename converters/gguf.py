@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from recycle.checkpoint import SHORT_DTYPES
 from recycle.converters.roles import EXACT, Lazy, Plan, RoleWeights, require_sequential, same_values, stored
 from recycle.errors import RecycleError
 from recycle.families import FAMILIES, merged_config
@@ -38,8 +39,7 @@ from recycle.ggufarch import NEXTN, TRUNK, GGUFArch
 
 SIDE_FILE = "mtp.gguf"
 Q8_0 = "q8_0"  # GGML's 8-bit blocks (32 weights + one f16 scale), as llama.cpp's Q8_0 stores them
-DTYPES = {"fp32": torch.float32, "f32": torch.float32, "fp16": torch.float16, "f16": torch.float16,
-          "bf16": torch.bfloat16, Q8_0: Q8_0}
+DTYPES = {**SHORT_DTYPES, Q8_0: Q8_0}  # `--dtype` → what the writer stores
 FILE_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 32, Q8_0: 7}  # general.file_type (LLAMA_FTYPE_*)
 # Under q8_0 the head and the embeddings stay f16: what the module's acceptance rests on most (MTP heads quantized
 # hard reportedly accept nothing), and a small share of the file beside the experts.
@@ -193,7 +193,7 @@ def convert(w: RoleWeights, req) -> Plan:
                 tensors[name] = lazy.derive(lazy.shape, lambda t, o=off: t.float() + o,
                                             note=f"{lazy.note + '; ' if lazy.note else ''}stored +{off:g} "
                                                  "(zero-centred norm, as llama.cpp's converter stores it)")
-    dtype = DTYPES.get(opts.dtype, torch.bfloat16)
+    dtype = DTYPES[opts.dtype]
     _metadata(header, arch, w, cfg, n, dtype, opts.source, trunk_gguf is not None)
     return Plan({SIDE_FILE: tensors}, {}, tokenizer_dirs=(), notes=notes, gguf={SIDE_FILE: header})
 

@@ -218,12 +218,14 @@ class OutputDir:
         from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
         from gguf.quants import quantize
 
+        from recycle.converters.gguf import Q8_0
+
         ggml = {torch.float32: (GGMLQuantizationType.F32, np.float32), torch.float16: (GGMLQuantizationType.F16,
                 np.float16), torch.bfloat16: (GGMLQuantizationType.BF16, np.uint16),
-                "q8_0": (GGMLQuantizationType.Q8_0, np.uint8)}
+                Q8_0: (GGMLQuantizationType.Q8_0, np.uint8)}
 
         def size_of(shape: tuple[int, ...], dt) -> int:
-            return math.prod(shape[:-1]) * shape[-1] // 32 * 34 if dt == "q8_0" else nbytes(shape, dt)
+            return math.prod(shape[:-1]) * shape[-1] // 32 * 34 if dt == Q8_0 else nbytes(shape, dt)
 
         def q8_shape(shape: tuple[int, ...]) -> tuple[int, ...]:  # the byte shape the gguf writer takes for Q8_0
             return (*shape[:-1], shape[-1] // 32 * 34)
@@ -239,7 +241,7 @@ class OutputDir:
         for name, lazy in tensors.items():
             dt = header.storage(name, lazy.shape, dtype)
             qtype, npt = ggml[dt]
-            shape = q8_shape(lazy.shape) if dt == "q8_0" else lazy.shape
+            shape = q8_shape(lazy.shape) if dt == Q8_0 else lazy.shape
             w.add_tensor_info(name, shape, np.dtype(npt), size_of(lazy.shape, dt), raw_dtype=qtype)
             plan.append((name, lazy, dt))
         w.write_header_to_file(path)
@@ -261,7 +263,7 @@ class OutputDir:
                         t = part.make()
                         if tuple(t.shape) != part.shape:
                             raise RecycleError(f"{name}: made shape {list(t.shape)}, planned {list(part.shape)}")
-                        if dt == "q8_0":
+                        if dt == Q8_0:
                             write_all(f, quantize(t.float().numpy(), GGMLQuantizationType.Q8_0).reshape(-1))
                         else:
                             write_all(f, t.to(dt).contiguous().reshape(-1).view(torch.uint8).numpy())
