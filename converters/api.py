@@ -20,7 +20,7 @@ from recycle.converters.gguf import DTYPES as GGUF_DTYPES
 from recycle.converters.overlay import stitch as stitch_overlay
 from recycle.converters.reexport import source_view  # noqa: F401  (the scripts' name for it)
 from recycle.converters.roles import APPROX, EXACT, FRESH, Backbone, Plan, RoleWeights, backbone, gather
-from recycle.converters.writer import OutputDir, Progress
+from recycle.converters.writer import OutputDir, Progress, split_plan
 from recycle.formats import DrafterFormat, get
 from recycle.errors import RecycleError
 from recycle.fit import check_fit
@@ -109,6 +109,10 @@ def _convert(opts: ConvertOptions, ckpt: Checkpoint, progress: Progress | None, 
     calibration = fmt.resolve("calibrate")(plan, w, opts, progress) if opts.calibrate is not None else None
     if opts.eagle3_names is not None:  # the names the chosen readers expect (the record's spellings)
         plan.tensors = {rel: fmt.disk_names(ts, fmt.spellings[opts.eagle3_names]) for rel, ts in plan.tensors.items()}
+    # files over --max-shard-size become shards with an index (recycle.json's mapping names the shards)
+    keep = frozenset(plan.gguf) | {rel for rel, lay in fmt.layouts.items() if lay.whole}
+    plan.tensors, plan.jsons = split_plan(plan.tensors, SHORT_DTYPES.get(opts.dtype), opts.max_shard_size, plan.jsons,
+                                          keep)
     rows = mapping_rows(plan, opts.dtype)
     options = {k: getattr(opts, k) for k in ("heads", "draft_vocab", "vocab_corpus", "layouts", "calibrate",
                                              "eagle3_attention", "eagle3_mlp", "module", "eagle3_names")}

@@ -192,30 +192,33 @@ def rewrite(src, main: dict, model) -> tuple[dict, list[str], list[str]]:
     # zero-centred norms are stored back as the family stores them (MTP.checkpoint_tensors); a [h; e] concat is not
     canonical = fam is not None and fam.concat_order == "eh"
     for sub, base in (("nextn", 0), ("mtp_overlay", int(rc.get("source_num_hidden_layers", 0)))):
-        for p in sorted((src / sub).glob("*.safetensors")) if (src / sub).is_dir() else []:
-            head = stored_layout(p)
-            named = model.checkpoint_tensors(num_hidden_layers=base) if canonical else {}
-            try:
-                fp8 = scheme(load_json(src / sub / "config.json", f"{sub}/config.json"), f"{src / sub}")
-            except RecycleError:
-                fp8 = None
-            out, why = {}, None
-            for k, (shp, dt) in head.items():
-                weight = k[: -len(SCALE_SUFFIX)] if k.endswith(SCALE_SUFFIX) else None
-                if weight is not None and weight in head and head[weight][1].itemsize == 1:
-                    continue  # made with its weight
-                if k not in named or tuple(named[k].shape) != shp or not dt.is_floating_point:
-                    why = "non-canonical concat" if not canonical else f"{k} is not a trained weight"
-                elif dt.itemsize == 1:
-                    if fp8 is None or k + SCALE_SUFFIX not in head:
-                        why = "FP8 without a block-FP8 config"
-                        continue
-                    out[k], out[k + SCALE_SUFFIX], _ = requantize(named[k], fp8.block)
-                else:
-                    out[k] = named[k]
-            if why is None:
-                files[f"{sub}/{p.name}"] = out
+        parts = {p.name: stored_layout(p) for p in sorted((src / sub).glob("*.safetensors"))} \
+            if (src / sub).is_dir() else {}
+        if not parts:
+            continue
+        head = {k: v for part in parts.values() for k, v in part.items()}  # every shard: a scale may sit apart
+        named = model.checkpoint_tensors(num_hidden_layers=base) if canonical else {}
+        try:
+            fp8 = scheme(load_json(src / sub / "config.json", f"{sub}/config.json"), f"{src / sub}")
+        except RecycleError:
+            fp8 = None
+        out, why = {}, None
+        for k, (shp, dt) in head.items():
+            weight = k[: -len(SCALE_SUFFIX)] if k.endswith(SCALE_SUFFIX) else None
+            if weight is not None and weight in head and head[weight][1].itemsize == 1:
+                continue  # made with its weight
+            if k not in named or tuple(named[k].shape) != shp or not dt.is_floating_point:
+                why = "non-canonical concat" if not canonical else f"{k} is not a trained weight"
+            elif dt.itemsize == 1:
+                if fp8 is None or k + SCALE_SUFFIX not in head:
+                    why = "FP8 without a block-FP8 config"
+                    continue
+                out[k], out[k + SCALE_SUFFIX], _ = requantize(named[k], fp8.block)
             else:
-                dropped.append(sub)
-                notes.append(f"{sub}/ dropped: its tensors cannot be rebuilt exactly from the trained weights ({why})")
+                out[k] = named[k]
+        if why is None:  # back into the files (shards) they came from
+            files.update({f"{sub}/{name}": {k: out[k] for k in part} for name, part in parts.items()})
+        else:
+            dropped.append(sub)
+            notes.append(f"{sub}/ dropped: its tensors cannot be rebuilt exactly from the trained weights ({why})")
     return files, dropped, notes

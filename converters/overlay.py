@@ -29,7 +29,8 @@ import torch
 from recycle.checkpoint import DTYPES, INDEX_FILE, ST_NAMES, Checkpoint, expected_scale_shape
 from recycle.converters.eagle import OVERLAY_INDEX
 from recycle.converters.roles import EXACT, Lazy, nbytes, raw
-from recycle.converters.writer import OutputDir, Progress
+from recycle.converters.writer import OutputDir, Progress, split_plan
+from recycle.preflight import DEFAULT_SHARD_SIZE
 from recycle.errors import RecycleError
 from recycle.families import MTPMatch, match
 from recycle.quant import engine_fp8, ignore_entries, requantize, scale_name, scheme, with_ignored
@@ -170,10 +171,12 @@ def _errors(record: dict) -> dict:
 
 
 def stitch(overlay: str | os.PathLike, target: str | os.PathLike, out: str | os.PathLike, *,
-           overwrite: bool = False, progress: Progress | None = None, mtp_dtype: str = "auto") -> dict:
+           overwrite: bool = False, progress: Progress | None = None, mtp_dtype: str = "auto",
+           max_shard_size: int | str | None = DEFAULT_SHARD_SIZE) -> dict:
     """Write `out` = target with the overlay's MTP tensors in place of its own, in the target's quantization scheme
     (`mtp_dtype` "auto": FP8 where the engine runs FP8; "bf16": BF16 with the modules in the ignore list); returns a
-    summary, also written as recycle-stitch.json."""
+    summary, also written as recycle-stitch.json. The MTP tensors go to `recycle-mtp.safetensors`, in shards of at
+    most `max_shard_size` (the target's own files keep theirs)."""
     if mtp_dtype not in MTP_DTYPES:
         raise RecycleError(f"--mtp-dtype {mtp_dtype!r}: choose {' or '.join(MTP_DTYPES)}")
     ov_dir, tgt_dir = Path(overlay), Path(target)
@@ -212,11 +215,13 @@ def stitch(overlay: str | os.PathLike, target: str | os.PathLike, out: str | os.
             elif keep:
                 rewrite[file] = {n: raw(tgt, n) for n in sorted(keep)}
                 rewritten.append(file)
-        rewrite[STITCHED_FILE] = dict(sorted(tensors.items()))
+        stitched, _ = split_plan({STITCHED_FILE: dict(sorted(tensors.items()))}, torch.bfloat16, max_shard_size)
+        rewrite.update(stitched)
         d.write_safetensors(rewrite, dtype=torch.bfloat16, progress=progress)  # each Lazy says its own dtype
-        weight_map.update(dict.fromkeys(tensors, STITCHED_FILE))
         sizes = {n: i.nbytes for n, i in tgt.tensors.items()}
-        total = sum(sizes[n] for n in weight_map if weight_map[n] != STITCHED_FILE)
+        total = sum(sizes[n] for n in weight_map)
+        for file, part in stitched.items():
+            weight_map.update(dict.fromkeys(part, file))
         total += sum(nbytes(t.shape, t.dtype or torch.bfloat16) for t in tensors.values())
         d.write_json(INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))})
         config = _raise_depth(tgt.config, meta.get("depth_key"), int(meta.get("modules") or 0))
@@ -228,7 +233,8 @@ def stitch(overlay: str | os.PathLike, target: str | os.PathLike, out: str | os.
                                                                                        RECORD):
                 d.copy_file(p, p.name)
         summary = {"out": str(writer.out), "family": fam, "overlay_tensors": len(names), "linked": linked,
-                   "rewritten": rewritten, "file": STITCHED_FILE, "copies_from_target": dict(sorted(copies.items())),
+                   "rewritten": rewritten, "file": STITCHED_FILE,
+                   "files": sorted(stitched), "copies_from_target": dict(sorted(copies.items())),
                    "target_had_mtp": bool(tm.modules),
                    "quantization": {"target": "fp8 block " + "x".join(map(str, fp8.block)) if fp8 else "none",
                                     "mtp_dtype": mtp_dtype, "ignored_added": sorted(ignored),

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from recycle.checkpoint import DTYPES, Checkpoint, load_json
+from recycle.checkpoint import DTYPES, Checkpoint, load_json, weight_files
 from recycle.converters.roles import EXACT, Lazy
 from recycle.errors import RecycleError
 from recycle.formats import BENCH_REPORT
@@ -29,17 +29,28 @@ def stored_layout(path: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
             if info.file == path.name}
 
 
+def shards_of(src: Path, name: str, state: dict) -> dict[str, dict]:
+    """`state` (the weights of file `name`) cut into the files that hold them in `src`: the file itself, or its
+    shards (the trained drafter keeps its input's files, --max-shard-size as convert chose it)."""
+    return {p.relative_to(src).as_posix(): {k: state[k] for k in stored_layout(p) if k in state}
+            for p in weight_files(src, name)}
+
+
 def write_drafter(src_dir: str | os.PathLike, writer, fmt, main: dict[str, torch.Tensor], model: torch.nn.Module,
                   record: dict, metadata: dict[str, str] | None = None) -> dict[str, int]:
     """`main`: the trained weights under model.safetensors' names; `fmt`: the drafter's DrafterFormat."""
     src = Path(src_dir)
-    main = fmt.disk_names(main, fmt.spelling(stored_layout(src / WEIGHTS)))  # the file's own spelling of the names
-    planned = {WEIGHTS: main}
+    stored = {k for p in weight_files(src, WEIGHTS) for k in stored_layout(p)}
+    main = fmt.disk_names(main, fmt.spelling(stored))  # the file's own spelling of the names
+    if set(main) - stored:
+        raise RecycleError(f"{src / WEIGHTS}: trained weights do not match the stored key set "
+                           f"(unexpected {sorted(set(main) - stored)[:3]})")
+    planned = shards_of(src, WEIGHTS, main)
     dropped: list[str] = []
     notes: list[str] = []
     if fmt.rewrite is not None:
         extra, dropped, notes = fmt.resolve("rewrite")(src, main, model)
-        planned.update(extra)
+        planned.update(extra)  # already by the files (shards) that hold them
     tensors: dict[str, dict[str, Lazy]] = {}
     for rel, state in planned.items():
         head = stored_layout(src / rel)

@@ -88,6 +88,49 @@ def _kernel_copy(src: int, dst: int, offset: int, end: int) -> int:
     return offset
 
 
+def split_plan(files: Mapping[str, Mapping[str, Lazy]], dtype: torch.dtype | None, max_shard_size: int | str | None,
+               jsons: Mapping[str, dict] | None = None, keep: frozenset[str] = frozenset()
+               ) -> tuple[dict[str, dict[str, Lazy]], dict[str, dict]]:
+    """A write plan with every safetensors file over `max_shard_size` split into shards (`model.safetensors` →
+    `model-00001-of-00003.safetensors`, ...; huggingface_hub's split, by the bytes each tensor will take in its
+    output dtype), and the index JSONs made to say so: a planned index in the same folder whose `weight_map` names
+    the split file now names the shards (its total_size recomputed), and a split file no planned index names gets
+    `NAME.index.json`, huggingface_hub's convention, which every engine's loader and `recycle.checkpoint` read.
+    Files in `keep` (a layout its readers open by name) stay whole; None: nothing splits."""
+    from huggingface_hub import split_state_dict_into_shards_factory
+
+    out_files: dict[str, dict[str, Lazy]] = {}
+    out_jsons = {rel: dict(obj) for rel, obj in (jsons or {}).items()}
+    if max_shard_size is None:
+        return dict(files), out_jsons
+    for rel, tensors in files.items():
+        head, _, name = rel.rpartition("/")
+        folder = f"{head}/" if head else ""
+        if rel in keep or not name.endswith(".safetensors"):
+            out_files[rel] = dict(tensors)
+            continue
+        size = lambda lazy: nbytes(lazy.shape, lazy.dtype or dtype)  # noqa: E731
+        split = split_state_dict_into_shards_factory(
+            dict(tensors), get_storage_size=size, get_storage_id=lambda lazy: None,
+            filename_pattern=name.removesuffix(".safetensors") + "{suffix}.safetensors", max_shard_size=max_shard_size)
+        if not split.is_sharded:
+            out_files[rel] = dict(tensors)
+            continue
+        for shard, names in split.filename_to_tensors.items():
+            out_files[folder + shard] = {n: tensors[n] for n in names}
+        placed = split.tensor_to_filename
+        indexes = [j for j, obj in out_jsons.items() if j.rpartition("/")[0] == head
+                   and name in (obj.get("weight_map") or {}).values()]
+        for j in indexes or [f"{rel}.index.json"]:
+            obj = out_jsons.setdefault(j, {"metadata": {}, "weight_map": {}})
+            wm = {n: placed.get(n, f) if f == name else f for n, f in obj["weight_map"].items()} if indexes else \
+                dict(placed)
+            obj["weight_map"] = dict(sorted(wm.items()))
+            if set(wm) <= set(tensors):  # an index of this file alone: its byte total as huggingface_hub counts it
+                obj["metadata"] = {**(obj.get("metadata") or {}), "total_size": sum(size(tensors[n]) for n in wm)}
+    return out_files, out_jsons
+
+
 class OutputDir:
     """`with OutputDir(out, overwrite=..., protect=[src]) as d: d.write_json(...); ...` → OUT appears whole."""
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -60,6 +61,8 @@ TORCH_NAMES: dict[str, str] = {"bf16": "bfloat16", "fp16": "float16", "fp32": "f
 DEQUANT_CHUNK = 1 << 18
 SCALE_SUFFIX = "_scale_inv"
 INDEX_FILE = "model.safetensors.index.json"
+# One weights file split by huggingface_hub (`model.safetensors` → `model-00001-of-00003.safetensors` + its index).
+SHARD_NAME = re.compile(r"^(?P<stem>.+)-(?P<i>\d{5})-of-(?P<n>\d{5})\.safetensors$")
 # Config keys that describe storage, not the computation (the runtime holds dequantized weights);
 # here, not in recycle.mtp, so converters need not import transformers.
 STORAGE_KEYS = ("quantization_config", "architectures", "auto_map", "torch_dtype", "dtype", "transformers_version")
@@ -399,6 +402,57 @@ def quantize_fp8(weight: torch.Tensor, block: tuple[int, int] = (128, 128)) -> t
     scale = amax / torch.finfo(torch.float8_e4m3fn).max
     q = (tiles / scale[:, None, :, None]).view(bm * block[0], bn * block[1])[:m, :n]
     return q.to(torch.float8_e4m3fn), scale.float()
+
+
+def whole_file(rel: str) -> str:
+    """The weights file a shard belongs to (`nextn/x-00002-of-00003.safetensors` → `nextn/x.safetensors`); any other
+    name as it is."""
+    head, _, name = rel.rpartition("/")
+    m = SHARD_NAME.match(name)
+    return rel if m is None else f"{head}{'/' if head else ''}{m['stem']}.safetensors"
+
+
+def weight_files(d: str | os.PathLike, name: str) -> list[Path]:
+    """The files that hold the weights file `name` of directory `d`: `d/name` itself, or the shards its index
+    (`name.index.json`, huggingface_hub's convention) lists, all present; [] when neither is there. A directory
+    may hold either form: every reader of a drafter's own weights goes through here."""
+    d = Path(d)
+    if (d / name).is_file():
+        return [d / name]
+    index = d / f"{name}.index.json"
+    if not index.is_file():
+        return []
+    weight_map = load_json(index, "safetensors index").get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise RecycleError(f"{index}: no 'weight_map' object")
+    files = [d / f for f in sorted(set(weight_map.values()))]
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise RecycleError(f"{index}: names shard '{missing[0]}', which is missing")
+    return files
+
+
+def load_weights(d: str | os.PathLike, name: str, meta: bool = False) -> dict[str, torch.Tensor]:
+    """Every tensor of the weights file `name` of `d`, whole or sharded (`weight_files`); `meta`: from the headers
+    alone, on the meta device. A missing, truncated or foreign file is one RecycleError."""
+    from safetensors.torch import load_file
+
+    files = weight_files(d, name)
+    if not files:
+        raise RecycleError(f"{Path(d) / name}: missing")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            part = meta_state(f) if meta else load_file(str(f))
+        except RecycleError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a truncated or foreign file
+            raise RecycleError(f"{f}: corrupt or unreadable safetensors ({' '.join(str(e).split())[:160]})") from None
+        twice = next((k for k in part if k in state), None)
+        if twice is not None:
+            raise RecycleError(f"{Path(d) / name}: tensor {twice} is stored in two shards")
+        state.update(part)
+    return state
 
 
 def meta_state(path: str | os.PathLike) -> dict[str, torch.Tensor]:

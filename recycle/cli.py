@@ -90,6 +90,7 @@ def convert(
     data: f.CalibrationData = None,
     module: f.Module = None,
     eagle3_names: f.Eagle3Names = None,
+    max_shard_size: f.MaxShardSize = "5GB",
     overwrite: f.Overwrite = False,
     json_out: f.Json = False,
 ) -> None:
@@ -110,7 +111,8 @@ def convert(
                           eagle3_mlp=eagle3_mlp,
                           calibrate=parse_tokens(calibrate, "--calibrate") if calibrate else None,
                           calibrate_steps=calibrate_steps,
-                          target=str(target) if target else None, data=data, module=module, eagle3_names=eagle3_names)
+                          target=str(target) if target else None, data=data, module=module, eagle3_names=eagle3_names,
+                          max_shard_size=max_shard_size)
     opts.validate()
     from recycle.converters.api import convert as run
     from recycle.report import Reporter, render_convert
@@ -128,6 +130,7 @@ def stitch(
     target_pos: f.OldTargetArg = None,
     output: f.Output = None,
     mtp_dtype: f.MtpDtype = "auto",
+    max_shard_size: f.MaxShardSize = "5GB",
     overwrite: f.Overwrite = False,
     json_out: f.Json = False,
 ) -> None:
@@ -145,14 +148,14 @@ def stitch(
     if target is None:
         raise RecycleError("--target TARGET_DIR: the checkpoint to stitch the modules into")
     opts = StitchOptions(overlay=str(overlay), target=str(target), out=f.output_path(output, target, "stitched"),
-                         overwrite=overwrite, mtp_dtype=mtp_dtype)
+                         overwrite=overwrite, mtp_dtype=mtp_dtype, max_shard_size=max_shard_size)
     opts.validate()
     from recycle.converters.overlay import stitch as run
     from recycle.report import Reporter, render_stitch
 
     with Reporter("stitching", quiet=json_out) as bar:
         data = run(opts.overlay, opts.target, opts.out, overwrite=overwrite, progress=bar.update,
-                   mtp_dtype=opts.mtp_dtype)
+                   mtp_dtype=opts.mtp_dtype, max_shard_size=opts.max_shard_size)
     print_json(data) if json_out else render_stitch(data)
 
 

@@ -116,6 +116,11 @@ Module = Annotated[int | None, opt("--module", help="--to gguf: the MTP module t
                                     "needed when the checkpoint has several).")]
 CalibrationData = Annotated[str | None, opt("--data", help="With --calibrate: calibration text, as distill's --data.")]
 
+MaxShardSize = Annotated[str, opt("--max-shard-size", help="Split each safetensors file larger than this into shards "
+                                  "with an index (huggingface_hub's naming: model-00001-of-00003.safetensors; every "
+                                  "engine and recycle command reads either form); none: one file each.",
+                                  metavar="SIZE")]
+
 # -- stitch, harvest: the target's old place -------------------------------------------------------------------
 OldTargetArg = Annotated[Path | None, typer.Argument(hidden=True, help="Old place of --target.")]
 MtpDtype = Annotated[str, opt("--mtp-dtype", help="Into a quantized target: auto writes the MTP weights in its "

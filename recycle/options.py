@@ -18,7 +18,8 @@ from pathlib import Path
 
 from recycle import kinds
 from recycle.errors import RecycleError
-from recycle.preflight import checkpoint_dir, data_name, drafter_dir, model_dir, output_dir, parse_tokens
+from recycle.preflight import (
+    DEFAULT_SHARD_SIZE, checkpoint_dir, data_name, drafter_dir, model_dir, output_dir, parse_size, parse_tokens)
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")  # OWNER/NAME
 DTYPES = ("bf16", "fp16", "fp32")  # storage (--dtype) and compute (--precision) names; torch's in checkpoint.py
@@ -64,11 +65,13 @@ class ConvertOptions:
     data: str | None = None  # with calibrate
     module: int | None = None  # gguf: which MTP module to write (llama.cpp drafts with one)
     eagle3_names: str | None = None  # eagle3: official (midlayer.*, the default) or speculators (layers.0.*)
+    max_shard_size: int | str | None = DEFAULT_SHARD_SIZE  # bytes (or "5GB"); None: every file whole
 
     def validate(self) -> None:
         """Every check that reads no tensor; the format record says which options apply to it."""
         from recycle.formats import convertible, get
 
+        self.max_shard_size = parse_size(self.max_shard_size)
         checkpoint_dir(self.source)
         output_dir(self.out, self.overwrite, (self.source,))
         fmt = get(self.to)
@@ -240,8 +243,10 @@ class StitchOptions:
     out: str
     overwrite: bool = False
     mtp_dtype: str = "auto"  # into a quantized target: its scheme (auto) or BF16 in the ignore list
+    max_shard_size: int | str | None = DEFAULT_SHARD_SIZE  # the stitched MTP file's shards
 
     def validate(self) -> None:
+        self.max_shard_size = parse_size(self.max_shard_size)
         _choice(self.mtp_dtype, ("auto", "bf16"), "--mtp-dtype")
         checkpoint_dir(self.overlay)
         checkpoint_dir(self.target)

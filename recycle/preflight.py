@@ -100,6 +100,27 @@ def parse_tokens(value: str | int, option: str = "--tokens") -> int:
     return n
 
 
+DEFAULT_SHARD_SIZE = "5GB"  # huggingface_hub's and transformers' default: what the Hub and every loader expect
+
+
+def parse_size(value: str | int | None, option: str = "--max-shard-size") -> int | None:
+    """'5GB' → 5_000_000_000 (huggingface_hub's units and parser: KB, MB, GB, TB, powers of 1000, as the Hub and
+    transformers count a shard); None or 'none': no limit."""
+    if value is None or isinstance(value, int):
+        return value
+    if str(value).strip().lower() in ("none", "0"):
+        return None
+    from huggingface_hub.serialization._base import parse_size_to_int  # the parser save_pretrained's sizes go through
+
+    try:
+        n = parse_size_to_int(str(value))
+    except ValueError:
+        raise RecycleError(f"{option} {value!r}: expected a size like 5GB, 500MB or 100KB (or none)") from None
+    if n < 1:
+        raise RecycleError(f"{option} {value!r}: a shard holds at least one byte")
+    return n
+
+
 def data_name(data: str | os.PathLike | None) -> None:
     """`--data`: a corpus name or a path that exists."""
     from recycle.corpus import corpus_root, is_corpus_name

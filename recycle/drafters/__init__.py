@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from recycle.checkpoint import meta_state
+from recycle.checkpoint import load_weights
 from recycle.drafters.eagle import EagleDrafter
 from recycle.drafters.eagle3 import Eagle3Drafter
 from recycle.drafters.medusa import MedusaDrafter
@@ -28,21 +28,13 @@ __all__ = ["EagleDrafter", "Eagle3Drafter", "MedusaDrafter", "load_drafter"]
 def load_drafter(path: str | os.PathLike, dtype: torch.dtype | None = None, attn_implementation: str = "sdpa"):
     """The drafter module a drafter directory holds (written by `recycle convert` or the distiller, or a
     format recycle reads such as a Gemma 4 assistant), built by its format's record."""
-    from safetensors.torch import load_file
-
     d = Path(path)
     if not d.is_dir():
         raise RecycleError(f"{d}: no such drafter directory")
     fmt = of_directory(d)
     cfg = load_json(d / "config.json", "drafter config.json")
-    if not (d / WEIGHTS).is_file():
-        raise RecycleError(f"{d / WEIGHTS}: missing")
-    try:  # on the meta device (push's validation) the header alone: shapes and dtypes, no bytes read
-        state = meta_state(d / WEIGHTS) if torch.get_default_device().type == "meta" else load_file(str(d / WEIGHTS))
-    except RecycleError:
-        raise
-    except Exception as e:  # noqa: BLE001 - a truncated or foreign file
-        raise RecycleError(f"{d / WEIGHTS}: corrupt or unreadable safetensors ({' '.join(str(e).split())[:160]})") from None
+    # whole or sharded; on the meta device (push's validation) the headers alone: shapes and dtypes, no bytes read
+    state = load_weights(d, WEIGHTS, meta=torch.get_default_device().type == "meta")
     try:
         return fmt.resolve("build")(d, cfg, fmt.module_names(state), dtype, attn_implementation)
     except (RuntimeError, KeyError, ValueError) as e:

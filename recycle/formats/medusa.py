@@ -43,7 +43,7 @@ FORMAT = DrafterFormat(
             readers="vLLM 0.32 (`method: medusa`, chain drafting)"),
         FD_WEIGHTS: Layout("FasterDecoding Medusa v1 layout ({i}.{j}.linear.*, {i}.L.weight)", (
             "# TGI / TensorRT-LLM read medusa_lm_head.safetensors (FasterDecoding layout)",),
-            readers="FasterDecoding's Medusa v1 readers (TGI, TensorRT-LLM; not run by recycle's tests)"),
+            readers="FasterDecoding's Medusa v1 readers (TGI, TensorRT-LLM; not run by recycle's tests)", whole=True),
     },
     rewrite="recycle.converters.medusa:rewrite",
     serving_note="SGLang and llama.cpp have no Medusa support.",

@@ -57,6 +57,8 @@ class Layout:
     # (config.json) -> engines that refuse this directory although they read the layout (a variant only one
     # engine loads): the card drops the serving lines under a `# ENGINE` comment naming one of them.
     refused_by: Callable[[Mapping], tuple[str, ...]] | None = None
+    # its readers open the file by name (one file, no index): `--max-shard-size` never splits it
+    whole: bool = False
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ import json
 import re
 from pathlib import Path, PurePosixPath
 
+from recycle.checkpoint import whole_file
 from recycle.families import BY_NAME
 from recycle.formats import get
 from recycle.options import HUB_ID
@@ -140,13 +141,13 @@ def _mapping_table(rows: list[dict]) -> list[str]:
     for file, rs in per_file.items():
         counts = [sum(r["kind"] == k for r in rs) for k in ("exact", "approx", "fresh")]
         lines.append(f"| `{file}` | {len(rs)} | " + " | ".join(map(str, counts)) + " |")
-    main = per_file.get("model.safetensors") or next(iter(per_file.values()), [])
+    main = [r for r in rows if whole_file(r["file"]) == "model.safetensors"] or next(iter(per_file.values()), [])
     groups: dict[tuple[str, str], list[dict]] = {}
     for r in main:
         groups.setdefault((_pattern(r["tensor"]), r["kind"]), []).append(r)
     if not groups:
         return lines
-    lines += ["", f"`{main[0]['file']}` by tensor (N = any index):", "",
+    lines += ["", f"`{whole_file(main[0]['file'])}` by tensor (N = any index):", "",
               "| tensor | kind | count | from (first) | note |", "|---|---|---:|---|---|"]
     for (pat, kind), rs in list(groups.items())[:MAPPING_ROWS_SHOWN]:
         src = ", ".join(f"`{s}`" for s in rs[0].get("from", [])[:2]) or "-"
