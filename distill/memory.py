@@ -10,25 +10,32 @@ the bytes follow the code as it is written today:
   stay whole on every rank;
 - the teacher: the target's trunk in the same process (bf16 on a GPU under bf16 compute, else fp32), or its
   embedding and head only when the features come from a `recycle harvest` cache;
-- activations, per rank (rows = batch × seq_len): the teacher's features kept for the step, each draft step's
-  decoder-layer activations saved for backward (norms, projections, attention, the dense MLP or the routed and
-  shared experts at top-k), under bf16 autocast a bf16 copy of every expert weight per draft step (the per-expert
-  loop casts them in each call and keeps them for backward), and the loss's vocabulary-wide tensors: one chunk
-  of `CHUNK_ROWS` rows at a time once rows exceed a chunk (recomputed in backward), else every step's logits.
+- activations, per rank (rows = batch × seq_len, or --micro-batch × seq_len): the teacher's features kept for the
+  step; what the drafter's layers save for backward over the draft steps, *measured* on a proxy (`_proxy_bytes`:
+  one module at the block's real widths with its experts cut to top-k and a small vocabulary, one forward over a
+  few positions under the run's autocast, every saved storage counted once) and scaled to the rows; under bf16
+  autocast, the per-expert loop's bf16 copy of every expert per draft step and autocast's one copy of each other
+  weight (none when FSDP2 gathers bf16 weights); and the loss's vocabulary-wide tensors: one chunk of `CHUNK_ROWS`
+  rows at a time once rows exceed a chunk (recomputed in backward), else every step's logits.
 
-The activation terms are an estimate of what autograd keeps (named terms, each an element count × bytes); the
-weight, gradient and optimizer terms are exact (tested against a run's optimizer state).
+Weights, gradients, optimizer and teacher bytes are exact (tested against a run's state); the layers' activations
+are measured on the proxy, not estimated from a formula (an element-count formula was 2× low on a GPU run), and
+tested against a real distill step's saved tensors; the loss term is the chunk's arithmetic.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from recycle.distill.freeze import BY_NAME, freeze
+from recycle.distill.freeze import freeze
 from recycle.distill.losses import CHUNK_ROWS
 from recycle.errors import RecycleError
 from recycle.preflight import load_json
@@ -89,6 +96,7 @@ def _drafter_config(path: Path) -> tuple[dict, str, int]:
 
 
 def _meta_drafter(path: Path):
+    """(the drafter on the meta device, its block config, its config dict, its family's name)."""
     from recycle.drafters.eagle import EagleDrafter, canonical_family
     from recycle.mtp import block_config
 
@@ -96,7 +104,7 @@ def _meta_drafter(path: Path):
     fam = canonical_family(family)
     config = block_config(body, "sdpa", fam.block_model_type)
     with torch.device("meta"):
-        return EagleDrafter(config, fam, depth), config
+        return EagleDrafter(config, fam, depth), config, body, family
 
 
 def _target_params(path: Path) -> tuple[int, int]:
@@ -120,27 +128,166 @@ def fsdp_units(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if m is not model and type(m).__name__.endswith("DecoderLayer")]
 
 
-def _block_activations(c, rows: int) -> int:
-    """Elements one draft step's decoder layer keeps for backward, per the config's shapes (named terms)."""
-    h = c.hidden_size
-    heads = c.num_attention_heads
-    kv_heads = getattr(c, "num_key_value_heads", heads) or heads
-    if getattr(c, "kv_lora_rank", None):  # MLA
-        qk = (c.qk_nope_head_dim + c.qk_rope_head_dim)
-        attn = (c.q_lora_rank or 0) + c.kv_lora_rank + c.qk_rope_head_dim + heads * (2 * qk + 2 * c.v_head_dim)
-    else:
-        d = getattr(c, "head_dim", None) or h // heads
-        attn = heads * d * 2 + kv_heads * d * 2
-    experts = getattr(c, "n_routed_experts", None) or getattr(c, "num_experts", None) or 0
-    if experts:
-        k = c.num_experts_per_tok
-        inter = c.moe_intermediate_size
-        shared = (getattr(c, "n_shared_experts", None) or 0) * inter
-        mlp = k * (3 * inter + h) + 3 * shared + experts
-    else:
-        mlp = 3 * c.intermediate_size
-    residual = 8 * h  # eh_proj input (2h), its output, two norms' inputs, the residual adds
-    return rows * (residual + attn + mlp)
+# A MoE block's expert count and group routing, by the names transformers' configs give them: the proxy sets the
+# count to top-k and the groups to one, so every token visits all of its experts, the per-token work of the whole block.
+EXPERT_COUNT_KEYS = ("n_routed_experts", "num_experts", "num_local_experts")
+GROUP_KEYS = ("n_group", "topk_group")
+PROXY_VOCAB = 257  # no width of any family is 257: vocabulary-wide tensors are told apart (the loss has its own term)
+PROXY_POSITIONS = 48  # positions of the proxy forward: bytes per position are its saved bytes over these
+# Measured on an H200 (torch 2.11, benchmarks/activation_account.py): before the first step the allocator held 66 MiB
+# beyond the exact parts at every batch size, cuBLAS's and cuBLASLt's workspaces (allocated through torch's caching
+# allocator since torch 2.x), and the backward's peak exceeded the saved bytes by about three [rows, hidden] fp32
+# gradients of the residual stream.
+CUDA_WORKSPACE = 64 << 20
+BACKWARD_STATES = 3
+
+
+class SavedAccount:
+    """The unique storages autograd saves for backward while active, by kind: `params` (a reference, no bytes of
+    their own), `loss` (vocabulary-wide), `expert_copies` (low-precision copies of one expert's weights, which the
+    per-expert loop makes in every call under autocast), `weight_copies` (autocast's copy of another weight, made
+    once per autocast region) and `blocks` (everything else the layers keep: what grows with the rows).
+
+    Attention goes through `scaled_dot_product_attention`, whose saved tensors depend on the kernel: CPU's math
+    path keeps the [B, heads, T, T] probabilities, CUDA's fused kernels keep q, k, v, the output and a float32
+    log-sum-exp per row and head. Inside `fused_attention()` every call is counted as a fused kernel saves it, on
+    any device, so a CPU measurement stands for a GPU run."""
+
+    def __init__(self, model: torch.nn.Module, vocab: int) -> None:
+        # parameters by their storage (a view, an expert's slice, a transpose, shares it): expert or other weight
+        self.params = {p.untyped_storage().data_ptr(): "loss" if p.shape[0] == vocab else
+                       "expert_copies" if ".experts." in n else "weight_copies" for n, p in model.named_parameters()}
+        # storage of a weight's cast copy -> (expert_copies | weight_copies, the copy: held, so its address is not
+        # reused by an activation while the account is open)
+        self.copies: dict[int, tuple[str, torch.Tensor]] = {}
+        self.vocab = vocab
+        self.seen: dict[int, tuple[str, int]] = {}
+        self.held: list[torch.Tensor] = []
+
+    def kind(self, t: torch.Tensor) -> str:
+        key = t.untyped_storage().data_ptr()
+        if key in self.params:
+            return "params"
+        if key in self.copies:
+            return self.copies[key][0]
+        if t.dim() and t.shape[-1] == self.vocab:
+            return "loss"
+        return "blocks"
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        if t.layout == torch.strided and t.device.type != "meta":
+            key = t.untyped_storage().data_ptr()
+            if key not in self.seen:
+                self.seen[key] = (self.kind(t), t.untyped_storage().nbytes())
+                self.held.append(t)  # its address is not reused (and miscounted) while the account is open
+        return t
+
+    @contextlib.contextmanager
+    def active(self):
+        """Count what autograd saves (a step run inside does not train the attention: counting only)."""
+        with torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t), self.fused_attention(), \
+                _CastWatch(self):
+            yield self
+
+    @contextlib.contextmanager
+    def fused_attention(self):
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+
+        def counted(q, k, v, *args, **kwargs):
+            with torch.no_grad():
+                out = sdpa(q, k, v, *args, **kwargs)
+            if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
+                for x in (q, k, v, out):  # as passed: a view keeps its projection's storage, counted once
+                    self.pack(x)
+                self.seen[-1 - len(self.seen)] = ("blocks", math.prod(q.shape[:-1]) * 4)  # log-sum-exp, float32
+                out.requires_grad_(True)  # a leaf: the layers after it keep their inputs as in training
+            return out
+
+        torch.nn.functional.scaled_dot_product_attention = counted
+        try:
+            yield
+        finally:
+            torch.nn.functional.scaled_dot_product_attention = sdpa
+
+    def totals(self) -> dict[str, int]:
+        out = dict.fromkeys(("params", "loss", "expert_copies", "weight_copies", "blocks"), 0)
+        for kind, n in self.seen.values():
+            out[kind] += n
+        return out
+
+
+class _CastWatch(TorchDispatchMode):
+    """Notes every copy made of a parameter (autocast's casts: `_to_copy` of a weight or of one expert's slice), so
+    the account tells a weight's copy from an activation of the same shape."""
+
+    def __init__(self, account: SavedAccount) -> None:
+        super().__init__()
+        self.account = account
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten._to_copy.default and isinstance(args[0], torch.Tensor):
+            kind = self.account.params.get(args[0].untyped_storage().data_ptr())
+            if kind is not None:  # an LM head's or embedding's copy counts with the loss it serves
+                self.account.copies[out.untyped_storage().data_ptr()] = (kind, out)
+        return out
+
+
+@functools.lru_cache(maxsize=16)
+def _proxy_bytes(config_json: str, family: str, steps: int, precision: str) -> tuple[float, int, int]:
+    """(bytes per position, one expert's copies per draft step, the other weights' autocast copies) that one
+    distill forward of `steps` draft steps leaves saved for
+    backward, measured on a proxy of the drafter on the CPU: one module of the block's real widths (attention,
+    norms, projections, the shared and routed experts' widths), its experts cut to top-k and its vocabulary to
+    PROXY_VOCAB, over PROXY_POSITIONS positions, under the run's autocast. The proxy costs its own weights in host
+    memory (about 2.8 GB fp32 at DeepSeek-V3's widths) and seconds; nothing of the checkpoint is read."""
+    from recycle.distill.teacher import autocast
+    from recycle.distill.unroll import EagleUnroller
+    from recycle.drafters.eagle import EagleDrafter, canonical_family
+    from recycle.mtp import block_config
+
+    body = json.loads(config_json)
+    k = next((body[key] for key in ("num_experts_per_tok", "moe_top_k") if body.get(key)), None)
+    for key in EXPERT_COUNT_KEYS:
+        if body.get(key) and k:
+            body[key] = k
+    for key in GROUP_KEYS:
+        if body.get(key):
+            body[key] = 1
+    body["vocab_size"] = PROXY_VOCAB
+    fam = canonical_family(family)
+    config = block_config(body, "sdpa", fam.block_model_type)
+    with torch.device("meta"):
+        model = EagleDrafter(config, fam, 1)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for p in model.parameters():  # shapes, not values, decide what is saved; small values keep it finite
+            p.fill_(0.01 if p.dim() > 1 else 1.0)
+    unroller = EagleUnroller(model, steps)
+    gen = torch.Generator().manual_seed(0)
+    length = PROXY_POSITIONS + steps + 1
+    ids = torch.randint(0, PROXY_VOCAB, (1, length), generator=gen)
+    last = torch.randn(1, length, config.hidden_size, generator=gen)
+    account = SavedAccount(model, PROXY_VOCAB)
+    threads = torch.get_num_threads()
+    try:
+        with account.active(), autocast(torch.device("cpu"), precision):
+            unroller.unroll(ids, last, None, None)
+    finally:
+        torch.set_num_threads(threads)
+    totals = account.totals()
+    copies = totals["expert_copies"] / max(1, steps * (k or 1))
+    return totals["blocks"] / unroller.positions(length), int(copies), totals["weight_copies"]
+
+
+def _activation_bytes(body: dict, family: str, steps: int, precision: str, rows: int, modules: int) -> dict[str, int]:
+    """The layers' saved bytes for `rows` positions, every expert's copies over all steps (each expert is hit at
+    the batch sizes distill runs), and the other weights' autocast copies (of each of the `modules` the steps run),
+    from the proxy."""
+    per_position, per_expert, weights = _proxy_bytes(json.dumps(body, sort_keys=True), family, steps, precision)
+    experts = next((body[key] for key in EXPERT_COUNT_KEYS if body.get(key)), 0)
+    return {"blocks": math.ceil(per_position * rows), "expert_copies": per_expert * steps * experts,
+            "weight_copies": weights * modules}
 
 
 def plan(drafter: str | Path, target: str | Path, *, batch: int, seq_len: int, draft_steps: int | None,
@@ -156,20 +303,26 @@ def plan(drafter: str | Path, target: str | Path, *, batch: int, seq_len: int, d
         raise RecycleError("--world-size must be at least 1")
     from recycle.distill.unroll import EagleUnroller
 
-    model, config = _meta_drafter(Path(drafter).expanduser())
+    model, config, body, family = _meta_drafter(Path(drafter).expanduser())
     EagleUnroller(model, draft_steps or EagleUnroller.default_steps)  # its own freeze: the embedding and head copies
     frozen = freeze(model, groups)
     params, trainable = frozen["params"], frozen["trainable_params"]
     trunk, io = _target_params(Path(target).expanduser())
     steps = draft_steps or 3
-    act_bytes = 2 if precision == "bf16" else 4
     rows = min(micro_batch or batch, batch) * seq_len  # what one forward/backward holds
     vocab, hidden = config.vocab_size, config.hidden_size
-    expert_params = sum(p.numel() for n, p in model.named_parameters() if BY_NAME["experts"].matches(n))
-    if rows > CHUNK_ROWS:  # one chunk of drafter + teacher logits, softmaxes and the logits' grad at a time
-        loss = 5 * CHUNK_ROWS * vocab * 4
+    anchors = min(micro_batch or batch, batch) * max(1, seq_len - steps - 1)  # the positions the steps run over
+    acts = _activation_bytes(body, family, steps, precision, anchors, min(model.depth, steps))
+    bf16_units = (world > 1 or fsdp) and precision == "bf16"  # FSDP2 gathers bf16 weights: autocast copies nothing
+    if rows > CHUNK_ROWS:  # one chunk of drafter + teacher logits, softmaxes and the logits' grad at a time (six
+        # [chunk, vocab] fp32 tensors at the backward's recomputation, measured on an H200: five in the forward)
+        loss = 6 * CHUNK_ROWS * vocab * 4
+        head_copies = 2  # the drafter's and the teacher's heads, cast for the chunk being recomputed
     else:  # every step's drafter logits and log-softmax kept, the teacher's probabilities beside them
         loss = steps * 3 * rows * vocab * 4 + 2 * rows * vocab * 4
+        head_copies = steps + 1  # each step's and the teacher's, kept for backward
+    if precision == "bf16":  # autocast's bf16 copies of the fp32 heads (frozen: not cached, one per call)
+        loss += head_copies * vocab * hidden * 2
     unit = max((sum(p.numel() for p in m.parameters() if p.requires_grad) for m in fsdp_units(model)),
                default=trainable)
     shards = max(1, world)
@@ -183,9 +336,13 @@ def plan(drafter: str | Path, target: str | Path, *, batch: int, seq_len: int, d
         "fsdp_gathered_unit": unit * gathered if world > 1 or fsdp else 0,
         "teacher": io * 4 if cached_teacher else trunk * teacher_bytes,  # a cache's embedding and head: fp32
         "activations_features": rows * hidden * 4 * 2,
-        "activations_blocks": steps * _block_activations(config, rows) * act_bytes,
-        "activations_expert_copies": steps * expert_params * 2 if precision == "bf16" else 0,
+        "activations_blocks": acts["blocks"],
+        "activations_expert_copies": 0 if bf16_units else acts["expert_copies"],
+        "activations_weight_copies": 0 if bf16_units else acts["weight_copies"],
         "activations_loss": loss,
+        # backward: the gradients of the residual stream (fp32, a few [rows, hidden] at once) beside what is saved
+        "activations_backward": BACKWARD_STATES * rows * hidden * 4,
+        "runtime": CUDA_WORKSPACE if on_gpu else 0,
     }
     budget, device = device_bytes, ("this device" if device_bytes else None)
     if gpu:
