@@ -91,9 +91,11 @@ def check_manifest(cache: Path, opts: DataOptions, aux_layers: list[int], world:
     """Refuse (exit 2) a harvested cache made for other distill options: its keys would name other windows.
     Returns the manifest."""
     m = load_json(cache / MANIFEST, "cache manifest")
-    if world != 1:
-        raise RecycleError(f"--cache-hidden {cache}: a harvested cache holds one process's windows; run distill "
-                           "without torchrun (the target is not in the process anyway)")
+    if world > 1 and m.get("batch") != opts.batch * world:  # each rank reads its block of every step's rows
+        raise RecycleError(f"--cache-hidden {cache}: harvested with --batch {m.get('batch')} (one process); under "
+                           f"{world} ranks --batch is per rank: pass --batch {m.get('batch')}/{world}"
+                           + ("" if isinstance(m.get("batch"), int) and m["batch"] % world == 0 else
+                              f", which {world} ranks do not divide: choose a world size that does"))
     sd = m.get("self_distill")
     if opts.self_distill and sd is None:
         raise RecycleError(f"--cache-hidden {cache}: harvested on the data's own text; --self-distill trains on the "
@@ -106,7 +108,7 @@ def check_manifest(cache: Path, opts: DataOptions, aux_layers: list[int], world:
                            f"--sd-temperature {sd.get('temperature')} (distill: {opts.prompt_len}, "
                            f"{opts.sd_temperature})")
     want = {"aux_layers": list(aux_layers), "data": opts.data, "chat_template": opts.chat_template,
-            "seq_len": opts.seq_len, "batch": opts.batch,
+            "seq_len": opts.seq_len, "batch": opts.batch * world,
             "seed": opts.seed, "eval_rows": opts.eval_rows, "eval_prompt_len": opts.eval_prompt_len}
     got = {k: m.get(k) for k in want}
     if got != want:

@@ -8,7 +8,9 @@ compute the same steps the training loop does, and a budget of a billion tokens 
 
 A rank's share of a step is its micro-batches: its full rows together, each cut row alone. They are named by
 keys (`s{step}r{rank}f`, `s{step}c{row}`), which is how a `--cache-hidden` directory is filled ahead of time;
-the held-out rows have the key `eval`.
+the held-out rows have the key `eval`. A cache `recycle harvest` filled holds one process's keys (every full row of
+a step under `s{step}r0f`); under torchrun each rank reads its own block of those rows, a key with a row span
+(`s{step}r0f@2:4`), so a cache harvested once serves any world size that divides its batch.
 """
 
 from __future__ import annotations
@@ -18,6 +20,16 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 EVAL_KEY = "eval"  # the held-out rows' key in a --cache-hidden directory `recycle harvest` filled
+SPAN = "@"  # `KEY@LO:HI`: rows LO..HI-1 of the file KEY
+
+
+def split_key(key: str) -> tuple[str, slice | None]:
+    """(the file's key, the rows of it this key names: None for all)."""
+    name, sep, span = key.partition(SPAN)
+    if not sep:
+        return key, None
+    lo, hi = span.split(":")
+    return name, slice(int(lo), int(hi))
 
 
 @dataclass(frozen=True)
@@ -37,13 +49,20 @@ class Step:
     def tokens(self) -> int:
         return sum(self.lengths)
 
-    def micro_batches(self, rank: int = 0, world: int = 1) -> list[MicroBatch]:
-        """One rank's share: rows rank, rank + world, ...; its full rows together, each cut row alone."""
+    def micro_batches(self, rank: int = 0, world: int = 1, block: int | None = None) -> list[MicroBatch]:
+        """One rank's share: rows rank, rank + world, ...; its full rows together, each cut row alone. `block` (a
+        cache one process harvested): the full rows are the rank's block of `block` rows instead, read from the
+        one-process key with their span."""
         mine = range(rank, len(self.lengths), world)
+        cut = [MicroBatch((i,), self.lengths[i], f"s{self.index:08d}c{i}") for i in mine
+               if self.lengths[i] != self.seq_len]
+        if block is not None:
+            full = tuple(i for i, n in enumerate(self.lengths) if n == self.seq_len)[rank * block:(rank + 1) * block]
+            key = f"s{self.index:08d}r0f" + (f"{SPAN}{full[0]}:{full[-1] + 1}" if full and world > 1 else "")
+            return ([MicroBatch(full, self.seq_len, key)] if full else []) + cut
         full = tuple(i for i in mine if self.lengths[i] == self.seq_len)
         out = [MicroBatch(full, self.seq_len, f"s{self.index:08d}r{rank}f")] if full else []
-        return out + [MicroBatch((i,), self.lengths[i], f"s{self.index:08d}c{i}")
-                      for i in mine if self.lengths[i] != self.seq_len]
+        return out + cut
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,14 @@
 A checkpoint holds everything a bit-exact continuation needs (drafter, optimizer, scheduler, step, tokens,
 data position, RNG states, which snapshot is the best so far) as tensors and plain containers only, so it loads with
 `torch.load(weights_only=True)`: a planted pickle cannot run code. It is written to a temp file, fsynced and
-renamed, so a kill mid-write leaves the previous one. The run's state directory (`OUT.distill/`) holds it and
+renamed, so a kill mid-write leaves the previous one.
+
+A sharded run (FSDP2 under torchrun) checkpoints per rank instead (`checkpoint/`): each rank writes its own shards
+of the drafter and of AdamW's moments through `torch.distributed.checkpoint` into safetensors files
+(`HuggingFaceStorageWriter`: no pickle anywhere, the layout read back from the files' headers), and rank 0 writes
+the rest (step, data position, RNG, scheduler, optimizer hyper-parameters) as `state.json`; nothing is gathered
+(at DeepSeek-V3 scale the whole state is about 200 GB). The directory is written beside the last one and renamed
+into place when every rank is done. The run's state directory (`OUT.distill/`) holds it and
 `metrics.jsonl`, one row per step, and the best snapshot's trained weights (`best-STEP.safetensors`); a resumed
 run cuts the log back to the checkpoint's step.
 """
@@ -13,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +29,8 @@ import torch
 from recycle.errors import RecycleError
 
 CHECKPOINT = "checkpoint.pt"
+SHARDED = "checkpoint"  # a sharded run's: every rank's safetensors shards and state.json
+SHARDED_STATE = "state.json"
 METRICS = "metrics.jsonl"
 VERSION = 1
 
@@ -116,6 +126,99 @@ def load_checkpoint(state_dir: Path, device: torch.device, fp: dict, mmap: bool 
         raise RecycleError(f"{path}: the checkpoint is from a run with other options ({', '.join(diff)}); "
                            "use the same options or --overwrite to start over")
     return state
+
+
+def has_checkpoint(state_dir: Path) -> bool:
+    return (state_dir / CHECKPOINT).is_file() or (state_dir / SHARDED / SHARDED_STATE).is_file()
+
+
+def remove_checkpoint(state_dir: Path) -> None:
+    (state_dir / CHECKPOINT).unlink(missing_ok=True)
+    shutil.rmtree(state_dir / SHARDED, ignore_errors=True)
+
+
+def _to_json(obj):
+    """Tensors (RNG states) as tagged lists, so state.json round-trips them exactly."""
+    if isinstance(obj, torch.Tensor):
+        return {"__tensor__": str(obj.dtype).removeprefix("torch."), "data": obj.tolist()}
+    if isinstance(obj, dict):
+        return {k: _to_json(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_to_json(v) for v in obj]
+    return obj
+
+
+def _from_json(obj):
+    if isinstance(obj, dict):
+        if "__tensor__" in obj:
+            return torch.tensor(obj["data"], dtype=getattr(torch, obj["__tensor__"]))
+        return {k: _from_json(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_from_json(v) for v in obj]
+    return obj
+
+
+def save_sharded(state_dir: Path, tensors: dict, meta: dict, fp: dict) -> None:
+    """Every rank: its shards of `tensors` (nested dicts of DTensors and tensors) into `checkpoint/`; rank 0 also
+    `meta` (plain values and RNG tensors) as state.json. Written beside the previous checkpoint, renamed when whole."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+    rank = dist.get_rank()
+    tmp, final = state_dir / f".{SHARDED}.tmp", state_dir / SHARDED
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    dist.barrier()
+    dcp.save(tensors, storage_writer=HuggingFaceStorageWriter(str(tmp), save_distributed=True))
+    dist.barrier()  # every rank's files are complete
+    if rank == 0:
+        data = json.dumps(_to_json({"version": VERSION, "fingerprint": fp, **meta})).encode()
+        with open(tmp / SHARDED_STATE, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        old = state_dir / f".{SHARDED}.old"
+        shutil.rmtree(old, ignore_errors=True)
+        if final.exists():
+            os.rename(final, old)
+        os.rename(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+
+
+def load_sharded_meta(state_dir: Path, fp: dict) -> dict | None:
+    """state.json of a sharded checkpoint a run with fingerprint `fp` may continue (None when there is none);
+    RecycleError for an unreadable one or one from a run with other options."""
+    path = state_dir / SHARDED / SHARDED_STATE
+    if not path.is_file():
+        return None
+    try:
+        meta = _from_json(json.loads(path.read_text(encoding="utf-8")))
+    except (OSError, ValueError, TypeError, AttributeError) as e:
+        raise RecycleError(f"{path}: unreadable checkpoint state ({type(e).__name__}); remove "
+                           f"{state_dir / SHARDED} to start over") from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("fingerprint"), dict):
+        raise RecycleError(f"{path}: not a recycle distill checkpoint; remove {state_dir / SHARDED} to start over")
+    diff = sorted(k for k in fp if meta["fingerprint"].get(k) != fp[k])
+    if diff:
+        raise RecycleError(f"{path}: the checkpoint is from a run with other options ({', '.join(diff)}); "
+                           "use the same options or --overwrite to start over")
+    return meta
+
+
+def load_sharded(state_dir: Path, tensors: dict) -> None:
+    """Fill `tensors` (this rank's sharded state dicts, as templates) from `checkpoint/`: each rank reads its own
+    pieces from the safetensors files."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    try:
+        dcp.load(tensors, storage_reader=HuggingFaceStorageReader(str(state_dir / SHARDED)))
+    except Exception as e:  # noqa: BLE001 - a torn or foreign shard
+        raise RecycleError(f"{state_dir / SHARDED}: unreadable checkpoint shards ({type(e).__name__}: "
+                           f"{' '.join(str(e).split())[:120]}); remove it to start over") from None
 
 
 def append_metrics(state_dir: Path, row: dict) -> None:

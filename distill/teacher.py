@@ -23,10 +23,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save_file
 from torch import nn
 
 from recycle.decoding.target import load_target, softcap
+from recycle.distill.schedule import split_key
 from recycle.errors import RecycleError
 
 
@@ -166,7 +168,14 @@ class Teacher:
 
     def _path(self, key: str) -> Path:
         assert self.cache_dir is not None
-        return self.cache_dir / f"{key}.safetensors"
+        return self.cache_dir / f"{split_key(key)[0]}.safetensors"
+
+    def _read(self, key: str, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
+        """The tensors `names` (those present) of `key`'s file, only the rows its span names (each rank of a
+        sharded run reads its own rows of a one-process cache, not the whole file)."""
+        rows = split_key(key)[1]
+        with safe_open(str(self._path(key)), "pt") as f:
+            return {n: (f.get_slice(n)[rows] if rows is not None else f.get_tensor(n)) for n in names if n in f.keys()}
 
     @torch.no_grad()
     def __call__(self, ids: torch.Tensor, key: str | None = None) -> TeacherOut:
@@ -175,7 +184,7 @@ class Teacher:
             last, kv = self.features_and_kv(ids)
             return TeacherOut(last, None, self.logits, kv)
         if self.producer is not None and key is not None:
-            self.producer.wait(key)
+            self.producer.wait(split_key(key)[0])
         cached = self._load(key, ids) if key is not None and self.cache_dir is not None else None
         if self.producer is not None and key is not None and key != "eval":
             self._path(key).unlink(missing_ok=True)  # consumed: online mode keeps disk flat
@@ -184,7 +193,7 @@ class Teacher:
             self.cache_hits += 1
         else:
             last, aux = self.features(ids)
-            if key is not None and self.cache_dir is not None:
+            if key is not None and self.cache_dir is not None and split_key(key)[1] is None:  # never part of a file
                 self._store(key, ids, last, aux)
         return TeacherOut(last, aux, self.logits)
 
@@ -192,10 +201,10 @@ class Teacher:
         """The token ids stored under `key` (a harvested cache's evaluation rows, or the rows vLLM regenerated),
         and their assistant mask where the rows are conversations (None otherwise)."""
         if self.producer is not None:
-            self.producer.wait(key)
+            self.producer.wait(split_key(key)[0])
         path = self._path(key)
         try:
-            t = load_file(str(path))
+            t = self._read(key, ("input_ids", MASK_KEY))
             return t["input_ids"], t.get(MASK_KEY)
         except Exception as e:  # noqa: BLE001 - missing or torn: the cache is unusable for this
             raise RecycleError(f"--cache-hidden {self.cache_dir}: no readable {path.name} ({type(e).__name__})") from None
@@ -205,7 +214,7 @@ class Teacher:
         if not path.is_file():
             return None
         try:
-            t = load_file(str(path))
+            t = self._read(key, ("input_ids", "last", "aux"))
         except Exception:  # a torn or foreign file: recompute and overwrite it
             return None
         if not torch.equal(t.get("input_ids", torch.empty(0)), ids.cpu()):

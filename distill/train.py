@@ -19,7 +19,8 @@ Choices and why:
     rank holds 1/world of the trainable weights, gradients and AdamW state, and trains on its slice of the
     global batch. Every rank runs as many forward/backward passes per step as the others (the truncated
     last batch can leave a rank without rows: it runs held-out rows at weight 0). Every rank evaluates and
-    gathers the weights it keeps; rank 0 logs, checkpoints (the whole state, gathered) and writes.
+    gathers the weights it keeps; every rank checkpoints its own shards (`torch.distributed.checkpoint` into
+    safetensors, `distill/state.py`), rank 0 logs and writes.
   * A held-out estimate of acceptance every M steps: top-1 agreement of each draft step with the
     target's greedy token on a fixed held-out batch (the held-out side of `--data`), whose rows the
     target continues greedily after a short prompt once at the start: that is the text greedy
@@ -172,7 +173,7 @@ class Distiller:
     def discard_state(self) -> None:
         """A refused or failed run leaves nothing behind: the state directory goes unless it holds a checkpoint
         (an earlier run's, or this one's after an interrupt), which --resume continues."""
-        if self.made_state_dir and not (self.state_dir / state.CHECKPOINT).exists():
+        if self.made_state_dir and not state.has_checkpoint(self.state_dir):
             shutil.rmtree(self.state_dir, ignore_errors=True)
 
     def _note(self, text: str) -> None:
@@ -240,15 +241,17 @@ class Distiller:
                 probe.unlink()
             except OSError as e:
                 raise RecycleError(f"{self.state_dir}: cannot write the run's state here ({e.strerror or e})") from None
-            if (self.state_dir / state.CHECKPOINT).is_file() and not o.resume:
+            if state.has_checkpoint(self.state_dir) and not o.resume:
                 if not o.overwrite:
-                    raise RecycleError(f"{self.state_dir / state.CHECKPOINT}: an earlier run's checkpoint exists; "
+                    raise RecycleError(f"{self.state_dir}: an earlier run's checkpoint exists; "
                                        "pass --resume to continue it or --overwrite to start over")
-                (self.state_dir / state.CHECKPOINT).unlink()
+                state.remove_checkpoint(self.state_dir)
                 (self.state_dir / state.METRICS).unlink(missing_ok=True)
                 state.prune_best(self.state_dir, set())
         if o.resume and self.is_main:  # a resumable checkpoint: readable, safe, same options; before any model loads
-            state.load_checkpoint(self.state_dir, torch.device("cpu"), state.fingerprint(o, self.world), mmap=True)
+            fp = state.fingerprint(o, self.world)
+            state.load_sharded_meta(self.state_dir, fp)
+            state.load_checkpoint(self.state_dir, torch.device("cpu"), fp, mmap=True)
         rows = o.batch * self.world
         if o.tokens < rows * o.seq_len:
             raise RecycleError(f"--tokens {o.tokens:,} is less than one optimizer step ({rows} sequences × {o.seq_len} "
@@ -429,28 +432,42 @@ class Distiller:
     # -- state ------------------------------------------------------------------------------------
 
     def _checkpoint(self) -> None:
-        model_state, opt_state = self._full_state()
+        run = {"step": self.step, "tokens": self.tokens, "data": asdict(self.stream.pos),
+               "scheduler": self.sched.state_dict(), "rng": state.rng_state(), "timing": dict(self.timing),
+               "wall_s": self.wall_before + time.perf_counter() - self.t_start, "before": self.before,
+               "history": self.history[-1] if self.history else None, "best": self.best}
+        fp = state.fingerprint(self.opts, self.world)
+        if self.sharded:  # every rank writes its own shards; nothing is gathered
+            from torch.distributed.checkpoint.state_dict import get_state_dict
+
+            model_state, opt_state = get_state_dict(self.model, self.opt)
+            state.save_sharded(self.state_dir, {"model": model_state, "optimizer": opt_state["state"]},
+                               {**run, "param_groups": opt_state["param_groups"]}, fp)
+        else:
+            model_state, opt_state = self._full_state()
+            if self.is_main:
+                state.save_checkpoint(self.state_dir, {**run, "model": model_state, "optimizer": opt_state}, fp)
         if not self.is_main:
             return
-        state.save_checkpoint(self.state_dir, {
-            "step": self.step, "tokens": self.tokens, "data": asdict(self.stream.pos), "model": model_state,
-            "optimizer": opt_state, "scheduler": self.sched.state_dict(), "rng": state.rng_state(),
-            "timing": dict(self.timing), "wall_s": self.wall_before + time.perf_counter() - self.t_start,
-            "before": self.before, "history": self.history[-1] if self.history else None, "best": self.best,
-        }, state.fingerprint(self.opts, self.world))
         self.checkpointed_best = self.best["step"]
         state.prune_best(self.state_dir, {self.best["step"]})
 
     def _restore(self) -> bool:
-        saved = state.load_checkpoint(self.state_dir, self.device, state.fingerprint(self.opts, self.world))
-        if saved is None:
-            return False
-        if self.sharded:
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+        fp = state.fingerprint(self.opts, self.world)
+        if self.sharded:  # each rank reads its own shards of the drafter and of AdamW's moments
+            from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-            set_state_dict(self.model, self.opt, model_state_dict=saved["model"], optim_state_dict=saved["optimizer"],
-                           options=StateDictOptions(full_state_dict=True))
+            saved = state.load_sharded_meta(self.state_dir, fp)
+            if saved is None:
+                return False
+            model_state, opt_state = get_state_dict(self.model, self.opt)
+            state.load_sharded(self.state_dir, {"model": model_state, "optimizer": opt_state["state"]})
+            set_state_dict(self.model, self.opt, model_state_dict=model_state,
+                           optim_state_dict={"state": opt_state["state"], "param_groups": saved["param_groups"]})
         else:
+            saved = state.load_checkpoint(self.state_dir, self.device, fp)
+            if saved is None:
+                return False
             self.model.load_state_dict(saved["model"])
             self.opt.load_state_dict(saved["optimizer"])
         self.sched.load_state_dict(saved["scheduler"])
@@ -569,7 +586,9 @@ class Distiller:
         generated = self.timing["generate_s"]
         rows, masks = self.stream.take_masked(len(lengths))
         t0 += self.timing["generate_s"] - generated  # conversations regenerated as the stream read them
-        keys = [(list(mb.rows), mb.length, mb.key) for mb in step.micro_batches(self.rank, self.world)]
+        # a harvested cache holds one process's keys: each rank reads its block of the step's rows from them
+        block = o.batch if self.harvested else None
+        keys = [(list(mb.rows), mb.length, mb.key) for mb in step.micro_batches(self.rank, self.world, block)]
         written = {}
         if o.self_distill and self.harvested:  # vLLM wrote the continuations: the cache holds each key's rows
             written = {key: self.teacher.cached_rows(key) for _, _, key in keys}  # (ids, assistant mask or None)
@@ -652,7 +671,7 @@ class Distiller:
         record = self._record(last, final, train, resumed)
         if self.is_main:
             self._write(record)
-            (self.state_dir / state.CHECKPOINT).unlink(missing_ok=True)
+            state.remove_checkpoint(self.state_dir)
             state.prune_best(self.state_dir, set())
         record["wall_s"] = round(time.perf_counter() - self.t_command, 3)  # the command's, setup included
         if self.world > 1:

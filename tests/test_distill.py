@@ -6,13 +6,13 @@ from __future__ import annotations
 import collections
 
 import json
-from dataclasses import replace
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -36,7 +36,7 @@ from recycle.distill.train import DistillOptions, distill, parse_tokens
 from recycle.cli import app
 from recycle.drafters import load_drafter
 from recycle.errors import RecycleError
-from tests.cli_helpers import run_cli
+from tests.cli_helpers import assert_bad_input, run_cli
 from tests.trained import FIXTURE
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -408,10 +408,62 @@ def test_fsdp2_two_ranks_equal_one_process(converted: dict[str, Path], tmp_path:
         assert torch.allclose(p, q, rtol=1e-3, atol=1e-5), n
 
 
+@pytest.mark.slow  # a harvest and two 2-rank runs, ~30 s
+def test_two_ranks_read_their_rows_of_a_one_process_cache(converted: dict[str, Path], tmp_path: Path) -> None:
+    """A cache harvested once (one process, --batch 4) serves 2 FSDP2 ranks at --batch 2: each reads its block of
+    every step's rows (a span of the one-process key, not the whole file), the trunk is never loaded, and the loss
+    curve equals the one-process run's on the same cache; a world size that does not divide the batch is refused."""
+    from recycle.distill.harvest import HarvestOptions
+
+    common = dict(tokens=4 * 4 * 48 + 40, seq_len=48, seed=0)  # the default 16 held-out rows, as the CLI takes
+    _harvest_in_process(HarvestOptions(target=str(FIXTURE), out=str(tmp_path / "cache"), batch=4, **common), ())
+    args = ["distill", str(converted["eagle"]), "--target", str(FIXTURE), "--tokens", str(common["tokens"]),
+            "--seq-len", "48", "--threads", "1", "--precision", "fp32", "--eval-every", "2",
+            "--cache-hidden", str(tmp_path / "cache"), "--json"]
+    torchrun = Path(sys.executable).with_name("torchrun")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    res = subprocess.run([str(torchrun), "--nproc_per_node", "2", "--master_port", str(_free_port()), "-m", "recycle.cli",
+                          *args, "--batch", "2", "-o", str(tmp_path / "two")], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    two = json.loads(res.stdout[res.stdout.index("{"):])
+    one = distill(DistillOptions(drafter=str(converted["eagle"]), target=str(FIXTURE), out=str(tmp_path / "one"),
+                                 batch=4, eval_every=2, threads=1, precision="fp32",
+                                 cache_hidden=str(tmp_path / "cache"), tokens=common["tokens"], seq_len=48))
+    assert two["trunk_loaded"] is False and one["trunk_loaded"] is False and two["cache_hits"] > 0
+    la = [r["loss"] for r in _metrics(tmp_path / "one.distill")]
+    lb = [r["loss"] for r in _metrics(tmp_path / "two.distill")]
+    assert len(la) == len(lb) == 5 and all(abs(x - y) <= 1e-3 * abs(x) for x, y in zip(la, lb)), (la, lb)
+    res = subprocess.run([str(torchrun), "--nproc_per_node", "2", "--master_port", str(_free_port()), "-m", "recycle.cli",
+                          *args, "--batch", "4", "-o", str(tmp_path / "bad")], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode != 0 and "exitcode  : 2" in res.stderr, res.stderr[-1500:]  # each rank: bad input
+    assert "harvested with --batch 4 (one process); under 2 ranks --batch is per rank: pass --batch 4/2" in res.stderr
+    assert not (tmp_path / "bad").exists()
+
+
+def test_a_rank_reads_only_its_span_of_a_cached_step(tmp_path: Path) -> None:
+    """The keys of a one-process cache under 2 ranks: rank r's full rows are its block, named by a span of the one
+    key; the last, cut step's rows stay per row; one process keeps the plain key."""
+    from recycle.distill.schedule import Schedule, split_key
+
+    sched = Schedule(tokens=2 * 4 * 48 + 48 + 20, batch=2, seq_len=48, world=2)
+    first, last = sched.step(0), sched.step(2)
+    assert [mb.key for mb in first.micro_batches(0, 2, block=2)] == ["s00000000r0f@0:2"]
+    assert [(mb.rows, mb.key) for mb in first.micro_batches(1, 2, block=2)] == [((2, 3), "s00000000r0f@2:4")]
+    assert last.lengths == (48, 20)
+    assert [(mb.rows, mb.key) for mb in last.micro_batches(0, 2, block=2)] == [((0,), "s00000002r0f@0:1")]
+    assert [(mb.rows, mb.key) for mb in last.micro_batches(1, 2, block=2)] == [((1,), "s00000002c1")]
+    assert [mb.key for mb in Schedule(tokens=400, batch=4, seq_len=48).step(0).micro_batches(0, 1, block=4)] == \
+        ["s00000000r0f"]
+    assert split_key("s00000000r0f@2:4") == ("s00000000r0f", slice(2, 4)) and split_key("eval") == ("eval", None)
+
+
 @pytest.mark.slow  # three 2-rank runs (~40 s); resume after SIGKILL stays in the default run for one process
 def test_fsdp2_resume_after_sigkill_is_bit_exact(converted: dict[str, Path], tmp_path: Path) -> None:
     """2 sharded ranks killed (SIGKILL, the whole group) after a checkpoint, resumed with --resume: the drafter equals
-    an uninterrupted 2-rank run's bit for bit (the checkpoint holds the whole state, gathered from the shards)."""
+    an uninterrupted 2-rank run's bit for bit. The checkpoint is per rank: each rank's shards in safetensors files
+    (torch.distributed.checkpoint), the run's state in state.json; no pickle, nothing gathered."""
     torchrun = Path(sys.executable).with_name("torchrun")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     common = ["distill", str(converted["eagle"]), "--target", str(FIXTURE), "--tokens", str(24 * 4 * 48), "--seq-len",
@@ -426,14 +478,20 @@ def test_fsdp2_resume_after_sigkill_is_bit_exact(converted: dict[str, Path], tmp
     out, state = tmp_path / "killed", tmp_path / "killed.distill"
     proc = launch(out)
     deadline = time.time() + 240
-    while not (state / "checkpoint.pt").is_file() and proc.poll() is None and time.time() < deadline:
+    done = state / "checkpoint" / "state.json"
+    while not done.is_file() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.02)
     # torchrun starts its workers in sessions of their own: kill every process of this run (its output path is unique)
     subprocess.run(["pkill", "-KILL", "-f", str(out)], check=False)
     proc.wait()
-    assert not out.exists() and (state / "checkpoint.pt").is_file()
-    ck = torch.load(state / "checkpoint.pt", weights_only=False)
+    assert not out.exists() and done.is_file() and not (state / "checkpoint.pt").exists()
+    ck = json.loads(done.read_text())
     assert 0 < ck["step"] < 24 and ck["step"] % 3 == 0
+    shards = sorted(p.name for p in (state / "checkpoint").glob("*.safetensors"))
+    assert len(shards) == 2 and all(p.startswith(("shard-00001-", "shard-00002-")) for p in shards), shards
+    with safe_open(str(state / "checkpoint" / shards[0]), "pt") as f:  # rank 0's half of a sharded matrix
+        name = next(k for k in f.keys() if k.startswith("model.") and "block" in k and len(f.get_slice(k).get_shape()) == 2)
+        assert json.loads(f.metadata()["DCP_SHARDING_INFO"])[name]["saved_offsets"] == [0, 0]
     records = []
     for args in ((out, "--resume"), (tmp_path / "ref",)):
         run = launch(*args)
@@ -482,6 +540,23 @@ def test_existing_checkpoint_needs_resume_or_overwrite(converted: dict[str, Path
     res = runner.invoke(app, ["distill", str(converted["medusa"]), "--target", str(FIXTURE), "--tokens", "1k",
                               "-o", str(tmp_path / "o")])
     assert res.exit_code == 2 and "--resume" in res.stderr
+
+
+def test_a_sharded_checkpoint_is_refused_in_one_line_when_torn_or_foreign(converted: dict[str, Path],
+                                                                          tmp_path: Path) -> None:
+    """A sharded run's checkpoint/ (safetensors shards + state.json): an existing one needs --resume or --overwrite,
+    and a torn state.json or one from other options is one line, exit 2, before any model loads."""
+    from recycle.distill import state as st
+
+    ck = tmp_path / "o.distill" / st.SHARDED
+    ck.mkdir(parents=True)
+    (ck / st.SHARDED_STATE).write_text("{not json")
+    args = ["distill", str(converted["eagle"]), "--target", str(FIXTURE), "--tokens", "1k", "-o", str(tmp_path / "o")]
+    assert_bad_input(run_cli(*args), "an earlier run's checkpoint exists; pass --resume")
+    assert_bad_input(run_cli(*args, "--resume"), "unreadable checkpoint state")
+    (ck / st.SHARDED_STATE).write_text(json.dumps({"fingerprint": {"tokens": 5}, "step": 3}))
+    assert_bad_input(run_cli(*args, "--resume"), "the checkpoint is from a run with other options (")
+    assert ck.is_dir() and not (tmp_path / "o").exists()  # refused: the checkpoint is kept for a correct --resume
 
 
 def test_distill_refuses_a_harvested_cache_made_for_other_options(converted: dict[str, Path], tmp_path: Path) -> None:
