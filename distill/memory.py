@@ -4,12 +4,14 @@ The drafter is built on the meta device (recycle's own `EagleDrafter` over trans
 so the parameter count is the real one), the target likewise (`AutoModelForCausalLM.from_config` on meta), and
 the bytes follow the code as it is written today:
 
-- weights: every drafter parameter in fp32; grads and AdamW's two moments (fp32) for the trainable ones. With
-  several ranks FSDP2 shards the trainable weights, their grads and moments (1/world each) and every rank holds
-  the largest unit gathered whole (weights and gradients; bf16 under bf16 compute) while it runs; frozen weights
-  stay whole on every rank;
-- the teacher: the target's trunk in the same process (bf16 on a GPU under bf16 compute, else fp32), or its
-  embedding and head only when the features come from a `recycle harvest` cache;
+- weights: the trainable drafter parameters in fp32, with their grads and AdamW's two moments (fp32); the frozen
+  ones in bf16 when the run computes in bf16 and the drafter is stored in bf16 (`freeze.lower_frozen`: exact),
+  else fp32; the embedding and head not at all (the drafter holds the teacher's own). With several ranks FSDP2
+  shards the trainable weights, their grads and moments (1/world each) and every rank holds the largest unit
+  gathered whole (weights and gradients; bf16 under bf16 compute) while it runs; frozen weights stay whole on
+  every rank;
+- the teacher: the target's trunk in the same process, or its embedding and head only when the features come
+  from a `recycle harvest` cache; bf16 on a GPU under bf16 compute, else fp32;
 - activations, per rank (rows = batch × seq_len, or --micro-batch × seq_len): the teacher's features kept for the
   step; what the drafter's layers save for backward over the draft steps, *measured* on a proxy (`_proxy_bytes`:
   one module at the block's real widths with its experts cut to top-k and a small vocabulary, one forward over a
@@ -307,6 +309,12 @@ def plan(drafter: str | Path, target: str | Path, *, batch: int, seq_len: int, d
     EagleUnroller(model, draft_steps or EagleUnroller.default_steps)  # its own freeze: the embedding and head copies
     frozen = freeze(model, groups)
     params, trainable = frozen["params"], frozen["trainable_params"]
+    # the drafter's embedding and head are the teacher's own tensors (EagleUnroller.adopt_target_io): counted there
+    io_params = sum(p.numel() for n, p in model.named_parameters() if n.rsplit(".", 1)[0].split(".")[-1] in
+                    ("embed", "head"))
+    # frozen weights stored in bf16 stay bf16 in a bf16 run (distill.freeze.lower_frozen: exact, so lossless)
+    stored = str(body.get("torch_dtype") or body.get("dtype") or "")
+    frozen_bytes = 2 if precision == "bf16" and stored in ("bfloat16", "bf16") else 4
     trunk, io = _target_params(Path(target).expanduser())
     steps = draft_steps or 3
     rows = min(micro_batch or batch, batch) * seq_len  # what one forward/backward holds
@@ -330,14 +338,16 @@ def plan(drafter: str | Path, target: str | Path, *, batch: int, seq_len: int, d
     teacher_bytes = 2 if on_gpu and precision == "bf16" else 4  # distill.teacher: bf16 weights on a bf16 GPU run
     gathered = 4 if precision == "bf16" else 8  # a unit's weights and grads while it runs: bf16 under bf16 compute
     parts = {
-        "weights": (params - trainable) * 4 + math.ceil(trainable / shards) * 4,
+        "weights": (params - trainable - io_params) * frozen_bytes + math.ceil(trainable / shards) * 4,
         "grads": math.ceil(trainable / shards) * 4,
         "optimizer": math.ceil(trainable / shards) * 8,
         "fsdp_gathered_unit": unit * gathered if world > 1 or fsdp else 0,
-        "teacher": io * 4 if cached_teacher else trunk * teacher_bytes,  # a cache's embedding and head: fp32
+        "teacher": (io if cached_teacher else trunk) * teacher_bytes,  # with a cache: its embedding and head alone
         "activations_features": rows * hidden * 4 * 2,
         "activations_blocks": acts["blocks"],
-        "activations_expert_copies": 0 if bf16_units else acts["expert_copies"],
+        # none when the experts are bf16 already: gathered so by FSDP2, or frozen and held in bf16
+        "activations_expert_copies": 0 if bf16_units or ("experts" in groups and frozen_bytes == 2)
+        else acts["expert_copies"],
         "activations_weight_copies": 0 if bf16_units else acts["weight_copies"],
         "activations_loss": loss,
         # backward: the gradients of the residual stream (fp32, a few [rows, hidden] at once) beside what is saved

@@ -48,7 +48,8 @@ def autocast(device: torch.device, precision: str):
     return contextlib.nullcontext()
 
 
-def target_io(target_dir: str | os.PathLike, device: torch.device) -> tuple[nn.Embedding, nn.Linear]:
+def target_io(target_dir: str | os.PathLike, device: torch.device, dtype: torch.dtype = torch.float32
+              ) -> tuple[nn.Embedding, nn.Linear]:
     """The target's input embedding and LM head alone, through the lazy reader (names from the family
     table's trunk roles; a tied head is the embedding): what a drafter needs of a target it never runs."""
     from recycle.checkpoint import Checkpoint
@@ -65,7 +66,7 @@ def target_io(target_dir: str | os.PathLike, device: torch.device) -> tuple[nn.E
         name = next((n for n in names if n in ck.tensors), None)
         if name is None:
             raise RecycleError(f"{target_dir}: no {role} tensor ({', '.join(names)})")
-        found[role] = ck.get(name).to(device=device, dtype=torch.float32)
+        found[role] = ck.get(name).to(device=device, dtype=dtype)
     embed = nn.Embedding.from_pretrained(found["embed"], freeze=True)
     head = nn.Linear(found["head"].shape[1], found["head"].shape[0], bias=False, device=device)
     head.weight = nn.Parameter(found["head"], requires_grad=False)
@@ -104,7 +105,9 @@ class Teacher:
 
             self.model = self.decoder = None
             self.config = AutoConfig.from_pretrained(target_dir)
-            self.embed, self.head = target_io(target_dir, device)
+            # bf16 on a GPU under bf16, as the trunk would be (the drafter shares them: adopt_target_io)
+            self.embed, self.head = target_io(target_dir, device, torch.bfloat16 if device.type == "cuda" and
+                                              precision == "bf16" else torch.float32)
             self.num_layers = int(self.config.num_hidden_layers)
         self.kv_layers: dict[str, int] = {}
         if kv:

@@ -62,7 +62,7 @@ from recycle.distill import state
 from recycle.distill.data import (
     PackedStream, Position, data_source, heldout_rows, in_process, mask_steps, regenerate, regenerate_turns,
     source_renderer)
-from recycle.distill.freeze import check_groups, freeze
+from recycle.distill.freeze import check_groups, freeze, lower_frozen
 from recycle.distill.losses import distill_loss, step_terms
 from recycle.distill.schedule import EVAL_KEY, Schedule, Step, eval_prompt_len
 from recycle.distill.teacher import Teacher, TeacherOut, autocast
@@ -346,6 +346,9 @@ class Distiller:
                                    self.source.log, rewrite)
         self.stream.texts()  # read already (validation): the packing's cost is the first step's
         self.frozen = freeze(model, o.freeze)  # after the format's own (embedding, head)
+        if self.precision == "bf16":  # frozen weights bf16 holds exactly stay bf16: autocast casts them anyway
+            self.frozen["lowered_to_bf16_bytes"] = lower_frozen(model, keep=(self.teacher.embed.weight,
+                                                                              self.teacher.head.weight))
         self.sharded = self._shard(model)
         params = self.unroller.trainable()
         self.opt = torch.optim.AdamW(params, lr=o.lr, betas=(0.9, 0.95), weight_decay=o.weight_decay,
