@@ -165,6 +165,7 @@ class SavedAccount:
         self.vocab = vocab
         self.seen: dict[int, tuple[str, int]] = {}
         self.held: list[torch.Tensor] = []
+        self.inside = 0  # > 0 while a decoder layer runs (`watch_layers`): its saves are `blocks_inside`
 
     def kind(self, t: torch.Tensor) -> str:
         key = t.untyped_storage().data_ptr()
@@ -174,7 +175,7 @@ class SavedAccount:
             return self.copies[key][0]
         if t.dim() and t.shape[-1] == self.vocab:
             return "loss"
-        return "blocks"
+        return "blocks_inside" if self.inside else "blocks"
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         if t.layout == torch.strided and t.device.type != "meta":
@@ -211,8 +212,21 @@ class SavedAccount:
         finally:
             torch.nn.functional.scaled_dot_product_attention = sdpa
 
+    def watch_layers(self, layers) -> None:
+        """Tell what `layers` (the decoder layers) save from what the rest keeps: what activation checkpointing
+        recomputes instead."""
+        def enter(*_):
+            self.inside += 1
+
+        def leave(*_):
+            self.inside -= 1
+
+        for layer in layers:
+            layer.register_forward_pre_hook(enter)
+            layer.register_forward_hook(leave)
+
     def totals(self) -> dict[str, int]:
-        out = dict.fromkeys(("params", "loss", "expert_copies", "weight_copies", "blocks"), 0)
+        out = dict.fromkeys(("params", "loss", "expert_copies", "weight_copies", "blocks", "blocks_inside"), 0)
         for kind, n in self.seen.values():
             out[kind] += n
         return out
@@ -236,9 +250,9 @@ class _CastWatch(TorchDispatchMode):
 
 
 @functools.lru_cache(maxsize=16)
-def _proxy_bytes(config_json: str, family: str, steps: int, precision: str) -> tuple[float, int, int]:
-    """(bytes per position, one expert's copies per draft step, the other weights' autocast copies) that one
-    distill forward of `steps` draft steps leaves saved for
+def _proxy_bytes(config_json: str, family: str, steps: int, precision: str) -> tuple[float, float, int, int]:
+    """(bytes per position outside the decoder layers, inside them, one expert's copies per draft step, the other
+    weights' autocast copies) that one distill forward of `steps` draft steps leaves saved for
     backward, measured on a proxy of the drafter on the CPU: one module of the block's real widths (attention,
     norms, projections, the shared and routed experts' widths), its experts cut to top-k and its vocabulary to
     PROXY_VOCAB, over PROXY_POSITIONS positions, under the run's autocast. The proxy costs its own weights in host
@@ -271,6 +285,7 @@ def _proxy_bytes(config_json: str, family: str, steps: int, precision: str) -> t
     ids = torch.randint(0, PROXY_VOCAB, (1, length), generator=gen)
     last = torch.randn(1, length, config.hidden_size, generator=gen)
     account = SavedAccount(model, PROXY_VOCAB)
+    account.watch_layers(layer.block for layer in model.layers)
     threads = torch.get_num_threads()
     try:
         with account.active(), autocast(torch.device("cpu"), precision):
@@ -279,23 +294,31 @@ def _proxy_bytes(config_json: str, family: str, steps: int, precision: str) -> t
         torch.set_num_threads(threads)
     totals = account.totals()
     copies = totals["expert_copies"] / max(1, steps * (k or 1))
-    return totals["blocks"] / unroller.positions(length), int(copies), totals["weight_copies"]
+    positions = unroller.positions(length)
+    return totals["blocks"] / positions, totals["blocks_inside"] / positions, int(copies), totals["weight_copies"]
 
 
-def _activation_bytes(body: dict, family: str, steps: int, precision: str, rows: int, modules: int) -> dict[str, int]:
+def _activation_bytes(body: dict, family: str, steps: int, precision: str, rows: int, modules: int,
+                      checkpointed: bool = False) -> dict[str, int]:
     """The layers' saved bytes for `rows` positions, every expert's copies over all steps (each expert is hit at
     the batch sizes distill runs), and the other weights' autocast copies (of each of the `modules` the steps run),
-    from the proxy."""
-    per_position, per_expert, weights = _proxy_bytes(json.dumps(body, sort_keys=True), family, steps, precision)
+    from the proxy. `checkpointed` (--activation-checkpointing): each step's decoder layer keeps only its input (the
+    projection's output) and one step's layer at a time is recomputed in backward, its expert copies with it."""
+    outside, inside, per_expert, weights = _proxy_bytes(json.dumps(body, sort_keys=True), family, steps, precision)
     experts = next((body[key] for key in EXPERT_COUNT_KEYS if body.get(key)), 0)
-    return {"blocks": math.ceil(per_position * rows), "expert_copies": per_expert * steps * experts,
+    copies = per_expert * steps * experts
+    if checkpointed:
+        layer_input = steps * body["hidden_size"] * (2 if precision == "bf16" else 4)
+        return {"blocks": math.ceil((outside + layer_input + inside / steps) * rows),
+                "expert_copies": copies // steps, "weight_copies": weights * modules}
+    return {"blocks": math.ceil((outside + inside) * rows), "expert_copies": copies,
             "weight_copies": weights * modules}
 
 
 def plan(drafter: str | Path, target: str | Path, *, batch: int, seq_len: int, draft_steps: int | None,
          world: int = 1, precision: str = "fp32", cached_teacher: bool = False, groups: tuple[str, ...] = (),
          gpu: str | None = None, device_bytes: int | None = None, micro_batch: int | None = None,
-         fsdp: bool = False) -> MemoryPlan:
+         fsdp: bool = False, activation_checkpointing: bool = False) -> MemoryPlan:
     """The per-rank memory of `recycle distill` with these options (see the module's docstring). `gpu` names a
     device of `recycle.hardware`'s table to fit (its memory); `device_bytes` gives the memory directly. `fsdp`:
     sharded with one rank too (torchrun with one process), which gathers each unit as several ranks do."""
@@ -320,7 +343,8 @@ def plan(drafter: str | Path, target: str | Path, *, batch: int, seq_len: int, d
     rows = min(micro_batch or batch, batch) * seq_len  # what one forward/backward holds
     vocab, hidden = config.vocab_size, config.hidden_size
     anchors = min(micro_batch or batch, batch) * max(1, seq_len - steps - 1)  # the positions the steps run over
-    acts = _activation_bytes(body, family, steps, precision, anchors, min(model.depth, steps))
+    acts = _activation_bytes(body, family, steps, precision, anchors, min(model.depth, steps),
+                             activation_checkpointing)
     bf16_units = (world > 1 or fsdp) and precision == "bf16"  # FSDP2 gathers bf16 weights: autocast copies nothing
     if rows > CHUNK_ROWS:  # one chunk of drafter + teacher logits, softmaxes and the logits' grad at a time (six
         # [chunk, vocab] fp32 tensors at the backward's recomputation, measured on an H200: five in the forward)
@@ -361,7 +385,8 @@ def plan(drafter: str | Path, target: str | Path, *, batch: int, seq_len: int, d
     return MemoryPlan(parts, params, trainable, trunk, {
         "batch": batch, "seq_len": seq_len, "draft_steps": steps, "world_size": world, "precision": precision,
         "teacher": "harvested cache" if cached_teacher else "in process", "freeze": list(groups),
-        "micro_batch": micro_batch, "fsdp": world > 1 or fsdp}, budget, device)
+        "micro_batch": micro_batch, "fsdp": world > 1 or fsdp, "activation_checkpointing": activation_checkpointing},
+        budget, device)
 
 
 def advice(p: MemoryPlan) -> str:
@@ -374,6 +399,8 @@ def advice(p: MemoryPlan) -> str:
         tips.append("a harvested teacher (recycle harvest, then --cache-hidden)")
     if o["world_size"] < 8 and p.parts["optimizer"] > 0.2 * p.per_rank_bytes:
         tips.append(f"more ranks (--world-size {max(2, o['world_size'] * 2)}: FSDP2 shards what trains)")
+    if not o["activation_checkpointing"] and p.parts["activations_blocks"] > 0.2 * p.per_rank_bytes:
+        tips.append("--activation-checkpointing (each draft step's layer recomputed in backward)")
     rows = min(o["micro_batch"] or o["batch"], o["batch"])
     if rows > 1:
         tips.append(f"--micro-batch {max(1, rows // 2)} (the same step, accumulated)")
@@ -395,7 +422,8 @@ def for_options(opts, world: int = 1, gpu: str | None = None, device_bytes: int 
     return plan(opts.drafter, opts.target, batch=opts.batch, seq_len=opts.seq_len, draft_steps=opts.draft_steps,
                 world=world, precision=precision, cached_teacher=bool(opts.cache_hidden),
                 groups=tuple(opts.freeze),
-                gpu=gpu, device_bytes=device_bytes, micro_batch=opts.micro_batch, fsdp=fsdp)
+                gpu=gpu, device_bytes=device_bytes, micro_batch=opts.micro_batch, fsdp=fsdp,
+                activation_checkpointing=opts.activation_checkpointing)
 
 
 __all__ = ["MemoryPlan", "plan", "advice", "check", "for_options"]

@@ -119,8 +119,13 @@ def load_checkpoint(state_dir: Path, device: torch.device, fp: dict, mmap: bool 
     except Exception as e:
         raise RecycleError(f"{path}: unreadable or unsafe checkpoint ({type(e).__name__}: "
                            f"{' '.join(str(e).split())[:120]}); remove it to start over") from None
+    return _same_run(state, fp, path, "it")
+
+
+def _same_run(state, fp: dict, path: Path, what: str):
+    """`state` if it is a recycle checkpoint of a run with fingerprint `fp`; else one line saying why."""
     if not isinstance(state, dict) or not isinstance(state.get("fingerprint"), dict):
-        raise RecycleError(f"{path}: not a recycle distill checkpoint; remove it to start over")
+        raise RecycleError(f"{path}: not a recycle distill checkpoint; remove {what} to start over")
     diff = sorted(k for k in fp if state["fingerprint"].get(k) != fp[k])
     if diff:
         raise RecycleError(f"{path}: the checkpoint is from a run with other options ({', '.join(diff)}); "
@@ -199,13 +204,7 @@ def load_sharded_meta(state_dir: Path, fp: dict) -> dict | None:
     except (OSError, ValueError, TypeError, AttributeError) as e:
         raise RecycleError(f"{path}: unreadable checkpoint state ({type(e).__name__}); remove "
                            f"{state_dir / SHARDED} to start over") from None
-    if not isinstance(meta, dict) or not isinstance(meta.get("fingerprint"), dict):
-        raise RecycleError(f"{path}: not a recycle distill checkpoint; remove {state_dir / SHARDED} to start over")
-    diff = sorted(k for k in fp if meta["fingerprint"].get(k) != fp[k])
-    if diff:
-        raise RecycleError(f"{path}: the checkpoint is from a run with other options ({', '.join(diff)}); "
-                           "use the same options or --overwrite to start over")
-    return meta
+    return _same_run(meta, fp, path, str(state_dir / SHARDED))
 
 
 def load_sharded(state_dir: Path, tensors: dict) -> None:

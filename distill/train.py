@@ -224,6 +224,8 @@ class Distiller:
         if not (src / "config.json").is_file():
             raise RecycleError(f"{src}: not a drafter directory (no config.json)")
         self.fmt = of_directory(src)
+        if o.activation_checkpointing and not self.fmt.resolve("unroller").checkpointable:
+            raise RecycleError(f"--activation-checkpointing: not for {self.fmt.title} drafters (EAGLE drafters take it)")
         self.drafter_config = load_json(src / "config.json", "drafter config.json")
         self.target_config = load_json(tgt / "config.json", "target config.json")
         check_drafter(self.fmt, self.drafter_config, self.target_config, src, tgt, str(src))
@@ -334,6 +336,8 @@ class Distiller:
                                    trunk=harvested is None, producer=self.producer, kv=unroller_cls.needs_kv)
         model.to(self.device).train()
         self.unroller = unroller_cls.make(model, o.draft_steps, self.teacher.embed, aux)
+        if o.activation_checkpointing:
+            model.checkpoint_blocks = True
         self.target_io = self.unroller.adopt_target_io(self.teacher.embed.weight, self.teacher.head.weight)
         if o.init == "scratch":
             self.unroller.reinit(o.seed)

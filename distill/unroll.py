@@ -51,6 +51,7 @@ class Unroller(ABC):
 
     default_steps = 3
     needs_kv = False  # the teacher must hand over the target's K/V (a Gemma 4 assistant attends it)
+    checkpointable = False  # --activation-checkpointing: each draft step's decoder layer recomputed in backward
     shardable = False  # FSDP2 under torchrun: the drafter runs only through its forward, trained weights never read
     # outside it (the loss reads frozen heads only)
     aux_layers: list[int] | None = None
@@ -120,6 +121,8 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 class EagleUnroller(Unroller):
     shardable = True
+    checkpointable = True  # MTP.checkpoint_blocks
+
     def adopt_target_io(self, embed: torch.Tensor, head: torch.Tensor) -> dict:
         """An EAGLE drafter's frozen embedding and LM head(s) are copies of its source's; when the target moved
         away (post-training, a fine-tune), drafting against it with the old ones both feeds the module stale token

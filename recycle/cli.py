@@ -340,6 +340,7 @@ def distill(
     init: f.Init = "recycled",
     freeze: f.Freeze = None,
     micro_batch: f.MicroBatch = None,
+    activation_checkpointing: f.ActivationCheckpointing = False,
     checkpoint_every: f.CheckpointEvery = 50,
     eval_every: f.EvalEvery = 25,
     device: f.Device = None,
@@ -376,7 +377,7 @@ def distill(
         self_distill=self_distill, prompt_len=prompt_len, sd_temperature=sd_temperature, seq_len=seq_len, batch=batch,
         lr=lr, draft_steps=draft_steps, loss=LossConfig(ce_weight, kl_weight, feature_weight, step_decay), init=init,
         freeze=tuple((freeze or "").split(",")), micro_batch=micro_batch,
-        checkpoint_every=checkpoint_every, eval_every=eval_every, resume=resume,
+        activation_checkpointing=activation_checkpointing, checkpoint_every=checkpoint_every, eval_every=eval_every, resume=resume,
         cache_hidden=str(cache_hidden) if cache_hidden else None, device=device, precision=precision, seed=seed,
         threads=threads, overwrite=overwrite, online=online, chat_template=chat_template,
         save_regenerated=save_regenerated)

@@ -187,6 +187,10 @@ WorldSize = Annotated[int | None, opt("--world-size", help="With --plan: the ran
 TrainGpu = Annotated[str | None, opt("--gpu", help="With --plan: the GPU to fit (H100, H200, A100, L40S, ...).")]
 MicroBatch = Annotated[int | None, opt("--micro-batch", help="Rows per forward/backward; the step's "
                                       "gradient accumulates over them, so --batch is the step and memory follows this.")]
+ActivationCheckpointing = Annotated[bool, opt("--activation-checkpointing", help="EAGLE drafters: recompute each "
+                                             "draft step's decoder layer in backward instead of keeping its "
+                                             "activations (one more forward of each layer; --plan shows what "
+                                             "it saves).")]
 Freeze = Annotated[str | None, opt("--freeze", metavar="GROUP,...", help="Parameter groups that stay as they are: "
                                   "experts, shared_experts, router, mlp, attention, norms, projection (e.g. --freeze experts: "
                                   "DeepSeek-V3's drafter then trains 0.34B of its 11.6B parameters).")]

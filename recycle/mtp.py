@@ -24,6 +24,7 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 from transformers import AutoConfig, PretrainedConfig
 from transformers.conversion_mapping import get_checkpoint_conversion_mapping
@@ -165,6 +166,9 @@ class MTP(nn.Module):
         shared: Mapping[str, nn.Module] | None = None,
     ) -> None:
         super().__init__()
+        # recompute each step's decoder layer in backward instead of keeping its activations (distill's
+        # --activation-checkpointing: the layers keep their inputs only)
+        self.checkpoint_blocks = False
         if family.block_class is None or family.kind != "mtp" or family.concat_order is None:
             raise RecycleError(f"family '{family.name}' has no sequential MTP runtime (kind {family.kind})")
         # a copy: the caller's config (a trunk's, when a fixture trains them together) keeps its own layer lists
@@ -245,7 +249,11 @@ class MTP(nn.Module):
                 e = e.masked_fill(at_start, 0.0)
             e, s = layer.embed_norm(e), layer.hidden_norm(state)
             x = layer.proj(torch.cat([e, s] if self.family.concat_order == "eh" else [s, e], dim=-1))
-            y = layer.block(x, attention_mask=mask, position_ids=position_ids, position_embeddings=rope)
+            if self.checkpoint_blocks and torch.is_grad_enabled():  # distill --activation-checkpointing
+                y = torch.utils.checkpoint.checkpoint(layer.block, x, use_reentrant=False, attention_mask=mask,
+                                                      position_ids=position_ids, position_embeddings=rope)
+            else:
+                y = layer.block(x, attention_mask=mask, position_ids=position_ids, position_embeddings=rope)
             y = y[0] if isinstance(y, tuple) else y
             normed = final_norm(y) if final_norm is not None else y
             if heads:

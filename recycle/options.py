@@ -180,6 +180,7 @@ class DistillOptions(DataOptions):
     init: str = "recycled"  # or "scratch"
     freeze: tuple[str, ...] = ()  # parameter groups kept as they are (distill/freeze.py)
     micro_batch: int | None = None  # rows per forward/backward; the step's gradient accumulates over them
+    activation_checkpointing: bool = False  # EAGLE: each draft step's decoder layer recomputed in backward
     checkpoint_every: int = 50
     eval_every: int = 25
     resume: bool = False
