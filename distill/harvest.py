@@ -68,16 +68,20 @@ def manifest_for(opts: HarvestOptions, keys: list[str], fp: dict | None = None) 
                              "continuation": "vLLM"} if opts.self_distill else None}
 
 
-def vllm_generate(target: str, parallel: dict | None = None) -> Generate:
-    """`Generate` in vLLM: one engine run per call (all of a round's prompts at once), rows stopping at the stop ids."""
-    from recycle.engines.vllm_env import run_job
+def vllm_generate(target: str, parallel: dict | None = None, gpu_memory_utilization: float | None = None) -> Generate:
+    """`Generate` in vLLM: one engine run per call (all of a round's prompts at once), rows stopping at the stop ids;
+    in this machine's build and dtype (`vllm_env.PLATFORMS`)."""
+    from recycle.engines.vllm_env import platform, run_job
+
+    row = platform()
 
     def generate(prompts: list[list[int]], max_new: int, temperature: float, seed: int, stops: list[int]
                  ) -> list[list[int]]:
         if not prompts:
             return []
         res = run_job({"target": target, "prompt_ids": prompts, "max_new_tokens": max_new, "temperature": temperature,
-                       "seed": seed, "stop_token_ids": stops, "parallel": parallel or {},
+                       "seed": seed, "stop_token_ids": stops, "parallel": parallel or {}, "dtype": row["dtype"],
+                       "gpu_memory_utilization": gpu_memory_utilization or row["gpu_memory_utilization"],
                        "max_model_len": max(len(p) for p in prompts) + max_new + 8,
                        "runs": [{"name": "turns", "speculative_config": None}]})["turns"]
         if "error" in res:
@@ -206,7 +210,8 @@ class _Job:
         self.tokenizer = AutoTokenizer.from_pretrained(opts.target)
         self.target = str(Path(opts.target).resolve())
         self.chat = source_renderer(opts, self.tokenizer) is not None
-        gen = vllm_generate(self.target, opts.parallel) if self.chat and opts.self_distill else None
+        gen = vllm_generate(self.target, opts.parallel, opts.gpu_memory_utilization) \
+            if self.chat and opts.self_distill else None
         self.batches, self.regenerated = plan(opts, self.tokenizer, gen)
         self.norm = final_norm(opts.target)
         self.layers = [*opts.aux_layers, n] if n not in opts.aux_layers else list(opts.aux_layers)
@@ -272,8 +277,14 @@ class _Job:
                         encoding="utf-8")
 
     def job(self, raw: Path, **how) -> dict:
+        """vLLM's harvest job, in this machine's build and dtype (`vllm_env.PLATFORMS`: bf16 on GPUs) with
+        --gpu-memory-utilization or the machine's default share."""
+        from recycle.engines.vllm_env import platform
+
+        row = platform()
         return {"mode": "harvest", "target": self.target, "layers": self.layers, "out_dir": str(raw.resolve()),
-                "parallel": self.opts.parallel or {}, **how}
+                "parallel": self.opts.parallel or {}, "dtype": row["dtype"],
+                "gpu_memory_utilization": self.opts.gpu_memory_utilization or row["gpu_memory_utilization"], **how}
 
     def store(self, dest: Path, ids: torch.Tensor, files: list[str], mask: torch.Tensor | None = None) -> None:
         """One key's cache file from vLLM's per-window files (which are then removed)."""

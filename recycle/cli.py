@@ -419,6 +419,7 @@ def harvest(
     tensor_parallel_size: f.TensorParallel = 1,
     pipeline_parallel_size: f.PipelineParallel = 1,
     data_parallel_size: f.DataParallel = 1,
+    gpu_memory_utilization: f.GpuMemoryUtilization = None,
     overwrite: f.Overwrite = False,
     json_out: f.Json = False,
 ) -> None:
@@ -426,7 +427,8 @@ def harvest(
     holds: vLLM's parallelism spreads the target; distill then reads the cache.
 
     The windows are exactly those `recycle distill` with the same --tokens/--data/--seq-len/--batch/--seed reads;
-    vLLM runs in the environment recycle manages (built on first use).
+    vLLM runs in the environment recycle manages (built on first use): its CUDA build in bf16 where torch sees a GPU,
+    its CPU build in fp32 elsewhere.
 
     Example: `recycle harvest --target fixtures/deepseek_v3_mtp --tokens 64k -o /tmp/ds-cache`, then
     `recycle distill /tmp/ds-eagle --target fixtures/deepseek_v3_mtp --tokens 64k --cache-hidden /tmp/ds-cache`
@@ -442,7 +444,8 @@ def harvest(
                                   ("data_parallel_size", data_parallel_size)) if v != 1}
     opts = HarvestOptions(target=str(target), out=f.output_path(output, target, "cache"), tokens=parse_tokens(tokens), data=data, seq_len=seq_len,
                           batch=batch, seed=seed, overwrite=overwrite, parallel=parallel, self_distill=self_distill,
-                          prompt_len=prompt_len, sd_temperature=sd_temperature, chat_template=chat_template)
+                          prompt_len=prompt_len, sd_temperature=sd_temperature, chat_template=chat_template,
+                          gpu_memory_utilization=gpu_memory_utilization)
     opts.validate()
     if drafter is not None:
         drafter_dir(drafter)

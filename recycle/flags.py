@@ -208,3 +208,5 @@ HarvestDrafter = Annotated[Path | None, opt("--drafter", help="The drafter the c
 TensorParallel = Annotated[int, opt("--tensor-parallel-size", help="vLLM's own.")]
 PipelineParallel = Annotated[int, opt("--pipeline-parallel-size", help="vLLM's own.")]
 DataParallel = Annotated[int, opt("--data-parallel-size", help="vLLM's own.")]
+GpuMemoryUtilization = Annotated[float | None, opt("--gpu-memory-utilization", help="vLLM's own: its share of each "
+                                                   "device's memory (default 0.9 on GPUs, 0.5 of RAM on CPUs).")]

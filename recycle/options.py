@@ -228,9 +228,12 @@ class HarvestOptions(DataOptions):
     aux_layers: tuple[int, ...] = ()  # EAGLE-3's eagle_aux_hidden_state_layer_ids (transformers' hidden_states ids)
     overwrite: bool = False
     parallel: dict | None = None  # vLLM's own names: tensor_parallel_size, pipeline_parallel_size, ...
+    gpu_memory_utilization: float | None = None  # vLLM's share of device memory; None: the machine's default
 
     def validate(self) -> None:
         super().validate()
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+            raise RecycleError(f"--gpu-memory-utilization {self.gpu_memory_utilization}: a share in (0, 1]")
         output_dir(self.out, self.overwrite, (self.target,))
         kinds.target(self.target)
 

