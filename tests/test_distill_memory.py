@@ -91,6 +91,7 @@ def test_memory_plan_counts_what_a_run_holds(converted: dict[str, Path], tmp_pat
         run.discard_state()
 
 
+@pytest.mark.slow  # two bf16 distillations on an emulated-bf16 CPU, ~18 s
 def test_frozen_weights_held_in_bf16_change_nothing_a_bf16_run_computes(converted: dict[str, Path], tmp_path: Path,
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """Under bf16 the frozen experts of a drafter stored in bf16 are held in bf16 (exactly: autocast casts them on
@@ -125,6 +126,7 @@ def test_frozen_weights_held_in_bf16_change_nothing_a_bf16_run_computes(converte
     assert experts and all(torch.equal(a[k], b[k]) for k in experts)
 
 
+@pytest.mark.slow  # two distill steps each way, ~18 s
 def test_activation_checkpointing_recomputes_the_same_steps(converted: dict[str, Path], tmp_path: Path) -> None:
     """--activation-checkpointing: each draft step's decoder layer is recomputed in backward, the loss curve is the
     same, what the step keeps for backward shrinks (measured), and the plan's layer term follows it (within 20%);
