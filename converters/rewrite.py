@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from recycle.checkpoint import DTYPES, Checkpoint, load_json, weight_files
+from recycle.checkpoint import load_json, meta_state, weight_files
 from recycle.converters.roles import EXACT, Lazy
 from recycle.errors import RecycleError
 from recycle.formats import BENCH_REPORT
@@ -23,29 +23,23 @@ WEIGHTS = "model.safetensors"
 
 
 def stored_layout(path: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """name → (shape, torch dtype) of one safetensors file, from its header (the one reader)."""
-    ckpt = Checkpoint(path.parent)
-    return {name: (tuple(info.shape), DTYPES[info.dtype][1]) for name, info in ckpt.tensors.items()
-            if info.file == path.name}
-
-
-def shards_of(src: Path, name: str, state: dict) -> dict[str, dict]:
-    """`state` (the weights of file `name`) cut into the files that hold them in `src`: the file itself, or its
-    shards (the trained drafter keeps its input's files, --max-shard-size as convert chose it)."""
-    return {p.relative_to(src).as_posix(): {k: state[k] for k in stored_layout(p) if k in state}
-            for p in weight_files(src, name)}
+    """name → (shape, torch dtype) of one safetensors file, from its header alone (not its directory's others)."""
+    return {name: (tuple(t.shape), t.dtype) for name, t in meta_state(path).items()}
 
 
 def write_drafter(src_dir: str | os.PathLike, writer, fmt, main: dict[str, torch.Tensor], model: torch.nn.Module,
                   record: dict, metadata: dict[str, str] | None = None) -> dict[str, int]:
     """`main`: the trained weights under model.safetensors' names; `fmt`: the drafter's DrafterFormat."""
     src = Path(src_dir)
-    stored = {k for p in weight_files(src, WEIGHTS) for k in stored_layout(p)}
+    # the input's own files for its weights (one, or its shards: --max-shard-size as convert chose it), each header
+    # read once; the trained weights go back into the files that held them
+    layouts = {p.relative_to(src).as_posix(): stored_layout(p) for p in weight_files(src, WEIGHTS)}
+    stored = {k for layout in layouts.values() for k in layout}
     main = fmt.disk_names(main, fmt.spelling(stored))  # the file's own spelling of the names
     if set(main) - stored:
         raise RecycleError(f"{src / WEIGHTS}: trained weights do not match the stored key set "
                            f"(unexpected {sorted(set(main) - stored)[:3]})")
-    planned = shards_of(src, WEIGHTS, main)
+    planned = {rel: {k: main[k] for k in layout if k in main} for rel, layout in layouts.items()}
     dropped: list[str] = []
     notes: list[str] = []
     if fmt.rewrite is not None:
@@ -53,7 +47,7 @@ def write_drafter(src_dir: str | os.PathLike, writer, fmt, main: dict[str, torch
         planned.update(extra)  # already by the files (shards) that hold them
     tensors: dict[str, dict[str, Lazy]] = {}
     for rel, state in planned.items():
-        head = stored_layout(src / rel)
+        head = layouts.get(rel) or stored_layout(src / rel)
         if set(head) != set(state):
             missing, unknown = sorted(set(head) - set(state)), sorted(set(state) - set(head))
             raise RecycleError(f"{src / rel}: trained weights do not match the stored key set "

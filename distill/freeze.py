@@ -77,8 +77,8 @@ def freeze(model: nn.Module, groups: Iterable[str]) -> dict:
             "params": sum(p.numel() for p in model.parameters())}
 
 
-def lower_frozen(model: nn.Module, dtype=None, keep: tuple = ()) -> int:
-    """Keep every frozen floating-point parameter in `dtype` (bf16) where that loses nothing (its values
+def lower_frozen(model: nn.Module, keep: tuple = ()) -> int:
+    """Keep every frozen floating-point parameter in bf16 where that loses nothing (its values
     round-trip exactly: a drafter converted or stored in bf16), for a run that computes in bf16 anyway: autocast
     would cast it on every call, so the layers see the same values, in half the memory (DeepSeek-V3 with frozen
     experts: 45 GB of fp32 experts become 22.5 GB). A parameter two modules share stays shared; `keep` (the teacher's
@@ -86,7 +86,6 @@ def lower_frozen(model: nn.Module, dtype=None, keep: tuple = ()) -> int:
     import torch
     from torch import nn as tnn
 
-    dtype = dtype or torch.bfloat16
     saved, lowered = 0, {id(p): None for p in keep}
     with torch.no_grad():
         for module in model.modules():
@@ -95,7 +94,7 @@ def lower_frozen(model: nn.Module, dtype=None, keep: tuple = ()) -> int:
                     lowered[id(p)] = None
                     if p.requires_grad or not p.is_floating_point() or p.element_size() <= 2:
                         continue
-                    low = p.to(dtype)
+                    low = p.to(torch.bfloat16)
                     if not torch.equal(low.to(p.dtype), p):
                         continue  # not exact in bf16: kept as it is
                     saved += p.numel() * (p.element_size() - low.element_size())

@@ -148,7 +148,9 @@ class SavedAccount:
     """The unique storages autograd saves for backward while active, by kind: `params` (a reference, no bytes of
     their own), `loss` (vocabulary-wide), `expert_copies` (low-precision copies of one expert's weights, which the
     per-expert loop makes in every call under autocast), `weight_copies` (autocast's copy of another weight, made
-    once per autocast region) and `blocks` (everything else the layers keep: what grows with the rows).
+    once per autocast region) and `blocks` (everything else the layers keep: what grows with the rows), split into
+    `blocks_inside` for what the decoder layers named by `watch_layers` save (what activation checkpointing drops).
+    Copies are told from activations by where they came from (`_CastWatch`), not by their shape.
 
     Attention goes through `scaled_dot_product_attention`, whose saved tensors depend on the kernel: CPU's math
     path keeps the [B, heads, T, T] probabilities, CUDA's fused kernels keep q, k, v, the output and a float32
@@ -286,12 +288,8 @@ def _proxy_bytes(config_json: str, family: str, steps: int, precision: str) -> t
     last = torch.randn(1, length, config.hidden_size, generator=gen)
     account = SavedAccount(model, PROXY_VOCAB)
     account.watch_layers(layer.block for layer in model.layers)
-    threads = torch.get_num_threads()
-    try:
-        with account.active(), autocast(torch.device("cpu"), precision):
-            unroller.unroll(ids, last, None, None)
-    finally:
-        torch.set_num_threads(threads)
+    with account.active(), autocast(torch.device("cpu"), precision):
+        unroller.unroll(ids, last, None, None)
     totals = account.totals()
     copies = totals["expert_copies"] / max(1, steps * (k or 1))
     positions = unroller.positions(length)
@@ -329,12 +327,11 @@ def plan(drafter: str | Path, target: str | Path, *, batch: int, seq_len: int, d
     from recycle.distill.unroll import EagleUnroller
 
     model, config, body, family = _meta_drafter(Path(drafter).expanduser())
-    EagleUnroller(model, draft_steps or EagleUnroller.default_steps)  # its own freeze: the embedding and head copies
+    # its own freeze: the embedding and head, which are the teacher's own tensors in a run (adopt_target_io)
+    unroller = EagleUnroller(model, draft_steps or EagleUnroller.default_steps)
+    io_params = sum(p.numel() for n, p in model.named_parameters() if unroller.frozen(n))  # counted as the teacher's
     frozen = freeze(model, groups)
     params, trainable = frozen["params"], frozen["trainable_params"]
-    # the drafter's embedding and head are the teacher's own tensors (EagleUnroller.adopt_target_io): counted there
-    io_params = sum(p.numel() for n, p in model.named_parameters() if n.rsplit(".", 1)[0].split(".")[-1] in
-                    ("embed", "head"))
     # frozen weights stored in bf16 stay bf16 in a bf16 run (distill.freeze.lower_frozen: exact, so lossless)
     stored = str(body.get("torch_dtype") or body.get("dtype") or "")
     frozen_bytes = 2 if precision == "bf16" and stored in ("bfloat16", "bf16") else 4

@@ -88,10 +88,10 @@ class Teacher:
         self.device, self.precision = device, precision
         self.producer = producer  # distill.harvest.OnlineHarvest: wait for each key, delete it once read
         self._vocab_head: tuple[torch.Tensor, torch.Tensor] | None = None  # (draft vocabulary, the head's rows)
+        # bf16 weights on a GPU when the run computes in bf16 (autocast ran the matmuls in bf16 already): half the
+        # teacher's memory; fp32 on a CPU, where bf16 kernels are emulated on most machines
+        dtype = torch.bfloat16 if device.type == "cuda" and precision == "bf16" else torch.float32
         if trunk:
-            # bf16 weights on a GPU when the run computes in bf16 (autocast ran the matmuls in bf16 already): half
-            # the teacher's memory; fp32 on a CPU, where bf16 kernels are emulated on most machines
-            dtype = torch.bfloat16 if device.type == "cuda" and precision == "bf16" else torch.float32
             self.model = load_target(target_dir, device=device, dtype=dtype)
             for p in self.model.parameters():
                 p.requires_grad_(False)
@@ -105,9 +105,7 @@ class Teacher:
 
             self.model = self.decoder = None
             self.config = AutoConfig.from_pretrained(target_dir)
-            # bf16 on a GPU under bf16, as the trunk would be (the drafter shares them: adopt_target_io)
-            self.embed, self.head = target_io(target_dir, device, torch.bfloat16 if device.type == "cuda" and
-                                              precision == "bf16" else torch.float32)
+            self.embed, self.head = target_io(target_dir, device, dtype)  # the drafter shares them: adopt_target_io
             self.num_layers = int(self.config.num_hidden_layers)
         self.kv_layers: dict[str, int] = {}
         if kv:

@@ -16,6 +16,7 @@ import typer
 from recycle import __version__
 from recycle import flags as f
 from recycle.errors import RecycleError
+from recycle.preflight import DEFAULT_SHARD_SIZE
 from recycle.report import EXIT_FINDINGS, conventional_help, note, print_json, user_errors
 
 conventional_help()
@@ -90,7 +91,7 @@ def convert(
     data: f.CalibrationData = None,
     module: f.Module = None,
     eagle3_names: f.Eagle3Names = None,
-    max_shard_size: f.MaxShardSize = "5GB",
+    max_shard_size: f.MaxShardSize = DEFAULT_SHARD_SIZE,
     overwrite: f.Overwrite = False,
     json_out: f.Json = False,
 ) -> None:
@@ -130,7 +131,7 @@ def stitch(
     target_pos: f.OldTargetArg = None,
     output: f.Output = None,
     mtp_dtype: f.MtpDtype = "auto",
-    max_shard_size: f.MaxShardSize = "5GB",
+    max_shard_size: f.MaxShardSize = DEFAULT_SHARD_SIZE,
     overwrite: f.Overwrite = False,
     json_out: f.Json = False,
 ) -> None:
@@ -377,7 +378,8 @@ def distill(
         self_distill=self_distill, prompt_len=prompt_len, sd_temperature=sd_temperature, seq_len=seq_len, batch=batch,
         lr=lr, draft_steps=draft_steps, loss=LossConfig(ce_weight, kl_weight, feature_weight, step_decay), init=init,
         freeze=tuple((freeze or "").split(",")), micro_batch=micro_batch,
-        activation_checkpointing=activation_checkpointing, checkpoint_every=checkpoint_every, eval_every=eval_every, resume=resume,
+        activation_checkpointing=activation_checkpointing, checkpoint_every=checkpoint_every, eval_every=eval_every,
+        resume=resume,
         cache_hidden=str(cache_hidden) if cache_hidden else None, device=device, precision=precision, seed=seed,
         threads=threads, overwrite=overwrite, online=online, chat_template=chat_template,
         save_regenerated=save_regenerated)

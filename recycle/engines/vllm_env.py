@@ -36,6 +36,8 @@ def platform() -> dict:
     row = dict(PLATFORMS["cuda" if torch.cuda.is_available() else "cpu"])
     row["package"] = os.environ.get("RECYCLE_VLLM_PACKAGE", row["package"])
     return row
+
+
 CACHE = Path(os.environ.get("RECYCLE_ENGINES", Path.home() / ".cache" / "recycle" / "engines"))
 JOB_SCRIPT = Path(__file__).with_name("vllm_job.py")
 BROKEN = ("torchvision", "torchaudio", "torchcodec")  # CUDA builds vLLM's wheel pulls in; they break imports
@@ -62,9 +64,9 @@ def run_logged(cmd: list[str], log: Path) -> bool:
         return subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT).returncode == 0
 
 
-def _pip(cmd: list[str], log: Path) -> None:
+def _pip(cmd: list[str], log: Path, package: str) -> None:
     if not run_logged(cmd, log):
-        raise RecycleError(f"installing {cmd[-1]} failed: {' '.join(cmd[:5])} ... (log: {log})")
+        raise RecycleError(f"installing {package} failed: {' '.join(cmd[:5])} ... (log: {log})")
 
 
 def vllm_python() -> Path:
@@ -84,8 +86,8 @@ def vllm_python() -> Path:
     log.write_text("", encoding="utf-8")
     pins = root.parent / f"{root.name}.constraints.txt"
     pins.write_text(_torch_pin() + "\n", encoding="utf-8")
-    _pip([sys.executable, "-m", "venv", "--clear", str(root)], log)
-    _pip([str(py), "-m", "pip", "install", "-q", "-c", str(pins), package], log)
+    _pip([sys.executable, "-m", "venv", "--clear", str(root)], log, package)
+    _pip([str(py), "-m", "pip", "install", "-q", "-c", str(pins), package], log, package)
     subprocess.run([str(py), "-m", "pip", "uninstall", "-y", *BROKEN], capture_output=True)
     check = subprocess.run([str(py), "-c", "import vllm"], capture_output=True, text=True)
     if check.returncode != 0:
