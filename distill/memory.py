@@ -9,7 +9,9 @@ the bytes follow the code as it is written today:
   else fp32; the embedding and head not at all (the drafter holds the teacher's own). With several ranks FSDP2
   shards the trainable weights, their grads and moments (1/world each) and every rank holds the largest unit
   gathered whole (weights and gradients; bf16 under bf16 compute) while it runs; frozen weights stay whole on
-  every rank;
+  every rank, except fused routed experts, which several ranks split by expert (`distill.experts`: trained or
+  frozen, 1/world each, never gathered; each rank casts its share once per call under autocast and exchanges
+  every rank's rows with the others while a MoE block runs);
 - the teacher: the target's trunk in the same process, or its embedding and head only when the features come
   from a `recycle harvest` cache; bf16 on a GPU under bf16 compute, else fp32;
 - activations, per rank (rows = batch × seq_len, or --micro-batch × seq_len): the teacher's features kept for the
@@ -37,6 +39,7 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from recycle.distill.experts import expert_modules, expert_params, shardable
 from recycle.distill.freeze import freeze
 from recycle.distill.losses import CHUNK_ROWS
 from recycle.errors import RecycleError
@@ -352,23 +355,31 @@ def plan(drafter: str | Path, target: str | Path, *, batch: int, seq_len: int, d
         head_copies = steps + 1  # each step's and the teacher's, kept for backward
     if precision == "bf16":  # autocast's bf16 copies of the fp32 heads (frozen: not cached, one per call)
         loss += head_copies * vocab * hidden * 2
-    unit = max((sum(p.numel() for p in m.parameters() if p.requires_grad) for m in fsdp_units(model)),
-               default=trainable)
+    # several ranks: fused routed experts split by expert (distill.experts), outside FSDP2's units
+    split = {id(p): p for m in expert_modules(model) for _, p in expert_params(m)} if shardable(model, world) else {}
+    split_frozen = sum(p.numel() for p in split.values() if not p.requires_grad)
+    unit = max((sum(p.numel() for p in m.parameters() if p.requires_grad and id(p) not in split)
+                for m in fsdp_units(model)), default=trainable)
     shards = max(1, world)
     on_gpu = bool(gpu or device_bytes)
     teacher_bytes = 2 if on_gpu and precision == "bf16" else 4  # distill.teacher: bf16 weights on a bf16 GPU run
     gathered = 4 if precision == "bf16" else 8  # a unit's weights and grads while it runs: bf16 under bf16 compute
     parts = {
-        "weights": (params - trainable - io_params) * frozen_bytes + math.ceil(trainable / shards) * 4,
+        "weights": (params - trainable - io_params - split_frozen + math.ceil(split_frozen / shards)) * frozen_bytes
+        + math.ceil(trainable / shards) * 4,
         "grads": math.ceil(trainable / shards) * 4,
         "optimizer": math.ceil(trainable / shards) * 8,
         "fsdp_gathered_unit": unit * gathered if world > 1 or fsdp else 0,
         "teacher": (io if cached_teacher else trunk) * teacher_bytes,  # with a cache: its embedding and head alone
         "activations_features": rows * hidden * 4 * 2,
         "activations_blocks": acts["blocks"],
-        # none when the experts are bf16 already: gathered so by FSDP2, or frozen and held in bf16
-        "activations_expert_copies": 0 if bf16_units or ("experts" in groups and frozen_bytes == 2)
-        else acts["expert_copies"],
+        # none when the experts are bf16 already: gathered so by FSDP2, or frozen and held in bf16; split over the
+        # ranks, each casts its own experts once per call
+        "activations_expert_copies": 0 if "experts" in groups and frozen_bytes == 2
+        else acts["expert_copies"] // shards if split else 0 if bf16_units else acts["expert_copies"],
+        # split experts: every rank's rows gathered in, the outputs' sum scattered back (fp32 at most), while one
+        # block runs
+        "activations_expert_exchange": 2 * shards * anchors * hidden * 4 if split else 0,
         "activations_weight_copies": 0 if bf16_units else acts["weight_copies"],
         "activations_loss": loss,
         # backward: the gradients of the residual stream (fp32, a few [rows, hidden] at once) beside what is saved
@@ -382,7 +393,8 @@ def plan(drafter: str | Path, target: str | Path, *, batch: int, seq_len: int, d
     return MemoryPlan(parts, params, trainable, trunk, {
         "batch": batch, "seq_len": seq_len, "draft_steps": steps, "world_size": world, "precision": precision,
         "teacher": "harvested cache" if cached_teacher else "in process", "freeze": list(groups),
-        "micro_batch": micro_batch, "fsdp": world > 1 or fsdp, "activation_checkpointing": activation_checkpointing},
+        "micro_batch": micro_batch, "fsdp": world > 1 or fsdp, "activation_checkpointing": activation_checkpointing,
+        "expert_parallel": bool(split)},
         budget, device)
 
 

@@ -17,10 +17,11 @@ Choices and why:
     (`OUT.distill/`, also holding metrics.jsonl); the checkpoint is removed once the output is whole.
   * Several ranks (`torchrun`): FSDP2 (`fully_shard`, each decoder layer a unit, then the drafter): each
     rank holds 1/world of the trainable weights, gradients and AdamW state, and trains on its slice of the
-    global batch. Every rank runs as many forward/backward passes per step as the others (the truncated
-    last batch can leave a rank without rows: it runs held-out rows at weight 0). Every rank evaluates and
-    gathers the weights it keeps; every rank checkpoints its own shards (`torch.distributed.checkpoint` into
-    safetensors, `distill/state.py`), rank 0 logs and writes.
+    global batch. Fused routed experts are split by expert instead (`distill/experts.py`: the rows go to the
+    experts; no rank ever holds all of them). Every rank runs as many forward/backward passes per step as the
+    others (the truncated last batch can leave a rank without rows: it runs held-out rows at weight 0). Every
+    rank evaluates and gathers the weights it keeps; every rank checkpoints its own shards
+    (`torch.distributed.checkpoint` into safetensors, `distill/state.py`), rank 0 logs and writes.
   * A held-out estimate of acceptance every M steps: top-1 agreement of each draft step with the
     target's greedy token on a fixed held-out batch (the held-out side of `--data`), whose rows the
     target continues greedily after a short prompt once at the start: that is the text greedy
@@ -163,6 +164,7 @@ class Distiller:
         self.is_main = self.rank == 0
         self.made_state_dir = False
         self.sharded = False  # FSDP2 under torchrun (_shard)
+        self.expert_parallel = False  # the routed experts split over the ranks (_shard, distill.experts)
         self.stop: str | None = None  # the signal that asked the loop to stop after its step
         try:
             self._validate()
@@ -411,17 +413,25 @@ class Distiller:
         whole on every rank: the loss reads the head directly, a chunk of rows at a time."""
         if not dist.is_initialized() or not self.unroller.shardable:
             return False
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+        from recycle.distill import experts
         from recycle.distill.memory import fsdp_units
 
-        frozen = {p for p in model.parameters() if not p.requires_grad}
+        mesh = init_device_mesh(self.device.type, (self.world,))
+        # fused routed experts: split by expert over the ranks, the tokens sent to them (distill.experts), not gathered
+        split = experts.shard_experts(model, mesh) if experts.shardable(model, self.world) else []
+        self.expert_parallel = bool(split)
+        if split:
+            self._note(f"expert parallelism: each rank holds {1 / self.world:.0%} of the routed experts")
+        ignored = {p for p in model.parameters() if not p.requires_grad} | set(split)
         # bf16 compute: units gathered in bf16 (half the all-gather and the gathered copy), reduced in fp32
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if self.precision == "bf16" else None,
                                       reduce_dtype=torch.float32)
         for module in fsdp_units(model):
-            fully_shard(module, mp_policy=policy, ignored_params=frozen)
-        fully_shard(model, mp_policy=policy, ignored_params=frozen)
+            fully_shard(module, mesh=mesh, mp_policy=policy, ignored_params=ignored)
+        fully_shard(model, mesh=mesh, mp_policy=policy, ignored_params=ignored)
         return True
 
     def _full_state(self, optimizer: bool = True) -> tuple[dict, dict | None]:
@@ -497,8 +507,12 @@ class Distiller:
         score = expected_length(agree)
         if self.best is None or score > self.best["estimate"]:
             self.best = {"estimate": score, "agree": list(agree), "step": self.step, "tokens": self.tokens}
-            trained = {n: p.full_tensor() if isinstance(p, DTensor) else p  # sharded: gathered, every rank
-                       for n, p in self.model.named_parameters() if p.requires_grad}
+            trained = {}
+            for n, p in self.model.named_parameters():
+                if p.requires_grad:  # sharded: gathered by every rank (a collective), one tensor on the device at once
+                    whole = p.full_tensor() if isinstance(p, DTensor) else p.detach()
+                    if self.is_main:
+                        trained[n] = whole.cpu() if isinstance(p, DTensor) else whole
             if self.is_main:  # only rank 0 writes the output; the trained weights go to disk, not RAM
                 state.save_best(self.state_dir, self.step, trained)
                 state.prune_best(self.state_dir, {self.step, self.checkpointed_best})
@@ -774,7 +788,9 @@ class Distiller:
                          else None},
                      "prompt_len": o.prompt_len if o.self_distill and self.renderer is None else None,
                      "temperature": o.sd_temperature if o.self_distill else None,
-                     "seq_len": o.seq_len, "batch_per_rank": o.batch, "world_size": self.world, "seed": o.seed},
+                     "seq_len": o.seq_len, "batch_per_rank": o.batch, "world_size": self.world, "seed": o.seed,
+                     "sharding": ("FSDP2, routed experts split over the ranks" if self.expert_parallel
+                                  else "FSDP2" if self.sharded else None)},
             "losses": {**asdict(o.loss), "draft_steps": self.unroller.steps, "objective":
                        "Σ_k decay^k/Z · (ce_weight·CE + kl_weight·KL(P_target ‖ P_draft) + feature_weight·SmoothL1)"},
             "freeze": self.frozen,

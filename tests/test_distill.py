@@ -315,7 +315,8 @@ def _two_ranks(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_fsdp2_two_ranks_equal_one_process(converted: dict[str, Path], tmp_path: Path) -> None:
-    """torchrun, gloo, 2 ranks: FSDP2 shards the EAGLE drafter (its decoder layers, then the rest); the global batch
+    """torchrun, gloo, 2 ranks: FSDP2 shards the EAGLE drafter (its decoder layers, then the rest; the routed experts
+    split by expert, distill/experts.py); the global batch
     of one process with twice the rows gives the same loss curve (relative 1e-3) and held-out agreement, the last
     step leaves rank 1 without rows, and both write a loadable drafter."""
     common = ["distill", str(converted["eagle"]), "--target", str(FIXTURE), "--tokens", str(5 * 4 * 48 + 40),
@@ -334,6 +335,7 @@ def test_fsdp2_two_ranks_equal_one_process(converted: dict[str, Path], tmp_path:
     assert all(abs(x - y) <= 1e-3 for x, y in zip(one["final"]["heldout_agreement_after"],
                                                     two["final"]["heldout_agreement_after"]))
     assert two["tokens"] == one["tokens"] and two["data"]["world_size"] == 2
+    assert two["data"]["sharding"] == "FSDP2, routed experts split over the ranks" and one["data"]["sharding"] is None
     a, b = load_drafter(tmp_path / "one"), load_drafter(tmp_path / "two")
     for (n, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
         assert torch.allclose(p, q, rtol=1e-3, atol=1e-5), n

@@ -131,6 +131,7 @@ def _tiny_pair(vocab: int = 8):
     return target, new_assistant(Gemma4AssistantConfig(text_config=text, backbone_hidden_size=TARGET["hidden_size"])).eval()
 
 
+@pytest.mark.slow  # 1,200 sampled runs, ~80 s; greedy losslessness through the same engine stays in the default run
 def test_assistant_sampling_follows_the_target_law():
     model, a = _tiny_pair()
     target = Target(model)

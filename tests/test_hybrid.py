@@ -128,6 +128,7 @@ def test_native_mtp_chain_is_lossless_and_a_tree_is_refused(qwen_dir: Path) -> N
 V = 8
 
 
+@pytest.mark.slow  # ~40 s of sampling; the rollbacks' exactness stays in the default run (greedy, through rejections)
 def test_speculative_sampling_on_a_hybrid_follows_the_target_law() -> None:
     """The sampling rule with rollbacks: tokens 1–3 distributed as the target's own law (χ² against the exact
     marginals), on a tiny hybrid whose weak MTP module is accepted often and rejected often."""
