@@ -451,3 +451,27 @@ class OnlineHarvest:
                 sizes.append(p.stat().st_size)
         self.max_present = max(self.max_present, len(sizes))
         self.max_bytes = max(self.max_bytes, sum(sizes))
+
+
+class OnlineFollower:
+    """`--online` on a rank other than 0 under torchrun: rank 0's `OnlineHarvest` feeds vLLM and writes each step's
+    key (the one-process key of the global batch); this rank waits for the file and reads its own rows of it (a
+    span, as from any harvested cache). Rank 0 deletes a key once every rank has passed the step (`Distiller`)."""
+
+    POLL_S = OnlineHarvest.POLL_S
+
+    def __init__(self, out: str | Path, ahead: int) -> None:
+        self.dir, self.ahead = Path(out), ahead
+        self.max_present = self.max_bytes = 0
+
+    def begin(self, step: int) -> None:
+        """Rank 0's producer starts at the step; nothing to do here."""
+
+    def close(self) -> None:
+        """Rank 0's producer ends with its run; nothing to do here."""
+
+    def wait(self, key: str) -> None:
+        """Block until `key`'s file exists (rank 0 failing ends every rank: torchrun tears the group down)."""
+        path = self.dir / f"{key}.safetensors"
+        while not path.exists():
+            time.sleep(self.POLL_S)

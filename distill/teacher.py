@@ -187,8 +187,6 @@ class Teacher:
         if self.producer is not None and key is not None:
             self.producer.wait(split_key(key)[0])
         cached = self._load(key, ids) if key is not None and self.cache_dir is not None else None
-        if self.producer is not None and key is not None and key != "eval":
-            self._path(key).unlink(missing_ok=True)  # consumed: online mode keeps disk flat
         if cached is not None:
             last, aux = cached
             self.cache_hits += 1
@@ -197,6 +195,13 @@ class Teacher:
             if key is not None and self.cache_dir is not None and split_key(key)[1] is None:  # never part of a file
                 self._store(key, ids, last, aux)
         return TeacherOut(last, aux, self.logits)
+
+    def release(self, keys: list[str]) -> None:
+        """Online mode: delete the step's key files once read (by every rank: the caller's to know), so disk stays
+        at the producer's `ahead` keys."""
+        for key in keys:
+            if split_key(key)[0] != "eval":
+                self._path(key).unlink(missing_ok=True)
 
     def cached_rows(self, key: str) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The token ids stored under `key` (a harvested cache's evaluation rows, or the rows vLLM regenerated),

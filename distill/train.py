@@ -220,8 +220,6 @@ class Distiller:
             raise RecycleError(f"--target {tgt}: not a model directory (no config.json)")
         if o.snapshots and self.world > 1:
             raise RecycleError("snapshots (the recycling experiment) are taken in one process: not under torchrun")
-        if o.online is not None and self.world > 1:
-            raise RecycleError("--online trains one process: not under torchrun")
         self.source = data_source(o.data)
         if not (src / "config.json").is_file():
             raise RecycleError(f"{src}: not a drafter directory (no config.json)")
@@ -317,15 +315,19 @@ class Distiller:
         self.harvested = False
         self.producer = None
         if o.online:  # vLLM computes each step's features while this process trains, `online` keys ahead
-            from recycle.distill.harvest import OnlineHarvest
+            from recycle.distill.harvest import OnlineFollower, OnlineHarvest
             from recycle.options import HarvestOptions
 
             with self._phase("starting vLLM for the online teacher (about a minute on a CPU)"):
-                self.producer = OnlineHarvest(HarvestOptions(
-                    target=o.target, out=o.cache_hidden, tokens=o.tokens, data=o.data, seq_len=o.seq_len,
-                    batch=o.batch, seed=o.seed, aux_layers=tuple(aux or ()), eval_rows=o.eval_rows,
-                    eval_prompt_len=o.eval_prompt_len, parallel=o.vllm_parallel, chat_template=o.chat_template),
-                    o.online)
+                if self.is_main:  # under torchrun vLLM runs beside rank 0, on the global batch's one-process keys
+                    self.producer = OnlineHarvest(HarvestOptions(
+                        target=o.target, out=o.cache_hidden, tokens=o.tokens, data=o.data, seq_len=o.seq_len,
+                        batch=o.batch * self.world, seed=o.seed, aux_layers=tuple(aux or ()),
+                        eval_rows=o.eval_rows, eval_prompt_len=o.eval_prompt_len, parallel=o.vllm_parallel,
+                        chat_template=o.chat_template), o.online)
+                if self.world > 1:  # the other ranks look only once rank 0 has cleared an earlier run's keys
+                    dist.barrier()
+                    self.producer = self.producer or OnlineFollower(o.cache_hidden, o.online)
                 self.producer.wait(EVAL_KEY)  # vLLM's engine start and the held-out rows come first
         if o.cache_hidden and (Path(o.cache_hidden) / "manifest.json").is_file():  # made by `recycle harvest`
             from recycle.distill.harvest import check_manifest
@@ -637,8 +639,10 @@ class Distiller:
             if not self.sharded:
                 self._allreduce()
             lt = torch.tensor([loss], dtype=torch.float64, device=self.device)
-            dist.all_reduce(lt)
+            dist.all_reduce(lt)  # every rank has read its rows of the step's keys by now
             loss = float(lt)
+        if self.producer is not None and self.is_main:  # online: consumed, deleted (disk stays at `ahead` keys)
+            self.teacher.release([key for _, _, key in keys])
         params = self.unroller.trainable()
         if any(p.grad is not None for p in params):
             with record_function("recycle.optimizer"):

@@ -172,7 +172,8 @@ CacheHidden = Annotated[Path | None, opt("--cache-hidden", help="Store/reuse the
                                          "`recycle harvest` cache is read without loading the target.",
                                          metavar="CACHE_DIR")]
 Online = Annotated[int | None, opt("--online", help="Harvest in vLLM while training, at most N steps' windows ahead in "
-                                   "--cache-hidden (disk stays flat); the target is never loaded here.", metavar="N")]
+                                   "--cache-hidden (disk stays flat); the target is never loaded here. Under torchrun vLLM runs "
+                                   "beside rank 0.", metavar="N")]
 Lr = Annotated[float, opt("--lr", help="Peak AdamW learning rate.")]
 DraftSteps = Annotated[int | None, opt("--draft-steps", help="Unrolled draft steps (default 3; Medusa: its heads).")]
 CeWeight = Annotated[float, opt("--ce-weight", help="Weight of CE to the data label.")]

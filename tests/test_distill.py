@@ -663,6 +663,49 @@ def test_online_harvest_keeps_disk_bounded_and_deletes_what_it_consumed(converte
     assert len(la) == len(lb) >= 10 and max(abs(x - y) / abs(y) for x, y in zip(la, lb)) < 2e-3
 
 
+def _online_rank(rank: int, world: int, port: int, run: dict, queue) -> None:
+    """One rank of a 2-rank `--online` run (gloo), vLLM stood in for by transformers (`_fake_vllm`)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world))
+    import recycle.engines.vllm_env as vllm_env
+
+    vllm_env.run_job = _fake_vllm
+    try:
+        rec = distill(DistillOptions(**run))
+        queue.put((rank, rec if rank == 0 else None))
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@pytest.mark.slow  # two ranks and a stand-in vLLM, ~60 s
+def test_online_under_two_ranks_follows_the_one_process_run(converted: dict[str, Path], tmp_path: Path) -> None:
+    """`--online` under torchrun: vLLM runs beside rank 0 on the global batch's keys, each rank reads its rows of
+    them, rank 0 deletes a key once every rank passed its step; the loss curve is the one-process in-process run's
+    at twice the batch (2e-3, as the one-process online test), and the cache directory ends empty of step keys."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    common = dict(drafter=str(converted["eagle"]), target=str(FIXTURE), tokens=1200, seq_len=48, seed=0, eval_rows=2,
+                  eval_every=4, precision="fp32", threads=1)
+    one = distill(DistillOptions(out=str(tmp_path / "one"), batch=2, **common))
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    queue = mp.get_context("spawn").Queue()
+    run = dict(out=str(tmp_path / "two"), batch=1, cache_hidden=str(tmp_path / "online"), online=2, **common)
+    mp.spawn(_online_rank, args=(2, port, run, queue), nprocs=2, join=True)
+    two = dict(queue.get(timeout=5) for _ in range(2))[0]
+    assert two["trunk_loaded"] is False and two["data"]["world_size"] == 2 and 1 <= two["online"]["max_key_files"] <= 2
+    assert sorted(p.name for p in (tmp_path / "online").iterdir()) == ["eval.safetensors", "manifest.json"]
+    la, lb = (_metrics(Path(r["state_dir"])) for r in (one, two))
+    assert len(la) == len(lb) >= 10
+    assert max(abs(x["loss"] - y["loss"]) / abs(y["loss"]) for x, y in zip(la, lb)) < 2e-3
+
+
 def test_online_needs_a_cache_dir_and_one_process(converted: dict[str, Path], tmp_path: Path) -> None:
     args = [str(converted["eagle"]), "--target", str(FIXTURE), "--tokens", "1000", "-o", str(tmp_path / "o")]
     res = run_cli("distill", *args, "--online", "2")
