@@ -715,6 +715,7 @@ def test_online_needs_a_cache_dir_and_one_process(converted: dict[str, Path], tm
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.slow  # a harvest and two self-distillations, ~65 s; the plain harvested cache stays in the default run
 def test_self_distill_from_a_harvested_cache(converted: dict[str, Path], tmp_path: Path,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """`recycle harvest --self-distill`: the engine writes every window after its first --prompt-len tokens and
@@ -745,6 +746,7 @@ def test_self_distill_from_a_harvested_cache(converted: dict[str, Path], tmp_pat
     assert res.exit_code == 2 and "harvested with --prompt-len 16" in res.stderr
 
 
+@pytest.mark.slow  # ~35 s; online mode's own test (disk bounded, consumed keys deleted) stays in the default run
 def test_online_resume_restarts_the_producer_at_the_checkpoint(converted: dict[str, Path], tmp_path: Path,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """A run stopped mid-way (here by an exception after step 5; a SIGKILL leaves the same checkpoint) resumes

@@ -165,8 +165,9 @@ def test_plan_cli_fits_or_refuses_with_advice(converted: dict[str, Path], tmp_pa
     data = json.loads(res.stdout)
     assert data["fits"] is True and data["per_rank_bytes"] == sum(data["parts"].values())
     big = ROOT / "benchmarks" / "configs" / "deepseek_v3"  # DeepSeek-V3's real config: no weights needed
+    # fp32: the proxy's forward in fp32 kernels (this CPU emulates bf16: 10 s against 2)
     res = runner.invoke(app, ["distill", str(big), "--target", str(big), "--plan", "--gpu", "H100", "--world-size", "8",
-                              "--batch", "8", "--seq-len", "2048", "-o", str(tmp_path / "o")])
+                              "--batch", "8", "--seq-len", "2048", "--precision", "fp32", "-o", str(tmp_path / "o")])
     assert res.exit_code == 2 and "recycle harvest" in res.stderr and "--freeze experts" in res.stderr, res.output
     assert len([ln for ln in res.stderr.splitlines() if ln.strip()]) == 1
     assert not any(tmp_path.iterdir())
