@@ -38,7 +38,8 @@ def expert_modules(model: nn.Module) -> list[nn.Module]:
 
 
 def expert_params(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    """The module's per-expert tensors (first dimension the expert): the projections and their biases."""
+    """The module's per-expert tensors (first dimension the expert): the projections and their biases (of a module
+    not yet split: `shard_experts` sets its count to the rank's own)."""
     return [(n, p) for n, p in module.named_parameters(recurse=False) if p.dim() >= 2
             and p.shape[0] == module.num_experts]
 
@@ -49,19 +50,12 @@ def shardable(model: nn.Module, world: int) -> bool:
     return world > 1 and bool(mods) and all(m.num_experts % world == 0 for m in mods)
 
 
-def parallel_params(model: nn.Module, world: int) -> int:
-    """The parameters expert parallelism splits over `world` ranks (0 when it does not apply): the plan's count."""
-    if not shardable(model, world):
-        return 0
-    return sum(p.numel() for m in expert_modules(model) for _, p in expert_params(m))
-
-
 class _ExpertShard:
     """The forward of one fused experts module whose experts are split over the ranks (see the module docstring).
     Installed as the module's `forward`; re-entered once per call, through `torch.func.functional_call`, to run
     transformers' forward on this rank's local shards."""
 
-    def __init__(self, module: nn.Module, names: list[str], mesh, rank: int, world: int) -> None:
+    def __init__(self, module: nn.Module, names: list[str], mesh, rank: int) -> None:
         self.module, self.names, self.group = module, names, mesh.get_group()
         self.count = module.num_experts  # this rank's (the module's count once sharded: the sentinel is one past it)
         self.first = rank * self.count
@@ -116,8 +110,8 @@ def shard_experts(model: nn.Module, mesh) -> list[nn.Parameter]:
             out.append(shard)
         module.num_experts = count  # transformers' forward runs on the local experts, `count` its sentinel
         module._is_expert_parallel = True
-        module.forward = _ExpertShard(module, names, mesh, rank, world)
+        module.forward = _ExpertShard(module, names, mesh, rank)
     return out
 
 
-__all__ = ["expert_modules", "expert_params", "shardable", "parallel_params", "shard_experts"]
+__all__ = ["expert_modules", "expert_params", "shardable", "shard_experts"]

@@ -77,12 +77,12 @@ def test_split_experts_equal_the_whole_block(tmp_path: Path, impl: str) -> None:
 
 
 def test_not_shardable_when_the_ranks_do_not_divide_the_experts() -> None:
-    from recycle.distill.experts import parallel_params, shardable
+    from recycle.distill.experts import expert_modules, expert_params, shardable
 
     moe = _moe("eager")
     assert shardable(moe, 2) and not shardable(moe, 3) and not shardable(moe, 1)
-    assert parallel_params(moe, 2) == moe.experts.gate_up_proj.numel() + moe.experts.down_proj.numel()
-    assert parallel_params(moe, 3) == 0
+    assert expert_modules(moe) == [moe.experts]  # not the shared expert, router or the block
+    assert [n for n, _ in expert_params(moe.experts)] == ["gate_up_proj", "down_proj"]
 
 
 def _run_worker(rank: int, world: int, port: int, drafter: str, out: str, queue) -> None:
