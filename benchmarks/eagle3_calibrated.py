@@ -56,7 +56,9 @@ def fixture_run(name: str, a, work: Path) -> dict:
     opts = ExperimentOptions(target=target, work=str(work), tokens=parse_tokens(a.tokens), marks=counts(a.marks),
                              formats=("eagle3",), prompt_source=a.prompt_source, prompts=a.prompts,
                              max_new_tokens=a.max_new_tokens, threads=a.threads, calibrate=parse_tokens(a.calibrate),
-                             convert_options={"eagle3_mlp": a.mlp} if a.mlp else {}, tree=a.tree, inits=("recycled",),
+                             convert_options=({"eagle3_mlp": a.mlp} if a.mlp else {})
+                             | ({"calibrate_steps": a.calibrate_steps} if a.calibrate_steps else {}),
+                             tree=a.tree, inits=("recycled",),
                              lr=a.lr, scratch_tokens=parse_tokens(a.scratch_tokens) if a.scratch_tokens != "0" else None,
                              scratch_marks=counts(a.scratch_marks))
     out["experiment"] = run_experiment(opts, log=lambda s: print(s, flush=True))
@@ -116,9 +118,10 @@ def variants(a) -> str:
     for combo in a.combos.split(","):
         name, attention, mlp = combo.split(":")
         target = ROOT / "fixtures" / name
-        d = Path(a.work) / "variants" / f"{name}-{attention}-{mlp}"
+        d = Path(a.work) / "variants" / f"{name}-{attention}-{mlp}-{a.calibrate_steps or 400}"
         conv = convert_checkpoint(target, "eagle3", d, overwrite=True, calibrate=parse_tokens(a.calibrate),
-                                  eagle3_mlp=mlp, eagle3_attention=attention)
+                                  eagle3_mlp=mlp, eagle3_attention=attention,
+                                  **({"calibrate_steps": a.calibrate_steps} if a.calibrate_steps else {}))
         cal = json.loads((d / "recycle.json").read_text())["calibration"]
         width = json.loads((d / "config.json").read_text())["intermediate_size"]
         tau = bench_tau(str(d), str(target), prompts, a.max_new_tokens, tree=a.tree)
@@ -206,6 +209,7 @@ def main() -> None:
                     "MLA attention)")
     ap.add_argument("--calibrate", default="32k")
     ap.add_argument("--mlp", default=None, choices=("shared", "wide"), help="--eagle3-mlp (default: convert's)")
+    ap.add_argument("--calibrate-steps", type=int, default=None, help="--calibrate-steps (default: convert's, 400)")
     ap.add_argument("--tokens", default="1M")
     ap.add_argument("--marks", default="0,64k,256k,1M")
     ap.add_argument("--scratch-tokens", default="4M")
