@@ -60,7 +60,8 @@ def fixture_run(name: str, a, work: Path) -> dict:
                              | ({"calibrate_steps": a.calibrate_steps} if a.calibrate_steps else {}),
                              tree=a.tree, inits=("recycled",),
                              lr=a.lr, scratch_tokens=parse_tokens(a.scratch_tokens) if a.scratch_tokens != "0" else None,
-                             scratch_marks=counts(a.scratch_marks))
+                             scratch_marks=counts(a.scratch_marks),
+                             converted={"eagle3": a.converted} if a.converted else {})
     out["experiment"] = run_experiment(opts, log=lambda s: print(s, flush=True))
     return out
 
@@ -145,7 +146,8 @@ def markdown(results: list[dict]) -> str:
         curve = {p["tokens"]: p["tau"] for p in ex["runs"]["eagle3-recycled"]["curve"]}
         conv = ex["conversions"]["eagle3"]
         lines.append(f"| {r['fixture']} | {r['module']['tau']:.3f} | {r['fold']['tau']:.3f} | "
-                     f"{conv['calibration']['tokens']:,}, {conv['seconds']:.0f} | "
+                     f"{conv['calibration']['tokens']:,}, "
+                     + (f"{conv['seconds']:.0f} | " if conv["seconds"] is not None else "converted before | ")
                      + " | ".join(f"{curve[m]:.3f}" if m in curve else "" for m in marks)
                      + f" | {curve[0] / r['module']['tau']:.0%} |")
     lines += ["", "| fixture | scratch τ at its marks | scratch × tokens to match calibrated @ "
@@ -210,6 +212,8 @@ def main() -> None:
     ap.add_argument("--calibrate", default="32k")
     ap.add_argument("--mlp", default=None, choices=("shared", "wide"), help="--eagle3-mlp (default: convert's)")
     ap.add_argument("--calibrate-steps", type=int, default=None, help="--calibrate-steps (default: convert's, 400)")
+    ap.add_argument("--converted", default=None, help="an EAGLE-3 directory calibrated already (e.g. by --variants): "
+                    "distilled as it is, one fixture")
     ap.add_argument("--tokens", default="1M")
     ap.add_argument("--marks", default="0,64k,256k,1M")
     ap.add_argument("--scratch-tokens", default="4M")

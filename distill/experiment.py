@@ -61,6 +61,7 @@ class ExperimentOptions:
     threads: int | None = None
     seed: int = 0
     extra: dict = field(default_factory=dict)  # further DistillOptions fields
+    converted: dict = field(default_factory=dict)  # format -> a directory converted already (not converted again)
 
 
 def bench_tau(drafter: str | None, target: str, prompts: list[tuple[str, str]], max_new_tokens: int,
@@ -141,7 +142,10 @@ def run_experiment(opts: ExperimentOptions, log: Callable[[str], None] = print) 
         if assistant and "target" in takes and (calibration or "calibrate" not in takes):
             calibration["target"] = opts.target
         extra = {k: v for k, v in opts.convert_options.items() if k in takes}
-        conv = convert_checkpoint(opts.source or opts.target, fmt, src, overwrite=True, **calibration, **extra)
+        if fmt in opts.converted:  # e.g. a calibration made once, distilled under several recipes
+            src, conv = Path(opts.converted[fmt]), {"seconds": None}
+        else:
+            conv = convert_checkpoint(opts.source or opts.target, fmt, src, overwrite=True, **calibration, **extra)
         made = json.loads((src / "recycle.json").read_text())
         result.setdefault("conversions", {})[fmt] = {"seconds": conv["seconds"],
                                                      "calibration": made.get("calibration")}

@@ -412,7 +412,9 @@ class Distiller:
         the whole drafter): every transformers decoder layer its own unit, then the rest of the drafter, each
         rank holding 1/world of the trainable weights, their gradients and AdamW state (fp32; gradients reduced in
         fp32). Frozen weights (the embedding and head copies, `--freeze` groups) stay outside the units, plain and
-        whole on every rank: the loss reads the head directly, a chunk of rows at a time."""
+        whole on every rank: the loss reads the head directly, a chunk of rows at a time. Fused routed experts,
+        trained or frozen, stay outside too, split by expert over the ranks (`distill.experts`), where the rank
+        count divides them: a MoE block's unit would otherwise gather every expert on every rank."""
         if not dist.is_initialized() or not self.unroller.shardable:
             return False
         from torch.distributed.device_mesh import init_device_mesh
