@@ -119,7 +119,7 @@ def variants(a) -> str:
     for combo in a.combos.split(","):
         name, attention, mlp = combo.split(":")
         target = ROOT / "fixtures" / name
-        d = Path(a.work) / "variants" / f"{name}-{attention}-{mlp}-{a.calibrate_steps or 400}"
+        d = Path(a.work) / "variants" / f"{name}-{attention}-{mlp}-{a.calibrate_steps or 'default'}"
         conv = convert_checkpoint(target, "eagle3", d, overwrite=True, calibrate=parse_tokens(a.calibrate),
                                   eagle3_mlp=mlp, eagle3_attention=attention,
                                   **({"calibrate_steps": a.calibrate_steps} if a.calibrate_steps else {}))
@@ -211,7 +211,7 @@ def main() -> None:
                     "MLA attention)")
     ap.add_argument("--calibrate", default="32k")
     ap.add_argument("--mlp", default=None, choices=("shared", "wide"), help="--eagle3-mlp (default: convert's)")
-    ap.add_argument("--calibrate-steps", type=int, default=None, help="--calibrate-steps (default: convert's, 400)")
+    ap.add_argument("--calibrate-steps", type=int, default=None, help="--calibrate-steps (default: convert's)")
     ap.add_argument("--converted", default=None, help="an EAGLE-3 directory calibrated already (e.g. by --variants): "
                     "distilled as it is, one fixture")
     ap.add_argument("--tokens", default="1M")

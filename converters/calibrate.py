@@ -229,7 +229,8 @@ def calibrate_medusa(plan, w, opts, progress: Callable | None = None) -> dict:
     heads = opts.heads or DEFAULT_HEADS
     target = opts.target or w.ckpt.path
     feats = collect(w.ckpt.path, target, heads, opts.calibrate, opts.data, progress=progress)
-    fitted = fit(feats, steps=opts.calibrate_steps, progress=progress)
+    steps = opts.calibrate_steps or DEFAULT_STEPS
+    fitted = fit(feats, steps=steps, progress=progress)
     names = faster_decoding_names(heads, LAYERS)
     for i, f in enumerate(fitted):
         rep = f.report
@@ -243,6 +244,6 @@ def calibrate_medusa(plan, w, opts, progress: Callable | None = None) -> dict:
             plan.tensors[FD_WEIGHTS][names[name]] = lazy
     plan.notes.extend(feats.notes)
     return {"tokens": feats.tokens, "data": opts.data or "stdlib", "target": str(Path(target).resolve()),
-            "steps": opts.calibrate_steps, "lr": DEFAULT_LR,
+            "steps": steps, "lr": DEFAULT_LR,
             "objective": "KL(P_source_head ‖ P_medusa_head), the head's LM head fixed, ResBlock from the identity",
             "heads": [f.report for f in fitted]}

@@ -86,7 +86,7 @@ def convert(
     dtype: f.StorageDtype = "bf16",
     layouts: f.Layouts = None,
     calibrate: f.Calibrate = None,
-    calibrate_steps: f.CalibrateSteps = 400,
+    calibrate_steps: f.CalibrateSteps = None,
     target: f.CalibrationTarget = None,
     data: f.CalibrationData = None,
     module: f.Module = None,

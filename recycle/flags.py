@@ -103,8 +103,9 @@ Layouts = Annotated[str | None, opt("--layouts", help="--to eagle: comma list of
 Calibrate = Annotated[str | None, opt("--calibrate", help="--to medusa: fit each ResBlock to the source head on this "
                                       "many tokens (e.g. 64k) instead of the identity. --to eagle3: fit the folded "
                                       "midlayer to the MTP module on them.", metavar="TOKENS")]
-CalibrateSteps = Annotated[int, opt("--calibrate-steps", help="With --calibrate: optimizer steps of the fit "
-                                    "(fewer: faster, looser).")]
+CalibrateSteps = Annotated[int | None, opt("--calibrate-steps", help="With --calibrate: optimizer steps of the fit "
+                                           "(fewer: faster, looser; default: Medusa 400, EAGLE-3 one per 80 tokens "
+                                           "and at least 400, e.g. 1,600 for 128k).")]
 CalibrationTarget = Annotated[Path | None, opt("--target", help="With --calibrate: the model whose states the heads "
                                                "read (default: the checkpoint). From a Gemma 4 assistant: the model it "
                                                "drafts for. --to gguf: the trunk GGUF the side file pairs with (its "

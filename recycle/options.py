@@ -60,7 +60,7 @@ class ConvertOptions:
     eagle3_attention: str | None = None  # eagle3: llama (default) or mla
     eagle3_mlp: str | None = None  # eagle3 with calibrate: wide (the default on a MoE block) or shared
     calibrate: int | None = None  # medusa: tokens to fit the ResBlocks on; eagle3: to fit the midlayer on
-    calibrate_steps: int = 400
+    calibrate_steps: int | None = None  # None: the calibration's own default (Medusa 400; EAGLE-3 by its tokens)
     target: str | None = None  # with calibrate; eagle3/medusa from a Gemma 4 assistant; gguf: the trunk GGUF file
     data: str | None = None  # with calibrate
     module: int | None = None  # gguf: which MTP module to write (llama.cpp drafts with one)
