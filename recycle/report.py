@@ -543,13 +543,18 @@ def render_distill(data: dict) -> None:
               "once the output is whole[/dim]")
 
 
-MEMORY_PARTS = {"weights": "drafter weights (fp32; frozen whole, trained sharded)", "grads": "gradients (fp32)",
+MEMORY_PARTS = {"weights": "drafter weights (trained fp32 and sharded; frozen whole, routed experts split)",
+                "grads": "gradients (fp32)",
                 "optimizer": "AdamW moments (fp32)", "fsdp_gathered_unit": "the largest FSDP unit gathered (weights, grads)",
                 "teacher": "teacher (the target in process; a harvested cache: embedding + head)",
                 "activations_features": "activations: the teacher's features",
                 "activations_blocks": "activations: decoder layers, every draft step",
                 "activations_expert_copies": "activations: bf16 expert copies, every draft step",
-                "activations_loss": "activations: vocabulary-wide loss tensors"}
+                "activations_expert_exchange": "activations: every rank's rows at a split MoE block",
+                "activations_weight_copies": "activations: autocast's copies of other weights",
+                "activations_loss": "activations: vocabulary-wide loss tensors",
+                "activations_backward": "backward: the residual stream's gradients",
+                "runtime": "runtime (cuBLAS workspaces)"}
 
 
 def render_memory(data: dict) -> None:
