@@ -28,7 +28,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from recycle.decoding.target import load_target, softcap
-from recycle.distill.schedule import split_key
+from recycle.distill.schedule import EVAL_KEY, split_key
 from recycle.errors import RecycleError
 
 
@@ -86,7 +86,7 @@ class Teacher:
         """`kv`: also return the K/V a Gemma 4 assistant attends (`recycle.drafters.gemma4.kv_source_layers`);
         they are never cached, so it needs the trunk."""
         self.device, self.precision = device, precision
-        self.producer = producer  # distill.harvest.OnlineHarvest: wait for each key, delete it once read
+        self.producer = producer  # distill.harvest.OnlineHarvest/OnlineFollower: wait for each key (`release` deletes)
         self._vocab_head: tuple[torch.Tensor, torch.Tensor] | None = None  # (draft vocabulary, the head's rows)
         # bf16 weights on a GPU when the run computes in bf16 (autocast ran the matmuls in bf16 already): half the
         # teacher's memory; fp32 on a CPU, where bf16 kernels are emulated on most machines
@@ -200,7 +200,7 @@ class Teacher:
         """Online mode: delete the step's key files once read (by every rank: the caller's to know), so disk stays
         at the producer's `ahead` keys."""
         for key in keys:
-            if split_key(key)[0] != "eval":
+            if split_key(key)[0] != EVAL_KEY:
                 self._path(key).unlink(missing_ok=True)
 
     def cached_rows(self, key: str) -> tuple[torch.Tensor, torch.Tensor | None]:
