@@ -16,6 +16,11 @@ attention), each calibrated the same way:
 
     python benchmarks/eagle3_calibrated.py --variants --calibrate 32k --threads 2
 
+A fit made elsewhere (e.g. `recycle convert ... --calibrate 1M` on a GPU) is distilled and benched here with
+`--converted DIR`; one long scratch run serves every calibrated fold of a fixture in the tables and the plot:
+
+    python benchmarks/eagle3_calibrated.py --summaries A/summary.json,B/summary.json --scratch-from S/summary.json
+
 What the calibration costs at DeepSeek-V3's widths (the real config; the drafter built on the meta device):
 
     python benchmarks/eagle3_calibrated.py --scale --calibrate 64k
@@ -135,19 +140,30 @@ def variants(a) -> str:
     return "\n".join(lines + rows)
 
 
+def midlayer(ex: dict) -> str:
+    """" (MLA midlayer)" where the distilled EAGLE-3 used the block's own attention; read from the conversion's
+    options, or (runs recorded before they were kept) from the converted directory's recycle.json if still there."""
+    options = ex["conversions"]["eagle3"].get("options")
+    if options is None:
+        made = Path(ex["runs"]["eagle3-recycled"]["record"]["from"]) / "recycle.json"
+        options = json.loads(made.read_text())["target"]["options"] if made.is_file() else {}
+    return " (MLA midlayer)" if options.get("eagle3_attention") == "mla" else ""
+
+
 def markdown(results: list[dict]) -> str:
     lines = []
     marks = sorted({p["tokens"] for r in results for p in r["experiment"]["runs"]["eagle3-recycled"]["curve"]})
-    lines += ["| fixture | module, chained (0 tokens) | plain fold | calibration (tokens, s) | "
+    lines += ["| fixture | module, chained (0 tokens) | plain fold | calibration (tokens, s) | distillation schedule | "
               + " | ".join(f"calibrated + {m:,}" for m in marks) + " | calibrated @ 0 / module |",
-              "|---|---:|---:|---:|" + "---:|" * (len(marks) + 1)]
+              "|---|---:|---:|---:|---:|" + "---:|" * (len(marks) + 1)]
     for r in results:
         ex = r["experiment"]
         curve = {p["tokens"]: p["tau"] for p in ex["runs"]["eagle3-recycled"]["curve"]}
         conv = ex["conversions"]["eagle3"]
-        lines.append(f"| {r['fixture']} | {r['module']['tau']:.3f} | {r['fold']['tau']:.3f} | "
+        lines.append(f"| {r['fixture']}{midlayer(ex)} | {r['module']['tau']:.3f} | {r['fold']['tau']:.3f} | "
                      f"{conv['calibration']['tokens']:,}, "
                      + (f"{conv['seconds']:.0f} | " if conv["seconds"] is not None else "converted before | ")
+                     + f"{ex['tokens']:,} | "
                      + " | ".join(f"{curve[m]:.3f}" if m in curve else "" for m in marks)
                      + f" | {curve[0] / r['module']['tau']:.0%} |")
     lines += ["", "| fixture | scratch τ at its marks | scratch × tokens to match calibrated @ "
@@ -162,11 +178,35 @@ def markdown(results: list[dict]) -> str:
         for m in marks:
             if not m:
                 continue
+            if m not in rc:  # a run without this mark (several runs in one table)
+                mult.append("–")
+                continue
             need = tokens_to_reach(sc, rc[m])
             mult.append(f"{need / m:.1f}×" if need is not None else f"> {sc[-1][0] / m:.1f}× (never)")
-        lines.append(f"| {r['fixture']} | " + ", ".join(f"{t:,}: {tau:.3f}" for t, tau in sc) + " | "
-                     + " / ".join(mult) + " |")
+        cal = ex["conversions"]["eagle3"]["calibration"] or {}
+        which = f" (calibrated on {cal.get('tokens', 0):,}; schedule {ex['tokens']:,})"
+        lines.append(f"| {r['fixture']}{midlayer(ex)}{which} | " + ", ".join(f"{t:,}: {tau:.3f}" for t, tau in sc)
+                     + " | " + " / ".join(mult) + " |")
     return "\n".join(lines)
+
+
+def borrow(results: list[dict], donors: list[dict], source: str) -> None:
+    """Give each result without a long scratch run the donor's for the same fixture, if its recipe is the same
+    (data, prompts, tree, new tokens, learning rate); the run keeps a note of where it came from."""
+    keys = ("data", "prompt_source", "prompts", "max_new_tokens")
+
+    def lr(runs: dict, name: str) -> float:
+        return runs[name]["record"]["optimizer"]["lr"]
+
+    for r in results:
+        runs = r["experiment"]["runs"]
+        for d in donors:
+            same = d["fixture"] == r["fixture"] and d["tree"] == r["tree"] and all(
+                d["experiment"].get(k) == r["experiment"].get(k) for k in keys) and (
+                "eagle3-scratch-long" in d["experiment"]["runs"]
+                and lr(d["experiment"]["runs"], "eagle3-scratch-long") == lr(runs, "eagle3-recycled"))
+            if same and "eagle3-scratch-long" in d["experiment"]["runs"] and "eagle3-scratch-long" not in runs:
+                runs["eagle3-scratch-long"] = d["experiment"]["runs"]["eagle3-scratch-long"] | {"from": source}
 
 
 def plot(results: list[dict], path: str) -> None:
@@ -190,7 +230,9 @@ def plot(results: list[dict], path: str) -> None:
         ax.set_xlim(left=0)
         ax.set_xlabel("distillation tokens")
         ax.set_ylabel(f"held-out τ ({r['tree']})")
-        ax.set_title(r["fixture"])
+        cal = (ex.get("conversions", {}).get("eagle3") or {}).get("calibration") or {}
+        ax.set_title(r["fixture"] + (f" (calibrated on {cal['tokens']:,} tokens)" if cal.get("tokens") else ""),
+                     fontsize=9)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, loc="lower right")
     fig.suptitle("EAGLE-3 from MTP modules: calibrated fold vs scratch", fontsize=10)
@@ -204,6 +246,9 @@ def main() -> None:
     ap.add_argument("--fixtures", default="glm4_moe_mtp,deepseek_v3_mtp")
     ap.add_argument("--summaries", default=None, help="comma list of WORK/summary.json files: plot and tabulate "
                     "them together, running nothing")
+    ap.add_argument("--scratch-from", default=None, help="with --summaries: a summary.json whose long scratch run "
+                    "(same fixture, same recipe) stands beside each result that has none (scratch does not depend on "
+                    "the calibration, so one long run serves every calibrated fold)")
     ap.add_argument("--combos", default="glm4_moe_mtp:llama:shared,glm4_moe_mtp:llama:wide,deepseek_v3_mtp:llama:wide,"
                     "deepseek_v3_mtp:mla:wide", help="with --variants: FIXTURE:ATTENTION:MLP, comma-separated")
     ap.add_argument("--scale", action="store_true", help="only the DeepSeek-V3 cost table (no model runs)")
@@ -237,6 +282,8 @@ def main() -> None:
         return
     if a.summaries:  # runs done (e.g. one invocation per fixture): one plot and one set of tables for them all
         results = [r for f in a.summaries.split(",") for r in json.loads(Path(f).read_text())]
+        if a.scratch_from:
+            borrow(results, json.loads(Path(a.scratch_from).read_text()), a.scratch_from)
         plot(results, a.plot)
         print(markdown(results))
         return
