@@ -198,15 +198,15 @@ def borrow(results: list[dict], donors: list[dict], source: str) -> None:
     def lr(runs: dict, name: str) -> float:
         return runs[name]["record"]["optimizer"]["lr"]
 
+    long = "eagle3-scratch-long"
     for r in results:
         runs = r["experiment"]["runs"]
         for d in donors:
-            same = d["fixture"] == r["fixture"] and d["tree"] == r["tree"] and all(
-                d["experiment"].get(k) == r["experiment"].get(k) for k in keys) and (
-                "eagle3-scratch-long" in d["experiment"]["runs"]
-                and lr(d["experiment"]["runs"], "eagle3-scratch-long") == lr(runs, "eagle3-recycled"))
-            if same and "eagle3-scratch-long" in d["experiment"]["runs"] and "eagle3-scratch-long" not in runs:
-                runs["eagle3-scratch-long"] = d["experiment"]["runs"]["eagle3-scratch-long"] | {"from": source}
+            given = d["experiment"]["runs"]
+            if (long not in runs and long in given and d["fixture"] == r["fixture"] and d["tree"] == r["tree"]
+                    and all(d["experiment"].get(k) == r["experiment"].get(k) for k in keys)
+                    and lr(given, long) == lr(runs, "eagle3-recycled")):
+                runs[long] = given[long] | {"from": source}
 
 
 def plot(results: list[dict], path: str) -> None:

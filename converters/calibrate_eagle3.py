@@ -29,10 +29,10 @@ dense width).
 
 Cost (DeepSeek-V3 widths, 3 steps, 64k tokens; BENCHMARKS.md has the measured fixture figures): the cache holds
 the 3 aux states and K module states per token, (3 + K) × 7168 × 4 B = 172 KB/token, 10.3 GiB for 64k tokens in
-float32 (160 GiB for the 1M tokens DeepSeek's fixture needed to pass its module; the cache stays in host memory and
-only each minibatch moves to the GPU); the fit trains the midlayer's approximated tensors with Adam at 16 B/parameter: 1.78B of them for the
-Llama fold with the wide MLP (q/k/v over 2h inputs and o for 128 heads of 192, fc [7168, 21504], the MLP), 26.6
-GiB, 0.58B (8.7 GiB) for the MLA midlayer, whose MLA tensors are exact copies (`benchmarks/eagle3_calibrated.py
+float32 (160 GiB for the 1M tokens DeepSeek's fixture needed to pass its module; the cache stays in host memory
+and only each minibatch moves to the GPU); the fit trains the midlayer's approximated tensors with Adam at
+16 B/parameter: 1.78B of them for the Llama fold with the wide MLP (q/k/v over 2h inputs and o for 128 heads of
+192, fc [7168, 21504], the MLP), 26.6 GiB, 0.58B (8.7 GiB) for the MLA midlayer, whose MLA tensors are exact copies (`benchmarks/eagle3_calibrated.py
 --scale`); the target's forward over the calibration text is the only pass through the trunk.
 """
 
