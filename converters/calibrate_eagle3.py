@@ -32,8 +32,9 @@ the 3 aux states and K module states per token, (3 + K) × 7168 × 4 B = 172 KB/
 float32 (160 GiB for the 1M tokens DeepSeek's fixture needed to pass its module; the cache stays in host memory
 and only each minibatch moves to the GPU); the fit trains the midlayer's approximated tensors with Adam at
 16 B/parameter: 1.78B of them for the Llama fold with the wide MLP (q/k/v over 2h inputs and o for 128 heads of
-192, fc [7168, 21504], the MLP), 26.6 GiB, 0.58B (8.7 GiB) for the MLA midlayer, whose MLA tensors are exact copies (`benchmarks/eagle3_calibrated.py
---scale`); the target's forward over the calibration text is the only pass through the trunk.
+192, fc [7168, 21504], the MLP), 26.6 GiB, 0.58B (8.7 GiB) for the MLA midlayer, whose MLA tensors are exact
+copies (`benchmarks/eagle3_calibrated.py --scale`); the target's forward over the calibration text is the only
+pass through the trunk.
 """
 
 from __future__ import annotations

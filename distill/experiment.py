@@ -147,7 +147,7 @@ def run_experiment(opts: ExperimentOptions, log: Callable[[str], None] = print) 
         else:
             conv = convert_checkpoint(opts.source or opts.target, fmt, src, overwrite=True, **calibration, **extra)
         made = json.loads((src / "recycle.json").read_text())
-        result.setdefault("conversions", {})[fmt] = {"seconds": conv["seconds"], "from": str(src),
+        result.setdefault("conversions", {})[fmt] = {"seconds": conv["seconds"],
                                                      "options": made.get("target", {}).get("options"),
                                                      "calibration": made.get("calibration")}
         plan = [(init, opts.tokens, opts.marks) for init in opts.inits]
