@@ -175,7 +175,7 @@ def config(d: Dims, experts: int) -> dict:
 def build(ckpt: Path, dims: Dims, experts: int) -> float:
     t0 = time.perf_counter()
     files = tensors(dims, experts)
-    with OutputDir(ckpt, overwrite=True) as d:
+    with OutputDir(ckpt, overwrite=True, records=("config.json",)) as d:  # an earlier run's synthetic checkpoint
         d.write_safetensors(files, torch.bfloat16)
         d.write_json("config.json", config(dims, experts))
         d.write_json("model.safetensors.index.json", {

@@ -7,7 +7,10 @@ so the ~690 GB checkpoint costs a few MB of disk. Then runs `recycle inspect --j
 and records wall time and peak RSS, for the full layout and for a 4-layer cut of it, to show that
 memory does not grow with checkpoint size.
 
-Usage:  python benchmarks/inspect_scale.py [--dir /tmp/dsv3_sparse] [--layers 61] [--keep]
+`--extra-rows N` runs the same inspect with N synthetic rows added to the family table (copies of real rows
+under names no checkpoint uses), to show the matcher's cost does not grow with the table.
+
+Usage:  python benchmarks/inspect_scale.py [--dir /tmp/dsv3_sparse] [--layers 61] [--extra-rows 0 10] [--keep]
 """
 
 from __future__ import annotations
@@ -124,12 +127,29 @@ def build(out: Path, layers: int) -> dict:
     return {"tensors": len(weight_map), "shards": shards, "apparent_bytes": total}
 
 
-def measure(ckpt: Path) -> dict:
+# The child that inspects with N synthetic rows in the table: each a real row under a model type, name and tensor
+# prefix no checkpoint holds, placed before the real rows (every row is tried on every checkpoint).
+EXTRA_ROWS = """
+import dataclasses, sys
+import recycle.families as fam
+n = int(sys.argv[2])
+base = fam.FAMILIES
+extra = tuple(dataclasses.replace(base[i % len(base)], name=f"synthetic_{i}", model_types=(f"synthetic_{i}",),
+                                  architectures=(), prefixes=(f"synthetic_{i}.",)) for i in range(n))
+fam.FAMILIES = extra + base
+fam.BY_NAME.update({f.name: f for f in extra})
+from recycle.cli import app
+app(["inspect", sys.argv[1], "--json"])
+"""
+
+
+def measure(ckpt: Path, extra_rows: int = 0) -> dict:
     """Run `recycle inspect --json` in a child process; wall time and the child's peak RSS."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "recycle.cli", "inspect", str(ckpt), "--json"],
-                          capture_output=True, text=True)
+    cmd = ([sys.executable, "-m", "recycle.cli", "inspect", str(ckpt), "--json"] if not extra_rows else
+           [sys.executable, "-c", EXTRA_ROWS, str(ckpt), str(extra_rows)])
+    proc = subprocess.run(cmd, capture_output=True, text=True)
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
         raise SystemExit(f"inspect failed: {proc.stderr.strip()}")
@@ -145,6 +165,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dir", type=Path, default=Path("/tmp/recycle_dsv3_sparse"))
     ap.add_argument("--layers", type=int, nargs="+", default=[4, 61])
+    ap.add_argument("--extra-rows", type=int, nargs="+", default=[0],
+                    help="synthetic family rows added to the table, one inspect per count (default: 0)")
+    ap.add_argument("--repeats", type=int, default=1, help="inspect runs per count; the median is reported")
     ap.add_argument("--keep", action="store_true", help="keep the sparse checkpoints")
     args = ap.parse_args()
     rows = []
@@ -153,10 +176,13 @@ def main() -> None:
         t0 = time.perf_counter()
         info = build(d, n)
         disk = sum(os.stat(p).st_blocks * 512 for p in d.iterdir())
-        row = {"layers": n, **info, "disk_bytes": disk, "build_s": round(time.perf_counter() - t0, 1)}
-        row.update(measure(d))
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+        built = {"layers": n, **info, "disk_bytes": disk, "build_s": round(time.perf_counter() - t0, 1)}
+        for extra in args.extra_rows:
+            runs = [measure(d, extra) for _ in range(args.repeats)]
+            walls = sorted(r["wall_s"] for r in runs)
+            row = {**built, "extra_rows": extra, **runs[0], "wall_s": walls[len(walls) // 2], "walls": walls}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
         if not args.keep:
             shutil.rmtree(d)
 

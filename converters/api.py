@@ -90,7 +90,7 @@ def convert(opts: ConvertOptions, progress: Progress | None = None) -> dict:
 
 def _convert(opts: ConvertOptions, ckpt: Checkpoint, progress: Progress | None, started: float) -> dict:
     fmt = get(opts.to)
-    writer = OutputDir(opts.out, overwrite=opts.overwrite, protect=(opts.source,))  # refuses a bad OUT before reading
+    writer = OutputDir(opts.out, overwrite=opts.overwrite, protect=opts.inputs())  # refuses a bad OUT before reading
     if opts.target is not None and fmt.target_file is None:  # a file target (a trunk GGUF): its converter checks it
         check_fit(ckpt.config, checkpoint_dir(opts.target), ckpt.path, opts.target, f"--target {opts.target}")
     w = gather(ckpt)
@@ -133,6 +133,7 @@ def _convert(opts: ConvertOptions, ckpt: Checkpoint, progress: Progress | None, 
             d.write_json(rel, obj)
         copied = [f for sub in plan.tokenizer_dirs for f in d.copy_tokenizer(ckpt.path, sub)]
         record["source"]["path"] = str(Path(opts.source).resolve())  # the directory given (a drafter: its overlay)
+        record["sha256"] = d.sha256()  # every weight file as written: push refuses one replaced since
         d.write_json("recycle.json", record)
         files = dict(sorted(d.files.items()))
     return {

@@ -31,7 +31,7 @@ from collections.abc import Iterable
 
 from recycle.checkpoint import STORAGE_KEYS
 from recycle.converters.roles import Lazy, Plan, RoleWeights, raw, require_sequential, same_values
-from recycle.errors import RecycleError
+from recycle.errors import RecycleError, did_you_mean
 from recycle.formats.eagle import MODEL_TYPE
 
 ARCHITECTURE = "RecycleEagleDrafter"
@@ -135,7 +135,7 @@ def chosen_layouts(value: str | Iterable[str] | None) -> tuple[str, ...]:
         raise RecycleError(f"--layouts is empty ({choices})")
     bad = [n for n in names if n not in LAYOUT_NAMES]
     if bad:
-        raise RecycleError(f"unknown layout '{bad[0]}' in --layouts ({choices})")
+        raise RecycleError(f"unknown layout '{bad[0]}' in --layouts ({choices}){did_you_mean(bad[0], LAYOUT_NAMES)}")
     return tuple(n for n in LAYOUT_NAMES if n in names)
 
 

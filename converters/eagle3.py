@@ -63,7 +63,7 @@ import torch
 from recycle.converters.roles import (APPROX, EXACT, Lazy, Plan, RoleWeights, block_norm, normal, ones,
                                      require_sequential, zeros)
 from recycle.formats.eagle3 import fold_aux_layers
-from recycle.errors import RecycleError
+from recycle.errors import RecycleError, did_you_mean
 
 WEIGHTS = "model.safetensors"
 ATTENTION = ("llama", "mla")
@@ -223,7 +223,8 @@ def fold(w: RoleWeights, *, draft_ids: torch.Tensor | None = None, dtype_name: s
     """Role weights (module 0) → the EAGLE-3 state dict and config (hybrid Llama/speculators, or
     vLLM's DeepSeek EAGLE-3 for `attention="mla"`)."""
     if attention not in ATTENTION:
-        raise RecycleError(f"unknown --eagle3-attention '{attention}' (choose from {', '.join(ATTENTION)})")
+        raise RecycleError(f"unknown --eagle3-attention '{attention}' (choose from {', '.join(ATTENTION)})"
+                           f"{did_you_mean(attention, ATTENTION)}")
     m0 = w.modules[0]
     h, vocab = w.hidden_size, w.vocab_size
     leaves, block = m0.leaves, m0.block

@@ -16,7 +16,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from recycle.checkpoint import Checkpoint
+from recycle.checkpoint import Checkpoint, allow_links_into, shard_path
 from recycle.errors import RecycleError
 from recycle.formats import of_config
 from recycle.preflight import load_json
@@ -44,20 +44,22 @@ def source_view(path: str | os.PathLike) -> Iterator[Path]:
 
     view = Path(tempfile.mkdtemp(prefix="recycle-source-"))
     try:
-        for p in overlay.iterdir():
-            if p.is_file() and not p.name.endswith(".index.json"):
-                _link(p, view / p.name)
-        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
-            if (src / name).is_file() and not (view / name).exists():
-                _link(src / name, view / name)
-        m = match(Checkpoint(view))
-        borrowed = {role: m.family.trunk[role][0] for mod in m.modules for role, t in mod.shared.items()
-                    if t is None and role in DRAFTER_IO and m.family.trunk.get(role)}
-        if borrowed:
-            own = Checkpoint(src)
-            save_file({trunk: own.get(DRAFTER_IO[role]).contiguous() for role, trunk in borrowed.items()},
-                      str(view / IO_FILE), metadata={"format": "pt"})
-        yield view
+        with allow_links_into(src):  # where a hard link cannot cross filesystems, the view's symlinks point into src
+            for p in overlay.iterdir():
+                if p.is_file() and not p.name.endswith(".index.json"):
+                    _link(shard_path(overlay, p.name, overlay), view / p.name)  # a link out of it is refused
+            for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                         "generation_config.json"):
+                if (src / name).is_file() and not (view / name).exists():
+                    _link(src / name, view / name)
+            m = match(Checkpoint(view))
+            borrowed = {role: m.family.trunk[role][0] for mod in m.modules for role, t in mod.shared.items()
+                        if t is None and role in DRAFTER_IO and m.family.trunk.get(role)}
+            if borrowed:
+                own = Checkpoint(src)
+                save_file({trunk: own.get(DRAFTER_IO[role]).contiguous() for role, trunk in borrowed.items()},
+                          str(view / IO_FILE), metadata={"format": "pt"})
+            yield view
     finally:
         shutil.rmtree(view, ignore_errors=True)
 

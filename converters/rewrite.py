@@ -70,5 +70,6 @@ def write_drafter(src_dir: str | os.PathLike, writer, fmt, main: dict[str, torch
             if skip or not p.is_file():
                 continue
             d.copy_file(p, rel)
+        prov["sha256"] = d.sha256()  # the files as this run wrote them (the input's digests no longer hold)
         d.write_json("recycle.json", prov)
         return dict(d.files)

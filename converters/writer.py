@@ -2,7 +2,12 @@
 
 Everything lands in a hidden temporary sibling of OUT and is renamed into place only when every
 file is complete, so a failure at any point (NaN found, disk full, Ctrl-C) leaves no OUT at all,
-and `--overwrite` swaps the old directory out only after the new one is whole.
+and `--overwrite` swaps the old directory out only after the new one is whole: in one atomic exchange
+(renameat2 RENAME_EXCHANGE) where the filesystem has it, else two renames, and a run stopped between them
+leaves the old output aside, which the next run into OUT puts back. A writer holds OUT's lock
+(`recycle.preflight.OutputLock`) from before it looks at OUT until OUT is in place, so a second run into the
+same OUT refuses, and it removes what a stopped run left beside OUT. `--overwrite` replaces only a directory
+recycle wrote (`recycle.preflight.output_dir`); nothing is ever written outside OUT.
 
 Safetensors files are streamed: headers are computed from the planned shapes up front, then each
 tensor is made once (even when several files or names use it), cast, written to every file that
@@ -14,7 +19,9 @@ one is worked on.
 
 from __future__ import annotations
 
+import ctypes
 import errno
+import hashlib
 import json
 import math
 import os
@@ -30,10 +37,12 @@ import torch
 from recycle.converters.roles import Lazy, nbytes
 from recycle.checkpoint import ST_NAMES, Span, read_ahead
 from recycle.errors import RecycleError
-from recycle.preflight import output_dir
+from recycle.preflight import (
+    DEFAULT_SHARD_SIZE, OLD_INFIX, SMALL_SHARD, TMP_INFIX, OutputLock, note, output_dir, parse_size, sibling)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "generation_config.json")
+WEIGHT_SUFFIXES = (".safetensors", ".gguf")  # the files whose sha256 the record keeps (OutputDir.sha256)
 Progress = Callable[[int, int], None]
 COPY_STEP = 1 << 26  # bytes per copy_file_range / fallback read
 NO_KERNEL_COPY = frozenset({errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EPERM})
@@ -96,10 +105,12 @@ def split_plan(files: Mapping[str, Mapping[str, Lazy]], dtype: torch.dtype | Non
     output dtype), and the index JSONs made to say so: a planned index in the same folder whose `weight_map` names
     the split file now names the shards (its total_size recomputed), and a split file no planned index names gets
     `NAME.index.json`, huggingface_hub's convention, which every engine's loader and `recycle.checkpoint` read.
-    Files in `keep` (a layout its readers open by name) stay whole; None: nothing splits."""
+    Files in `keep` (a layout its readers open by name) stay whole; None: nothing splits. A limit under 1 MB
+    (`SMALL_SHARD`) that splits anything is written as asked, with a note that says how many files it makes."""
     from huggingface_hub import split_state_dict_into_shards_factory
 
     out_files: dict[str, dict[str, Lazy]] = {}
+    split_files = 0
     out_jsons = {rel: dict(obj) for rel, obj in (jsons or {}).items()}
     if max_shard_size is None:
         return dict(files), out_jsons
@@ -116,6 +127,7 @@ def split_plan(files: Mapping[str, Mapping[str, Lazy]], dtype: torch.dtype | Non
         if not split.is_sharded:
             out_files[rel] = dict(tensors)
             continue
+        split_files += 1
         for shard, names in split.filename_to_tensors.items():
             out_files[folder + shard] = {n: tensors[n] for n in names}
         placed = split.tensor_to_filename
@@ -128,46 +140,89 @@ def split_plan(files: Mapping[str, Mapping[str, Lazy]], dtype: torch.dtype | Non
             obj["weight_map"] = dict(sorted(wm.items()))
             if set(wm) <= set(tensors):  # an index of this file alone: its byte total as huggingface_hub counts it
                 obj["metadata"] = {**(obj.get("metadata") or {}), "total_size": sum(size(tensors[n]) for n in wm)}
+    if split_files and parse_size(max_shard_size) < SMALL_SHARD:
+        shards = sum(1 for rel in out_files if rel not in files)
+        note(f"--max-shard-size {parse_size(max_shard_size):,} bytes is under 1 MB: {split_files} safetensors "
+             f"file(s) become {shards} shards (the default, {DEFAULT_SHARD_SIZE}, is what loaders expect)")
     return out_files, out_jsons
 
 
 class OutputDir:
-    """`with OutputDir(out, overwrite=..., protect=[src]) as d: d.write_json(...); ...` → OUT appears whole."""
+    """`with OutputDir(out, overwrite=..., protect=[inputs]) as d: d.write_json(...); ...` → OUT appears whole.
+
+    Entering takes OUT's lock (unless `acquire()` took it earlier: a run that works long before it writes, like
+    distill, holds it from its start and calls `release()` at its end); `records`: the record files that mark
+    this writer's earlier outputs when they are not recycle's own (`recycle.kinds.RECORDS`)."""
 
     def __init__(self, out: str | os.PathLike, *, overwrite: bool = False,
-                 protect: tuple[str | os.PathLike, ...] = ()) -> None:
-        self.out = output_dir(out, overwrite, protect)
+                 protect: tuple[str | os.PathLike | None, ...] = (), records: tuple[str, ...] | None = None) -> None:
+        self.protect, self.records = tuple(protect), records
+        self.out = output_dir(out, overwrite, self.protect, records)
         self.overwrite = overwrite
+        self.lock = OutputLock(self.out)
+        self.own_lock = False  # taken by __enter__ (released by __exit__), not by the caller
         self.tmp: Path | None = None
         self.files: dict[str, int] = {}  # relative path -> bytes written
 
-    def __enter__(self) -> OutputDir:
-        parent = self.out.parent
+    def acquire(self) -> OutputDir:
+        """Take OUT's lock (a second run into OUT refuses in one line), clean what a stopped run left beside OUT,
+        and check OUT again now that no other run can change it."""
+        if self.lock.held:
+            return self
+        self.lock.acquire()
         try:
-            parent.mkdir(parents=True, exist_ok=True)
-            self.tmp = parent / f".{self.out.name}.recycle-tmp-{uuid.uuid4().hex[:8]}"
+            for line in self.lock.sweep():
+                note(line)
+            output_dir(self.out, self.overwrite, self.protect, self.records)
+        except BaseException:
+            self.lock.release()
+            raise
+        return self
+
+    def release(self) -> None:
+        self.lock.release()
+
+    def __enter__(self) -> OutputDir:
+        self.own_lock = not self.lock.held
+        self.acquire()
+        try:
+            self.tmp = sibling(self.out, TMP_INFIX, uuid.uuid4().hex[:8])
             self.tmp.mkdir()
         except OSError as e:
+            self._unlock()
             raise RecycleError(f"{self.out}: cannot write here ({e.strerror or e})") from None
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is not None:
-            self._discard()
-            if isinstance(exc, OSError) and not isinstance(exc, RecycleError):
-                raise RecycleError(f"{self.out}: writing failed ({exc.strerror or exc}); nothing was written") from None
-            return
         try:
-            self._commit()
-        except OSError as e:
-            self._discard()
-            raise RecycleError(f"{self.out}: cannot move the finished output into place ({e.strerror or e})") from None
+            if exc_type is not None:
+                self._discard()
+                if isinstance(exc, OSError) and not isinstance(exc, RecycleError):
+                    raise RecycleError(f"{self.out}: writing failed ({exc.strerror or exc}); nothing was written") \
+                        from None
+                return
+            try:
+                self._commit()
+            except OSError as e:
+                self._discard()
+                raise RecycleError(f"{self.out}: cannot move the finished output into place ({e.strerror or e})") \
+                    from None
+        finally:
+            self._unlock()
+
+    def _unlock(self) -> None:
+        if self.own_lock:
+            self.lock.release()
+            self.own_lock = False
 
     # -- files ------------------------------------------------------------------------------------
 
     def path(self, rel: str) -> Path:
+        """Where file `rel` of OUT is written; a name that would leave OUT (absolute, `..`) is refused."""
         assert self.tmp is not None, "use OutputDir as a context manager"
         p = self.tmp / rel
+        if Path(rel).is_absolute() or ".." in Path(rel).parts or not p.resolve().is_relative_to(self.tmp.resolve()):
+            raise RecycleError(f"{rel}: a file name outside the output directory {self.out}; nothing written")
         p.parent.mkdir(parents=True, exist_ok=True)
         return p
 
@@ -196,6 +251,18 @@ class OutputDir:
                 self.copy_file(src_dir / name, f"{sub}{name}")
                 copied.append(f"{sub}{name}")
         return copied
+
+    def sha256(self) -> dict[str, str]:
+        """The sha256 of every weight file written so far (relative path -> hex digest), read back from the temporary
+        directory: the record (recycle.json) keeps them, so `recycle push` can tell a file replaced after recycle
+        wrote it."""
+        assert self.tmp is not None, "use OutputDir as a context manager"
+        digests = {}
+        for rel in sorted(self.files):
+            if rel.endswith(WEIGHT_SUFFIXES):
+                with open(self.tmp / rel, "rb") as f:
+                    digests[rel] = hashlib.file_digest(f, "sha256").hexdigest()
+        return digests
 
     def write_safetensors(self, files: Mapping[str, Mapping[str, Lazy]], dtype: torch.dtype,
                           progress: Progress | None = None, metadata: Mapping[str, str] | None = None) -> None:
@@ -324,10 +391,16 @@ class OutputDir:
             shutil.rmtree(self.tmp, ignore_errors=True)
 
     def _commit(self) -> None:
+        """The new output into place: OUT is at every moment the old output or the new one (an atomic exchange),
+        or, where the filesystem cannot exchange, the old one waits aside as `.OUT.recycle-old-*` between two
+        renames (a stopped run's is put back by the next run into OUT)."""
         assert self.tmp is not None
+        if self.out.exists() and exchange(self.tmp, self.out):
+            shutil.rmtree(self.tmp, ignore_errors=True)  # the old output, now under the temporary name
+            return
         old = None
         if self.out.exists():
-            old = self.out.parent / f".{self.out.name}.recycle-old-{uuid.uuid4().hex[:8]}"
+            old = sibling(self.out, OLD_INFIX, uuid.uuid4().hex[:8])
             os.rename(self.out, old)
         try:
             os.rename(self.tmp, self.out)
@@ -337,3 +410,39 @@ class OutputDir:
             raise
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
+
+
+_RENAME_EXCHANGE = 2  # linux/fs.h
+_AT_FDCWD = -100
+_NO_EXCHANGE = frozenset({errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EXDEV, errno.EPERM})
+
+
+def exchange(a: Path, b: Path) -> bool:
+    """Swap two paths atomically (Linux renameat2 RENAME_EXCHANGE, through libc); False where the system or the
+    filesystem has no such call (the caller renames twice), an OSError for any other failure."""
+    renameat2 = getattr(_libc(), "renameat2", None)
+    if renameat2 is None:
+        return False
+    rc = renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
+    if rc == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in _NO_EXCHANGE:
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+_LIBC: list = []
+
+
+def _libc():
+    if not _LIBC:
+        try:
+            lib = ctypes.CDLL(None, use_errno=True)
+            fn = lib.renameat2
+            fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+            fn.restype = ctypes.c_int
+        except (OSError, AttributeError):
+            lib = None
+        _LIBC.append(lib)
+    return _LIBC[0]

@@ -11,7 +11,9 @@ Packing follows the fixture's own training: documents are encoded with the targe
 followed by EOS, concatenated, and cut into `seq_len` windows; no padding, so every token the
 target reads is a real one. Epoch e visits documents in a shuffled order seeded by (seed, e), so a
 position in the stream is just (epoch, sequences taken) and a resumed run rebuilds the same stream
-and skips to it (re-encoding is cheap next to the target's forward).
+and skips to it (re-encoding is cheap next to the target's forward). Memory is bounded: no document is longer than
+`recycle.texts.DOC_CHARS` characters (longer text is read as pieces), the tokenizer sees at most ENCODE_CHARS per
+call, and windows are cut as each document arrives.
 
 Conversations (`recycle.chat`) are rendered with the target's chat template instead, and carry a mask over
 their tokens: True on the assistant turns (plain text: every token), False on the template's and the other
@@ -40,6 +42,7 @@ from recycle.errors import RecycleError
 from recycle.texts import DataSource, ReadLog, data_source, load_texts, split_tail  # noqa: F401  (re-exported)
 
 ENCODE_CHUNK = 32  # documents per tokenizer call (the fast tokenizer batches internally)
+ENCODE_CHARS = 1 << 20  # characters per tokenizer call at most (it holds ~100 bytes per character while it works)
 CHECK_CONVERSATIONS = 256  # rendered before any model loads: a template that renders none of them is refused
 
 # (indices of the documents, the documents, a key naming the chunk's place in the stream) -> the documents to encode
@@ -75,6 +78,21 @@ def source_renderer(opts, tokenizer, docs: list[Document] | None = None) -> Chat
                          src.log)
 
 
+def _tokenized(texts: list[str], tokenizer) -> Iterator[list[int]]:
+    """Each text's ids, tokenized in calls of at most ENCODE_CHARS characters (or one text): a chunk of long
+    documents never makes the tokenizer hold gigabytes."""
+    group: list[str] = []
+    chars = 0
+    for t in texts:
+        if group and chars + len(t) > ENCODE_CHARS:
+            yield from tokenizer(group, add_special_tokens=False)["input_ids"]
+            group, chars = [], 0
+        group.append(t)
+        chars += len(t)
+    if group:
+        yield from tokenizer(group, add_special_tokens=False)["input_ids"]
+
+
 def encode(docs: list[Document], tokenizer, renderer: ChatRenderer | None, skipped: Callable[[int, str], None]
            ) -> Iterator[tuple[list[int], list[bool] | None]]:
     """Each document's ids and mask, EOS appended (masked out after a conversation; text's mask None). A
@@ -82,8 +100,7 @@ def encode(docs: list[Document], tokenizer, renderer: ChatRenderer | None, skipp
     eos = tokenizer.eos_token_id
     for start in range(0, len(docs), ENCODE_CHUNK):
         chunk = docs[start:start + ENCODE_CHUNK]
-        texts = [d for d in chunk if not isinstance(d, Conversation)]
-        encoded = iter(tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else [])
+        encoded = _tokenized([d for d in chunk if not isinstance(d, Conversation)], tokenizer)
         for i, d in enumerate(chunk):
             if not isinstance(d, Conversation):
                 yield next(encoded) + ([eos] if eos is not None else []), None
@@ -154,19 +171,21 @@ class PackedStream:
         buf: list[int] = []
         mbuf: list[bool] = []
         produced = 0
+        n = self.seq_len
         for start in range(0, len(order), ENCODE_CHUNK):
             idx = order[start:start + ENCODE_CHUNK]
             chunk = [texts[i] for i in idx]
             if self.rewrite is not None:
                 chunk = self.rewrite(idx, chunk, f"{self.seed}:{epoch}:{start}")
-            for j, (ids, mask) in enumerate(encode(chunk, self.tokenizer, self.renderer,
-                                                   lambda i, why: self._skipped(idx[i], why))):
+            for ids, mask in encode(chunk, self.tokenizer, self.renderer, lambda i, why: self._skipped(idx[i], why)):
                 buf.extend(ids)
                 mbuf.extend(mask if mask is not None else [True] * len(ids))
-            while len(buf) >= self.seq_len:
-                yield buf[:self.seq_len], (mbuf[:self.seq_len] if self.masked else None)
-                produced += 1
-                buf, mbuf = buf[self.seq_len:], mbuf[self.seq_len:]
+                at = 0  # windows are cut as each document arrives, by offset: the buffer holds one document's ids
+                while len(buf) - at >= n:
+                    yield buf[at:at + n], (mbuf[at:at + n] if self.masked else None)
+                    produced += 1
+                    at += n
+                del buf[:at], mbuf[:at]
         if produced == 0:
             raise RecycleError(f"the training data holds fewer than --seq-len {self.seq_len} tokens")
 

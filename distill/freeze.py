@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from recycle.errors import RecycleError
+from recycle.errors import RecycleError, did_you_mean
 
 if TYPE_CHECKING:
     from torch import nn
@@ -50,7 +50,8 @@ def check_groups(names: Iterable[str]) -> tuple[str, ...]:
     names = tuple(dict.fromkeys(n.strip() for n in names if n.strip()))
     unknown = [n for n in names if n not in BY_NAME]
     if unknown:
-        raise RecycleError(f"--freeze {','.join(unknown)}: unknown group (groups: {', '.join(BY_NAME)})")
+        raise RecycleError(f"--freeze {','.join(unknown)}: unknown group (groups: {', '.join(BY_NAME)})"
+                           f"{did_you_mean(unknown[0], BY_NAME)}")
     return names
 
 

@@ -31,6 +31,7 @@ import torch
 from safetensors.torch import load_file
 
 from recycle.checkpoint import Checkpoint, load_json
+from recycle.converters.writer import OutputDir
 from recycle.distill.data import (
     Generate, PackedStream, Regenerated, data_source, heldout_rows, regenerate_turns, source_renderer)
 from recycle.distill.schedule import EVAL_KEY, Schedule, eval_prompt_len
@@ -305,35 +306,32 @@ def harvest(opts: HarvestOptions, progress=None) -> dict:
     from recycle.engines.vllm_env import run_job
 
     started = time.perf_counter()
-    out = Path(opts.out)
-    if out.exists() and not opts.overwrite:
-        raise RecycleError(f"{out}: exists (pass --overwrite to replace it)")
-    job = _Job(opts)
-    work = out.parent / f".{out.name}.harvesting-{os.getpid()}"
-    shutil.rmtree(work, ignore_errors=True)
-    (work / "raw").mkdir(parents=True)
+    writer = OutputDir(opts.out, overwrite=opts.overwrite, protect=opts.inputs())  # a bad OUT: refused before vLLM
+    writer.acquire()  # OUT is this run's until it ends: a second harvest into it refuses
     try:
-        job.regenerate_eval()
-        job.regenerate_windows()
-        batches = [*job.batches, (EVAL_KEY, job.eval, job.eval_mask)]
-        windows = [row.tolist() for _, ids, _ in batches for row in ids]
-        res = run_job(job.job(work / "raw", windows=windows), env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
-        files = iter(res["files"])
-        for key, ids, mask in batches:
-            job.store(work / f"{key}.safetensors", ids, [next(files) for _ in range(ids.shape[0])], mask)
-            if progress is not None:
-                progress(key)
-        shutil.rmtree(work / "raw")
-        job.save_regenerated(work / REGENERATED)
-        tokens = sum(int(ids.numel()) for _, ids, _ in job.batches)
-        manifest = job.manifest({"engine": {"seconds": round(res["seconds"], 3),
-                                            "tokens_per_s": round(tokens / res["seconds"])}})
-        (work / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
-        if out.exists():
-            shutil.rmtree(out)
-        work.rename(out)
+        job = _Job(opts)
+        with writer as d:  # written beside OUT, moved into place whole (an earlier cache swapped out only then)
+            work = d.tmp
+            (work / "raw").mkdir()
+            job.regenerate_eval()
+            job.regenerate_windows()
+            batches = [*job.batches, (EVAL_KEY, job.eval, job.eval_mask)]
+            windows = [row.tolist() for _, ids, _ in batches for row in ids]
+            res = run_job(job.job(work / "raw", windows=windows), env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
+            files = iter(res["files"])
+            for key, ids, mask in batches:
+                job.store(work / f"{key}.safetensors", ids, [next(files) for _ in range(ids.shape[0])], mask)
+                if progress is not None:
+                    progress(key)
+            shutil.rmtree(work / "raw")
+            job.save_regenerated(work / REGENERATED)
+            tokens = sum(int(ids.numel()) for _, ids, _ in job.batches)
+            manifest = job.manifest({"engine": {"seconds": round(res["seconds"], 3),
+                                                "tokens_per_s": round(tokens / res["seconds"])}})
+            (work / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
     finally:
-        shutil.rmtree(work, ignore_errors=True)
+        writer.release()
+    out = writer.out
     size = sum(p.stat().st_size for p in out.iterdir())
     return {"out": str(out), "files": len(batches) + 1, "bytes": size, "tokens": tokens,
             "vllm_seconds": manifest["engine"]["seconds"], "vllm_tokens_per_s": manifest["engine"]["tokens_per_s"],

@@ -35,12 +35,53 @@ METRICS = "metrics.jsonl"
 VERSION = 1
 
 
-def fingerprint(opts, world: int) -> dict:
-    """Options a resumed run must share with the one it continues."""
-    return {"drafter": str(Path(opts.drafter).resolve()), "target": str(Path(opts.target).resolve()),
-            "tokens": opts.tokens, "seq_len": opts.seq_len, "batch": opts.batch, "world": world,
-            "init": opts.init, "data": opts.data, "self_distill": opts.self_distill, "seed": opts.seed,
-            "draft_steps": opts.draft_steps, "eval_rows": opts.eval_rows, "eval_prompt_len": opts.eval_prompt_len}
+# Every option that changes what a run computes, with the name the refusal gives it (a flag where the CLI has one).
+# A resumed run must share each with the checkpoint: the schedule, optimizer and data position it restores were made
+# under them (a new --lr would train on the old schedule while the record claimed the new one).
+RUN_OPTIONS = {
+    "drafter": "DRAFTER", "target": "--target", "format": "the drafter's format", "data": "--data",
+    "chat_template": "--chat-template", "tokens": "--tokens", "seq_len": "--seq-len", "batch": "--batch",
+    "world": "the number of ranks", "seed": "--seed", "init": "--init", "self_distill": "--self-distill",
+    "prompt_len": "--prompt-len", "sd_temperature": "--sd-temperature", "draft_steps": "--draft-steps",
+    "lr": "--lr", "warmup": "warmup", "min_lr": "min_lr", "weight_decay": "weight_decay", "clip": "clip",
+    "ce_weight": "--ce-weight", "kl_weight": "--kl-weight", "feature_weight": "--feature-weight",
+    "step_decay": "--step-decay", "freeze": "--freeze", "precision": "--precision", "eval_every": "--eval-every",
+    "eval_rows": "eval_rows", "eval_prompt_len": "eval_prompt_len",
+}
+
+
+def fingerprint(opts, world: int, precision: str | None = None, fmt: str | None = None) -> dict:
+    """Options a resumed run must share with the one it continues (RUN_OPTIONS), as JSON values (a sharded
+    checkpoint keeps them in state.json). `precision`: the compute dtype the run resolved (--precision or the
+    device's default); `fmt`: the drafter directory's format."""
+    loss = opts.loss
+    data = opts.data
+    if data is not None and Path(data).expanduser().exists():  # a file or directory: the same one from any cwd
+        data = str(Path(data).expanduser().resolve())
+    fp = {"drafter": str(Path(opts.drafter).resolve()), "target": str(Path(opts.target).resolve()), "format": fmt,
+          "data": data, "chat_template": str(Path(opts.chat_template).expanduser().resolve())
+          if opts.chat_template else None, "tokens": opts.tokens, "seq_len": opts.seq_len, "batch": opts.batch,
+          "world": world, "seed": opts.seed, "init": opts.init, "self_distill": opts.self_distill,
+          "prompt_len": opts.prompt_len if opts.self_distill else None,
+          "sd_temperature": opts.sd_temperature if opts.self_distill else None, "draft_steps": opts.draft_steps,
+          "lr": opts.lr, "warmup": opts.warmup, "min_lr": opts.min_lr, "weight_decay": opts.weight_decay,
+          "clip": opts.clip, "ce_weight": loss.ce_weight if loss else None,
+          "kl_weight": loss.kl_weight if loss else None, "feature_weight": loss.feature_weight if loss else None,
+          "step_decay": loss.decay if loss else None, "freeze": sorted(opts.freeze or ()),
+          "precision": precision or opts.precision, "eval_every": opts.eval_every, "eval_rows": opts.eval_rows,
+          "eval_prompt_len": opts.eval_prompt_len}
+    return fp
+
+
+def _shown(value) -> str:
+    """An option's value as the refusal shows it."""
+    if value is None:
+        return "unset"
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, (list, tuple)):
+        return ",".join(map(str, value)) or "none"
+    return f"{value:g}" if isinstance(value, float) else str(value)
 
 
 def rng_state() -> dict:
@@ -126,10 +167,15 @@ def _same_run(state, fp: dict, path: Path, what: str):
     """`state` if it is a recycle checkpoint of a run with fingerprint `fp`; else one line saying why."""
     if not isinstance(state, dict) or not isinstance(state.get("fingerprint"), dict):
         raise RecycleError(f"{path}: not a recycle distill checkpoint; remove {what} to start over")
-    diff = sorted(k for k in fp if state["fingerprint"].get(k) != fp[k])
+    saved = state["fingerprint"]
+    diff = [k for k in fp if saved.get(k) != fp[k]]  # RUN_OPTIONS' order: the refusal names the first
     if diff:
-        raise RecycleError(f"{path}: the checkpoint is from a run with other options ({', '.join(diff)}); "
-                           "use the same options or --overwrite to start over")
+        first = diff[0]
+        name = RUN_OPTIONS.get(first, first)
+        was = f"{_shown(saved[first])} in the checkpoint" if first in saved else "not recorded in the checkpoint"
+        more = f" (also differ: {', '.join(RUN_OPTIONS.get(k, k) for k in diff[1:])})" if diff[1:] else ""
+        raise RecycleError(f"{path}: the checkpoint is from a run with other options: {name} is {_shown(fp[first])} "
+                           f"here, {was}{more}; use the same options or --overwrite to start over")
     return state
 
 

@@ -65,13 +65,15 @@ from recycle.distill.data import (
     source_renderer)
 from recycle.distill.freeze import check_groups, freeze, lower_frozen
 from recycle.distill.losses import distill_loss, step_terms
-from recycle.distill.schedule import EVAL_KEY, Schedule, Step, eval_prompt_len
+from recycle.distill.schedule import EVAL_KEY, Schedule, Step, duration, eval_prompt_len, time_left
 from recycle.distill.teacher import Teacher, TeacherOut, autocast
 from recycle.distill.unroll import Unroller
 from recycle.hardware import peak_rss_bytes
 from recycle.errors import Interrupted, RecycleError
 from recycle.options import DistillOptions, LossConfig
+from recycle.preflight import OutputLock, sweep_dead_writes
 from recycle.preflight import parse_tokens  # noqa: F401  (the CLI and benchmarks take it from here too)
+from recycle.texts import plural
 
 __all__ = ["DistillOptions", "Distiller", "distill", "default_precision", "expected_length", "parse_tokens"]
 
@@ -82,7 +84,7 @@ def _passes(tokens: int, texts: list, tokenizer, sample: int = 64) -> float:
     a conversation counts its turns' characters, the template's own tokens aside)."""
     head = [t if isinstance(t, str) else "".join(m.get("content") or "" for m in t.messages) for t in texts[:sample]]
     chars = sum(len(t) for t in head)
-    ids = sum(len(x) for x in tokenizer(head, add_special_tokens=False)["input_ids"]) if chars else 0
+    ids = sum(len(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in head)  # one at a time: bounded
     total = sum(len(t) for t in texts) * (ids / chars if chars else 0.25)
     return tokens / max(total, 1.0)
 
@@ -151,7 +153,23 @@ def lr_lambda(total_steps: int, warmup: float, min_lr: float) -> Callable[[int],
 
 
 PASSES_WARN = 4  # a budget above this many passes over the training side gets a warning (it will overfit)
+# The time a budget takes, measured on the run's first steps: the rate from the end of the first step (which also
+# packs the data and warms up) over at least ETA_STEPS more steps and ETA_MIN_S seconds, or over whatever steps the
+# run's first ETA_AFTER_S seconds held; a budget whose rest takes longer than ETA_NOTE_S at that rate gets a note,
+# within the run's first minute unless one step takes longer.
+ETA_STEPS, ETA_MIN_S, ETA_AFTER_S, ETA_NOTE_S = 3, 5.0, 20.0, 600.0
 PHASE_QUIET_S = 2.0  # a setup phase that runs longer than this says so
+
+
+def time_note(budget: int, done: int, tokens_per_s: float, where: str, device: str,
+              threshold: float = ETA_NOTE_S) -> str | None:
+    """The note for a budget whose rest takes longer than `threshold` seconds at the measured rate; None otherwise."""
+    left = time_left(budget, done, tokens_per_s)
+    if left <= threshold:
+        return None
+    advice = "train on a GPU" if device == "cpu" else "add ranks (torchrun)"
+    return (f"note: --tokens {budget:,} takes about {duration(left)} more at this rate ({tokens_per_s:,.0f} tokens/s "
+            f"{where}); lower --tokens or {advice}")
 
 
 class Distiller:
@@ -170,7 +188,14 @@ class Distiller:
             self._validate()
         except BaseException:
             self.discard_state()
+            self.unlock()
             raise
+
+    def unlock(self) -> None:
+        """The run's locks on its output (and its --state-dir) go when the run ends, however it ends."""
+        for lock in (getattr(self, "writer", None), getattr(self, "state_lock", None)):
+            if lock is not None:
+                lock.release()
 
     def discard_state(self) -> None:
         """A refused or failed run leaves nothing behind: the state directory goes unless it holds a checkpoint
@@ -231,10 +256,12 @@ class Distiller:
         check_drafter(self.fmt, self.drafter_config, self.target_config, src, tgt, str(src))
         out = Path(o.out).expanduser() if o.out else src.resolve().parent / f"{src.resolve().name}-distilled"
         self.out = out.resolve()
-        self.writer = OutputDir(self.out, overwrite=o.overwrite or o.resume, protect=(src, tgt))
+        self.writer = OutputDir(self.out, overwrite=o.overwrite or o.resume, protect=o.inputs())
         self.state_dir = Path(o.state_dir).expanduser().resolve() if o.state_dir else \
             self.out.parent / f"{self.out.name}.distill"
-        if self.is_main:
+        if self.is_main:  # OUT (and a --state-dir elsewhere) locked from here to the run's end: one run at a time
+            self.writer.acquire()
+            self.state_lock = OutputLock(self.state_dir).acquire() if o.state_dir else None
             try:
                 self.made_state_dir = not self.state_dir.exists()
                 self.state_dir.mkdir(parents=True, exist_ok=True)
@@ -243,6 +270,8 @@ class Distiller:
                 probe.unlink()
             except OSError as e:
                 raise RecycleError(f"{self.state_dir}: cannot write the run's state here ({e.strerror or e})") from None
+            for line in sweep_dead_writes(self.state_dir):  # a killed run's partial checkpoint or best snapshot
+                self._note(f"note: {line}")
             if state.has_checkpoint(self.state_dir) and not o.resume:
                 if not o.overwrite:
                     raise RecycleError(f"{self.state_dir}: an earlier run's checkpoint exists; "
@@ -250,8 +279,10 @@ class Distiller:
                 state.remove_checkpoint(self.state_dir)
                 (self.state_dir / state.METRICS).unlink(missing_ok=True)
                 state.prune_best(self.state_dir, set())
+        # the compute dtype, resolved now: a resumed run must compute in the checkpoint's (state.RUN_OPTIONS)
+        self.precision = o.precision or default_precision(_device(o.device, self.rank))
         if o.resume and self.is_main:  # a resumable checkpoint: readable, safe, same options; before any model loads
-            fp = state.fingerprint(o, self.world)
+            fp = self._fingerprint()
             state.load_sharded_meta(self.state_dir, fp)
             state.load_checkpoint(self.state_dir, torch.device("cpu"), fp, mmap=True)
         rows = o.batch * self.world
@@ -271,7 +302,7 @@ class Distiller:
         self.data_passes = _passes(o.tokens, texts, self.tokenizer)
         if self.data_passes > PASSES_WARN:
             self._note(f"note: --tokens {o.tokens:,} is about {self.data_passes:.0f} passes over the training side of "
-                       f"--data ({len(texts):,} documents): the drafter will fit that text, not the target's "
+                       f"--data ({plural(len(texts), 'document')}): the drafter will fit that text, not the target's "
                        "distribution; give more data or fewer tokens")
 
     def _tokenizer(self):
@@ -457,7 +488,7 @@ class Distiller:
                "scheduler": self.sched.state_dict(), "rng": state.rng_state(), "timing": dict(self.timing),
                "wall_s": self.wall_before + time.perf_counter() - self.t_start, "before": self.before,
                "history": self.history[-1] if self.history else None, "best": self.best}
-        fp = state.fingerprint(self.opts, self.world)
+        fp = self._fingerprint()
         if self.sharded:  # every rank writes its own shards; nothing is gathered
             from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -468,13 +499,18 @@ class Distiller:
             model_state, opt_state = self._full_state()
             if self.is_main:
                 state.save_checkpoint(self.state_dir, {**run, "model": model_state, "optimizer": opt_state}, fp)
+        self.last_checkpoint = self.step
         if not self.is_main:
             return
         self.checkpointed_best = self.best["step"]
         state.prune_best(self.state_dir, {self.best["step"]})
 
+    def _fingerprint(self) -> dict:
+        """What a checkpoint records of this run's options, and a resumed run must match (state.RUN_OPTIONS)."""
+        return state.fingerprint(self.opts, self.world, self.precision, self.fmt.name)
+
     def _restore(self) -> bool:
-        fp = state.fingerprint(self.opts, self.world)
+        fp = self._fingerprint()
         if self.sharded:  # each rank reads its own shards of the drafter and of AdamW's moments
             from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -493,6 +529,7 @@ class Distiller:
             self.opt.load_state_dict(saved["optimizer"])
         self.sched.load_state_dict(saved["scheduler"])
         self.step, self.tokens = int(saved["step"]), int(saved["tokens"])
+        self.last_checkpoint = self.step
         self.stream.seek(Position(**saved["data"]))
         state.set_rng(saved["rng"])
         self.timing.update(saved["timing"])
@@ -645,10 +682,14 @@ class Distiller:
             loss = float(lt)
         if self.producer is not None and self.is_main:  # online: consumed, deleted (disk stays at `ahead` keys)
             self.teacher.release([key for _, _, key in keys])
+        if not math.isfinite(loss):  # every rank holds the reduced loss: all stop here, before the update
+            self._diverged("loss", loss)
         params = self.unroller.trainable()
         if any(p.grad is not None for p in params):
             with record_function("recycle.optimizer"):
-                gnorm = float(torch.nn.utils.clip_grad_norm_(params, o.clip))
+                gnorm = float(torch.nn.utils.clip_grad_norm_(params, o.clip))  # the total norm: the same on every rank
+                if not math.isfinite(gnorm):  # an update from it would make every weight NaN
+                    self._diverged("gradient norm", gnorm)
                 self.opt.step()
         else:
             gnorm = 0.0
@@ -671,6 +712,8 @@ class Distiller:
         self.history: list[dict] = []
         self.best: dict | None = None
         self.checkpointed_best = -1  # the step of the best snapshot the last checkpoint names (kept on disk)
+        self.last_checkpoint: int | None = None  # the step the checkpoint on disk holds (written or resumed from)
+        self.time_estimate: dict | None = None  # the budget's time at the first steps' rate (_estimate_time)
         self.t_start = time.perf_counter()
         resumed = o.resume and self._restore()
         if self.producer is not None:
@@ -708,7 +751,8 @@ class Distiller:
     def _loop(self, progress: Callable[[dict], None] | None) -> dict:
         """The training steps from the current one to the budget; returns the last step's row."""
         o, last = self.opts, {}
-        start_tokens, t_run = self.tokens, time.perf_counter()
+        start_tokens, start_step, t_run = self.tokens, self.step, time.perf_counter()
+        first: tuple[float, int] | None = None  # (time, tokens) when this run's first step ended
         snaps = sorted(n for n in o.snapshots if n > self.tokens)
         for step in self.schedule.steps(self.step):
             if self.stop is not None:
@@ -724,6 +768,15 @@ class Distiller:
                 elapsed = self.wall_before + time.perf_counter() - self.t_start
                 row["wall_s"] = round(elapsed, 3)
                 row["tokens_per_s"] = (self.tokens - start_tokens) / max(1e-9, time.perf_counter() - t_run)
+                if self.time_estimate is None and self.tokens < o.tokens:
+                    now, ran = time.perf_counter(), self.step - start_step
+                    if first is None:
+                        first = (now, self.tokens)
+                    if now - t_run >= ETA_AFTER_S and ran == 1:  # one slow step: its own rate, warm-up and all
+                        self._estimate_time(self.tokens - start_tokens, now - t_run, "over the first step")
+                    elif ran > 1 and (ran > ETA_STEPS and now - first[0] >= ETA_MIN_S or now - t_run >= ETA_AFTER_S):
+                        self._estimate_time(self.tokens - first[1], now - first[0],
+                                            f"over steps {start_step + 2}-{self.step}")
                 state.append_metrics(self.state_dir, row)
                 while snaps and self.tokens >= snaps[0]:
                     self._snapshot(snaps.pop(0))
@@ -737,6 +790,17 @@ class Distiller:
             self.history.append(row)
             last = row
         return last
+
+    def _estimate_time(self, tokens: int, seconds: float, where: str) -> None:
+        """The rest of the budget at the rate the first steps measured (the record's `time_estimate`); a note when
+        it is long (ETA_NOTE_S), so a budget no machine here can finish says so early."""
+        rate = tokens / max(seconds, 1e-9)
+        left = time_left(self.opts.tokens, self.tokens, rate)
+        note = time_note(self.opts.tokens, self.tokens, rate, where, self.device.type, ETA_NOTE_S)
+        self.time_estimate = {"measured": where, "tokens_per_s": round(rate, 1), "tokens_done": self.tokens,
+                              "seconds_left": round(left, 1), "about": duration(left), "note": note}
+        if note:
+            self._note(note)
 
     @contextlib.contextmanager
     def _stop_between_steps(self):
@@ -764,6 +828,15 @@ class Distiller:
         where = (f"step {self.step} ({self.tokens:,} of {self.opts.tokens:,} tokens) is checkpointed in {self.state_dir}"
                  if self.step > 0 else "no step had finished: nothing was saved")
         raise Interrupted(f"{self.stop}: stopped; {where}", resumable=self.step > 0)
+
+    def _diverged(self, what: str, value: float) -> None:
+        """A non-finite loss or gradient: training diverged. Stop before the update, write no drafter (the output would
+        be NaN or worse than the input) and keep the last checkpoint, whose weights were all finite."""
+        step = self.step + 1
+        kept = (f"the last good checkpoint (step {self.last_checkpoint}) stays in {self.state_dir}"
+                if self.last_checkpoint is not None else "no checkpoint had been written")
+        raise RecycleError(f"step {step}: the {what} is {value} (training diverged at --lr {self.opts.lr:g}); "
+                           f"stopped, no drafter written, {kept}; lower --lr and start over with --overwrite")
 
     def _record(self, last: dict, final: list[float], wall: float, resumed: bool) -> dict:
         o = self.opts
@@ -828,6 +901,7 @@ class Distiller:
             "peak_memory_bytes": torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda"
             else peak_rss_bytes(),
             "resumed": resumed,
+            "time_estimate": self.time_estimate,
             "cache_hits": self.teacher.cache_hits,
             "trunk_loaded": self.teacher.model is not None,
             "online": None if self.producer is None else {
@@ -868,6 +942,8 @@ def distill(opts: DistillOptions, progress: Callable[[dict], None] | None = None
             d.discard_state()
         raise
     finally:
+        if d is not None:
+            d.unlock()
         torch.set_num_threads(threads)  # --threads is this run's, not the caller's process-wide setting
         if getattr(d, "producer", None) is not None:
             d.producer.close()  # the online vLLM job ends with the run, whatever ended it

@@ -37,6 +37,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from recycle.checkpoint import SCALE_SUFFIX, Checkpoint, expected_scale_shape
 from recycle.errors import RecycleError
 from recycle.families import SHARED_ROLES, MTPMatch, MTPModule, eval_shape, match
@@ -289,7 +291,7 @@ def _check_copies(ckpt: Checkpoint, m: MTPMatch, rep: Report) -> None:
             a, b = ckpt.sample_rows(own), ckpt.sample_rows(trunk)
             if a is None or b is None:
                 continue
-            diff = float((a - b).norm() / b.norm().clamp_min(1e-12))
+            diff = float(np.linalg.norm(a - b) / max(float(np.linalg.norm(b)), 1e-12))
             if diff > STALE_TOLERANCE:
                 rep.add("warning", "mtp_stale_copy",
                         f"module {mod.index}'s {role} copy differs from the trunk's {trunk} (relative difference "

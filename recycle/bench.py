@@ -46,6 +46,7 @@ from recycle.checkpoint import SHORT_DTYPES
 from recycle.errors import RecycleError
 from recycle.formats import BENCH_REPORT
 from recycle.options import BenchOptions
+from recycle.preflight import load_json
 
 Progress = Callable[[int, int, str], None]
 
@@ -175,6 +176,7 @@ class Session:
     engine: Drafter
     encoded: list[list[int]]
     eos: int | None
+    positions: int | None = None  # the target's max_position_embeddings (None: its config names none)
 
     def engine_for(self, tree: str, opts: BenchOptions) -> Drafter:
         """Another engine of the same drafter with another tree shape."""
@@ -202,17 +204,54 @@ def open_session(opts: BenchOptions) -> Session:
     except Exception as e:  # noqa: BLE001 - a corrupt tokenizer file is bad input
         raise RecycleError(f"{tok_dir}: no usable tokenizer ({' '.join(str(e).split())[:160]})") from None
     prompts = opts.prompts if opts.prompts is not None else default_prompts()
-    encoded = encode_prompts(tokenizer, prompts, str(tdir), opts.chat_template)  # before any model loads
+    with quiet_transformers():  # a prompt longer than the model is refused below, in one line
+        encoded = encode_prompts(tokenizer, prompts, str(tdir), opts.chat_template)  # before any model loads
     if any(not ids for ids in encoded):
         raise RecycleError("a prompt encodes to no tokens")
+    check_positions(encoded, opts.max_new_tokens, 0, _positions(load_json(tdir / "config.json", "config.json")))
     model = load_target(tdir, device=device, dtype=SHORT_DTYPES[opts.precision])
     target = Target(model)
     masks = MaskCache(target.dtype, device)
     with quiet_transformers():
         engine = load_engine(opts.drafter, target, masks, tree=opts.tree, native=opts.native, target_dir=str(tdir))
+    positions = _positions(model.config.to_dict())
+    check_positions(encoded, opts.max_new_tokens, draft_tokens(engine), positions, f"the tree {engine.describe()}")
     target.set_taps(engine.taps)
     eos = getattr(tokenizer, "eos_token_id", None) if opts.stop_at_eos else None
-    return Session(model, target, masks, engine, encoded, eos)
+    return Session(model, target, masks, engine, encoded, eos, positions)
+
+
+def _positions(config: dict) -> int | None:
+    """The target's max_position_embeddings (a multimodal config's text_config holds it), None where it names none."""
+    for cfg in (config, config.get("text_config") or {}):
+        n = cfg.get("max_position_embeddings") if isinstance(cfg, dict) else None
+        if isinstance(n, int) and not isinstance(n, bool) and n > 0:
+            return n
+    return None
+
+
+def draft_tokens(engine: Drafter) -> int:
+    """How many draft tokens one round verifies beyond the committed ones (a chain's K, a tree's nodes)."""
+    shape = getattr(engine, "shape", None)
+    if isinstance(shape, int):
+        return shape
+    if hasattr(shape, "total_tokens"):
+        return int(shape.total_tokens)
+    parents = getattr(shape, "parents", None)
+    return len(parents) - 1 if parents is not None else 0
+
+
+def check_positions(encoded: list[list[int]], max_new: int, extra: int, positions: int | None, what: str = "") -> None:
+    """Refuse, before generating, a prompt whose tokens with --max-new-tokens (and `extra` draft tokens a round
+    verifies, `what` names them) need more positions than the target has."""
+    if positions is None:
+        return
+    i, longest = max(enumerate(map(len, encoded)), key=lambda x: x[1])
+    if longest + max_new + extra > positions:
+        plus = f" + {extra} draft tokens ({what})" if extra else ""
+        raise RecycleError(f"prompt {i + 1} has {longest} tokens: with --max-new-tokens {max_new}{plus} it needs "
+                           f"{longest + max_new + extra} positions, and the target has {positions} "
+                           "(max_position_embeddings); shorten the prompt or lower --max-new-tokens")
 
 
 def run_bench(opts: BenchOptions, progress: Progress | None = None) -> dict:
@@ -366,7 +405,9 @@ def noise_notes(overall: dict) -> list[str]:
         cost = cd + cv
         if cost >= tau:
             why = ""
-            if cv - 1 >= cd:  # verification's cost beyond one AR step is the larger share
+            if overall["spread"]["loaded"]:  # the costs are as noisy as the speedups: no advice follows from them
+                why = "; measured on a busy machine, so no advice on the tree or the drafter follows from these costs"
+            elif cv - 1 >= cd:  # verification's cost beyond one AR step is the larger share
                 why = (f"; verifying costs {cv:.2f} target steps a round, not about one as where decoding is "
                        "memory-bound: try a smaller --tree")
             elif cd >= 0.5:

@@ -20,8 +20,12 @@ Imports no torch.
 
 from __future__ import annotations
 
+import ctypes
+import os
 import re
-from collections.abc import Iterable
+import threading
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -35,6 +39,8 @@ KEPT_KEYS = ("tool_calls", "tool_call_id", "name", "reasoning_content")  # passe
 EMPTY_THINK = re.compile(r"<think>\s*</think>\s*")
 MARKERS = "generation markers"
 SPANS = "span matching"
+MAX_CONVERSATION_CHARS = 1 << 24  # a longer conversation is a counted skip: one render must not take gigabytes
+TEMPLATE_SECONDS = 10.0  # one render of a chat template (an untrusted Jinja program) may take this long, then refused
 
 
 @dataclass(frozen=True)
@@ -64,6 +70,8 @@ class Counter(Protocol):
 
     def saw(self, kind: str) -> None: ...
 
+    def seen(self, kind: str) -> None: ...
+
 
 def _content(value: object) -> str | None:
     """A turn's text: a string, or OpenAI's list of {"type": "text", "text": ...} parts (None: not text)."""
@@ -75,7 +83,14 @@ def _content(value: object) -> str | None:
     return None
 
 
-def _turns(rows: list, role_key: str, content_key: str, roles: dict[str, str], log: Counter) -> tuple[dict, ...] | None:
+def _answered(msg: dict) -> bool:
+    """Whether an assistant turn says anything: text (an empty reasoning block aside), tool calls or reasoning."""
+    text = EMPTY_THINK.sub("", msg.get("content") or "")
+    return bool(text.strip() or msg.get("tool_calls") or str(msg.get("reasoning_content") or "").strip())
+
+
+def _turns(rows: list, role_key: str, content_key: str, roles: dict[str, str], log: Counter, answer: bool = True
+           ) -> tuple[dict, ...] | None:
     out = []
     for turn in rows:
         if not isinstance(turn, dict):
@@ -93,15 +108,26 @@ def _turns(rows: list, role_key: str, content_key: str, roles: dict[str, str], l
         msg = {"role": role, "content": content or ""}
         msg.update({k: turn[k] for k in KEPT_KEYS if turn.get(k) is not None})
         out.append(msg)
+    if sum(len(m["content"]) for m in out) > MAX_CONVERSATION_CHARS:
+        log.skip(f"a conversation over {MAX_CONVERSATION_CHARS:,} characters")
+        return None
+    if not answer:
+        return tuple(out)
     if not any(m["role"] == "assistant" for m in out):
         log.skip("no assistant turn")
+        return None
+    if not any(_answered(m) for m in out if m["role"] == "assistant"):
+        log.skip("only empty assistant turns")
         return None
     return tuple(out)
 
 
-def document(row: object, log: Counter) -> Document | None:
-    """A row's document: its text, its conversation, or None with the reason counted in `log`."""
+def document(row: object, log: Counter, answer: bool = True) -> Document | None:
+    """A row's document: its text, its conversation, or None with the reason counted in `log` (which also hears
+    what kind each row is, kept or not: `seen`). `answer`: a conversation must hold a non-empty assistant turn
+    (training data); without it a request (system and user turns only: a prompt) is a conversation too."""
     if not isinstance(row, dict):
+        log.seen("other")
         log.skip("not a JSON object")
         return None
     for key, kind, role_key, content_key, roles in (
@@ -110,17 +136,19 @@ def document(row: object, log: Counter) -> Document | None:
         turns = row.get(key)
         if turns is None:
             continue
+        log.seen("conversation")
         if not isinstance(turns, list) or not turns:
             log.skip(f"'{key}' is not a list of turns")
             return None
         if kind == "sharegpt" and turns and isinstance(turns[0], dict) and "role" in turns[0]:
             role_key, content_key = "role", "content"  # some ShareGPT sets spell the turns as OpenAI does
-        parsed = _turns(turns, role_key, content_key, roles, log)
+        parsed = _turns(turns, role_key, content_key, roles, log, answer)
         if parsed is None:
             return None
         log.saw(kind)
         return Conversation(parsed, kind)
     text = row.get("text")
+    log.seen("other" if text is None else "text")
     if text is None:
         log.skip("neither text nor a conversation (no 'text', 'messages' or 'conversations' field)")
         return None
@@ -160,6 +188,64 @@ class RenderError(Exception):
     """A conversation the template cannot render, or whose assistant turns cannot be located."""
 
 
+class _OverTime(BaseException):
+    """Raised inside a render that ran past its time (a BaseException: no `except Exception` in a template's caller
+    swallows it)."""
+
+
+class _Watchdog:
+    """Time limits on calls in any thread: one daemon thread wakes at the earliest deadline and raises `_OverTime`
+    in the thread still running past it (CPython's PyThreadState_SetAsyncExc, delivered between bytecodes: Jinja
+    runs its templates as Python code). A signal would reach the main thread only, and clash with other alarms."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.jobs: dict[int, tuple[int, float]] = {}  # job -> (thread id, deadline)
+        self.fired: set[int] = set()
+        self.next = 0
+        self.thread: threading.Thread | None = None
+
+    @staticmethod
+    def _raise_in(tid: int, exc: type[BaseException] | None) -> None:
+        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(tid), ctypes.py_object(exc) if exc else None)
+
+    def _loop(self) -> None:
+        with self.cond:
+            while True:
+                now = time.monotonic()
+                for job, (tid, due) in list(self.jobs.items()):
+                    if due <= now:
+                        del self.jobs[job]
+                        self.fired.add(job)
+                        self._raise_in(tid, _OverTime)
+                self.cond.wait(min((d for _, d in self.jobs.values()), default=now + 3600) - now)
+
+    def call(self, fn: Callable[[], object], seconds: float) -> object:
+        """fn(), or `_OverTime` once it has run `seconds`."""
+        with self.cond:
+            job = self.next
+            self.next += 1
+            self.jobs[job] = (threading.get_ident(), time.monotonic() + seconds)
+            if self.thread is None:
+                self.thread = threading.Thread(target=self._loop, name="recycle-template-watchdog", daemon=True)
+                self.thread.start()
+            self.cond.notify()
+        try:
+            return fn()
+        finally:
+            with self.cond:
+                self.jobs.pop(job, None)
+                if job in self.fired:  # fired as fn returned: clear what may not have been delivered yet
+                    self.fired.discard(job)
+                    self._raise_in(threading.get_ident(), None)
+                    raise _OverTime
+
+
+_WATCHDOG = _Watchdog()
+# a forked child (a data loader, an engine's worker) has no watchdog thread and may inherit a held lock: a fresh one
+os.register_at_fork(after_in_child=lambda: _WATCHDOG.__init__())
+
+
 @dataclass
 class Rendered:
     """A rendered conversation: its token ids and, per token, whether it belongs to an assistant turn."""
@@ -192,12 +278,24 @@ class ChatRenderer:
                                "FILE to choose one")
         self.method = MARKERS if re.search(r"{%-?\s*generation\s*-?%}", tpl) else SPANS
 
-    def text(self, messages: list[dict] | tuple[dict, ...], generation_prompt: bool = False) -> str:
+    def _apply(self, messages: list[dict] | tuple[dict, ...], **kwargs) -> object:
+        """`apply_chat_template`, each call bounded by TEMPLATE_SECONDS: a template is an untrusted program (the
+        sandbox bounds `range()` at 100,000, not a loop nested in another), and one that runs past the limit is
+        refused for the whole run, never skipped row by row."""
+        limit = TEMPLATE_SECONDS
         try:
-            return self.tokenizer.apply_chat_template(list(messages), tokenize=False,
-                                                      add_generation_prompt=generation_prompt)
+            return _WATCHDOG.call(lambda: self.tokenizer.apply_chat_template(list(messages), **kwargs), limit)
+        except _OverTime:
+            whose = "the --chat-template" if self.template is not None else f"{self.where}'s chat template"
+            raise RecycleError(f"{whose} ran over {limit:g} s rendering one conversation (a loop in the template?): "
+                               "refused; fix or replace it (--chat-template FILE)") from None
+        except RecycleError:
+            raise
         except Exception as e:  # noqa: BLE001 - a template raises whatever Jinja or its raise_exception raises
             raise RenderError(f"the chat template failed to render ({_one_line(e)})") from None
+
+    def text(self, messages: list[dict] | tuple[dict, ...], generation_prompt: bool = False) -> str:
+        return self._apply(messages, tokenize=False, add_generation_prompt=generation_prompt)
 
     def prompt(self, messages: list[dict] | tuple[dict, ...]) -> str:
         """The text an engine's chat endpoint feeds the model: the turns, then the assistant's generation prompt."""
@@ -220,11 +318,7 @@ class ChatRenderer:
         enc = self.tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
         ids, offsets = list(enc["input_ids"]), enc["offset_mapping"]
         if self.method == MARKERS:
-            try:
-                out = self.tokenizer.apply_chat_template(list(conv.messages), tokenize=True, return_dict=True,
-                                                         return_assistant_tokens_mask=True)
-            except Exception as e:  # noqa: BLE001
-                raise RenderError(f"the chat template failed to render ({_one_line(e)})") from None
+            out = self._apply(conv.messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
             marked = list(out["input_ids"])
             if marked != ids:
                 raise RenderError("the template's tokens differ from its rendered text's")
@@ -275,5 +369,8 @@ def render_all(renderer: ChatRenderer, docs: Iterable[Document], log: Counter | 
 
 
 def generation_prompt(conv: Conversation) -> tuple[dict, ...]:
-    """The turns a chat prompt keeps: everything before the conversation's last assistant turn."""
+    """The turns a chat prompt keeps: a request (its last turn not the assistant's: a chat-completion request) whole;
+    a conversation that ends in an answer, everything before that answer."""
+    if conv.messages[-1]["role"] != "assistant":
+        return conv.messages
     return conv.messages[:conv.assistant_turns()[-1]]

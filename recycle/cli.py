@@ -17,12 +17,12 @@ from recycle import __version__
 from recycle import flags as f
 from recycle.errors import RecycleError
 from recycle.preflight import DEFAULT_SHARD_SIZE
-from recycle.report import EXIT_FINDINGS, conventional_help, note, print_json, user_errors
+from recycle.report import EXIT_FINDINGS, JsonErrors, conventional_help, note, print_json, user_errors
 
 conventional_help()
 app = typer.Typer(help="Turn the Multi-Token-Prediction modules of open checkpoints into speculative-decoding drafters.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
-                  rich_markup_mode="markdown")
+                  rich_markup_mode="markdown", cls=JsonErrors)
 
 
 @app.callback(invoke_without_command=True)
@@ -436,7 +436,7 @@ def harvest(
     `recycle distill /tmp/ds-eagle --target fixtures/deepseek_v3_mtp --tokens 64k --cache-hidden /tmp/ds-cache`
     """
     from recycle.options import HarvestOptions
-    from recycle.preflight import drafter_dir, parse_tokens
+    from recycle.preflight import drafter_dir, output_dir, parse_tokens
 
     target = f.renamed(target, target_pos, "--target TARGET_DIR", "TARGET_DIR as an argument")
     if target is None:
@@ -448,6 +448,8 @@ def harvest(
                           batch=batch, seed=seed, overwrite=overwrite, parallel=parallel, self_distill=self_distill,
                           prompt_len=prompt_len, sd_temperature=sd_temperature, chat_template=chat_template,
                           gpu_memory_utilization=gpu_memory_utilization)
+    if drafter is not None:  # an input too: -o is not the drafter, inside it or around it
+        output_dir(opts.out, opts.overwrite, (*opts.inputs(), drafter))
     opts.validate()
     if drafter is not None:
         drafter_dir(drafter)

@@ -37,7 +37,8 @@ def output_path(given: Path | None, source: Path, suffix: str) -> str:
 
 # -- flags shared by several commands ---------------------------------------------------------------
 Json = Annotated[bool, opt("--json", help="Print one JSON object instead of the report.")]
-Overwrite = Annotated[bool, opt("--overwrite", help="Replace an existing output directory.")]
+Overwrite = Annotated[bool, opt("--overwrite", help="Replace an existing output directory that recycle wrote (or "
+                                 "an empty one).")]
 Output = Annotated[Path | None, opt("-o", "--output", help="Output directory (default: ./INPUT-SUFFIX here; it must "
                                      "not exist, see --overwrite).", metavar="OUT_DIR")]
 Target = Annotated[Path | None, opt("--target", help="Target model directory.", metavar="TARGET_DIR")]

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from recycle.errors import RecycleError
+from recycle.errors import RecycleError, did_you_mean
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,8 @@ def gpu(key: str) -> GPU:
     for g in GPUS:
         if g.key.lower() == key.strip().lower():
             return g
-    raise RecycleError(f"--gpu {key!r}: unknown GPU; known: {', '.join(g.key for g in GPUS)}")
+    keys = [g.key for g in GPUS]
+    raise RecycleError(f"--gpu {key!r}: unknown GPU; known: {', '.join(keys)}{did_you_mean(key, keys)}")
 
 
 def detect(device: torch.device) -> GPU | None:

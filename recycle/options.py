@@ -17,9 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from recycle import kinds
-from recycle.errors import RecycleError
+from recycle.errors import RecycleError, did_you_mean
 from recycle.preflight import (
-    DEFAULT_SHARD_SIZE, checkpoint_dir, data_name, drafter_dir, model_dir, output_dir, parse_size, parse_tokens)
+    DEFAULT_SHARD_SIZE, checkpoint_dir, data_name, data_path, drafter_dir, model_dir, output_dir, parse_size,
+    parse_tokens)
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")  # OWNER/NAME
 DTYPES = ("bf16", "fp16", "fp32")  # storage (--dtype) and compute (--precision) names; torch's in checkpoint.py
@@ -35,7 +36,7 @@ CONVERT_OPTIONS = {  # the format-specific convert options, by their flag
 def _choice(value: str | None, choices: Iterable[str], flag: str) -> None:
     choices = tuple(choices)
     if value is not None and value not in choices:
-        raise RecycleError(f"{flag} {value!r}: choose from {', '.join(choices)}")
+        raise RecycleError(f"{flag} {value!r}: choose from {', '.join(choices)}{did_you_mean(value, choices)}")
 
 
 def _at_least(pairs: Iterable[tuple[str, int | None, int]]) -> None:
@@ -67,13 +68,17 @@ class ConvertOptions:
     eagle3_names: str | None = None  # eagle3: official (midlayer.*, the default) or speculators (layers.0.*)
     max_shard_size: int | str | None = DEFAULT_SHARD_SIZE  # bytes (or "5GB"); None: every file whole
 
+    def inputs(self) -> tuple[str | None, ...]:
+        """Every path convert reads: -o may be none of them, inside one or around one."""
+        return self.source, self.target, data_path(self.data), data_path(self.vocab_corpus)
+
     def validate(self) -> None:
         """Every check that reads no tensor; the format record says which options apply to it."""
         from recycle.formats import convertible, get
 
         self.max_shard_size = parse_size(self.max_shard_size)
         checkpoint_dir(self.source)
-        output_dir(self.out, self.overwrite, (self.source,))
+        output_dir(self.out, self.overwrite, self.inputs())
         fmt = get(self.to)
         target_file = fmt.target_file is not None and self.target is not None
         if target_file:  # a file the format pairs with (gguf: the trunk GGUF), read by its converter
@@ -86,7 +91,8 @@ class ConvertOptions:
             raise RecycleError(f"--to {self.to}: recycle convert writes {', '.join(convertible())}")
         allowed = DTYPES + fmt.extra_dtypes  # the GGUF side file also takes llama.cpp's q8_0
         if self.dtype not in allowed:
-            raise RecycleError(f"unknown dtype '{self.dtype}' (choose from {', '.join(allowed)})")
+            raise RecycleError(f"unknown dtype '{self.dtype}' (choose from {', '.join(allowed)})"
+                               f"{did_you_mean(self.dtype, allowed)}")
         given = {k for k in CONVERT_OPTIONS if getattr(self, k) is not None}
         for key in sorted(given - fmt.options):
             takers = [name for name in convertible() if key in get(name).options]
@@ -146,6 +152,10 @@ class DataOptions:
     chat_template: str | None = None  # a Jinja file replacing the target tokenizer's chat template (conversations)
     save_regenerated: str | None = None  # --self-distill on conversations: append each regenerated one here (JSONL)
 
+    def inputs(self) -> tuple[str | None, ...]:
+        """Every path the run reads: its output may be none of them, inside one or around one."""
+        return self.target, data_path(self.data), self.chat_template
+
     def validate(self) -> None:
         model_dir(self.target)
         if self.chat_template is not None and not Path(self.chat_template).expanduser().is_file():
@@ -195,6 +205,9 @@ class DistillOptions(DataOptions):
     snapshots: tuple[int, ...] = ()  # token counts at which to write a drafter dir (the experiment)
     snapshot_dir: str | None = None
 
+    def inputs(self) -> tuple[str | None, ...]:
+        return self.drafter, *super().inputs(), self.cache_hidden
+
     def validate(self) -> None:
         drafter_dir(self.drafter)
         super().validate()
@@ -234,7 +247,7 @@ class HarvestOptions(DataOptions):
         super().validate()
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
             raise RecycleError(f"--gpu-memory-utilization {self.gpu_memory_utilization}: a share in (0, 1]")
-        output_dir(self.out, self.overwrite, (self.target,))
+        output_dir(self.out, self.overwrite, self.inputs())
         kinds.target(self.target)
 
 
@@ -249,13 +262,19 @@ class StitchOptions:
     mtp_dtype: str = "auto"  # into a quantized target: its scheme (auto) or BF16 in the ignore list
     max_shard_size: int | str | None = DEFAULT_SHARD_SIZE  # the stitched MTP file's shards
 
+    def inputs(self) -> tuple[str | None, ...]:
+        return self.overlay, self.target
+
     def validate(self) -> None:
         self.max_shard_size = parse_size(self.max_shard_size)
         _choice(self.mtp_dtype, ("auto", "bf16"), "--mtp-dtype")
         checkpoint_dir(self.overlay)
         checkpoint_dir(self.target)
-        output_dir(self.out, self.overwrite, (self.overlay, self.target))
+        output_dir(self.out, self.overwrite, self.inputs())
         kinds.target(self.target)
+
+
+MAX_NEW_TOKENS = 32768  # bench/plan --max-new-tokens: beyond, a run takes hours and outgrows most targets' positions
 
 
 @dataclass(kw_only=True)
@@ -282,6 +301,9 @@ class BenchOptions:
     def validate(self) -> None:
         """Reject bad options before any loading (so the CLI fails fast, before its progress bar)."""
         _at_least((("--max-new-tokens", self.max_new_tokens, 1), ("--repeats", self.repeats, 1)))
+        if self.max_new_tokens > MAX_NEW_TOKENS:
+            raise RecycleError(f"--max-new-tokens {self.max_new_tokens}: at most {MAX_NEW_TOKENS} per prompt (a "
+                               "benchmark's tokens/s settles within a few hundred)")
         if self.temperature < 0 or not math.isfinite(self.temperature):
             raise RecycleError("--temperature must be a finite number ≥ 0")
         _choice(self.precision, DTYPES, "--precision")
@@ -386,7 +408,7 @@ def parse_batch_sizes(value: str) -> list[int]:
 
 def _device_name(name: str | None) -> None:
     if name is not None and name not in ("cpu", "cuda") and not name.startswith("cuda:"):
-        raise RecycleError(f"--device {name!r}: choose cpu or cuda")
+        raise RecycleError(f"--device {name!r}: choose cpu or cuda{did_you_mean(name, ('cpu', 'cuda'))}")
 
 
 __all__ = ["BenchOptions", "PlanOptions", "PushOptions", "StitchOptions", "parse_batch_sizes", "ConvertOptions", "DataOptions", "DistillOptions", "HarvestOptions", "LossConfig", "DTYPES",

@@ -11,10 +11,19 @@ What is measured here, once per prompt set (bench's sets: code and English prose
 Predicted speedup on this device at batch 1 = τ · t_AR / (t_draft + t_verify(nodes + 1)). Across
 batch sizes and GPUs the same τ is carried through `recycle.roofline`'s model of the target's and
 the drafter's forward, from the target's config.
+
+Every timing is repeated (each verification size `VERIFY_REPS` times, each decode run `REPEATS` times, the
+repeats interleaved so a burst of other work hits every candidate alike) and its median kept. The plan then
+checks its own measurements (`curve_findings`, `set_findings`): a cost whose repeats spread (IQR / median)
+beyond `SPREAD_MAX`, verification of more tokens measured cheaper than of fewer (beyond `MONOTONE_TOL`), a
+longer chain drafting cheaper than chain:1, or a candidate's prediction off its own measured speedup by more
+than `AGREE_MAX`×. Any of these and it says "too noisy to recommend" instead of recommending (on a shared
+machine: a busy neighbour).
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -23,7 +32,7 @@ from pathlib import Path
 import torch
 
 from recycle import roofline
-from recycle.bench import Session, _summary, open_session, resolve_device
+from recycle.bench import Session, _summary, check_positions, draft_tokens, open_session, resolve_device
 from recycle.decoding import Drafter, generate
 from recycle.decoding import cache as kv
 from recycle.decoding.drafting import describe_shape
@@ -37,6 +46,12 @@ Progress = Callable[[int, int, str], None]
 # Trees tried besides the chains (the format's bench default first): formats with a static tree draft its one
 # fixed-depth Medusa-style tree; the recursive drafters grow EAGLE-2 dynamic trees.
 DYNAMIC_TREES = ("dynamic:3,2,6", "dynamic:2,2,4", "dynamic:4,2,8")
+REPEATS = 3  # decode runs per candidate and prompt set (interleaved across candidates); the median is kept
+VERIFY_REPS = 5  # timings per verification size (interleaved across sizes); the median is kept
+SPREAD_MAX = 0.3  # a cost whose repeats' IQR / median exceeds this is noise
+MONOTONE_TOL = 0.25  # verifying (or drafting) more may measure this much cheaper than less before it is noise
+AGREE_MAX = 2.0  # a prediction more than this factor off the candidate's own measured speedup: the costs are noise
+NOISY = "too noisy to recommend"
 
 
 def _model_config(path: str) -> dict:
@@ -56,9 +71,10 @@ def _sync(dev: torch.device) -> None:
         torch.cuda.synchronize(dev)
 
 
-def verify_curve(ses: Session, context: int, max_n: int, reps: int = 7) -> list[float]:
+def verify_curve(ses: Session, context: int, max_n: int, reps: int = VERIFY_REPS) -> list[list[float]]:
     """Seconds for the decode loop's verification of n = 1 … max_n chain tokens after `context` cached
-    tokens (forward, greedy verify, cache crop), median of `reps`."""
+    tokens (forward, greedy verify, cache crop): `reps` timings per n (after one warm-up pass over every n),
+    taken in rounds over all n, so other work on the machine lands on every size alike."""
     target, dev = ses.target, ses.target.device
     pool = [t for ids in ses.encoded for t in ids]
     ids = (pool * ((context + max_n) // max(len(pool), 1) + 1))[: context + max_n]
@@ -66,7 +82,7 @@ def verify_curve(ses: Session, context: int, max_n: int, reps: int = 7) -> list[
     with torch.inference_mode():
         target.forward(torch.tensor([ids[:context]], device=dev), torch.arange(context, device=dev)[None], None, cache,
                        logits_for=slice(-1, None))
-        out = []
+        steps = []
         for n in range(1, max_n + 1):
             toks = ids[context : context + n]
             tree = Tree(list(toks), chain_parents(n - 1), list(range(n)))
@@ -74,22 +90,80 @@ def verify_curve(ses: Session, context: int, max_n: int, reps: int = 7) -> list[
                 mask, pos = None, torch.tensor([[context]], device=dev)
             else:
                 mask, pos = ses.masks.mask(tree.parents, tree.depths, context)
-            times = []
-            for _ in range(reps + 1):  # the first is a warm-up
+            steps.append((torch.tensor([toks], device=dev), pos, mask, tree))
+        out: list[list[float]] = [[] for _ in steps]
+        for rep in range(reps + 1):  # the first round is a warm-up
+            for n, (toks, pos, mask, tree) in enumerate(steps):
                 _sync(dev)
                 t0 = time.perf_counter()
-                logits, _ = target.forward(torch.tensor([toks], device=dev), pos, mask, cache)
+                logits, _ = target.forward(toks, pos, mask, cache)
                 verify(tree, logits, 0.0, None)
                 kv.crop(cache, context)
                 _sync(dev)
-                times.append(time.perf_counter() - t0)
-            out.append(statistics.median(times[1:]))
+                if rep:
+                    out[n].append(time.perf_counter() - t0)
     return out
 
 
+def spread(samples: list[float]) -> float:
+    """IQR / median of repeated timings (inclusive quartiles: the repeats are the whole population); 0 for one."""
+    if len(samples) < 2:
+        return 0.0
+    q1, med, q3 = statistics.quantiles(samples, n=4, method="inclusive")
+    return (q3 - q1) / med if med > 0 else math.inf
+
+
+def curve_findings(samples: list[list[float]], used: set[int]) -> list[str]:
+    """What makes the verification curve noise: a size measured cheaper than a smaller one beyond MONOTONE_TOL
+    (its medians), or a size a candidate's prediction uses whose repeats spread beyond SPREAD_MAX."""
+    out = []
+    med = [statistics.median(s) for s in samples]
+    top = 0
+    for i in range(1, len(med)):
+        if med[i] < (1 - MONOTONE_TOL) * med[top]:
+            out.append(f"verifying {i + 1} tokens measured {med[i] * 1e3:.1f} ms, less than {top + 1} tokens' "
+                       f"{med[top] * 1e3:.1f} ms")
+            break
+        if med[i] > med[top]:
+            top = i
+    wide = [(spread(samples[n - 1]), n) for n in sorted(used) if 0 < n <= len(samples)]
+    worst = max(wide, default=(0.0, 0))
+    if worst[0] > SPREAD_MAX:
+        out.append(f"verifying {worst[1]} tokens: its {len(samples[worst[1] - 1])} timings spread "
+                   f"{worst[0]:.0%} of their median (IQR)")
+    return out
+
+
+def set_findings(runs: dict[str, dict], rows: list[dict], k_max: int, multi_pass: bool) -> list[str]:
+    """What makes one prompt set's decode costs noise: a run whose repeats spread beyond SPREAD_MAX (its step
+    time, or its draft time per step), chain:K_max drafting cheaper than chain:1 where each depth is a pass, or a
+    candidate run on its own whose predicted speedup is more than AGREE_MAX× off its measured one."""
+    out = []
+    wide = [(spread(r["samples"][key]), name, what) for name, r in runs.items()
+            for key, what in (("round_s", "step time"), ("draft_step_s", "draft time per step"))
+            if name != "ar" or key == "round_s"]
+    worst = max(wide, default=(0.0, "", ""))
+    if worst[0] > SPREAD_MAX:
+        out.append(f"{worst[1]}: its {worst[2]} over {len(runs[worst[1]]['samples']['round_s'])} runs spread "
+                   f"{worst[0]:.0%} of its median (IQR)")
+    d1, dk = runs["chain:1"]["draft_step_s"], runs[f"chain:{k_max}"]["draft_step_s"]
+    if multi_pass and k_max > 1 and dk < (1 - MONOTONE_TOL) * d1:
+        out.append(f"chain:{k_max} drafted in {dk * 1e3:.1f} ms a step, less than chain:1's {d1 * 1e3:.1f} ms")
+    for r in rows:
+        m, p = r["measured"], r["predicted"]
+        if m and p and max(m / p, p / m) > AGREE_MAX:
+            out.append(f"{r['shape']}: predicted {p:.2f}× but measured {m:.2f}× on its own run")
+            break
+    return out
+
+
+TIMINGS = ("seconds", "tokens_per_s", "draft_s", "verify_s", "prefill_s", "round_s", "draft_step_s")
+
+
 def _decode(ses: Session, engine: Drafter, prompts: list[list[int]], opts: BenchOptions) -> dict:
+    """One timed decode of every prompt of a set (greedy: the tokens, τ and accepted lengths are the same each
+    time; only the timings move)."""
     run = dict(temperature=0.0, seed=opts.seed, eos=ses.eos, masks=ses.masks)
-    generate(ses.target, engine, prompts[0], min(16, opts.max_new_tokens), **run)  # warm-up
     stats = [generate(ses.target, engine, p, opts.max_new_tokens, **run).stats for p in prompts]
     s = _summary(stats)
     s["accept_lengths"] = [n for st in stats for n in st.accept_lengths]
@@ -97,6 +171,27 @@ def _decode(ses: Session, engine: Drafter, prompts: list[list[int]], opts: Bench
     s["draft_step_s"] = s["draft_s"] / s["steps"] if s["steps"] else 0.0
     s["prompts"] = len(prompts)
     return s
+
+
+def _decode_repeated(ses: Session, engines: list[tuple[str, Drafter]], prompts: list[list[int]],
+                     opts: BenchOptions, tick: Callable[[str], None]) -> dict[str, dict]:
+    """Every engine's decode `REPEATS` times, in rounds over the engines (after one warm-up each): the first
+    run's counts, each timing's median, and every timing's samples (`samples`)."""
+    run = dict(temperature=0.0, seed=opts.seed, eos=ses.eos, masks=ses.masks)
+    for _, engine in engines:
+        generate(ses.target, engine, prompts[0], min(16, opts.max_new_tokens), **run)  # warm-up
+    reps: dict[str, list[dict]] = {name: [] for name, _ in engines}
+    for rep in range(REPEATS):
+        for name, engine in engines:
+            reps[name].append(_decode(ses, engine, prompts, opts))
+            tick(f"{name} ({rep + 1}/{REPEATS})")
+    out = {}
+    for name, runs in reps.items():
+        s = dict(runs[0])
+        s["samples"] = {k: [r[k] for r in runs] for k in TIMINGS}
+        s.update({k: statistics.median(v) for k, v in s["samples"].items()})
+        out[name] = s
+    return out
 
 
 def _shape_info(engine: Drafter) -> dict:
@@ -177,22 +272,30 @@ def run_plan(opts: PlanOptions, progress: Progress | None = None) -> dict:
         name = describe_shape(e.shape)
         if name not in {n for n, _ in engines}:
             engines.append((name, e))
+    engines = list(dict(engines).items())  # chain:1 is also chain:K_max where the drafter drafts one deep
+    widest = max((draft_tokens(e) for _, e in engines), default=0)
+    check_positions(ses.encoded, bopts.max_new_tokens, max(widest, opts.verify_max), ses.positions,
+                    f"plan drafts {widest} in its widest candidate and verifies up to {opts.verify_max}")
     mean_ctx = round(statistics.mean(len(p) for p in ses.encoded) + bopts.max_new_tokens / 2)
-    total = len(sets) * len(engines) + 1
+    total = len(sets) * len(engines) * REPEATS + 1
     done = 0
-    curve = verify_curve(ses, mean_ctx, opts.verify_max)
+    samples = verify_curve(ses, mean_ctx, opts.verify_max)
+    curve = [statistics.median(s) for s in samples]
     done += 1
     if progress:
         progress(done, total, "verification cost")
     measured: dict[str, dict] = {}
     for set_name, ids in sets.items():
-        runs = {}
-        for name, engine in engines:
-            runs[name] = _decode(ses, engine, ids, bopts)
-            runs[name]["info"] = _shape_info(engine)
+
+        def tick(what: str, set_name: str = set_name) -> None:
+            nonlocal done
             done += 1
             if progress:
-                progress(done, total, f"{set_name}: {name}")
+                progress(done, total, f"{set_name}: {what}")
+
+        runs = _decode_repeated(ses, engines, ids, bopts, tick)
+        for name, engine in engines:
+            runs[name]["info"] = _shape_info(engine)
         measured[set_name] = runs
 
     def t_verify(n: int) -> float:
@@ -202,6 +305,7 @@ def run_plan(opts: PlanOptions, progress: Progress | None = None) -> dict:
         return curve[-1] + slope * (n - len(curve))
 
     report_sets = {}
+    used: set[int] = set()
     for set_name, runs in measured.items():
         ar = runs["ar"]
         t_ar = ar["round_s"]
@@ -217,16 +321,23 @@ def run_plan(opts: PlanOptions, progress: Progress | None = None) -> dict:
             if name == "ar" or name.startswith("chain:"):
                 continue
             info = r["info"]
-            rows.append(_row(name, r["tau"], r["draft_step_s"], t_verify(round(r["tree_nodes_per_step"]) + 1),
-                             t_ar, r, ar, info))
+            n = round(r["tree_nodes_per_step"]) + 1
+            used.add(n)
+            rows.append(_row(name, r["tau"], r["draft_step_s"], t_verify(n), t_ar, r, ar, info))
         acc = _acceptance(lengths, k_max)
+        used |= set(range(2, k_max + 2))
         report_sets[set_name] = {
             "prompts": len(sets[set_name]),
             "ar_step_s": t_ar,
             "acceptance_by_depth": acc,
             "candidates": rows,
-            "recommended": _recommend(rows),
+            "noise": set_findings(runs, rows, k_max, not fmt.single_pass),
         }
+    overall = curve_findings(samples, used)
+    for st in report_sets.values():
+        st["noise"] = overall + st["noise"]
+        st["verdict"] = NOISY if st["noise"] else "recommended"
+        st["recommended"] = None if st["noise"] else _recommend(st["candidates"])
     report = {
         "target": bopts.target,
         "drafter": bopts.drafter if not bopts.native else None,
@@ -237,6 +348,10 @@ def run_plan(opts: PlanOptions, progress: Progress | None = None) -> dict:
         "max_new_tokens": bopts.max_new_tokens,
         "context_measured": mean_ctx,
         "verify_s": curve,
+        "noise": {"verdict": NOISY if any(st["noise"] for st in report_sets.values()) else "recommended",
+                  "findings": overall, "repeats": REPEATS, "verify_reps": len(samples[0]),
+                  "verify_spread": [spread(s) for s in samples], "spread_max": SPREAD_MAX,
+                  "monotone_tol": MONOTONE_TOL, "agree_max": AGREE_MAX},
         "sets": report_sets,
     }
     report["roofline"] = _roofline(opts, ses, report_sets, chain_max, engines)

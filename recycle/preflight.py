@@ -6,9 +6,15 @@ fraction of a second; the library runs the same functions, so the messages are o
 
 from __future__ import annotations
 
+import errno
+import fcntl
+import glob
 import json
 import os
 import re
+import shutil
+import sys
+from collections.abc import Iterable
 from pathlib import Path
 
 from recycle.errors import RecycleError
@@ -68,22 +74,210 @@ def _inside(path: Path, root: Path) -> bool:
     return path == root or root in path.parents
 
 
-def output_dir(out: str | os.PathLike, overwrite: bool = False, protect: tuple[str | os.PathLike, ...] = ()) -> Path:
-    """Where an output may go: not a source or inside one, not around one, and not an existing
-    directory unless `overwrite`. Returns the resolved path."""
+def note(text: str) -> None:
+    """A one-line note on stderr, as the CLI prints its own (`recycle.report.note`), for checks below the CLI."""
+    print(f"recycle: note: {text}", file=sys.stderr, flush=True)
+
+
+def data_path(data: str | os.PathLike | None) -> str | None:
+    """`--data` as a path to protect from -o: None for a built-in corpus name or a cached dataset (`hf:NAME`)."""
+    from recycle.corpus import is_corpus_name
+
+    if data is None or str(data).startswith("hf:") or is_corpus_name(str(data)):
+        return None
+    return str(data)
+
+
+def output_dir(out: str | os.PathLike, overwrite: bool = False, protect: Iterable[str | os.PathLike | None] = (),
+               records: tuple[str, ...] | None = None) -> Path:
+    """Where an output may go: not an input (`protect`: every path the command reads) or inside one, not around
+    one, never `/`, $HOME, the working directory or an ancestor of them, and not an existing directory unless
+    `overwrite` and it is empty or recycle wrote it (`recycle.kinds.recycle_output`; `records`: the record files
+    that mark another writer's outputs). Returns the resolved path."""
     o = Path(out).expanduser().resolve()
     for p in protect:
+        if p is None:
+            continue
         src = Path(p).expanduser().resolve()
         if _inside(o, src):
-            raise RecycleError(f"{o}: the output must not be the source directory or inside it ({src})")
+            raise RecycleError(f"{o}: the output must not be an input ({src}) or inside one; choose another -o")
         if _inside(src, o):
-            raise RecycleError(f"{o}: the output contains the source directory {src}; choose another -o")
+            raise RecycleError(f"{o}: the output contains the input {src}; choose another -o")
+    try:
+        cwd = os.getcwd()
+    except OSError:  # removed under us: nothing there to protect
+        cwd = None
+    for what, place in (("your home directory", os.environ.get("HOME")), ("the working directory", cwd)):
+        if place and _inside(Path(place).expanduser().resolve(), o):
+            which = "is" if Path(place).expanduser().resolve() == o else "contains"
+            raise RecycleError(f"{o}: the output {which} {what}; choose a new directory for -o")
     if o.exists() or o.is_symlink():
         if not o.is_dir():
             raise RecycleError(f"{o}: exists and is not a directory")
         if not overwrite:
             raise RecycleError(f"{o}: already exists (pass --overwrite to replace it)")
+        from recycle.kinds import RECORDS, recycle_output  # kinds imports this module
+
+        if not recycle_output(o, records):
+            raise RecycleError(f"{o}: not empty and not written by recycle (no {', '.join(records or RECORDS)}): "
+                               "--overwrite replaces only recycle's own outputs; remove it yourself or choose "
+                               "another -o")
     return o
+
+
+# -- one writer per output: the lock, and what a stopped run left -------------------------------------------------
+
+LOCK_SUFFIX = ".recycle-lock"  # `.OUT.recycle-lock` beside OUT, held (flock) while a run writes OUT
+TMP_INFIX = ".recycle-tmp-"  # `.OUT.recycle-tmp-*`: an output being written
+OLD_INFIX = ".recycle-old-"  # `.OUT.recycle-old-*`: the output it replaces, between the two renames of a swap
+NO_LOCKS = frozenset({errno.ENOLCK, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOSYS})  # flock unsupported there
+PID_TEMP = re.compile(r"^\..+\.tmp-(\d+)$")  # `.FILE.tmp-PID`: one process's atomic write of FILE (distill's state)
+
+
+def sibling(out: Path, infix: str, tag: str = "") -> Path:
+    """`.OUT{infix}{tag}` beside OUT."""
+    return out.parent / f".{out.name}{infix}{tag}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def _remove(p: Path) -> None:
+    if p.is_dir() and not p.is_symlink():
+        shutil.rmtree(p, ignore_errors=True)
+    else:
+        p.unlink(missing_ok=True)
+
+
+class OutputLock:
+    """An exclusive lock on an output directory for one run: `flock` on `.OUT.recycle-lock` beside it, taken before
+    the run looks at OUT and held until it has written it, so a second run into the same OUT refuses in one line
+    instead of replacing the first one's output (or mixing into its state). The kernel drops the lock when the
+    process dies, however it dies; the file is removed on release (under the lock, and a taker checks that the file
+    it locked is still the one at the path, so a release racing a take cannot leave two holders).
+
+    Whoever holds it may clean what a stopped run left beside OUT (`sweep`): every writer of OUT holds the lock, so
+    a temporary sibling nobody holds is an orphan."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self.path = sibling(out, LOCK_SUFFIX)
+        self.fd: int | None = None
+        self.made: list[Path] = []  # parent directories this lock created (removed again if left empty)
+        self.exclusive = False  # False on a filesystem without flock: nothing is swept then
+
+    @property
+    def held(self) -> bool:
+        return self.fd is not None
+
+    def acquire(self) -> OutputLock:
+        if self.fd is not None:
+            return self
+        missing = [d for d in (self.out.parent, *self.out.parent.parents) if not d.exists()]
+        try:
+            self.out.parent.mkdir(parents=True, exist_ok=True)
+            self.made = missing
+            while True:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except OSError as e:
+                    if e.errno in NO_LOCKS:  # a filesystem without flock: write unlocked, as before locks
+                        self.exclusive = False
+                        break
+                    holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
+                    os.close(fd)
+                    if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                        raise
+                    self._unmake()
+                    raise RecycleError(f"{self.out}: another recycle run{f' (pid {holder})' if holder else ''} is "
+                                       "writing it now; wait for it to finish or choose another -o") from None
+                self.exclusive = True
+                try:  # its last holder may have removed the file between our open and flock: lock the one there now
+                    st, own = os.stat(self.path), os.fstat(fd)
+                    same = (st.st_dev, st.st_ino) == (own.st_dev, own.st_ino)
+                except FileNotFoundError:
+                    same = False
+                if same:
+                    break
+                os.close(fd)
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        except OSError as e:
+            self._unmake()
+            raise RecycleError(f"{self.out}: cannot write here ({e.strerror or e})") from None
+        self.fd = fd
+        return self
+
+    def release(self) -> None:
+        if self.fd is None:
+            return
+        try:
+            os.unlink(self.path)
+        except OSError:
+            pass
+        os.close(self.fd)
+        self.fd = None
+        self._unmake()
+
+    def __del__(self) -> None:
+        try:
+            self.release()
+        except Exception:  # noqa: BLE001 - at interpreter exit; the kernel drops the lock with the process
+            pass
+
+    def _unmake(self) -> None:
+        for d in self.made:  # deepest first
+            try:
+                d.rmdir()
+            except OSError:
+                break
+        self.made = []
+
+    def sweep(self) -> list[str]:
+        """Under the lock: put back an output a stopped run had moved aside and not replaced (OUT missing,
+        `.OUT.recycle-old-*` there), and remove every other temporary sibling of OUT; returns one note per action."""
+        assert self.fd is not None, "sweep holds the lock"
+        notes: list[str] = []
+        if not self.exclusive:  # another run may be writing beside OUT: leave its files alone
+            return notes
+        pattern = lambda infix: glob.escape(str(sibling(self.out, infix))) + "*"  # noqa: E731
+        olds = sorted((Path(p) for p in glob.glob(pattern(OLD_INFIX))), key=lambda p: p.lstat().st_mtime)
+        if olds and not (self.out.exists() or self.out.is_symlink()):
+            back = olds.pop()
+            os.rename(back, self.out)
+            notes.append(f"{self.out}: restored the output a stopped run had moved aside ({back.name})")
+        stale = olds + [Path(p) for p in glob.glob(pattern(TMP_INFIX))]
+        for p in stale:
+            _remove(p)
+        if stale:
+            notes.append(f"removed {len(stale)} temporary cop{'y' if len(stale) == 1 else 'ies'} of {self.out} left "
+                         f"by a stopped run ({', '.join(sorted(p.name for p in stale))})")
+        return notes
+
+
+def sweep_dead_writes(directory: Path) -> list[str]:
+    """`.FILE.tmp-PID` files (or folders) in `directory` whose process is gone: atomic writes a killed run never
+    renamed (distill's `.checkpoint.pt.tmp-PID`, `.best-*.tmp-PID`); removed, with one note."""
+    gone = []
+    try:
+        entries = list(directory.iterdir()) if directory.is_dir() else []
+    except OSError:
+        return []
+    for p in entries:
+        m = PID_TEMP.match(p.name)
+        if m and int(m.group(1)) != os.getpid() and not _alive(int(m.group(1))):
+            _remove(p)
+            gone.append(p.name)
+    return [f"{directory}: removed {len(gone)} partial file(s) a stopped run left ({', '.join(sorted(gone))})"] \
+        if gone else []
 
 
 def parse_tokens(value: str | int, option: str = "--tokens") -> int:
@@ -101,6 +295,7 @@ def parse_tokens(value: str | int, option: str = "--tokens") -> int:
 
 
 DEFAULT_SHARD_SIZE = "5GB"  # huggingface_hub's and transformers' default: what the Hub and every loader expect
+SMALL_SHARD = 10**6  # under 1 MB a shard holds a tensor or two: the writer says how many files that makes
 
 
 def parse_size(value: str | int | None, option: str = "--max-shard-size") -> int | None:

@@ -7,9 +7,10 @@ docstrings. Both are text, so any target's tokenizer can encode them. `--prompts
 name (`stdlib`: code and English, the default; `py:PACKAGE`: code from an installed package's
 held-out files, e.g. the post-trained fixture's domain `py:transformers`) or the user's own JSONL,
 one `{"prompt": "..."}` per line (optionally `"set": "NAME"`: bench and plan report per set). A line may
-instead hold a conversation (OpenAI `messages` or ShareGPT `conversations`, `recycle.chat`): its prompt is
-the turns before its last assistant turn, rendered by bench with the target's chat template up to the
-assistant's generation prompt, as an engine's chat endpoint feeds the model.
+instead hold a conversation (OpenAI `messages` or ShareGPT `conversations`, `recycle.chat`): a chat request
+(system and user turns, or any conversation whose last turn is not the assistant's) is the prompt whole; one that
+ends in an answer gives the turns before that answer. Bench renders either with the target's chat template up to
+the assistant's generation prompt, as an engine's chat endpoint feeds the model.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import ast
 import json
 import re
+from collections.abc import Iterable
 from pathlib import Path
 
 from recycle.chat import Conversation, document, generation_prompt
@@ -109,15 +111,29 @@ class _Refuse:
     def saw(self, kind: str) -> None:
         pass
 
+    def seen(self, kind: str) -> None:
+        pass
+
 
 def read_jsonl(path: str | Path) -> list[tuple[str, Prompt]]:
-    """A user's prompts: one JSON object per non-blank line, a non-empty string "prompt" or a conversation (its
-    turns before the last assistant turn become a `Conversation` prompt)."""
+    """A user's prompts: one JSON object per non-blank line, a non-empty string "prompt" or a conversation (a request
+    whole, or the turns before its closing answer: `generation_prompt`, as a `Conversation` prompt)."""
     p = Path(path)
     if not p.is_file():
         raise RecycleError(f"{p}: no such prompts file")
+    try:
+        with p.open(encoding="utf-8") as f:  # line by line: a prompts file is never read whole
+            out = _rows(p, f)
+    except UnicodeDecodeError as e:
+        raise RecycleError(f"{p}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    if not out:
+        raise RecycleError(f"{p}: holds no prompts")
+    return out
+
+
+def _rows(p: Path, lines: Iterable[str]) -> list[tuple[str, Prompt]]:
     out = []
-    for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), start=1):
+    for i, line in enumerate(lines, start=1):
         if not line.strip():
             continue
         try:
@@ -126,7 +142,7 @@ def read_jsonl(path: str | Path) -> list[tuple[str, Prompt]]:
             raise RecycleError(f"{p}:{i}: not JSON ({e.msg})") from None
         prompt: Prompt
         if isinstance(obj, dict) and ("messages" in obj or "conversations" in obj):
-            conv = document(obj, _Refuse(f"{p}:{i}"))
+            conv = document(obj, _Refuse(f"{p}:{i}"), answer=False)
             prompt = Conversation(generation_prompt(conv), conv.kind)
             if not prompt.messages:
                 raise RecycleError(f"{p}:{i}: the conversation opens with the assistant: no prompt before it")
@@ -139,8 +155,6 @@ def read_jsonl(path: str | Path) -> list[tuple[str, Prompt]]:
         if not isinstance(group, str) or not group:
             raise RecycleError(f'{p}:{i}: "set" must be a non-empty string (the prompt set it belongs to)')
         out.append((group, prompt))
-    if not out:
-        raise RecycleError(f"{p}: holds no prompts")
     return out
 
 

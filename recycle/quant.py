@@ -28,11 +28,13 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from recycle.checkpoint import SCALE_SUFFIX, dequantize_fp8, expected_scale_shape, quantize_fp8
 from recycle.errors import RecycleError
+
+if TYPE_CHECKING:
+    import torch
 
 WRITABLE = ("fp8 (block-wise e4m3, weight_scale_inv)",)
 IGNORE_KEYS = ("ignored_layers", "modules_to_not_convert")  # vLLM reads the first (else the second), transformers both
@@ -111,6 +113,8 @@ def with_ignored(config: Mapping, modules: Iterable[str]) -> dict:
 def requantize(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """A weight re-quantized to block FP8 with fresh scales, and what that cost: the max and mean relative error of
     the dequantized result per element (|ŵ − w| / max|w| of its block), for the record."""
+    import torch  # here: the scheme's checks (inspect's) need no torch
+
     m, n = weight.shape
     if m < 1 or n < 1:
         raise RecycleError("cannot quantize an empty weight")

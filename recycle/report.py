@@ -12,12 +12,18 @@ from functools import wraps
 
 import typer
 from rich.console import Console
+from typer.core import TyperGroup
 from rich.panel import Panel
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
 from recycle.errors import Interrupted, RecycleError
 from recycle.flags import DEPRECATED
+
+try:  # typer ≥ 0.2x carries its own copy of click
+    from typer._click.exceptions import UsageError
+except ImportError:  # pragma: no cover - older typer runs on click itself
+    from click.exceptions import UsageError
 
 EXIT_BAD_INPUT = 2
 EXIT_FINDINGS = 1  # inspect --strict: an error-level finding (CI gates on it)
@@ -54,11 +60,14 @@ def conventional_help() -> None:
 
 def user_errors(fn: Callable) -> Callable:
     """Turn RecycleError (and unreadable files) into one stderr line and exit status 2; deprecation notes for
-    old flag names follow a command that succeeded."""
+    old flag names follow a command that succeeded. With --json (the command's `json_out`) the error is also
+    `{"error": ..., "code": N}` on stdout, unless the command already printed its object there."""
 
     @wraps(fn)
     def run(*args, **kwargs):
         DEPRECATED.clear()
+        JSON_PRINTED.clear()
+        as_json = bool(kwargs.get("json_out"))
         try:
             done = fn(*args, **kwargs)
             for line in DEPRECATED:
@@ -67,18 +76,56 @@ def user_errors(fn: Callable) -> Callable:
         except RecycleError as e:
             resume = " ".join(["recycle", *sys.argv[1:]] + ([] if "--resume" in sys.argv else ["--resume"]))
             tail = f"; continue with: {resume}" if getattr(e, "resumable", False) else ""
-            print(f"recycle: {'' if isinstance(e, Interrupted) else 'error: '}{e}{tail}", file=sys.stderr)
-            raise typer.Exit(getattr(e, "exit_code", EXIT_BAD_INPUT)) from None
+            code = getattr(e, "exit_code", EXIT_BAD_INPUT)
+            fail(f"{e}{tail}", code, as_json, "" if isinstance(e, Interrupted) else "error: ")
+            raise typer.Exit(code) from None
         except KeyboardInterrupt:
-            print("recycle: interrupted; nothing was written (outputs appear whole or not at all)", file=sys.stderr)
+            fail("interrupted; nothing was written (outputs appear whole or not at all)", 130, as_json, prefix="")
             raise typer.Exit(130) from None
         except (OSError, MemoryError) as e:
             if os.environ.get("RECYCLE_DEBUG"):
                 raise
-            print(f"recycle: error: {type(e).__name__}: {' '.join(str(e).split())}", file=sys.stderr)
+            fail(f"{type(e).__name__}: {' '.join(str(e).split())}", EXIT_BAD_INPUT, as_json)
             raise typer.Exit(EXIT_BAD_INPUT) from None
 
     return run
+
+
+JSON_PRINTED: list[bool] = []  # the command has printed its --json object (a second one would break a parser)
+
+
+def fail(message: str, code: int, as_json: bool, prefix: str = "error: ") -> None:
+    """The one stderr line of a refusal; with --json also {"error", "code"} on stdout."""
+    print(f"recycle: {prefix}{message}", file=sys.stderr, flush=True)
+    if as_json and not JSON_PRINTED:
+        print_json({"error": message, "code": code})
+
+
+class JsonErrors(TyperGroup):
+    """The command group: a usage error click finds before any command runs (an unknown flag, a value of the wrong
+    type, a missing argument) is printed by typer as usual, exit 2, and with --json among the arguments is also
+    `{"error": ..., "code": 2}` on stdout, as every refusal of a command is."""
+
+    def parse_args(self, ctx, args: list[str]) -> list[str]:
+        ctx.meta["recycle.json"] = "--json" in args[:args.index("--")] if "--" in args else "--json" in args
+        try:
+            return super().parse_args(ctx, args)
+        except UsageError as e:
+            self._report(ctx, e)
+            raise
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except UsageError as e:
+            self._report(ctx, e)
+            raise
+
+    @staticmethod
+    def _report(ctx, e: UsageError) -> None:
+        if ctx.meta.get("recycle.json") and not getattr(e, "recycle_reported", False):
+            e.recycle_reported = True
+            print_json({"error": " ".join(e.format_message().split()), "code": e.exit_code})
 
 
 def note(text: str) -> None:
@@ -94,6 +141,7 @@ def table(title: str) -> Table:
 
 def print_json(obj: dict) -> None:
     sys.stdout.write(json.dumps(obj, indent=2) + "\n")
+    JSON_PRINTED.append(True)
 
 
 def fmt_count(n: int) -> str:
@@ -152,23 +200,26 @@ class Reporter:
             return
         total = total if total is not None else self.total
         stage = description or self.label
+        now = time.perf_counter()
+        # A count that goes on (same total, not going back) is one run whatever its items are called (plan's steps,
+        # distill's token counts): its start and the first count seen in it are what the ETA is reckoned from.
+        run = getattr(self, "run", None)
+        fresh = run is None or run["total"] != total or completed < run["last"]
+        if fresh:
+            run = self.run = {"total": total, "first": (completed, now), "last": completed}
+        run["last"] = completed
         if self.bar is not None:
-            if stage != getattr(self, "stage", None):  # a new stage: its own count and ETA
-                self.stage = stage
+            if fresh:  # a new count: its own bar and ETA
                 self.bar.reset(self.task, total=total, description=stage)
             self.bar.update(self.task, completed=completed, total=total, description=stage, **fields)
             return
-        now = time.perf_counter()
-        if stage != getattr(self, "stage", None):
-            self.stage, self.stage_t0 = stage, now
         # Quick work prints nothing; longer work a line every few seconds, and items asked for always.
-        if force or (now - self.stage_t0 >= self.EVERY_S and (now - self.last >= self.EVERY_S or completed == total)):
+        started = run["first"][1]
+        if force or (now - started >= self.EVERY_S and (now - self.last >= self.EVERY_S or completed == total)):
             self.last = now
             text = line or f"{stage} {completed}" + (f"/{total}" if total else "")
-            spent = now - self.stage_t0
-            left = (f", about {spent * (total - completed) / completed:.0f} s left" if total and 0 < completed < total
-                    else "")
-            print(f"recycle: {text} ({now - self.t0:.0f} s{left})", file=sys.stderr, flush=True)
+            print(f"recycle: {text} ({now - self.t0:.0f} s{eta_note(completed, total, run['first'], now)})",
+                  file=sys.stderr, flush=True)
 
     def counter(self, line: str):
         """A callback that counts calls (items done, total unknown): `line` names the count as {n}."""
@@ -179,6 +230,30 @@ class Reporter:
             self.update(done[0], line=line.format(n=done[0]))
 
         return tick
+
+
+def fmt_duration(seconds: float) -> str:
+    """"42 s", "7 min", "3.5 h", "2.1 days"."""
+    if seconds < 100:
+        return f"{seconds:.0f} s"
+    if seconds < 100 * 60:
+        return f"{seconds / 60:.0f} min"
+    if seconds < 48 * 3600:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 86400:.1f} days"
+
+
+def eta_note(completed: int, total: int | None, first: tuple[int, float], now: float) -> str:
+    """The time-left part of a progress line. `first`: (count, time) when this count was first seen. Nothing
+    when there is no total or nothing left; "estimating time left" until an item has finished since then (a
+    first update that already counts items done says nothing of how long they took, and a zero-length span
+    would say "0 s"); then the mean time per item since `first`, times the items left."""
+    if not total or completed >= total:
+        return ""
+    done, t0 = first
+    if completed <= done or now <= t0:
+        return ", estimating time left"
+    return f", about {fmt_duration((now - t0) / (completed - done) * (total - completed))} left"
 
 
 def _stat_row(sts: list[dict]) -> tuple[str, str, str, str, str]:
@@ -450,14 +525,18 @@ def render_plan(data: dict) -> None:
                   + " ".join(f"{a:.2f}" for a in st["acceptance_by_depth"]))
         for col in ("shape", "τ", "draft", "verify", "AR steps", "predicted", "measured"):
             t.add_column(col, justify="left" if col == "shape" else "right")
-        pick = st["recommended"]["shape"]
+        pick = (st.get("recommended") or {}).get("shape")
         for r in st["candidates"]:
             mark = "[bold green]" if r["shape"] == pick else ""
             t.add_row(f"{mark}{r['shape']}", f"{r['tau']:.2f}", f"{r['c_draft']:.2f}", f"{r['c_verify']:.2f}",
                       f"{r['cost']:.2f}", f"{mark}{r['predicted']:.2f}×",
                       f"{r['measured']:.2f}×" if r["measured"] is not None else "")
         out.print(t)
-        out.print(f"[bold]recommended for {name}:[/bold] {st['recommended']['reason']}")
+        if st.get("recommended"):
+            out.print(f"[bold]recommended for {name}:[/bold] {st['recommended']['reason']}")
+        else:  # the plan's own timings contradict themselves: a recommendation from them would be noise
+            out.print(f"[bold yellow]{name}: too noisy to recommend[/bold yellow] ({'; '.join(st['noise'])}); "
+                      "re-run on an idle machine (or with --threads 1)")
     rf = data["roofline"]
     tg = rf["target"]
     out.print(f"[dim]roofline of {rf['config']}: {fmt_count(tg['active_params'])} active / "

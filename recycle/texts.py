@@ -6,12 +6,19 @@ tail of its documents as the held-out side; a built-in corpus (`stdlib`, `py:PAC
 its train/held-out split by file. Rows are plain text or conversations (OpenAI `messages`, ShareGPT
 `conversations`: `recycle.chat`), detected row by row; a document is a `str` or a `Conversation`. Distillation
 (`recycle.distill.data`), harvest and calibration (`recycle.converters.calibrate`) read text through here.
+
+Memory stays bounded by the data's size, whatever its shape: a text file is read a block at a time, and a text
+longer than DOC_CHARS characters (a whole file on one line, a huge row) becomes several documents of at most
+that many, cut at a line end or a space where there is one (no tokenizer ever sees gigabytes at once). What a
+path's reading skips is counted (`ReadLog`) and said once, in one line (a JSONL line that is not JSON by number).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+import os
+import sys
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,16 +27,65 @@ from recycle.errors import RecycleError
 
 TEXT_SUFFIXES = (".txt", ".md", ".py", ".rst", ".jsonl", ".json")
 SNIFF_BYTES = 8192  # a file whose first bytes hold a NUL, or do not decode as UTF-8, is binary
+DOC_CHARS = 1 << 20  # the longest text one document holds (≈ 250k tokens); a longer one is cut into several
+NOT_JSON = "not valid JSON"
+LISTED_LINES = 5  # broken lines named in a message; the rest are counted
+
+
+def plural(n: int, noun: str, nouns: str | None = None) -> str:
+    """"1 document", "2 documents" (`nouns` where the plural is not noun + s)."""
+    return f"{n:,} {noun if n == 1 else nouns or noun + 's'}"
+
+
+def _cut(text: str, start: int, end: int) -> int:
+    """Where a piece starting at `start` ends, at most at `end`: after the last line end in its second half, else
+    before its last space (so the next piece's first word keeps its leading space), else at `end`."""
+    lo = start + (end - start) // 2
+    i = text.rfind("\n", lo, end)
+    if i >= 0:
+        return i + 1
+    i = max(text.rfind(" ", lo, end), text.rfind("\t", lo, end))
+    return i if i > start else end
+
+
+def split_long(text: str, limit: int | None = None) -> list[str]:
+    """`text` as pieces of at most `limit` (DOC_CHARS) characters that join back into it."""
+    limit = limit or DOC_CHARS
+    if len(text) <= limit:
+        return [text]
+    out, start = [], 0
+    while len(text) - start > limit:
+        end = _cut(text, start, start + limit)
+        out.append(text[start:end])
+        start = end
+    out.append(text[start:])
+    return out
+
+
+def _text_pieces(path: Path) -> Iterator[str]:
+    """A text file's `split_long` pieces, read a block at a time (the same pieces as splitting the whole)."""
+    limit = DOC_CHARS
+    buf = ""
+    with path.open(encoding="utf-8", errors="replace") as f:
+        while block := f.read(limit):
+            buf += block
+            *done, buf = split_long(buf, limit)
+            yield from done
+    if buf:
+        yield buf
 
 
 @dataclass
 class ReadLog:
     """What reading `--data` found: documents kept, rows read by kind (text, messages, sharegpt), and what was
-    skipped and why (the distill record says)."""
+    skipped and why (the distill record says); `kinds` counts every row read, kept or not (conversation, text,
+    other), and `bad_lines` names the lines that are not JSON (file, line number), the first LISTED_LINES."""
 
     documents: int = 0
     rows: dict[str, int] = field(default_factory=dict)
     skipped: dict[str, int] = field(default_factory=dict)
+    kinds: dict[str, int] = field(default_factory=dict)
+    bad_lines: list[tuple[str, int]] = field(default_factory=list)
 
     def skip(self, reason: str, n: int = 1) -> None:
         self.skipped[reason] = self.skipped.get(reason, 0) + n
@@ -37,8 +93,50 @@ class ReadLog:
     def saw(self, kind: str) -> None:
         self.rows[kind] = self.rows.get(kind, 0) + 1
 
+    def seen(self, kind: str) -> None:
+        self.kinds[kind] = self.kinds.get(kind, 0) + 1
+
+    def broken(self, path: Path, line: int) -> None:
+        """A line (or a .json file) that is not JSON: counted, and named while few."""
+        self.seen("other")
+        self.skip(NOT_JSON)
+        if len(self.bad_lines) < LISTED_LINES:
+            self.bad_lines.append((str(path), line))
+
     def to_json(self) -> dict:
         return {"documents": self.documents, "rows": dict(self.rows), "skipped": dict(self.skipped)}
+
+    def read(self) -> str:
+        """Every row read, by kind: "4 conversations", "3 rows (2 text, 1 other)"."""
+        names = {"conversation": ("conversation",), "text": ("text row",), "other": ("other row",)}
+        kinds = {k: n for k, n in self.kinds.items() if n}
+        total = sum(kinds.values())
+        if len(kinds) == 1:
+            kind = next(iter(kinds))
+            return plural(total, *names.get(kind, ("row",)))
+        return f"{plural(total, 'row')} ({', '.join(f'{kinds[k]:,} {k}' for k in names if k in kinds)})"
+
+    def why(self, where: str) -> str:
+        """"1 not valid JSON (line 4), 2 no assistant turn": what was skipped and why."""
+        def lines() -> str:
+            if not self.bad_lines:
+                return ""
+            named = [f"line {n}" if f == where else f"{Path(f).name} line {n}" for f, n in self.bad_lines]
+            more = self.skipped[NOT_JSON] - len(named)
+            return f" ({', '.join(named)}{f' and {more:,} more' if more > 0 else ''})"
+
+        return ", ".join(f"{n:,} {r}" + (lines() if r == NOT_JSON else "") for r, n in self.skipped.items())
+
+
+_SAID: set[str] = set()  # warnings already printed (a source is read again for its held-out side)
+
+
+def _warn(text: str) -> None:
+    """One line on stderr, once per process (rank 0 only under torchrun)."""
+    if text in _SAID or os.environ.get("RANK", "0") != "0":
+        return
+    _SAID.add(text)
+    print(f"recycle: warning: {text}", file=sys.stderr, flush=True)
 
 
 def is_binary(path: Path) -> bool:
@@ -53,47 +151,57 @@ def is_binary(path: Path) -> bool:
     return False
 
 
-def _jsonl_texts(path: Path, log: ReadLog) -> Iterator[Document]:
+def _documents(rows: Iterable[object], log: ReadLog) -> Iterator[Document]:
+    """Each row's document (`recycle.chat.document`), a long text as its `split_long` pieces."""
+    for row in rows:
+        doc = document(row, log)
+        if isinstance(doc, str):
+            yield from split_long(doc)
+        elif doc is not None:
+            yield doc
+
+
+def _jsonl_rows(path: Path, log: ReadLog) -> Iterator[object]:
     with path.open(encoding="utf-8", errors="replace") as f:
-        for line in f:
-            line = line.strip()
-            if not line:
+        for n, line in enumerate(f, start=1):
+            if line.isspace() or not line:
                 continue
             try:
                 row = json.loads(line)
             except json.JSONDecodeError:
-                log.skip("not valid JSON")
+                log.broken(path, n)
                 continue
-            doc = document(row, log)
-            if doc is not None:
-                yield doc
+            del line  # a row of a gigabyte is held once, not twice
+            yield row
 
 
 def _json_texts(path: Path, log: ReadLog) -> list[Document]:
     """A .json file: a list of rows (text or conversations), or one such row."""
     try:
         data = json.loads(path.read_text(encoding="utf-8", errors="replace"))
-    except json.JSONDecodeError:
-        log.skip("not valid JSON")
+    except json.JSONDecodeError as e:
+        log.broken(path, e.lineno)
         return []
     rows = data if isinstance(data, list) else [data]
-    return [d for d in (document(r, log) for r in rows) if d is not None]
+    return list(_documents(rows, log))
 
 
 def _file_texts(path: Path, log: ReadLog) -> list[Document]:
     if is_binary(path):
+        log.seen("other")
         log.skip("binary file")
         return []
     if path.suffix == ".jsonl":
-        return list(_jsonl_texts(path, log))
+        return list(_documents(_jsonl_rows(path, log), log))
     if path.suffix == ".json":
         return _json_texts(path, log)
-    text = path.read_text(encoding="utf-8", errors="replace")
-    if not text.strip():
+    log.seen("text")
+    pieces = [t for t in _text_pieces(path) if t and not t.isspace()]
+    if not pieces:
         log.skip("empty file")
         return []
     log.saw("text")
-    return [text]
+    return pieces
 
 
 def _is_saved_dataset(path: Path) -> bool:
@@ -113,17 +221,18 @@ def _rows_of(ds, where: str, log: ReadLog) -> list[Document]:
         raise RecycleError(f"{where}: the dataset has none of the columns {', '.join(DATASET_COLUMNS)} (columns: "
                            f"{', '.join(ds.column_names)})")
     keep = [c for c in ds.column_names if c in DATASET_COLUMNS]
-    out = []
-    for row in ds.select_columns(keep):
-        # Arrow fills the fields a turn lacks with None; a column of another row kind is None too
-        row = {k: v for k, v in row.items() if v is not None}
-        if "messages" in row or "conversations" in row:
-            key = "messages" if "messages" in row else "conversations"
-            row[key] = [{k: v for k, v in t.items() if v is not None} if isinstance(t, dict) else t for t in row[key]]
-        doc = document(row, log)
-        if doc is not None:
-            out.append(doc)
-    return out
+
+    def rows() -> Iterator[dict]:
+        for row in ds.select_columns(keep):
+            # Arrow fills the fields a turn lacks with None; a column of another row kind is None too
+            row = {k: v for k, v in row.items() if v is not None}
+            if "messages" in row or "conversations" in row:
+                key = "messages" if "messages" in row else "conversations"
+                row[key] = [{k: v for k, v in t.items() if v is not None} if isinstance(t, dict) else t
+                            for t in row[key]]
+            yield row
+
+    return list(_documents(rows(), log))
 
 
 def _import_datasets(where: str):
@@ -183,9 +292,13 @@ def _checked(where: str, read: Callable[[], list[Document]], log: ReadLog) -> Ca
         out = read()
         log.documents = len(out)
         if not out:
-            why = ", ".join(f"{n} {r}" for r, n in log.skipped.items()) or "nothing in it"
-            raise RecycleError(f"--data {where}: holds no text documents ({why}; rows need a \"text\", "
-                               "\"messages\" or \"conversations\" field)")
+            if not log.kinds:
+                raise RecycleError(f"--data {where}: holds no text documents (nothing in it)")
+            hint = "; rows need a \"text\", \"messages\" or \"conversations\" field" if log.kinds.get("other") else ""
+            raise RecycleError(f"--data {where}: holds no text documents or usable conversations: {log.read()} read, "
+                               f"all skipped ({log.why(where)}{hint})")
+        if log.skipped:
+            _warn(f"--data {where}: skipped {sum(log.skipped.values()):,} of {log.read()}: {log.why(where)}")
         return out
 
     return texts

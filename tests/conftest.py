@@ -30,6 +30,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", str(_threads()))
 
 from fixtures.families import build  # noqa: E402  (imports torch: after OMP_NUM_THREADS)
+from tests import helpers  # noqa: E402
 
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,6 +45,12 @@ def _docs_cost(item: pytest.Item) -> int | None:
         if name.startswith("docs:") and item.name.startswith("test_every_readme_command_runs"):
             return len(_EXPENSIVE.findall((ROOT / name.removeprefix("docs:")).read_text(encoding="utf-8")))
     return None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """SIGTERM to pytest (the controller or a pytest-xdist worker) stops every subprocess a test started through
+    tests/helpers.py, and the workers, before pytest dies of it: a killed run leaves nothing running."""
+    helpers.install_sigterm_handler()
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -221,3 +221,64 @@ def test_a_costly_verification_is_named_as_the_reason():
                "predicted": {"c_draft": 0.7, "c_verify": 4.6, "speedup": 0.47}}
     (note,) = noise_notes(overall)
     assert "verifying costs 4.60 target steps a round" in note and "--tree" in note
+
+
+# -- the advice follows the noise verdict; the target's positions bound a run (issue 45) ---------------------------
+
+def test_a_busy_machine_gets_no_tree_advice():
+    """The same costly verification as above, measured on a loaded machine: the speedups are noise, so no advice."""
+    from recycle.bench import noise_notes
+
+    loaded = {"loaded": True, "prompts": {"ar_decode_steps_per_s": {"ratio": 3.2, "min": 20.0, "max": 64.0}}}
+    overall = {"spread": loaded, "spec": {"tau": 2.5}, "speedup": 0.5,
+               "predicted": {"c_draft": 0.7, "c_verify": 4.6, "speedup": 0.47}}
+    noise, costs = noise_notes(overall)
+    assert "noise" in noise and "3.2×" in noise
+    assert "busy machine" in costs and "no advice" in costs
+    assert "--tree" not in costs and "--tree" not in noise
+
+
+def _positions() -> int:
+    from tests.trained import CONFIG
+
+    return CONFIG["max_position_embeddings"]
+
+
+def test_bench_refuses_an_absurd_max_new_tokens():
+    from tests.cli_helpers import assert_bad_input
+
+    res = runner.invoke(app, ["bench", "--native-mtp", "--target", str(FIXTURE), "--max-new-tokens", "1000000"])
+    assert_bad_input(res, "--max-new-tokens 1000000: at most 32768 per prompt")
+
+
+def test_bench_refuses_a_prompt_longer_than_the_target_before_loading_it(tmp_path: Path, monkeypatch):
+    from recycle import bench
+    from tests.cli_helpers import assert_bad_input
+
+    def no_load(*a, **k):
+        raise AssertionError("the target was loaded before the prompt was refused")
+
+    monkeypatch.setattr(bench, "load_target", no_load)
+    long = tmp_path / "long.jsonl"
+    long.write_text(json.dumps({"prompt": "alpha beta gamma " * (_positions() // 2)}) + "\n")
+    res = runner.invoke(app, ["bench", "--native-mtp", "--target", str(FIXTURE), "--prompts", str(long)])
+    assert_bad_input(res, f"positions, and the target has {_positions()} (max_position_embeddings)")
+    assert "prompt 1 has" in res.stderr
+    # a short prompt with a budget beyond the positions: refused alike
+    res = runner.invoke(app, ["bench", "--native-mtp", "--target", str(FIXTURE), "--max-new-tokens", str(_positions())])
+    assert_bad_input(res, f"with --max-new-tokens {_positions()} it needs")
+
+
+def test_bench_counts_the_trees_draft_tokens_against_the_positions(eagle_dir: Path, prompts_file: Path):
+    from transformers import AutoTokenizer
+
+    from recycle.prompts import encode_prompts, read_jsonl
+    from tests.cli_helpers import assert_bad_input
+
+    encoded = encode_prompts(AutoTokenizer.from_pretrained(FIXTURE), read_jsonl(prompts_file), str(FIXTURE), None)
+    longest = max(map(len, encoded))
+    new = _positions() - longest - 1  # fits without drafting; a chain of 3 needs 2 positions more than there are
+    args = ["bench", str(eagle_dir), "--target", str(FIXTURE), "--prompts", str(prompts_file), "--threads", "1",
+            "--max-new-tokens", str(new), "--tree", "chain:3"]
+    assert_bad_input(runner.invoke(app, args), f"+ 3 draft tokens (the tree eagle chain:3) it needs {_positions() + 2} "
+                                               f"positions, and the target has {_positions()}")

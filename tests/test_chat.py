@@ -210,8 +210,8 @@ def test_chat_prompts_render_through_the_generation_prompt(tok, tmp_path):
     ids = encode_prompts(tok, prompts, "fixture")
     want = tok.apply_chat_template(CONVS[1][:3], tokenize=True, add_generation_prompt=True, return_dict=True)
     assert ids[0] == list(want["input_ids"]) and ids[1] == tok("def f(", add_special_tokens=False)["input_ids"]
-    (tmp_path / "bad.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
-    with pytest.raises(RecycleError, match="no assistant turn"):
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"messages": [{"role": "assistant", "content": "hi"}]}) + "\n")
+    with pytest.raises(RecycleError, match="opens with the assistant"):
         read_jsonl(tmp_path / "bad.jsonl")
 
 
@@ -232,7 +232,10 @@ def test_bad_chat_input_is_refused_before_any_model_loads(tmp_path, drafter):
     bare = tmp_path / "bare"
     bare.mkdir()
     for f in CHAT.iterdir():
-        (bare / f.name).symlink_to(f)
+        if f.suffix == ".safetensors":
+            shutil.copy(f, bare / f.name)  # a shard must live in its checkpoint, not link out of it
+        else:
+            (bare / f.name).symlink_to(f)
     cfg = json.loads((CHAT / "tokenizer_config.json").read_text())
     del cfg["chat_template"]
     (bare / "tokenizer_config.json").unlink()
@@ -333,3 +336,181 @@ def test_harvest_regenerates_conversations_once_through_its_generator_and_stores
         <= {"pass", ""}
     ev, prompt, ev_mask = eval_rows(opts, tok, generate)
     assert prompt == 0 and ev_mask is not None and ev_mask.shape == ev.shape
+
+
+# -- chat requests as prompts, empty answers, broken lines, long documents, runaway templates (issue 45) ------------
+
+REQUESTS = [
+    [{"role": "user", "content": "Write add(a, b)."}],
+    [{"role": "system", "content": "Answer with code."}, {"role": "user", "content": "Write neg(x)."}],
+    [{"role": "user", "content": "Write neg(x)."}, {"role": "assistant", "content": "def neg(x):\n    return -x"},
+     {"role": "user", "content": "Rename x to value."}],  # a multi-turn request: its last turn is the user's
+]
+
+
+def test_chat_requests_without_an_answer_render_through_the_generation_prompt(tok, tmp_path, drafter):
+    rows = [{"messages": m, "set": "chat"} for m in REQUESTS] + [sharegpt(REQUESTS[1])] + [{"messages": CONVS[0]}]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    prompts = read_jsonl(tmp_path / "p.jsonl")
+    ids = encode_prompts(tok, prompts, "fixture")
+    # an engine's chat endpoint: the request's turns, then the assistant's generation prompt (the tokenizer's own)
+    for got, msgs in zip(ids, REQUESTS + [REQUESTS[1], CONVS[0][:2]]):
+        want = tok.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True, return_dict=True)
+        assert got == list(want["input_ids"])
+    assert ids[0][-1] == tok.convert_tokens_to_ids("<|assistant|>")  # ends in the generation prompt
+    # through the CLI: a request runs, its prompt the generation prompt's tokens
+    (tmp_path / "one.jsonl").write_text(json.dumps({"messages": REQUESTS[1]}) + "\n")
+    res = run_cli("bench", str(drafter), "--target", str(CHAT), "--prompts", str(tmp_path / "one.jsonl"),
+                  "--max-new-tokens", "4", "--tree", "chain:1", "--json")
+    assert res.exit_code == 0, res.output
+    assert [r["prompt_tokens"] for r in json.loads(res.stdout)["prompts"]] == [len(ids[1])]
+
+
+def test_distill_on_empty_answers_is_refused_with_the_counts_before_any_model_loads(tmp_path, drafter, monkeypatch):
+    import recycle.distill.train as train
+    import recycle.drafters as drafters
+
+    def never(*a, **k):
+        raise AssertionError("a model loaded before the data was checked")
+
+    monkeypatch.setattr(drafters, "load_drafter", never)
+    monkeypatch.setattr(train, "Teacher", never)
+    empty = [[{"role": "user", "content": "Write add(a, b)."}, {"role": "assistant", "content": ""}],
+             [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi."},
+              {"role": "assistant", "content": "<think></think>"}, {"role": "user", "content": "And?"},
+              {"role": "assistant", "content": "  \n"}]]
+    data = tmp_path / "empty.jsonl"
+    data.write_text("".join(json.dumps({"messages": c}) + "\n" for c in empty * 3)
+                    + json.dumps({"messages": [{"role": "user", "content": "no answer"}]}) + "\n")
+    res = run_cli("distill", str(drafter), "--target", str(CHAT), "--tokens", "4k", "--seq-len", "128",
+                  "--data", str(data), "-o", str(tmp_path / "o"))
+    assert_bad_input(res, "7 conversations read, all skipped (6 only empty assistant turns, 1 no assistant turn)")
+    assert not (tmp_path / "o").exists() and not (tmp_path / "o.distill").exists()
+    # one answered conversation among them is enough to read (an empty turn beside a real one is no skip)
+    src = data_source(_write(tmp_path / "some.jsonl", [{"messages": c} for c in empty + [CONVS[1]]]
+                             + [{"messages": CONVS[0][:2] + [{"role": "assistant", "content": ""}] + CONVS[1][1:]}]))
+    assert len(src.train() + src.heldout()) == 2 and src.log.skipped == {"only empty assistant turns": 2}
+
+
+def _write(path: Path, rows: list, broken: dict[int, str] | None = None) -> Path:
+    lines = [json.dumps(r) for r in rows]
+    for at, text in sorted((broken or {}).items()):
+        lines.insert(at - 1, text)
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_a_broken_jsonl_line_is_named_once_and_counted(tmp_path, capsys):
+    rows = [{"text": f"document {i} " * 20} for i in range(6)]
+    src = data_source(_write(tmp_path / "d.jsonl", rows, {3: '{"text": "cut off', 7: "{"}))
+    src.heldout()
+    assert src.log.documents == 6
+    data_source(tmp_path / "d.jsonl").heldout()  # read again (the held-out side): said once
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert err == [f"recycle: warning: --data {tmp_path / 'd.jsonl'}: skipped 2 of 8 rows (6 text, 2 other): "
+                   "2 not valid JSON (line 3, line 7)"]
+    assert src.log.to_json()["skipped"] == {"not valid JSON": 2}
+    # a source with nothing usable is refused in one line, with the lines named
+    with pytest.raises(RecycleError, match=r"2 other rows read, all skipped \(1 not a JSON object, 1 not valid JSON "
+                                           r"\(line 2\); rows need"):
+        data_source(_write(tmp_path / "b.jsonl", [[1]], {2: "{oops"})).train()
+
+
+def test_counts_are_singular_or_plural():
+    from recycle.texts import plural
+
+    assert [plural(1, "document"), plural(2, "document"), plural(1_000, "row"), plural(0, "entry", "entries")] == [
+        "1 document", "2 documents", "1,000 rows", "0 entries"]
+    src = ROOT / "distill" / "train.py"
+    assert "documents)" not in src.read_text()  # the one count that printed "(1 documents)"
+
+
+def test_a_long_single_line_file_is_read_in_pieces_that_tokenize_as_the_stream(tok, tmp_path, monkeypatch):
+    import pathlib
+
+    import recycle.texts as texts
+
+    limit = 64 << 10
+    monkeypatch.setattr(texts, "DOC_CHARS", limit)
+    words = random.Random(0).choices(["def", "return", "value", "x", "(a, b)", "+", "1", "pass:"], k=600_000)
+    text = " ".join(words)  # ≈ 2.6 MB, one line
+    assert "\n" not in text and len(text) > 2_000_000
+    (tmp_path / "one.txt").write_text(text)
+
+    def whole(self, *a, **k):
+        raise AssertionError(f"{self} was read whole")
+
+    monkeypatch.setattr(pathlib.Path, "read_text", whole)
+    src = data_source(tmp_path / "one.txt")
+    train, held = src.train(), src.heldout()
+    pieces = train + held
+    assert "".join(pieces) == text and len(pieces) >= len(text) // limit
+    assert all(len(p) <= limit for p in pieces) and all(p.startswith(" ") for p in pieces[1:len(train)])
+    assert src.log.rows == {"text": 1} and src.log.documents >= len(text) // limit
+    # the training stream is the pieces tokenized one by one, each followed by EOS, in the epoch's order
+    stream = PackedStream(src.train, tok, 256, seed=3)
+    got = stream.take(24).flatten().tolist()
+    order = list(range(len(train)))
+    random.Random("3:0").shuffle(order)
+    want: list[int] = []
+    for i in order:
+        want += tok(train[i], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        if len(want) >= len(got):
+            break
+    assert got == want[:len(got)]
+    # a huge text row in JSONL is cut the same way
+    monkeypatch.undo()
+    monkeypatch.setattr(texts, "DOC_CHARS", limit)
+    (tmp_path / "one.jsonl").write_text(json.dumps({"text": text}) + "\n")
+    rows = data_source(tmp_path / "one.jsonl")
+    assert rows.train() + rows.heldout() == pieces
+
+
+def _looping_target(tmp_path: Path) -> Path:
+    """The chat fixture with a chat template that loops 10^10 times (the sandbox allows range(100000), twice)."""
+    target = tmp_path / "looping"
+    target.mkdir()
+    for f in CHAT.iterdir():
+        if f.suffix == ".safetensors":
+            shutil.copy(f, target / f.name)  # a shard must live in its checkpoint, not link out of it
+        elif f.name != "tokenizer_config.json":
+            (target / f.name).symlink_to(f)
+    cfg = json.loads((CHAT / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+                            + cfg["chat_template"])
+    (target / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return target
+
+
+def test_a_chat_template_that_runs_forever_is_refused_in_one_line(tmp_path, drafter, monkeypatch):
+    import time
+
+    import recycle.chat as chat
+
+    monkeypatch.setattr(chat, "TEMPLATE_SECONDS", 0.5)
+    target = _looping_target(tmp_path)
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps({"messages": c}) + "\n" for c in CONVS * 4))
+    t0 = time.perf_counter()
+    res = run_cli("distill", str(drafter), "--target", str(target), "--tokens", "4k", "--data", str(data),
+                  "-o", str(tmp_path / "o"))
+    assert_bad_input(res, f"{target}'s chat template ran over 0.5 s rendering one conversation")
+    assert not (tmp_path / "o").exists()
+    (tmp_path / "p.jsonl").write_text(json.dumps({"messages": REQUESTS[0]}) + "\n")
+    res = run_cli("bench", str(drafter), "--target", str(target), "--prompts", str(tmp_path / "p.jsonl"))
+    assert_bad_input(res, "ran over 0.5 s")
+    loop = tmp_path / "loop.jinja"
+    loop.write_text("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}")
+    res = run_cli("bench", str(drafter), "--target", str(CHAT), "--prompts", str(tmp_path / "p.jsonl"),
+                  "--chat-template", str(loop))
+    assert_bad_input(res, "the --chat-template ran over 0.5 s")
+    assert time.perf_counter() - t0 < 30
+    # renders that finish in time leave nothing behind: no late exception reaches the thread afterwards
+    from transformers import AutoTokenizer
+
+    renderer = ChatRenderer(AutoTokenizer.from_pretrained(CHAT))
+    monkeypatch.setattr(chat, "TEMPLATE_SECONDS", 0.05)
+    for _ in range(50):
+        renderer.render(Conversation(tuple(CONVS[1])))
+    time.sleep(0.2)
+    assert sum(range(10_000)) == 49_995_000

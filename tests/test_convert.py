@@ -7,7 +7,6 @@ import hashlib
 import json
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -15,6 +14,7 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
+from tests import helpers
 from tests.cli_helpers import assert_bad_input, run_cli
 
 from recycle.converters.api import convert_checkpoint
@@ -361,8 +361,8 @@ def test_eagle3_loads_in_speculators_with_its_names_and_gives_our_logits(convert
     (tmp_path / "run.py").write_text(SPECULATORS_RUN)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 
-    res = subprocess.run([str(py), str(tmp_path / "run.py"), str(tmp_path / "in.safetensors"), str(tmp_path),
-                          str(official), str(ours)], capture_output=True, text=True, env=env, timeout=600)
+    res = helpers.run([str(py), str(tmp_path / "run.py"), str(tmp_path / "in.safetensors"), str(tmp_path),
+                       str(official), str(ours)], capture_output=True, text=True, env=env, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     report = json.loads(res.stdout.strip().splitlines()[-1])
     assert report[str(official)]["absent"] == sorted(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -34,6 +35,7 @@ from recycle.distill.train import DistillOptions, distill, parse_tokens
 from recycle.cli import app
 from recycle.drafters import load_drafter
 from recycle.errors import RecycleError
+from tests import helpers
 from tests.cli_helpers import assert_bad_input, run_cli
 from tests.trained import FIXTURE
 
@@ -261,14 +263,14 @@ def test_resume_after_sigkill_matches_an_uninterrupted_run(converted: dict[str, 
     out = tmp_path / "killed"
     state = tmp_path / "killed.distill"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen(_cli(src, "-o", str(out), *common), cwd=ROOT, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    deadline = time.time() + 120
-    while not (state / "checkpoint.pt").is_file() and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.02)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert proc.returncode == -signal.SIGKILL, proc.stderr.read().decode()
+    with helpers.popen(_cli(src, "-o", str(out), *common), cwd=ROOT, env=env,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) as proc:
+        deadline = time.time() + 120
+        while not (state / "checkpoint.pt").is_file() and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        assert proc.returncode == -signal.SIGKILL, proc.stderr.read().decode()
     assert not out.exists()
     ck = torch.load(state / "checkpoint.pt", weights_only=False)
     assert 0 < ck["tokens"] < 60 * 2 * 48 and ck["step"] % 3 == 0
@@ -296,10 +298,10 @@ def test_torchrun_two_ranks_on_cpu(converted: dict[str, Path], tmp_path: Path) -
     """gloo, 2 ranks, a budget that leaves rank 1 without rows in the last step (about 10 s here)."""
     torchrun = Path(sys.executable).with_name("torchrun")
     out = tmp_path / "ddp"
-    res = subprocess.run([str(torchrun), "--nproc_per_node", "2", "--master_port", str(_free_port()), "-m", "recycle.cli",
-                          "distill", str(converted["medusa"]), "--target", str(FIXTURE), "--tokens", "1000",
-                          "--seq-len", "48", "--batch", "2", "--threads", "1", "-o", str(out), "--json"],
-                         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=300)
+    res = helpers.run([str(torchrun), "--nproc_per_node", "2", "--master_port", str(_free_port()), "-m", "recycle.cli",
+                       "distill", str(converted["medusa"]), "--target", str(FIXTURE), "--tokens", "1000",
+                       "--seq-len", "48", "--batch", "2", "--threads", "1", "-o", str(out), "--json"],
+                      cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     rec = json.loads(res.stdout[res.stdout.index("{"):])
     assert rec["tokens"] == 1000 and rec["data"]["world_size"] == 2
@@ -309,9 +311,9 @@ def test_torchrun_two_ranks_on_cpu(converted: dict[str, Path], tmp_path: Path) -
 def _two_ranks(*args: str) -> subprocess.CompletedProcess:
     """`torchrun --nproc_per_node 2 -m recycle.cli ARGS` (gloo), from the repository, its output captured."""
     torchrun = Path(sys.executable).with_name("torchrun")
-    return subprocess.run([str(torchrun), "--nproc_per_node", "2", "--master_port", str(_free_port()), "-m",
-                           "recycle.cli", *args], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
-                          capture_output=True, text=True, timeout=300)
+    return helpers.run([str(torchrun), "--nproc_per_node", "2", "--master_port", str(_free_port()), "-m",
+                        "recycle.cli", *args], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                       capture_output=True, text=True, timeout=300)
 
 
 def test_fsdp2_two_ranks_equal_one_process(converted: dict[str, Path], tmp_path: Path) -> None:
@@ -324,9 +326,9 @@ def test_fsdp2_two_ranks_equal_one_process(converted: dict[str, Path], tmp_path:
     res = _two_ranks(*common, "--batch", "2", "-o", str(tmp_path / "two"))
     assert res.returncode == 0, res.stderr[-2000:]
     two = json.loads(res.stdout[res.stdout.index("{"):])
-    res = subprocess.run([sys.executable, "-m", "recycle.cli", *common, "--batch", "4", "-o", str(tmp_path / "one")],
-                         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
-                         timeout=300)
+    res = helpers.run([sys.executable, "-m", "recycle.cli", *common, "--batch", "4", "-o", str(tmp_path / "one")],
+                      cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
+                      timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     one = json.loads(res.stdout[res.stdout.index("{"):])
     la = [r["loss"] for r in _metrics(tmp_path / "one.distill")]
@@ -397,20 +399,18 @@ def test_fsdp2_resume_after_sigkill_is_bit_exact(converted: dict[str, Path], tmp
               "48", "--batch", "2", "--checkpoint-every", "3", "--eval-every", "1000", "--threads", "1", "--precision",
               "fp32", "--json"]
 
-    def launch(out: Path, *extra: str) -> subprocess.Popen:
-        return subprocess.Popen([str(torchrun), "--nproc_per_node", "2", "--master_port", str(_free_port()), "-m",
-                                 "recycle.cli", *common, "-o", str(out), *extra], cwd=ROOT, env=env,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    def launch(out: Path, *extra: str) -> list[str]:
+        return [str(torchrun), "--nproc_per_node", "2", "--master_port", str(_free_port()), "-m", "recycle.cli", *common,
+                "-o", str(out), *extra]
 
     out, state = tmp_path / "killed", tmp_path / "killed.distill"
-    proc = launch(out)
-    deadline = time.time() + 240
     done = state / "checkpoint" / "state.json"
-    while not done.is_file() and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.02)
-    # torchrun starts its workers in sessions of their own: kill every process of this run (its output path is unique)
-    subprocess.run(["pkill", "-KILL", "-f", str(out)], check=False)
-    proc.wait()
+    with helpers.popen(launch(out), cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) as proc:
+        deadline = time.time() + 240
+        while not done.is_file() and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.02)
+        # torchrun starts its workers in sessions of their own: SIGKILL to the whole tree, as a crash would
+        helpers.kill(proc)
     assert not out.exists() and done.is_file() and not (state / "checkpoint.pt").exists()
     ck = json.loads(done.read_text())
     assert 0 < ck["step"] < 24 and ck["step"] % 3 == 0
@@ -421,8 +421,8 @@ def test_fsdp2_resume_after_sigkill_is_bit_exact(converted: dict[str, Path], tmp
         assert json.loads(f.metadata()["DCP_SHARDING_INFO"])[name]["saved_offsets"] == [0, 0]
     records = []
     for args in ((out, "--resume"), (tmp_path / "ref",)):
-        run = launch(*args)
-        so, err = run.communicate(timeout=300)
+        run = helpers.run(launch(*args), cwd=ROOT, env=env, capture_output=True, timeout=300)
+        so, err = run.stdout, run.stderr
         assert run.returncode == 0, err.decode()[-2000:]
         records.append(json.loads(so.decode()[so.decode().index("{"):]))
     assert records[0]["resumed"] and not records[1]["resumed"]  # it continued from the checkpoint, not from 0
@@ -482,7 +482,7 @@ def test_a_sharded_checkpoint_is_refused_in_one_line_when_torn_or_foreign(conver
     assert_bad_input(run_cli(*args), "an earlier run's checkpoint exists; pass --resume")
     assert_bad_input(run_cli(*args, "--resume"), "unreadable checkpoint state")
     (ck / st.SHARDED_STATE).write_text(json.dumps({"fingerprint": {"tokens": 5}, "step": 3}))
-    assert_bad_input(run_cli(*args, "--resume"), "the checkpoint is from a run with other options (")
+    assert_bad_input(run_cli(*args, "--resume"), "the checkpoint is from a run with other options: DRAFTER is ")
     assert ck.is_dir() and not (tmp_path / "o").exists()  # refused: the checkpoint is kept for a correct --resume
 
 
@@ -774,3 +774,118 @@ def test_online_resume_restarts_the_producer_at_the_checkpoint(converted: dict[s
     for k in a:
         assert torch.equal(a[k], b[k]), k
     assert sorted(p.name for p in (tmp_path / "c1").iterdir()) == ["eval.safetensors", "manifest.json"]
+
+
+# -- resume with other options, divergence, the budget's time ----------------------------------------------------
+
+
+def _stopped_run(src: Path, out: Path, monkeypatch: pytest.MonkeyPatch, *args: str):
+    """A CLI run stopped after its second step as SIGINT stops one (the loop checkpoints, exit 130): the real
+    checkpoint, with the fingerprint the run's options make."""
+    import recycle.distill.train as train
+
+    real = train.Distiller.train_step
+
+    def two_steps(self, step):
+        row = real(self, step)
+        if self.step == 2:
+            self.stop = "SIGINT"
+        return row
+
+    with monkeypatch.context() as m:
+        m.setattr(train.Distiller, "train_step", two_steps)
+        return run_cli("distill", str(src), "--target", str(FIXTURE), "-o", str(out), *args)
+
+
+def test_resume_refuses_changed_options_naming_each(converted: dict[str, Path], tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """--resume with another --lr (which trained on the checkpoint's schedule while the record claimed the new one),
+    --freeze (a traceback) or --precision: one line naming the option and both values, the checkpoint kept; the
+    same options continue it, and the record holds the options the run trained with."""
+    out = tmp_path / "o"
+    common = ["--tokens", str(4 * 2 * 48), "--seq-len", "48", "--batch", "2", "--threads", "1",
+              "--checkpoint-every", "100", "--eval-every", "100", "--precision", "fp32", "--lr", "0.0005"]
+    res = _stopped_run(converted["eagle"], out, monkeypatch, *common)
+    assert res.exit_code == 130, res.output
+    ck = tmp_path / "o.distill" / "checkpoint.pt"
+    assert ck.is_file() and not out.exists()
+    base = ["distill", str(converted["eagle"]), "--target", str(FIXTURE), "-o", str(out), "--resume", *common]
+    for extra, needle in ((["--lr", "0.05"], "--lr is 0.05 here, 0.0005 in the checkpoint"),
+                          (["--freeze", "experts"], "--freeze is experts here, none in the checkpoint"),
+                          (["--precision", "bf16"], "--precision is bf16 here, fp32 in the checkpoint"),
+                          (["--ce-weight", "0.5"], "--ce-weight is 0.5 here, 0.1 in the checkpoint")):
+        res = run_cli(*base, *extra)
+        assert_bad_input(res, needle)
+        assert "use the same options or --overwrite to start over" in res.stderr
+        assert ck.is_file() and not out.exists()
+    res = run_cli(*base, "--json")
+    assert res.exit_code == 0, res.output
+    rec = json.loads(res.stdout)
+    assert rec["resumed"] and rec["steps"] == 4 and rec["optimizer"]["lr"] == 0.0005 and rec["precision"] == "fp32"
+
+
+def test_a_diverging_run_stops_at_the_first_non_finite_step(converted: dict[str, Path], tmp_path: Path) -> None:
+    """--lr 1e4 makes the EAGLE drafter's loss (or its gradient) NaN within a few steps (it was trained on NaN to the
+    end, exit 0): exit 2 with one line, no drafter written, the last checkpoint (all finite) kept, and the metrics
+    hold only finite steps."""
+    import re
+
+    out = tmp_path / "o"
+    res = run_cli("distill", str(converted["eagle"]), "--target", str(FIXTURE), "--tokens", str(40 * 2 * 48),
+                  "--seq-len", "48", "--batch", "2", "--threads", "1", "--lr", "1e4", "--checkpoint-every", "1",
+                  "--eval-every", "100", "-o", str(out))
+    assert res.exit_code == 2, res.output
+    errors = [ln for ln in res.stderr.splitlines() if "error" in ln]  # progress lines may come before (a slow setup)
+    assert len(errors) == 1 and errors[0] == res.stderr.strip().splitlines()[-1], res.stderr
+    assert "Traceback" not in res.output and "training diverged at --lr 10000" in errors[0]
+    line = errors[0]
+    m = re.search(r"step (\d+): the (loss|gradient norm) is (nan|inf|-inf) .*the last good checkpoint \(step (\d+)\)",
+                  line)
+    assert m and int(m.group(4)) == int(m.group(1)) - 1 >= 1, line
+    assert "no drafter written" in line and not out.exists()
+    state = tmp_path / "o.distill"
+    ck = torch.load(state / "checkpoint.pt", weights_only=True)
+    assert ck["step"] == int(m.group(4))
+    assert all(bool(torch.isfinite(t).all()) for t in ck["model"].values())
+    rows = _metrics(state)
+    assert [r["step"] for r in rows] == list(range(1, int(m.group(1))))
+    assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in rows)
+
+
+def test_time_note_only_for_budgets_that_take_long() -> None:
+    from recycle.distill.schedule import duration, time_left
+    from recycle.distill.train import ETA_NOTE_S, time_note
+
+    assert [duration(s) for s in (40, 12 * 60, 3.5 * 3600, 6.9 * 86400)] == ["40 s", "12 min", "3.5 h", "6.9 days"]
+    assert time_left(1000, 400, 100.0) == 6.0 and time_left(10, 10, 5.0) == 0 and time_left(10, 0, 0.0) == math.inf
+    # 1B tokens at 1,000 tokens/s: 11.6 days, said as such; 1M at the same rate (17 min) still passes the 10 min mark
+    note = time_note(10**9, 0, 1000.0, "over steps 2-4", "cpu")
+    assert note == ("note: --tokens 1,000,000,000 takes about 11.6 days more at this rate (1,000 tokens/s over steps "
+                    "2-4); lower --tokens or train on a GPU")
+    assert "17 min" in time_note(10**6, 0, 1000.0, "", "cuda") and "add ranks" in time_note(10**6, 0, 1000.0, "", "cuda")
+    assert time_note(10**6, 0, 10_000.0, "", "cpu") is None  # 100 s: no note
+    rate = 1000.0  # the threshold itself: a rest of exactly ETA_NOTE_S is quiet, a token more is noted
+    assert time_note(int(ETA_NOTE_S * rate), 0, rate, "", "cpu") is None
+    assert time_note(int(ETA_NOTE_S * rate) + 1, 0, rate, "", "cpu") is not None
+    assert time_note(10**9, 10**9 - 1000, rate, "", "cpu") is None  # done nearly: the rest is what counts
+
+
+def test_the_budgets_time_reaches_the_log_and_the_json(converted: dict[str, Path], tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """After the first steps the run measures its rate: the record's time_estimate (--json), and a note on stderr when
+    the rest of the budget takes longer than ETA_NOTE_S (here lowered to 0 s so a small run shows it; the threshold
+    itself: test_time_note_only_for_budgets_that_take_long)."""
+    import recycle.distill.train as train
+
+    args = ["distill", str(converted["medusa"]), "--target", str(FIXTURE), "--tokens", str(8 * 2 * 48),
+            "--seq-len", "48", "--batch", "2", "--threads", "1", "--eval-every", "100", "--json"]
+    monkeypatch.setattr(train, "ETA_MIN_S", 0.0)  # measured over steps 2-4 however fast they are
+    monkeypatch.setattr(train, "ETA_NOTE_S", 0.0)
+    res = run_cli(*args, "-o", str(tmp_path / "o"))
+    assert res.exit_code == 0, res.output
+    est = json.loads(res.stdout)["time_estimate"]
+    assert est["measured"] == "over steps 2-4" and est["tokens_done"] == 4 * 2 * 48 and est["tokens_per_s"] > 0
+    assert est["seconds_left"] == pytest.approx(4 * 2 * 48 / est["tokens_per_s"], abs=0.06)
+    assert est["note"].startswith(f"note: --tokens {8 * 2 * 48:,} takes about ") and est["note"] in res.stderr
+    assert f"({est['tokens_per_s']:,.0f} tokens/s over steps 2-4); lower --tokens or train on a GPU" in est["note"]
+

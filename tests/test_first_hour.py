@@ -6,12 +6,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from tests import helpers
 from tests.cli_helpers import assert_bad_input, run_cli
 
 from recycle.converters.api import convert_checkpoint
@@ -89,17 +89,17 @@ def test_bad_input_fails_before_torch_is_imported(args: tuple[str, ...], tmp_pat
     argv = [str(tmp_path / a) if a.isupper() else a for a in args]
     code = ("import sys\nfrom recycle.cli import app\ntry:\n    app(sys.argv[1:])\nexcept SystemExit as e:\n"
             "    print('exit', e.code, 'torch' in sys.modules, 'transformers' in sys.modules, file=sys.stdout)\n")
-    res = subprocess.run([sys.executable, "-c", code, *argv], cwd=ROOT, capture_output=True, text=True, timeout=60,
-                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    res = helpers.run([sys.executable, "-c", code, *argv], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                      env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert res.stdout.strip() == "exit 2 False False", (res.stdout, res.stderr)
     lines = res.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith("recycle: error:"), res.stderr  # no blank line before it
 
 
 def test_no_blank_line_on_stderr_when_it_is_not_a_terminal(tmp_path: Path) -> None:
-    res = subprocess.run([sys.executable, "-m", "recycle.cli", "convert", str(FIXTURE), "--to", "medusa", "-o",
-                          str(tmp_path / "m")], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    res = helpers.run([sys.executable, "-m", "recycle.cli", "convert", str(FIXTURE), "--to", "medusa", "-o",
+                       str(tmp_path / "m")], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                      env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert res.returncode == 0, res.stderr
     assert "\n\n" not in "\n" + res.stderr and all(ln.startswith("recycle: ") for ln in res.stderr.splitlines())
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from recycle.converters.api import convert_checkpoint
+from tests import helpers
 from tests.cli_helpers import assert_bad_input, run_cli
 from tests.trained import FIXTURE
 
@@ -100,21 +101,21 @@ def test_ctrl_c_checkpoints_and_names_the_resume_command(drafters, tmp_path: Pat
     out = tmp_path / "o"
     cmd = [sys.executable, "-m", "recycle.cli", "distill", str(drafters["medusa"]), "--target", str(FIXTURE),
            "--tokens", str(150 * 96), *SMALL, "--eval-every", "1000", "-o", str(out)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    metrics = out.with_name("o.distill") / "metrics.jsonl"
-    deadline = time.time() + 240
-    while not (metrics.is_file() and metrics.read_text().count("\n") >= 2) and time.time() < deadline:
-        time.sleep(0.2)
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=120)
+    with helpers.popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,
+                       stderr=subprocess.PIPE, text=True) as proc:
+        metrics = out.with_name("o.distill") / "metrics.jsonl"
+        deadline = time.time() + 240
+        while not (metrics.is_file() and metrics.read_text().count("\n") >= 2) and time.time() < deadline:
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err
     line = [ln for ln in err.splitlines() if "SIGINT" in ln]
     assert len(line) == 1 and "is checkpointed in" in line[0] and line[0].endswith("--resume"), err
     assert (out.with_name("o.distill") / "checkpoint.pt").is_file() and not out.exists()
     resume = line[0].split("continue with: ", 1)[1].split()
     assert resume[0] == "recycle" and resume[-1] == "--resume"
-    done = subprocess.run([sys.executable, "-m", "recycle.cli", *resume[1:]], cwd=ROOT, capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=600)
+    done = helpers.run([sys.executable, "-m", "recycle.cli", *resume[1:]], cwd=ROOT, capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=600)
     assert done.returncode == 0, done.stderr[-1500:]
     assert "resuming from step" in done.stderr and out.is_dir()

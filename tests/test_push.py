@@ -272,6 +272,15 @@ def _nan(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def _zero_all(f: Path, record_digest: bool) -> None:
+    """Every tensor of `f` zeroed (a broken conversion or training run); `record_digest`: recycle.json's sha256 says
+    it is the file recycle wrote (as if recycle itself had written the zeros)."""
+    save_file({k: torch.zeros_like(v) for k, v in load_file(str(f)).items()}, str(f), metadata={"format": "pt"})
+    if record_digest:
+        d = f.parent
+        _edit_json(d / "recycle.json", lambda o: o["sha256"].update({f.name: hashlib.sha256(f.read_bytes()).hexdigest()}))
+
+
 CORRUPTIONS = {
     "no recycle.json": ("eagle3", lambda d: (d / "recycle.json").unlink(), "recycle.json: missing"),
     "format disagrees": ("medusa", lambda d: _edit_json(d / "recycle.json", lambda o: o["target"].update(format="eagle3")),
@@ -289,6 +298,19 @@ CORRUPTIONS = {
     "missing layout": ("eagle", lambda d: shutil.rmtree(d / "nextn"), "missing, but recycle.json maps"),
     "bad bench.json": ("medusa", lambda d: (d / "bench.json").write_text('{"overall": {}}'),
                        "not a `recycle bench --json` report"),
+    "all-zero weights": ("eagle", lambda d: _zero_all(d / "model.safetensors", True),
+                         "is all zeros; refusing to publish degenerate weights"),
+    "all-zero weights, digest stale": ("medusa", lambda d: _zero_all(d / "medusa_lm_head.safetensors", False),
+                                       "is all zeros; refusing to publish degenerate weights"),
+    "constant weights (overlay)": ("eagle", lambda d: _set(d / "mtp_overlay" / "mtp.safetensors",
+                                                           "model.layers.10.eh_proj.weight",
+                                                           lambda t: torch.full_like(t, 0.5)),
+                                   "is the one value 0.5 in every entry"),
+    "replaced weight file": ("eagle3", lambda d: _set(d / "model.safetensors", "midlayer.mlp.up_proj.weight",
+                                                      lambda t: t * 1.5),
+                             "model.safetensors: not the file recycle wrote (its sha256 differs from recycle.json's)"),
+    "digest missing": ("eagle", lambda d: _edit_json(d / "recycle.json", lambda o: o["sha256"].pop("model.safetensors")),
+                       "model.safetensors: recycle.json records no sha256 for it"),
 }
 
 
@@ -301,6 +323,28 @@ def test_invalid_drafters_are_refused_before_any_request(drafters, hub_env, tmp_
     with hub_env() as hub:
         res = invoke("push", d, "--repo", "me/broken")
     assert needle in one_error_line(res)
+    assert hub.requests == []
+
+
+def test_the_record_holds_each_weight_files_sha256_and_a_sound_drafter_pushes(drafters, hub_env, tmp_path):
+    """convert records the sha256 of every weight file it writes (distill too: test_push_a_drafter_made_by_distill);
+    push checks them and publishes a sound drafter (Medusa's zero-initialised residual blocks are fresh, not degenerate); an older record without digests
+    still pushes, with a note."""
+    for fmt, d in drafters.items():
+        rec = json.loads((d / "recycle.json").read_text())
+        files = sorted(p.relative_to(d).as_posix() for p in d.rglob("*.safetensors"))
+        assert sorted(rec["sha256"]) == files, fmt
+        assert all(rec["sha256"][f] == hashlib.sha256((d / f).read_bytes()).hexdigest() for f in files), fmt
+    with hub_env() as hub:
+        res = invoke("push", drafters["medusa"], "--repo", "me/ok", "--dry-run", "--json")
+        assert res.exit_code == 0, res.output
+        assert not any("sha256" in n for n in json.loads(res.stdout)["notes"])
+        old = tmp_path / "old"
+        shutil.copytree(drafters["eagle"], old)
+        _edit_json(old / "recycle.json", lambda o: o.pop("sha256"))
+        res = invoke("push", old, "--repo", "me/ok", "--dry-run", "--json")
+        assert res.exit_code == 0, res.output
+        assert any("records no sha256" in n for n in json.loads(res.stdout)["notes"])
     assert hub.requests == []
 
 
@@ -358,6 +402,9 @@ def test_push_a_drafter_made_by_distill(drafters, hub_env, tmp_path):
                  "--batch", "2", "--threads", "1", "--eval-every", "100", "--checkpoint-every", "100", "-o", out,
                  "--json")
     assert res.exit_code == 0, res.output
+    rec = json.loads((out / "recycle.json").read_text())  # the digests of the files distill wrote, not its input's
+    assert rec["sha256"] == {"model.safetensors": hashlib.sha256((out / "model.safetensors").read_bytes()).hexdigest()}
+    assert rec["sha256"] != json.loads((drafters["eagle3"] / "recycle.json").read_text())["sha256"]
     with hub_env() as hub:
         res = invoke("push", out, "--repo", "me/ds-eagle3-distilled")
     assert res.exit_code == 0, res.output

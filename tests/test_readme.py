@@ -17,12 +17,16 @@ from pathlib import Path
 
 import pytest
 
+from tests import helpers
+
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 DOCS = sorted((ROOT / "docs").glob("*.md"))
 BLOCK = re.compile(r"(?:^(<!--[^\n]*-->)\n)?```bash\n(.*?)```", re.S | re.M)
 FENCE = re.compile(r"^```(\S*)", re.M)
 README_MAX_LINES = 200
+# A docs file's blocks take seconds to a minute or two here; a hang fails the test instead of stalling the suite.
+BLOCK_TIMEOUT_S = 300
 
 
 def blocks(path: Path) -> list[tuple[str | None, str]]:
@@ -72,12 +76,12 @@ def test_every_docs_block_runs_or_says_why_not(path: Path) -> None:
 
 
 def _threads() -> str:
-    """CPU threads for the commands (bench's RECYCLE_THREADS; torch's OMP_NUM_THREADS for the rest): this process's
-    share of the cores (conftest splits them among xdist workers; two workers with two threads each on two cores
-    made a short distillation 6× slower here)."""
-    import torch
-
-    return str(torch.get_num_threads())
+    """CPU threads for the commands (bench's RECYCLE_THREADS; torch's OMP_NUM_THREADS for the rest): one. The models
+    are tiny, and OpenMP threads spin-wait for each other when the cores are oversubscribed: on this 2-core VM at load
+    7-13 (2026-11-27), the README's `bench --quick` on the post-trained fixture ran over 32 min with two threads and
+    130 s with one (two workers with two threads each on two cores had made a short distillation 6× slower before).
+    RECYCLE_TEST_THREADS overrides."""
+    return os.environ.get("RECYCLE_TEST_THREADS") or "1"
 
 
 # The scenario pages whose blocks train on their own fixtures (40-90 s each here) run in the slow suite, so that
@@ -101,7 +105,11 @@ def test_every_readme_command_runs(path: Path, tmp_path: Path) -> None:
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
            "PYTHONPATH": str(ROOT), "RECYCLE_THREADS": _threads(), "OMP_NUM_THREADS": _threads(), "HF_HUB_OFFLINE": "1"}
     env.pop("HF_TOKEN", None)
-    res = subprocess.run(["bash", "-c", "\n".join(script)], cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=900)
+    try:  # the block's commands run in one process group, stopped with everything in it when the test ends
+        res = helpers.run(["bash", "-c", "\n".join(script)], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=BLOCK_TIMEOUT_S)
+    except subprocess.TimeoutExpired as e:
+        out, err = (x.decode() if isinstance(x, bytes) else x or "" for x in (e.output, e.stderr))
+        pytest.fail(f"{_name(path)}: over {BLOCK_TIMEOUT_S} s\nstdout:\n{out[-3000:]}\nstderr:\n{err[-3000:]}")
     assert res.returncode == 0, f"{_name(path)}\nstdout:\n{res.stdout[-3000:]}\nstderr:\n{res.stderr[-3000:]}"
     assert "Traceback" not in res.stderr

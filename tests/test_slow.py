@@ -15,6 +15,7 @@ import torch
 
 from recycle.checkpoint import Checkpoint
 from recycle.families import match
+from tests import helpers
 from tests.trained import FIXTURE
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -22,8 +23,8 @@ pytestmark = pytest.mark.slow
 
 
 def _run(*args: str, timeout: int = 1800) -> str:
-    res = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    res = helpers.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                      env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     return res.stdout
 
@@ -79,15 +80,14 @@ def test_trained_fixture_build_runs(tmp_path: Path, family: str, modules: int) -
 def test_interrupted_fixture_build_leaves_nothing(tmp_path: Path) -> None:
     """A build killed mid-way leaves no output directory (it is built beside it and renamed at the end)."""
     out = tmp_path / "ft"
-    proc = subprocess.Popen([sys.executable, "fixtures/build_trained.py", "--family", "glm4_moe", "--out", str(out),
-                             "--steps", "500", "--batch", "2", "--seq", "64", "--no-compile"], cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    building = tmp_path / ".ft.building" / "tokenizer.json"
-    deadline = time.time() + 300
-    while not building.exists() and time.time() < deadline and proc.poll() is None:
-        time.sleep(0.5)
-    proc.kill()
-    proc.wait()
+    with helpers.popen([sys.executable, "fixtures/build_trained.py", "--family", "glm4_moe", "--out", str(out),
+                        "--steps", "500", "--batch", "2", "--seq", "64", "--no-compile"], cwd=ROOT,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) as proc:
+        building = tmp_path / ".ft.building" / "tokenizer.json"
+        deadline = time.time() + 300
+        while not building.exists() and time.time() < deadline and proc.poll() is None:
+            time.sleep(0.5)
+        helpers.kill(proc)
     assert building.exists() and not out.exists()
 
 

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import hashlib
 import os
-import subprocess
 import sys
 import sysconfig
 from pathlib import Path
 
 from recycle.engines.vllm_env import run_logged
+from tests import helpers
 
 CACHE = Path(os.environ.get("RECYCLE_VALIDATORS", Path.home() / ".cache" / "recycle" / "validators"))
 SPECULATORS = "speculators==0.9.0"
@@ -50,13 +50,13 @@ def speculators_python() -> Path:
     log = root.parent / (root.name + ".log")
     log.write_text("", encoding="utf-8")
     _run([sys.executable, "-m", "venv", "--system-site-packages", str(root)], log)
-    site = Path(subprocess.check_output([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                                        text=True).strip())
+    site = Path(helpers.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                            capture_output=True, text=True, check=True, timeout=120).stdout.strip())
     (site / "recycle-parent-venv.pth").write_text(parent + "\n", encoding="utf-8")
     pip = [str(py), "-m", "pip", "install", "-q", "-c", str(CONSTRAINTS)]
     _run(pip + ["--no-deps", *NO_DEPS], log)
     _run(pip + list(LIGHT_DEPS), log)
-    subprocess.run([str(py), "-m", "pip", "uninstall", "-y", *BROKEN], capture_output=True)
-    subprocess.run([str(py), "-c", "import speculators"], check=True, capture_output=True)
+    helpers.run([str(py), "-m", "pip", "uninstall", "-y", *BROKEN], capture_output=True, timeout=300)
+    helpers.run([str(py), "-c", "import speculators"], check=True, capture_output=True, timeout=300)
     done.write_text(SPECULATORS + "\n", encoding="utf-8")
     return py

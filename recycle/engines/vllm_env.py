@@ -6,19 +6,29 @@ does not fetch a second one, and the CUDA torchvision/torchaudio/torchcodec it p
 `run_job()` runs `vllm_job.py` there. `RECYCLE_VLLM_PYTHON` points at an existing interpreter instead;
 `RECYCLE_VLLM_PACKAGE` changes what is installed. Which build, and how it runs, follows the machine
 (`PLATFORMS`): vLLM's CUDA build in bf16 where torch sees a GPU, the CPU build in fp32 elsewhere.
+
+The build says so on stderr before pip starts (what, where, the log), and holds an exclusive lock (`flock` on
+`.NAME.lock` beside the venv) while it builds: a second first run waits for the first, says so, and then finds
+the venv built. What pip installs is pinned by version (the package's `==`, torch by recycle's constraints line),
+not by hash: vLLM's dependency tree has no lock file here; a venv built from one can be given as
+`RECYCLE_VLLM_PYTHON`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import re
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from recycle.errors import RecycleError
+from recycle.preflight import note
 
 # Per machine: the package, the dtype the target runs in (bf16 on GPUs; fp32 on CPUs, where vLLM's CPU MLA path
 # and bf16 emulation measured wrong or slow) and the share of device memory vLLM takes (on CPUs its KV cache is that
@@ -70,7 +80,8 @@ def _pip(cmd: list[str], log: Path, package: str) -> None:
 
 
 def vllm_python() -> Path:
-    """The python of an environment where `import vllm` works; built on first call (minutes: a 130 MB wheel)."""
+    """The python of an environment where `import vllm` works; built on first call (minutes: a 130 MB wheel and
+    its dependencies), under the venv's lock."""
     given = os.environ.get("RECYCLE_VLLM_PYTHON")
     if given:
         if not Path(given).is_file():
@@ -81,19 +92,51 @@ def vllm_python() -> Path:
     py, done = root / "bin" / "python", root / ".recycle-ready"
     if done.is_file() and py.is_file():
         return py
+    with venv_lock(root, package):
+        if done.is_file() and py.is_file():  # another run built it while this one waited
+            return py
+        _build(root, package)
+        done.write_text(package + "\n", encoding="utf-8")
+    return py
+
+
+@contextlib.contextmanager
+def venv_lock(root: Path, package: str) -> Iterator[None]:
+    """Hold `.NAME.lock` beside the venv (flock, exclusive) while building it; a run that finds it held says whose
+    it is and waits. The kernel drops the lock when its holder dies, however it dies."""
     root.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(root.parent / f".{root.name}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
+            note(f"another recycle run{f' (pid {holder})' if holder else ''} is installing {package} into {root}; "
+                 "waiting for it to finish")
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _build(root: Path, package: str) -> None:
+    """The venv at `root` with `package` in it (torch pinned to recycle's), said on stderr before pip starts."""
+    py = root / "bin" / "python"
     log = root.parent / f"{root.name}.log"
     log.write_text("", encoding="utf-8")
     pins = root.parent / f"{root.name}.constraints.txt"
-    pins.write_text(_torch_pin() + "\n", encoding="utf-8")
+    torch_pin = _torch_pin()
+    pins.write_text(torch_pin + "\n", encoding="utf-8")
+    note(f"first use of vLLM: installing {package} ({torch_pin}) from the package index into {root}: a one-time "
+         f"download of hundreds of MB, a few minutes (log: {log})")
     _pip([sys.executable, "-m", "venv", "--clear", str(root)], log, package)
     _pip([str(py), "-m", "pip", "install", "-q", "-c", str(pins), package], log, package)
-    subprocess.run([str(py), "-m", "pip", "uninstall", "-y", *BROKEN], capture_output=True)
-    check = subprocess.run([str(py), "-c", "import vllm"], capture_output=True, text=True)
-    if check.returncode != 0:
-        raise RecycleError(f"{package} installed but does not import: {check.stderr.strip().splitlines()[-1:]}")
-    done.write_text(package + "\n", encoding="utf-8")
-    return py
+    run_logged([str(py), "-m", "pip", "uninstall", "-y", *BROKEN], log)  # absent ones are no error here
+    if not run_logged([str(py), "-c", "import vllm"], log):
+        last = log.read_text(encoding="utf-8", errors="replace").strip().splitlines()[-1:]
+        raise RecycleError(f"{package} installed but does not import: {' '.join(last)} (log: {log})")
 
 
 def root_cause(output: str) -> str:

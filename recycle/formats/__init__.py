@@ -8,7 +8,7 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
-from recycle.errors import RecycleError
+from recycle.errors import RecycleError, did_you_mean
 from recycle.formats import eagle, eagle3, gemma4_assistant, gguf, medusa, native_mtp, parallel_heads
 from recycle.formats.record import DrafterFormat, Layout, Reads
 from recycle.preflight import load_json
@@ -34,7 +34,8 @@ def convertible() -> tuple[str, ...]:
 
 def get(name: str, what: str = "format") -> DrafterFormat:
     if name not in FORMATS:
-        raise RecycleError(f"unknown {what} '{name}' (choose from {', '.join(convertible())})")
+        raise RecycleError(f"unknown {what} '{name}' (choose from {', '.join(convertible())})"
+                           f"{did_you_mean(name, convertible())}")
     return FORMATS[name]
 
 

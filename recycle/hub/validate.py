@@ -1,9 +1,13 @@
 """What `recycle push` checks before anything leaves the machine: a bad drafter on the Hub is served by other
 people's engines, so the layout must be the one recycle.json declares (the drafter class builds from it
-strictly, every safetensors header equals the mapping table convert wrote) and every weight must be finite."""
+strictly, every safetensors header equals the mapping table convert wrote), every weight must be finite, no
+weight matrix made from the source's weights may be constant (all zeros: a broken conversion or training run,
+whose card would still call it lossless), and every weight file must be the one recycle wrote (its sha256 equals
+the one recycle.json recorded when the file was written)."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import warnings
 from collections.abc import Callable
@@ -100,6 +104,51 @@ def _check_mapping(d: Path, record: dict, ckpts: dict[str, Checkpoint], st_files
     return notes
 
 
+def _fresh(record: dict) -> set[tuple[str, str]]:
+    """(file, tensor) of the mapping's fresh tensors: initialised, not made from the source (Medusa's residual
+    blocks start at zero, on purpose), so a constant one carries no warning."""
+    rows = record.get("mapping") or []
+    return {(r.get("file"), r.get("tensor")) for r in rows if isinstance(r, dict) and r.get("kind") == "fresh"}
+
+
+def _check_values(path: Path, name: str, chunks, signal: bool) -> None:
+    """Refuse a tensor holding NaN or Inf, or, where it should carry signal (`signal`: a matrix made from the source's
+    weights), one value in every entry (all zeros: nothing a drafter could have learned or been converted to)."""
+    lo = hi = None
+    for chunk in chunks:
+        if not bool(torch.isfinite(chunk).all()):
+            raise RecycleError(f"{path}: tensor {name} holds NaN or Inf values; refusing to publish corrupt weights")
+        if signal and chunk.numel():
+            a, b = float(chunk.min()), float(chunk.max())
+            lo, hi = (a, b) if lo is None else (min(lo, a), max(hi, b))
+    if signal and lo is not None and lo == hi:
+        what = "all zeros" if lo == 0 else f"the one value {lo:g} in every entry"
+        raise RecycleError(f"{path}: tensor {name} is {what}; refusing to publish degenerate weights (a broken "
+                           "conversion or training run: re-run recycle convert or distill)")
+
+
+def _check_digests(d: Path, record: dict, st_files: list[str]) -> list[str]:
+    """Every weight file must be the one recycle wrote: its sha256 equal to recycle.json's `sha256` entry, which the
+    writer computed when it wrote the file (an older record without one gets a note)."""
+    digests = record.get("sha256")
+    if digests is None:
+        return [f"{PROVENANCE} records no sha256 of the weight files (written by an older recycle): a file replaced "
+                "since cannot be told from the one recycle wrote"]
+    if not isinstance(digests, dict):
+        raise RecycleError(f"{d / PROVENANCE}: malformed sha256 table (file -> hex digest)")
+    for f in st_files:
+        want = digests.get(f)
+        if want is None:
+            raise RecycleError(f"{d / f}: recycle.json records no sha256 for it: not a file recycle wrote here; "
+                               "remove it or re-run recycle convert")
+        with open(d / f, "rb") as fh:
+            got = hashlib.file_digest(fh, "sha256").hexdigest()
+        if got != want:
+            raise RecycleError(f"{d / f}: not the file recycle wrote (its sha256 differs from recycle.json's): it was "
+                               "replaced or edited since; re-run recycle convert or distill")
+    return []
+
+
 def _dropped_layouts(d: Path, record: dict, planned: dict) -> set[str]:
     """Subfolder layouts a distilled drafter no longer has as a whole (distill drops nextn/ or mtp_overlay/
     when it cannot rebuild them exactly); a folder that is present but incomplete is still an error."""
@@ -162,15 +211,16 @@ def validate_drafter(path: str | os.PathLike, progress: Progress | None = None) 
             raise RecycleError(f"{d / rel}: missing, but recycle.json lists it as a layout of this drafter")
     total = sum(len(c.tensors) for c in ckpts.values())
     done = 0
-    for ckpt in ckpts.values():
+    fresh = _fresh(record)
+    for sub, ckpt in ckpts.items():
         for name, info in ckpt.tensors.items():
-            for chunk in ckpt.iter_chunks(name):
-                if not bool(torch.isfinite(chunk).all()):
-                    raise RecycleError(f"{ckpt.path / info.file}: tensor {name} holds NaN or Inf values; "
-                                       "refusing to publish corrupt weights")
+            rel = str(PurePosixPath(sub) / info.file)
+            signal = len(info.shape) >= 2 and info.numel > 1 and (rel, name) not in fresh
+            _check_values(ckpt.path / info.file, name, ckpt.iter_chunks(name), signal)
             done += 1
             if progress:
                 progress(done, total)
+    notes += _check_digests(d, record, st_files)
     if CARD in files:
         notes.append(f"the directory's own {CARD} is replaced by the generated model card")
         del files[CARD]

@@ -1,0 +1,200 @@
+"""Subprocesses the tests start, each in a process group of its own that dies with the test.
+
+`run(cmd, timeout=...)` is `subprocess.run` and `popen(cmd)` a context manager around `subprocess.Popen`; both start
+the child with `start_new_session=True` (its own process group, which everything it starts inherits) and, when the
+command times out, the test fails or ends, or the `with` block is left, stop the whole group: SIGTERM, `grace`
+seconds, then SIGKILL. Descendants that left the group (torchrun starts its workers in sessions of their own) are
+found through the process tree and stopped with it. `tests/conftest.py` stops every live group when pytest itself
+gets SIGTERM (and at exit), so a killed test run leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+import psutil  # a dependency of accelerate, which recycle requires
+
+GRACE_S = 5.0
+_live: dict[int, subprocess.Popen] = {}  # leader pid (= its process group id) -> process, while its test holds it
+_lock = threading.Lock()
+
+
+def alive(pid: int) -> bool:
+    """Whether a process runs (an exited one waiting to be reaped, a zombie, does not)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _running(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _tree(pgid: int, leader: bool) -> list[psutil.Process]:
+    """The group's members and, while the leader is not reaped (its pid still names it), its descendants, wherever
+    their session is."""
+    found: dict[int, psutil.Process] = {}
+    if leader:
+        try:
+            p = psutil.Process(pgid)
+            found[pgid] = p
+            found.update((c.pid, c) for c in p.children(recursive=True))
+        except psutil.NoSuchProcess:
+            pass
+    for p in psutil.process_iter():
+        try:
+            if p.pid not in found and os.getpgid(p.pid) == pgid:
+                found[p.pid] = p
+                found.update((c.pid, c) for c in p.children(recursive=True))
+        except (psutil.NoSuchProcess, ProcessLookupError, PermissionError):
+            continue
+    return list(found.values())
+
+
+def _signal(pgid: int, procs: list[psutil.Process], sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass  # nothing left in the group
+    for p in procs:
+        try:
+            p.send_signal(sig)  # psutil checks the pid still names the same process
+        except psutil.NoSuchProcess:
+            pass
+
+
+def _wait_gone(procs: list[psutil.Process], timeout: float) -> list[psutil.Process]:
+    deadline = time.monotonic() + timeout
+    left = [p for p in procs if _running(p)]
+    while left and time.monotonic() < deadline:
+        time.sleep(0.05)
+        left = [p for p in left if _running(p)]
+    return left
+
+
+def stop_group(pgid: int, grace: float = GRACE_S, leader: bool = True) -> None:
+    """SIGTERM to the group and the leader's descendants, up to `grace` s for them to exit, then SIGKILL to what is left.
+    `leader`: the leader (pid `pgid`) is not reaped yet.
+
+    Reaps nothing (safe inside a signal handler while the test waits on the same process)."""
+    procs = _tree(pgid, leader)  # taken before any signal: once the leader dies its children are re-parented
+    _signal(pgid, procs, signal.SIGTERM)
+    left = _wait_gone(procs, grace)
+    _signal(pgid, left, signal.SIGKILL)  # the group too: a member that ignored SIGTERM and was not seen
+    _wait_gone(left, GRACE_S)
+
+
+def stop(proc: subprocess.Popen, grace: float = GRACE_S) -> None:
+    """Stop `proc`'s group and descendants (see `stop_group`), then reap `proc`."""
+    stop_group(proc.pid, grace, leader=proc.returncode is None)
+    try:
+        proc.wait(timeout=GRACE_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def kill(proc: subprocess.Popen) -> None:
+    """SIGKILL to `proc`, its group and its descendants at once (a crash, not a shutdown), then reap `proc`."""
+    procs = _tree(proc.pid, leader=proc.returncode is None)
+    _signal(proc.pid, procs, signal.SIGKILL)
+    _wait_gone(procs, GRACE_S)
+    proc.wait()
+
+
+def stop_all(grace: float = GRACE_S) -> None:
+    """Stop every group a test still holds (conftest's SIGTERM handler, and at exit)."""
+    with _lock:
+        procs = list(_live.values())
+    for proc in procs:
+        stop_group(proc.pid, grace, leader=proc.returncode is None)
+
+
+atexit.register(stop_all, 2.0)
+
+
+@contextmanager
+def popen(cmd: Sequence[str] | str, *, grace: float = GRACE_S, **kw) -> Iterator[subprocess.Popen]:
+    """`subprocess.Popen(cmd, **kw)` in a process group of its own, stopped with all it started when the block ends."""
+    proc = subprocess.Popen(cmd, start_new_session=True, **kw)
+    with _lock:
+        _live[proc.pid] = proc
+    try:
+        yield proc
+    finally:
+        try:
+            stop(proc, grace)
+        finally:
+            with _lock:
+                _live.pop(proc.pid, None)
+            for f in (proc.stdin, proc.stdout, proc.stderr):
+                if f is not None:
+                    f.close()
+
+
+def run(cmd: Sequence[str] | str, *, timeout: float, input: str | bytes | None = None, check: bool = False,
+        capture_output: bool = False, grace: float = GRACE_S, **kw) -> subprocess.CompletedProcess:
+    """`subprocess.run` with a required timeout, in a process group of its own: on timeout, or once the command
+    returns, nothing it started is left running. A timeout raises `subprocess.TimeoutExpired` with what it printed."""
+    if capture_output:
+        kw["stdout"] = kw["stderr"] = subprocess.PIPE
+    if input is not None:
+        kw["stdin"] = subprocess.PIPE
+    with popen(cmd, grace=grace, **kw) as proc:
+        try:
+            out, err = proc.communicate(input, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            stop(proc, grace)
+            try:
+                out, err = proc.communicate(timeout=grace)
+            except (subprocess.TimeoutExpired, ValueError):
+                out = err = None
+            raise subprocess.TimeoutExpired(proc.args, timeout, output=out, stderr=err) from None
+    res = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    if check:
+        res.check_returncode()
+    return res
+
+
+def install_sigterm_handler() -> None:
+    """On SIGTERM: stop every live group and this process's own children (pytest-xdist's workers, which do the same
+    for theirs), then die of SIGTERM as before. Only the main thread can set a handler; elsewhere this does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def on_sigterm(signum: int, frame) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once
+        stop_all(2.0)
+        children = psutil.Process().children()
+        for c in children:
+            try:
+                c.terminate()
+            except psutil.NoSuchProcess:
+                pass
+        for c in _wait_gone(children, 10.0):
+            try:
+                c.kill()
+            except psutil.NoSuchProcess:
+                pass
+        if previous == signal.SIG_IGN:
+            return
+        if callable(previous):
+            signal.signal(signal.SIGTERM, previous)
+            previous(signum, frame)
+        else:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
