@@ -152,7 +152,7 @@ class OutputDir:
 
     Entering takes OUT's lock (unless `acquire()` took it earlier: a run that works long before it writes, like
     distill, holds it from its start and calls `release()` at its end); `records`: the record files that mark
-    this writer's earlier outputs when they are not recycle's own (`recycle.kinds.RECORDS`)."""
+    this writer's earlier outputs when they are not recycle's own (`recycle.preflight.RECORDS`)."""
 
     def __init__(self, out: str | os.PathLike, *, overwrite: bool = False,
                  protect: tuple[str | os.PathLike | None, ...] = (), records: tuple[str, ...] | None = None) -> None:

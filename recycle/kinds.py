@@ -22,14 +22,9 @@ from pathlib import Path
 
 from recycle.errors import RecycleError
 from recycle.formats import DrafterFormat, of_config, of_directory
-from recycle.preflight import load_json
+from recycle.preflight import (CACHE_FORMAT, CACHE_MANIFEST, DRAFTER_RECORD, RECORDS, STITCH_RECORD,  # noqa: F401
+                                load_json, recycle_output)  # (re-exported: the kinds of directory recycle writes)
 
-CACHE_MANIFEST = "manifest.json"
-CACHE_FORMAT = "recycle-hidden-cache/"  # the manifest's "format", before its version
-# The records recycle writes into its outputs, which mark a directory --overwrite may replace: a drafter's
-# provenance (convert, distill), a harvest cache's manifest, a stitched checkpoint's record.
-DRAFTER_RECORD, STITCH_RECORD = "recycle.json", "recycle-stitch.json"
-RECORDS = (DRAFTER_RECORD, CACHE_MANIFEST, STITCH_RECORD)
 LAYER = re.compile(r"(?:^|\.)layers\.\d+\.")
 
 
@@ -42,29 +37,6 @@ def _what(path: Path) -> str:
         if fmt is not None:
             return f"a drafter ({fmt.name})"
     return "a model checkpoint"
-
-
-def recycle_output(path: str | os.PathLike, records: tuple[str, ...] | None = None) -> bool:
-    """Whether --overwrite may replace directory `path`: it is empty, or recycle wrote it (it holds one of `RECORDS`,
-    a cache manifest only with recycle's format; `records`: another writer's record files instead)."""
-    p = Path(path)
-    try:
-        if not any(p.iterdir()):
-            return True
-    except OSError:
-        return False
-    for name in records or RECORDS:
-        if not (p / name).is_file():
-            continue
-        if name != CACHE_MANIFEST or records:
-            return True
-        try:
-            manifest = load_json(p / name, "cache manifest")
-        except RecycleError:
-            continue
-        if str(manifest.get("format", "")).startswith(CACHE_FORMAT):
-            return True
-    return False
 
 
 def target(path: str | os.PathLike, flag: str = "--target") -> dict:

@@ -88,11 +88,42 @@ def data_path(data: str | os.PathLike | None) -> str | None:
     return str(data)
 
 
+CACHE_MANIFEST = "manifest.json"
+CACHE_FORMAT = "recycle-hidden-cache/"  # the manifest's "format", before its version
+# The records recycle writes into its outputs, which mark a directory --overwrite may replace: a drafter's
+# provenance (convert, distill), a harvest cache's manifest, a stitched checkpoint's record.
+DRAFTER_RECORD, STITCH_RECORD = "recycle.json", "recycle-stitch.json"
+RECORDS = (DRAFTER_RECORD, CACHE_MANIFEST, STITCH_RECORD)
+
+
+def recycle_output(path: str | os.PathLike, records: tuple[str, ...] | None = None) -> bool:
+    """Whether --overwrite may replace directory `path`: it is empty, or recycle wrote it (it holds one of `RECORDS`,
+    a cache manifest only with recycle's format; `records`: another writer's record files instead)."""
+    p = Path(path)
+    try:
+        if not any(p.iterdir()):
+            return True
+    except OSError:
+        return False
+    for name in records or RECORDS:
+        if not (p / name).is_file():
+            continue
+        if name != CACHE_MANIFEST or records:
+            return True
+        try:
+            manifest = load_json(p / name, "cache manifest")
+        except RecycleError:
+            continue
+        if str(manifest.get("format", "")).startswith(CACHE_FORMAT):
+            return True
+    return False
+
+
 def output_dir(out: str | os.PathLike, overwrite: bool = False, protect: Iterable[str | os.PathLike | None] = (),
                records: tuple[str, ...] | None = None) -> Path:
     """Where an output may go: not an input (`protect`: every path the command reads) or inside one, not around
     one, never `/`, $HOME, the working directory or an ancestor of them, and not an existing directory unless
-    `overwrite` and it is empty or recycle wrote it (`recycle.kinds.recycle_output`; `records`: the record files
+    `overwrite` and it is empty or recycle wrote it (`recycle_output`; `records`: the record files
     that mark another writer's outputs). Returns the resolved path."""
     o = Path(out).expanduser().resolve()
     for p in protect:
@@ -116,8 +147,6 @@ def output_dir(out: str | os.PathLike, overwrite: bool = False, protect: Iterabl
             raise RecycleError(f"{o}: exists and is not a directory")
         if not overwrite:
             raise RecycleError(f"{o}: already exists (pass --overwrite to replace it)")
-        from recycle.kinds import RECORDS, recycle_output  # kinds imports this module
-
         if not recycle_output(o, records):
             raise RecycleError(f"{o}: not empty and not written by recycle (no {', '.join(records or RECORDS)}): "
                                "--overwrite replaces only recycle's own outputs; remove it yourself or choose "

@@ -23,7 +23,7 @@ import psutil  # a dependency of accelerate, which recycle requires
 
 GRACE_S = 5.0
 _live: dict[int, subprocess.Popen] = {}  # leader pid (= its process group id) -> process, while its test holds it
-_lock = threading.Lock()
+_lock = threading.RLock()  # re-entrant: the SIGTERM handler may run while the main thread holds it
 
 
 def alive(pid: int) -> bool:

@@ -13,10 +13,13 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file, save_file
+from tests import helpers
 from tests.cli_helpers import assert_bad_input, run_cli
 from tests.trained import FIXTURE
 
@@ -236,25 +239,24 @@ def test_the_writer_refuses_a_name_leaving_its_output(tmp_path: Path) -> None:
 # -- one run per output ---------------------------------------------------------------------------------------------
 
 
-def _hold(out: Path) -> subprocess.Popen:
-    """Another process holding OUT's lock (a run in progress), until its stdin closes."""
+@contextmanager
+def _hold(out: Path) -> Iterator[subprocess.Popen]:
+    """Another process holding OUT's lock (a run in progress), until its stdin closes (or the block ends)."""
     code = ("import sys; from pathlib import Path; from recycle.preflight import OutputLock; "
             f"lock = OutputLock(Path({str(out.resolve())!r})).acquire(); print('held', flush=True); sys.stdin.read()")
-    p = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    assert p.stdout.readline().strip() == "held"
-    return p
+    with helpers.popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) as p:
+        assert p.stdout.readline().strip() == "held"
+        yield p
 
 
 def test_a_second_run_into_the_same_output_refuses(drafter: Path, tmp_path: Path) -> None:
     out = tmp_path / "o"
-    holder = _hold(out)
-    try:
+    with _hold(out) as holder:
         for argv in (["distill", str(drafter), "--target", str(FIXTURE), *FAST],
                      ["convert", str(FIXTURE), "--to", "eagle"],
                      ["stitch", str(drafter / "mtp_overlay"), "--target", str(FIXTURE)]):
             assert_bad_input(run_cli(*argv, "-o", str(out), "--overwrite"), f"another recycle run (pid {holder.pid})")
         assert not out.exists() and not (tmp_path / "o.distill").exists()
-    finally:
         holder.stdin.close()
         holder.wait(timeout=30)
     res = run_cli("convert", str(FIXTURE), "--to", "eagle", "-o", str(out))  # the holder is gone: the lock is free
@@ -284,8 +286,8 @@ def test_distill_holds_its_output_from_start_to_finish(drafter: Path, quick: lis
 
 
 def _dead_pid() -> int:
-    p = subprocess.Popen([sys.executable, "-c", "pass"])
-    p.wait()
+    with helpers.popen([sys.executable, "-c", "pass"]) as p:
+        p.wait(timeout=60)
     return p.pid
 
 

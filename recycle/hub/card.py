@@ -165,7 +165,7 @@ def _bench_section(b: dict) -> list[str]:
     sp, ar = o["spec"], o.get("ar") or {}
     hw = b.get("hardware") or b.get("device_name") or b.get("device", "?")
     rep = (o.get("spread") or {}).get("repeats")
-    setup = (f"{hw}, {b.get('dtype', '?')}, {b.get('threads', '?')} thread(s); {len(b.get('prompts') or [])} prompts, "
+    setup = (f"{hw}, {b.get('dtype', '?')}, {b.get('threads', '?')} thread(s); {len(b.get('prompts') or [])} prompt{'s' * (len(b.get('prompts') or []) != 1)}, "
              f"≤{b.get('max_new_tokens', '?')} new tokens, "
              f"{'greedy' if not b.get('temperature') else 'T=' + str(b['temperature'])}; tree `{b.get('tree', '?')}`"
              + (f"; best of {rep['n']} repeats" if rep else ""))
