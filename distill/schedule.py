@@ -106,17 +106,6 @@ def eval_prompt_len(length: int, wanted: int, steps: int = 1) -> int:
     return p if p >= 1 and length - p > steps + 1 else 0
 
 
-def duration(seconds: float) -> str:
-    """A length of time as a person reads it: 40 s, 12 min, 3.5 h, 6.9 days."""
-    if seconds < 90:
-        return f"{seconds:.0f} s"
-    if seconds < 90 * 60:
-        return f"{seconds / 60:.0f} min"
-    if seconds < 48 * 3600:
-        return f"{seconds / 3600:.1f} h"
-    return f"{seconds / 86400:.1f} days"
-
-
 def time_left(budget: int, done: int, tokens_per_s: float) -> float:
     """Seconds the rest of a budget takes at a measured rate (infinite at none)."""
     return max(0, budget - done) / tokens_per_s if tokens_per_s > 0 else math.inf

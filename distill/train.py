@@ -65,13 +65,13 @@ from recycle.distill.data import (
     source_renderer)
 from recycle.distill.freeze import check_groups, freeze, lower_frozen
 from recycle.distill.losses import distill_loss, step_terms
-from recycle.distill.schedule import EVAL_KEY, Schedule, Step, duration, eval_prompt_len, time_left
+from recycle.distill.schedule import EVAL_KEY, Schedule, Step, eval_prompt_len, time_left
 from recycle.distill.teacher import Teacher, TeacherOut, autocast
 from recycle.distill.unroll import Unroller
 from recycle.hardware import peak_rss_bytes
 from recycle.errors import Interrupted, RecycleError
 from recycle.options import DistillOptions, LossConfig
-from recycle.preflight import OutputLock, sweep_dead_writes
+from recycle.preflight import OutputLock, duration, sweep_dead_writes
 from recycle.preflight import parse_tokens  # noqa: F401  (the CLI and benchmarks take it from here too)
 from recycle.texts import plural
 

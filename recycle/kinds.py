@@ -22,8 +22,7 @@ from pathlib import Path
 
 from recycle.errors import RecycleError
 from recycle.formats import DrafterFormat, of_config, of_directory
-from recycle.preflight import (CACHE_FORMAT, CACHE_MANIFEST, DRAFTER_RECORD, RECORDS, STITCH_RECORD,  # noqa: F401
-                                load_json, recycle_output)  # (re-exported: the kinds of directory recycle writes)
+from recycle.preflight import CACHE_MANIFEST, load_json
 
 LAYER = re.compile(r"(?:^|\.)layers\.\d+\.")
 

@@ -323,6 +323,17 @@ def parse_tokens(value: str | int, option: str = "--tokens") -> int:
     return n
 
 
+def duration(seconds: float) -> str:
+    """A length of time as a person reads it: 40 s, 12 min, 3.5 h, 6.9 days."""
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 90 * 60:
+        return f"{seconds / 60:.0f} min"
+    if seconds < 48 * 3600:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 86400:.1f} days"
+
+
 DEFAULT_SHARD_SIZE = "5GB"  # huggingface_hub's and transformers' default: what the Hub and every loader expect
 SMALL_SHARD = 10**6  # under 1 MB a shard holds a tensor or two: the writer says how many files that makes
 

@@ -18,6 +18,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from recycle.errors import Interrupted, RecycleError
+from recycle.preflight import duration
 from recycle.flags import DEPRECATED
 
 try:  # typer ≥ 0.2x carries its own copy of click
@@ -232,17 +233,6 @@ class Reporter:
         return tick
 
 
-def fmt_duration(seconds: float) -> str:
-    """"42 s", "7 min", "3.5 h", "2.1 days"."""
-    if seconds < 100:
-        return f"{seconds:.0f} s"
-    if seconds < 100 * 60:
-        return f"{seconds / 60:.0f} min"
-    if seconds < 48 * 3600:
-        return f"{seconds / 3600:.1f} h"
-    return f"{seconds / 86400:.1f} days"
-
-
 def eta_note(completed: int, total: int | None, first: tuple[int, float], now: float) -> str:
     """The time-left part of a progress line. `first`: (count, time) when this count was first seen. Nothing
     when there is no total or nothing left; "estimating time left" until an item has finished since then (a
@@ -253,7 +243,7 @@ def eta_note(completed: int, total: int | None, first: tuple[int, float], now: f
     done, t0 = first
     if completed <= done or now <= t0:
         return ", estimating time left"
-    return f", about {fmt_duration((now - t0) / (completed - done) * (total - completed))} left"
+    return f", about {duration((now - t0) / (completed - done) * (total - completed))} left"
 
 
 def _stat_row(sts: list[dict]) -> tuple[str, str, str, str, str]:

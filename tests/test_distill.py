@@ -853,7 +853,8 @@ def test_a_diverging_run_stops_at_the_first_non_finite_step(converted: dict[str,
 
 
 def test_time_note_only_for_budgets_that_take_long() -> None:
-    from recycle.distill.schedule import duration, time_left
+    from recycle.distill.schedule import time_left
+    from recycle.preflight import duration
     from recycle.distill.train import ETA_NOTE_S, time_note
 
     assert [duration(s) for s in (40, 12 * 60, 3.5 * 3600, 6.9 * 86400)] == ["40 s", "12 min", "3.5 h", "6.9 days"]

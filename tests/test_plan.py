@@ -293,7 +293,7 @@ def test_eta_waits_for_a_finished_item_then_counts_the_mean():
     from recycle.report import eta_note
 
     assert eta_note(1, 13, (1, 100.0), 100.0) == ", estimating time left"  # the first count seen: no duration yet
-    assert eta_note(3, 13, (1, 100.0), 118.0) == ", about 90 s left"  # 9 s an item since, 10 items left
+    assert eta_note(3, 13, (1, 100.0), 118.0) == ", about 2 min left"  # 9 s an item since, 10 items left: 90 s
     assert eta_note(3, 13, (1, 100.0), 160.0) == ", about 5 min left"
     assert eta_note(2, 4, (0, 0.0), 30.0) == ", about 30 s left"  # counted from 0: the first item's time is known
     assert eta_note(13, 13, (1, 100.0), 500.0) == "" and eta_note(3, None, (0, 0.0), 9.0) == ""
