@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from recycle.chat import MARKERS, SPANS, ChatRenderer, Conversation, RenderError, document
+from recycle.chat import MARKERS, SPANS, ChatRenderer, Conversation
 from recycle.distill.data import PackedStream, heldout_rows, in_process, mask_steps, regenerate_turns
 from recycle.distill.losses import StepOutput, step_terms
 from recycle.errors import RecycleError
 from recycle.prompts import encode_prompts, read_jsonl
-from recycle.texts import ReadLog, data_source
+from recycle.texts import data_source
 from tests.cli_helpers import assert_bad_input, run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
