@@ -41,7 +41,7 @@ from recycle.decoding import (
     generate,
     load_target,
 )
-from recycle.decoding.drafting import load_engine
+from recycle.decoding.drafting import load_engine, shape_tokens
 from recycle.checkpoint import SHORT_DTYPES
 from recycle.errors import RecycleError
 from recycle.formats import BENCH_REPORT
@@ -215,7 +215,7 @@ def open_session(opts: BenchOptions) -> Session:
     with quiet_transformers():
         engine = load_engine(opts.drafter, target, masks, tree=opts.tree, native=opts.native, target_dir=str(tdir))
     positions = _positions(model.config.to_dict())
-    check_positions(encoded, opts.max_new_tokens, draft_tokens(engine), positions, f"the tree {engine.describe()}")
+    check_positions(encoded, opts.max_new_tokens, shape_tokens(engine.shape), positions, f"the tree {engine.describe()}")
     target.set_taps(engine.taps)
     eos = getattr(tokenizer, "eos_token_id", None) if opts.stop_at_eos else None
     return Session(model, target, masks, engine, encoded, eos, positions)
@@ -228,17 +228,6 @@ def _positions(config: dict) -> int | None:
         if isinstance(n, int) and not isinstance(n, bool) and n > 0:
             return n
     return None
-
-
-def draft_tokens(engine: Drafter) -> int:
-    """How many draft tokens one round verifies beyond the committed ones (a chain's K, a tree's nodes)."""
-    shape = getattr(engine, "shape", None)
-    if isinstance(shape, int):
-        return shape
-    if hasattr(shape, "total_tokens"):
-        return int(shape.total_tokens)
-    parents = getattr(shape, "parents", None)
-    return len(parents) - 1 if parents is not None else 0
 
 
 def check_positions(encoded: list[list[int]], max_new: int, extra: int, positions: int | None, what: str = "") -> None:

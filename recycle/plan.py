@@ -32,10 +32,10 @@ from pathlib import Path
 import torch
 
 from recycle import roofline
-from recycle.bench import Session, _summary, check_positions, draft_tokens, open_session, resolve_device
+from recycle.bench import Session, _summary, check_positions, open_session, resolve_device
 from recycle.decoding import Drafter, generate
 from recycle.decoding import cache as kv
-from recycle.decoding.drafting import describe_shape
+from recycle.decoding.drafting import describe_shape, shape_tokens
 from recycle.decoding.tree import Tree, chain_parents
 from recycle.decoding.verify import verify
 from recycle.errors import RecycleError
@@ -273,7 +273,7 @@ def run_plan(opts: PlanOptions, progress: Progress | None = None) -> dict:
         if name not in {n for n, _ in engines}:
             engines.append((name, e))
     engines = list(dict(engines).items())  # chain:1 is also chain:K_max where the drafter drafts one deep
-    widest = max((draft_tokens(e) for _, e in engines), default=0)
+    widest = max((shape_tokens(e.shape) for _, e in engines), default=0)
     check_positions(ses.encoded, bopts.max_new_tokens, max(widest, opts.verify_max), ses.positions,
                     f"plan drafts {widest} in its widest candidate and verifies up to {opts.verify_max}")
     mean_ctx = round(statistics.mean(len(p) for p in ses.encoded) + bopts.max_new_tokens / 2)

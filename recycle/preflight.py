@@ -206,7 +206,9 @@ class OutputLock:
     def held(self) -> bool:
         return self.fd is not None
 
-    def acquire(self) -> OutputLock:
+    def acquire(self, wait: str | None = None) -> OutputLock:
+        """Take the lock; held by another run, refuse in one line, or with `wait` (what the holder is doing) say so
+        and wait for it."""
         if self.fd is not None:
             return self
         missing = [d for d in (self.out.parent, *self.out.parent.parents) if not d.exists()]
@@ -222,12 +224,17 @@ class OutputLock:
                         self.exclusive = False
                         break
                     holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
-                    os.close(fd)
                     if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                        os.close(fd)
                         raise
-                    self._unmake()
-                    raise RecycleError(f"{self.out}: another recycle run{f' (pid {holder})' if holder else ''} is "
-                                       "writing it now; wait for it to finish or choose another -o") from None
+                    if wait is None:
+                        os.close(fd)
+                        self._unmake()
+                        raise RecycleError(f"{self.out}: another recycle run{f' (pid {holder})' if holder else ''} "
+                                           "is writing it now; wait for it to finish or choose another -o") from None
+                    note(f"another recycle run{f' (pid {holder})' if holder else ''} is {wait}; waiting for it to "
+                         "finish")
+                    fcntl.flock(fd, fcntl.LOCK_EX)
                 self.exclusive = True
                 try:  # its last holder may have removed the file between our open and flock: lock the one there now
                     st, own = os.stat(self.path), os.fstat(fd)

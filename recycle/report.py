@@ -19,6 +19,7 @@ from rich.table import Table
 
 from recycle.errors import Interrupted, RecycleError
 from recycle.preflight import duration
+from recycle.texts import plural
 from recycle.flags import DEPRECATED
 
 try:  # typer ≥ 0.2x carries its own copy of click
@@ -432,7 +433,7 @@ def render_bench(data: dict) -> None:
     ar, sp, pr = o["ar"], o["spec"], o["predicted"]
     head = _header(data, data["tree"])
     head.add_row("decoding", f"{'greedy' if data['temperature'] <= 0 else 'sampling T=' + str(data['temperature'])}, "
-                 f"≤{data['max_new_tokens']} new tokens, {len(data['prompts'])} prompt{'s' * (len(data['prompts']) != 1)}, {data['device']} "
+                 f"≤{data['max_new_tokens']} new tokens, {plural(len(data['prompts']), 'prompt')}, {data['device']} "
                  f"{data['dtype']}, {data['threads']} thread(s)")
     out.print(Panel(head, title="recycle bench", expand=False))
     t = table("per prompt")
@@ -511,7 +512,7 @@ def render_plan(data: dict) -> None:
                                               if n <= len(vs)))
     out.print(Panel(head, title="recycle plan", expand=False))
     for name, st in data["sets"].items():
-        t = table(f"{name} ({st['prompts']} prompt{'s' * (st['prompts'] != 1)}): acceptance by depth "
+        t = table(f"{name} ({plural(st['prompts'], 'prompt')}): acceptance by depth "
                   + " ".join(f"{a:.2f}" for a in st["acceptance_by_depth"]))
         for col in ("shape", "τ", "draft", "verify", "AR steps", "predicted", "measured"):
             t.add_column(col, justify="left" if col == "shape" else "right")

@@ -40,6 +40,15 @@ def describe_shape(shape: Shape) -> str:
     return f"dynamic:{shape.depth},{shape.top_k},{shape.total_tokens}"
 
 
+def shape_tokens(shape: Shape) -> int:
+    """How many draft tokens one round verifies beyond the committed one: a chain's K, a tree's nodes."""
+    if isinstance(shape, int):
+        return shape
+    if isinstance(shape, StaticTree):
+        return len(shape.parents) - 1
+    return shape.total_tokens
+
+
 class Drafter:
     """The autoregressive baseline, and the interface every engine implements."""
 

@@ -8,16 +8,14 @@ does not fetch a second one, and the CUDA torchvision/torchaudio/torchcodec it p
 (`PLATFORMS`): vLLM's CUDA build in bf16 where torch sees a GPU, the CPU build in fp32 elsewhere.
 
 The build says so on stderr before pip starts (what, where, the log), and holds an exclusive lock (`flock` on
-`.NAME.lock` beside the venv) while it builds: a second first run waits for the first, says so, and then finds
-the venv built. What pip installs is pinned by version (the package's `==`, torch by recycle's constraints line),
-not by hash: vLLM's dependency tree has no lock file here; a venv built from one can be given as
-`RECYCLE_VLLM_PYTHON`.
-"""
+`.NAME.recycle-lock` beside the venv, the output lock every writer takes) while it builds: a second first run waits
+for the first, says so, and then finds the venv built. What pip installs is pinned by version (the package's `==`,
+torch by recycle's constraints line), not by hash: vLLM's dependency tree has no lock file here; a venv built from
+one can be given as `RECYCLE_VLLM_PYTHON`. """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import re
@@ -28,7 +26,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from recycle.errors import RecycleError
-from recycle.preflight import note
+from recycle.preflight import OutputLock, note
 
 # Per machine: the package, the dtype the target runs in (bf16 on GPUs; fp32 on CPUs, where vLLM's CPU MLA path
 # and bf16 emulation measured wrong or slow) and the share of device memory vLLM takes (on CPUs its KV cache is that
@@ -102,23 +100,13 @@ def vllm_python() -> Path:
 
 @contextlib.contextmanager
 def venv_lock(root: Path, package: str) -> Iterator[None]:
-    """Hold `.NAME.lock` beside the venv (flock, exclusive) while building it; a run that finds it held says whose
-    it is and waits. The kernel drops the lock when its holder dies, however it dies."""
-    root.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(root.parent / f".{root.name}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    """Hold the venv's lock (recycle's one output lock, `.NAME.recycle-lock` beside it) while building it; a run
+    that finds it held says whose it is and waits. The kernel drops the lock when its holder dies, however it dies."""
+    lock = OutputLock(root).acquire(wait=f"installing {package} into {root}")
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
-            note(f"another recycle run{f' (pid {holder})' if holder else ''} is installing {package} into {root}; "
-                 "waiting for it to finish")
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         yield
     finally:
-        os.close(fd)  # releases the lock
+        lock.release()
 
 
 def _build(root: Path, package: str) -> None:

@@ -17,6 +17,7 @@ from recycle.checkpoint import whole_file
 from recycle.families import BY_NAME
 from recycle.formats import get
 from recycle.options import HUB_ID
+from recycle.texts import plural
 from recycle.hub.validate import PROVENANCE, Drafter, distillation_runs
 
 LIBRARY = "recycle"
@@ -165,7 +166,7 @@ def _bench_section(b: dict) -> list[str]:
     sp, ar = o["spec"], o.get("ar") or {}
     hw = b.get("hardware") or b.get("device_name") or b.get("device", "?")
     rep = (o.get("spread") or {}).get("repeats")
-    setup = (f"{hw}, {b.get('dtype', '?')}, {b.get('threads', '?')} thread(s); {len(b.get('prompts') or [])} prompt{'s' * (len(b.get('prompts') or []) != 1)}, "
+    setup = (f"{hw}, {b.get('dtype', '?')}, {b.get('threads', '?')} thread(s); {plural(len(b.get('prompts') or []), 'prompt')}, "
              f"≤{b.get('max_new_tokens', '?')} new tokens, "
              f"{'greedy' if not b.get('temperature') else 'T=' + str(b['temperature'])}; tree `{b.get('tree', '?')}`"
              + (f"; best of {rep['n']} repeats" if rep else ""))
