@@ -11,7 +11,8 @@ The build says so on stderr before pip starts (what, where, the log), and holds 
 `.NAME.recycle-lock` beside the venv, the output lock every writer takes) while it builds: a second first run waits
 for the first, says so, and then finds the venv built. What pip installs is pinned by version (the package's `==`,
 torch by recycle's constraints line), not by hash: vLLM's dependency tree has no lock file here; a venv built from
-one can be given as `RECYCLE_VLLM_PYTHON`. """
+one can be given as `RECYCLE_VLLM_PYTHON`.
+"""
 
 from __future__ import annotations
 
