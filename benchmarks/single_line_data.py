@@ -1,0 +1,14 @@
+"""A one-line text file of a given size for the single-line data benchmark (BENCHMARKS.md, issue 45): transformers' own
+source, newlines turned to spaces, repeated.
+
+    python benchmarks/single_line_data.py OUT BYTES
+"""
+import pathlib, sys, transformers
+root = pathlib.Path(transformers.__file__).parent
+text = " ".join(p.read_text(encoding="utf-8", errors="replace").replace("\n", " ") for p in sorted(root.rglob("*.py"))[:400])
+out = pathlib.Path(sys.argv[1]); target = int(sys.argv[2])
+with out.open("w", encoding="utf-8") as f:
+    n = 0
+    while n < target:
+        f.write(text + " "); n += len(text) + 1
+print(out.stat().st_size)
