@@ -2,7 +2,7 @@
 
     python benchmarks/activation_account.py --drafter EAGLE --target T --batch 16 --seq-len 512 [--device cuda]
 
-Builds a real `Distiller` (the options distill takes), runs one step to warm up (AdamW's moments exist), then one
+Prepares a real run (`recycle.distill.setup.prepare`, the options distill takes), runs one step to warm up (AdamW's moments exist), then one
 measured step with every tensor autograd saves for backward recorded by `recycle.distill.memory.SavedAccount` (the
 plan's own account: each storage once, sorted into params, loss, expert and weight copies, and the layers' blocks;
 attention counted as a fused kernel saves it, so a CPU run stands for a GPU one).
@@ -13,7 +13,6 @@ end of the forward (the loss computed, before backward) and the step's peak. Pri
 
 from __future__ import annotations
 
-import argparse
 import json
 import tempfile
 from dataclasses import replace
@@ -21,9 +20,11 @@ from pathlib import Path
 
 import torch
 
+from _common import parser
+
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__, threads=None)
     ap.add_argument("--drafter", required=True)
     ap.add_argument("--target", required=True)
     ap.add_argument("--batch", type=int, default=16)
@@ -31,11 +32,11 @@ def main() -> None:
     ap.add_argument("--device", default=None)
     ap.add_argument("--precision", default=None)
     ap.add_argument("--micro-batch", type=int, default=None)
-    ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args()
 
     import recycle.distill.train as train
     from recycle.distill.memory import SavedAccount, for_options
+    from recycle.distill.setup import prepare
     from recycle.options import DistillOptions
 
     work = Path(tempfile.mkdtemp(prefix="recycle-act-"))
@@ -43,13 +44,10 @@ def main() -> None:
                           tokens=args.batch * args.seq_len * 3, batch=args.batch, seq_len=args.seq_len,
                           device=args.device, precision=args.precision, micro_batch=args.micro_batch,
                           threads=args.threads, eval_every=1000, checkpoint_every=1000)
-    d = train.Distiller(opts)
-    d._build()
-    d.step, d.tokens, d.wall_before = 0, 0, 0.0
-    d.timing = dict.fromkeys(("data_s", "generate_s", "teacher_s", "drafter_s", "optimizer_s", "log_s"), 0.0)
+    d = prepare(opts)  # the counters at zero, as the loop starts them
     cuda = d.device.type == "cuda"
     steps = list(d.schedule.steps(0))
-    d.train_step(steps[0])  # warm-up: AdamW's moments allocated
+    train.train_step(d, steps[0])  # warm-up: AdamW's moments allocated
     vocab = d.teacher.head.weight.shape[0]
     account = SavedAccount(d.model, vocab)  # distill's own account (attention counted as a fused kernel saves it)
     marks: dict[str, int] = {}
@@ -68,12 +66,12 @@ def main() -> None:
         marks["allocated_before_step"] = torch.cuda.memory_allocated(d.device)
         torch.cuda.reset_peak_memory_stats(d.device)
     with account.active():
-        d.train_step(steps[1])
+        train.train_step(d, steps[1])
     if cuda:
         torch.cuda.synchronize(d.device)
         marks["peak_in_step"] = torch.cuda.max_memory_allocated(d.device)
     train.distill_loss = loss_fn
-    plan = for_options(replace(opts, precision=d.precision), d.world,
+    plan = for_options(replace(opts, precision=d.precision), d.run.ranks.world,
                        device_bytes=torch.cuda.get_device_properties(d.device).total_memory if cuda else None)
     saved = account.totals()
     out = {"device": str(d.device), "precision": d.precision, "batch": args.batch, "seq_len": args.seq_len,

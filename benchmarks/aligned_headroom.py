@@ -20,21 +20,19 @@ end (mean of 10 steps), and `recycle bench` chain:2 and chain:3 τ on 8 held-out
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
-import time
 from dataclasses import replace
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from recycle.bench import BenchOptions, run_bench
+from recycle.converters.api import convert_checkpoint
+from recycle.distill.train import DistillOptions, distill
+from recycle.options import LossConfig
+from recycle.preflight import parse_tokens
+from recycle.prompts import code_prompts
 
-from recycle.converters.api import convert_checkpoint  # noqa: E402
-from recycle.distill.losses import LossConfig  # noqa: E402
-from recycle.distill.train import DistillOptions, distill, parse_tokens  # noqa: E402
-from recycle.bench import BenchOptions, run_bench  # noqa: E402
-from recycle.prompts import code_prompts  # noqa: E402
+from _common import FIXTURE, parser, stamp, write_json
+from experiment import snapshots
 
 VARIANTS = {
     "default": {},
@@ -48,7 +46,7 @@ VARIANTS = {
 def tau(drafter: str, target: str, prompts: list, chain: int, tokens: int) -> dict:
     r = run_bench(BenchOptions(drafter=drafter, target=target, prompts=prompts, max_new_tokens=tokens,
                                tree=f"chain:{chain}", warmup=False))
-    return {"tau": r["overall"]["spec"]["tau"], "acceptance": r["overall"]["spec"]["acceptance"]}
+    return {"tau": r.overall.spec.tau, "acceptance": list(r.overall.spec.acceptance)}
 
 
 def _mean(rows: list[dict], key: str) -> list[float]:
@@ -57,15 +55,10 @@ def _mean(rows: list[dict], key: str) -> list[float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", default=str(ROOT / "fixtures/deepseek_v3_mtp"))
+    ap = parser(__doc__, target=FIXTURE, work="/tmp/recycle-headroom", prompts=8, max_new_tokens=64, threads=None,
+                json=True)
     ap.add_argument("--tokens", default="300k")
     ap.add_argument("--variants", default=",".join(VARIANTS))
-    ap.add_argument("--work", default="/tmp/recycle-headroom")
-    ap.add_argument("--prompts", type=int, default=8)
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--json", default=None)
     a = ap.parse_args()
     budget = parse_tokens(a.tokens)
     work = Path(a.work)
@@ -73,13 +66,13 @@ def main() -> None:
     prompts = [("code", p) for p in code_prompts(a.prompts)]
     base = {c: tau(src, a.target, prompts, c, a.max_new_tokens) for c in (2, 3)}
     print(f"undistilled: chain:2 tau {base[2]['tau']:.3f}, chain:3 tau {base[3]['tau']:.3f}", flush=True)
-    out: dict = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "undistilled": base, "runs": {}}
+    out: dict = {**stamp(), "undistilled": base, "runs": {}}
     for name in a.variants.split(","):
         snap = work / f"{name.replace(' ', '_')}-snapshots"
         opts = replace(DistillOptions(drafter=src, target=a.target, tokens=budget, out=str(work / name.replace(" ", "_")),
-                                      overwrite=True, threads=a.threads, checkpoint_every=10**9, eval_every=16,
-                                      snapshots=(budget,), snapshot_dir=str(snap)), **VARIANTS[name])
-        rec = distill(opts)
+                                      overwrite=True, threads=a.threads, checkpoint_every=10**9, eval_every=16),
+                       **VARIANTS[name])
+        rec = distill(opts, on_step=snapshots((budget,), snap, opts.init))  # the last step's weights, as trained
         rows = [json.loads(line) for line in (Path(rec["state_dir"]) / "metrics.jsonl").read_text().splitlines()]
         last = str(snap / f"tokens_{budget}")
         benches = {c: tau(last, a.target, prompts, c, a.max_new_tokens) for c in (2, 3)}
@@ -97,7 +90,7 @@ def main() -> None:
               f" → {[round(x, 3) for x in run['train_agree_last10']]}; chain:2 tau {benches[2]['tau']:.3f}, chain:3 "
               f"{benches[3]['tau']:.3f} ({rec['tokens_per_s']:.0f} tok/s, {rec['precision']})", flush=True)
         if a.json:
-            Path(a.json).write_text(json.dumps(out, indent=1))
+            write_json(a.json, out)
     print("\n| run | precision | held-out estimate before → best / last | train KL step 1 (first → last 10 steps) "
           "| train agreement step 1 | chain:2 τ | chain:3 τ |")
     print("|---|---|---|---|---|---:|---:|")

@@ -11,23 +11,19 @@ converters/assistant.py folds the last full-attention layer.
 
 from __future__ import annotations
 
-import argparse
 import copy
-import sys
-from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from recycle.checkpoint import Checkpoint
+from recycle.converters import assistant as fold
+from recycle.converters.roles import backbone, gather
+from recycle.decoding.target import load_target
+from recycle.drafters import load_drafter
+from recycle.drafters.eagle3 import build_eagle3
+from recycle.drafters.gemma4 import head, target_states_and_kv, teacher_forced
 
-from recycle.converters import assistant as fold  # noqa: E402
-from recycle.converters.roles import backbone, gather  # noqa: E402
-from recycle.checkpoint import Checkpoint  # noqa: E402
-from recycle.drafters.eagle3 import build_eagle3  # noqa: E402
-from recycle.decoding.target import load_target  # noqa: E402
-from recycle.drafters import load_drafter  # noqa: E402
-from recycle.drafters.gemma4 import head, target_states_and_kv, teacher_forced  # noqa: E402
+from _common import FIXTURES, parser
 
 
 def windows(target: str, count: int, prompt: int, length: int) -> torch.Tensor:
@@ -61,13 +57,11 @@ def only_layer(assistant, i: int):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", default=str(ROOT / "fixtures/gemma4_target"))
-    ap.add_argument("--assistant", default=str(ROOT / "fixtures/gemma4_assistant"))
+    ap = parser(__doc__, target=FIXTURES / "gemma4_target", threads=None)
+    ap.add_argument("--assistant", default=str(FIXTURES / "gemma4_assistant"))
     ap.add_argument("--windows", type=int, default=16)
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--length", type=int, default=256)
-    ap.add_argument("--threads", type=int, default=None)
     a = ap.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)

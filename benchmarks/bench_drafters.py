@@ -15,7 +15,6 @@ unless --no-wait.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import time
@@ -23,23 +22,17 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from recycle.bench import BenchOptions, BenchResult, run_bench
+from recycle.converters.api import convert_checkpoint
+from recycle.prompts import code_prompts
 
-from recycle.converters.api import convert_checkpoint  # noqa: E402
-from recycle.bench import BenchOptions, run_bench  # noqa: E402
-from recycle.prompts import code_prompts  # noqa: E402
-
-FIXTURE = ROOT / "fixtures" / "deepseek_v3_mtp"
+from _common import FIXTURE, parser, write_json
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap = parser(None, threads=2, max_new_tokens=128, json=True)
     ap.add_argument("--no-wait", action="store_true")
     ap.add_argument("--repeats", type=int, default=3, help="time each prompt N times, keep the fastest")
-    ap.add_argument("--json", type=Path, help="also write every report here")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     while not args.no_wait and not (FIXTURE / "README.md").is_file():
@@ -70,35 +63,34 @@ def main() -> None:
             opts = BenchOptions(drafter=drafter, target=str(FIXTURE), prompts=prompts, max_new_tokens=args.max_new_tokens,
                                 tree=tree, native=native, compare_hf=(i == 0), repeats=args.repeats)
             rep = run_bench(opts)
-            rep["label"] = label
-            reports.append(rep)
-            o = rep["overall"]
-            print(f"{label:26s} {rep['tree']:28s} tau {o['spec']['tau']:.2f}  speedup {o['speedup']:.2f}x", file=sys.stderr)
-    native, eagle2 = reports[0]["overall"]["spec"], reports[1]["overall"]["spec"]
-    assert native["accepted"] == eagle2["accepted"] and native["tau"] == eagle2["tau"], (
+            reports.append((label, rep))
+            o = rep.overall
+            print(f"{label:26s} {rep.tree:28s} tau {o.spec.tau:.2f}  speedup {o.speedup:.2f}x", file=sys.stderr)
+    native, eagle2 = reports[0][1].overall.spec, reports[1][1].overall.spec
+    assert native.accepted == eagle2.accepted and native.tau == eagle2.tau, (
         "the --to eagle drafter must reproduce the native MTP chain exactly before distillation")
     if args.json:
-        args.json.write_text(json.dumps(reports, indent=2))
+        write_json(args.json, [rep.to_json() | {"label": label} for label, rep in reports], indent=2)
     print_table(reports, args)
 
 
-def print_table(reports: list[dict], args: argparse.Namespace) -> None:
-    ar = reports[0]["overall"]["ar"]
+def print_table(reports: list[tuple[str, BenchResult]], args: argparse.Namespace) -> None:
+    ar = reports[0][1].overall.ar
     print("| drafter | tree | τ | acceptance by depth | target fwd | draft / verify s | tok/s | speedup | cost model | greedy = AR |")
     print("|---|---|---:|---|---:|---:|---:|---:|---:|---:|")
-    print(f"| none (our AR loop) | - | 1.00 | - | {ar['target_forwards']} | - / {ar['verify_s']:.2f} | "
-          f"{ar['tokens_per_s']:.1f} | 1.00× | - | - |")
-    for r in reports:
-        o, sp = r["overall"], r["overall"]["spec"]
-        acc = " / ".join(f"{a:.2f}" for a in sp["acceptance"])
-        print(f"| {r['label']} | {r['tree'].split(' ', 1)[1]} | {sp['tau']:.2f} | {acc} | {sp['target_forwards']} | "
-              f"{sp['draft_s']:.2f} / {sp['verify_s']:.2f} | {sp['tokens_per_s']:.1f} | {o['speedup']:.2f}× | "
-              f"{o['predicted']['speedup']:.2f}× | {o['greedy_match']} |")
-    for h in reports[0]["hf"] or []:
-        tps = f"{h['tokens_per_s']:.1f}" if h["tokens_per_s"] else "failed"
-        sp = f"{h['speedup_vs_our_ar']:.2f}×" if h["speedup_vs_our_ar"] else "-"
-        print(f"| transformers: {h['method'].removeprefix('hf ')} | - | - | - | - | - | {tps} | {sp} | - | "
-              f"{h['greedy_match'] or h['error']} |")
+    print(f"| none (our AR loop) | - | 1.00 | - | {ar.target_forwards} | - / {ar.verify_s:.2f} | "
+          f"{ar.tokens_per_s:.1f} | 1.00× | - | - |")
+    for label, r in reports:
+        o, sp = r.overall, r.overall.spec
+        acc = " / ".join(f"{a:.2f}" for a in sp.acceptance)
+        print(f"| {label} | {r.tree.split(' ', 1)[1]} | {sp.tau:.2f} | {acc} | {sp.target_forwards} | "
+              f"{sp.draft_s:.2f} / {sp.verify_s:.2f} | {sp.tokens_per_s:.1f} | {o.speedup:.2f}× | "
+              f"{o.predicted.speedup:.2f}× | {o.greedy_match} |")
+    for h in reports[0][1].hf or []:
+        tps = f"{h.tokens_per_s:.1f}" if h.tokens_per_s else "failed"
+        sp = f"{h.speedup_vs_our_ar:.2f}×" if h.speedup_vs_our_ar else "-"
+        print(f"| transformers: {h.method.removeprefix('hf ')} | - | - | - | - | - | {tps} | {sp} | - | "
+              f"{h.greedy_match or h.error} |")
     print(f"\n(per-drafter AR baselines are re-measured in each run; the speedup column divides by that run's AR; "
           f"{len(reports[0]['prompts'])} prompts, {args.max_new_tokens} new tokens, {args.threads} threads, fastest of {args.repeats} per prompt)")
 

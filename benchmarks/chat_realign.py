@@ -23,32 +23,29 @@ compare those only within a variant).
 
 from __future__ import annotations
 
-import argparse
 import json
-import platform
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from recycle.bench import BenchOptions, run_bench
+from recycle.converters.api import convert_checkpoint
+from recycle.distill.train import DistillOptions, distill
+from recycle.preflight import parse_tokens
+from recycle.prompts import read_jsonl
 
-from fixtures.build_chat import conversations, write_jsonl  # noqa: E402
-from recycle.bench import BenchOptions, run_bench  # noqa: E402
-from recycle.converters.api import convert_checkpoint  # noqa: E402
-from recycle.distill.train import DistillOptions, distill, parse_tokens  # noqa: E402
-from recycle.prompts import read_jsonl  # noqa: E402
+from _common import FIXTURES, parser, stamp, write_json
+from fixtures.build_chat import conversations, write_jsonl
 
-TARGET = ROOT / "fixtures" / "deepseek_v3_mtp_chat"
+TARGET = FIXTURES / "deepseek_v3_mtp_chat"
 VARIANTS = ("native", "plain", "chat-text", "chat", "chat-regen")
 
 
 def bench(drafter: str | None, prompts: list, tree: str, tokens: int) -> dict:
     r = run_bench(BenchOptions(drafter=drafter, target=str(TARGET), prompts=prompts, max_new_tokens=tokens, tree=tree,
                                native=drafter is None))
-    o = r["overall"]
-    return {"tau": o["spec"]["tau"], "acceptance": o["spec"]["acceptance"], "speedup": o["speedup"],
-            "greedy_match": o["greedy_match"]}
+    o = r.overall
+    return {"tau": o.spec.tau, "acceptance": list(o.spec.acceptance), "speedup": o.speedup,
+            "greedy_match": o.greedy_match}
 
 
 def rendered_text(convs, path: Path) -> None:
@@ -120,16 +117,11 @@ def summarize(files: list[str], work: Path) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__, work="/tmp/recycle-chat", prompts=16, max_new_tokens=96, threads=None, json=True)
     ap.add_argument("--variants", default=",".join(VARIANTS))
-    ap.add_argument("--work", default="/tmp/recycle-chat")
     ap.add_argument("--tokens", default="256k", help="one budget or several, comma-separated")
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--tree", default="chain:3")
-    ap.add_argument("--prompts", type=int, default=16)
-    ap.add_argument("--max-new-tokens", type=int, default=96)
-    ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--json", default=None)
     ap.add_argument("--reuse", action="store_true", help="reuse WORK/chat_regen.jsonl from an earlier run")
     ap.add_argument("--seed", type=int, default=0,
                     help="distillation seed (the order training reads the data in): repeat a run to see its spread")
@@ -150,8 +142,7 @@ def main() -> None:
     train = conversations("train")
     write_jsonl(work / "chat_train.jsonl", train)
     rendered_text(train, work / "chat_text.jsonl")
-    out: dict = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": platform.processor()
-                 or platform.machine(), "budgets": budgets, "tree": a.tree, "prompts": len(prompts),
+    out: dict = {**stamp(), "budgets": budgets, "tree": a.tree, "prompts": len(prompts),
                  "max_new_tokens": a.max_new_tokens, "seq_len": a.seq_len, "variants": {}}
     if "chat-regen" in variants and not (a.reuse and (work / "chat_regen.jsonl").is_file()):
         out["regenerated"] = regenerated(work / "chat_train.jsonl", work / "chat_regen.jsonl", max(budgets), a.seq_len)
@@ -184,7 +175,7 @@ def main() -> None:
         out["variants"][f"{name}@{budget}" + (f"/seed{a.seed}" if a.seed else "")] = row
         print(name, json.dumps(row), flush=True)
         if a.json:  # after every run, so a long benchmark leaves what it measured
-            Path(a.json).write_text(json.dumps(out, indent=1) + "\n")
+            write_json(a.json, out)
     print("| variant | tokens | τ | α by depth | held-out estimate before → after |")
     for key, row in out["variants"].items():
         b, d = row["bench"], row.get("distill") or {}

@@ -26,7 +26,6 @@ Usage:  python benchmarks/convert_scale.py [--dir /tmp/dsv3_convert] [--experts 
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -39,10 +38,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from recycle.converters.roles import EXACT
+from recycle.io.writer import Lazy, OutputDir
 
-from recycle.converters.roles import EXACT, Lazy  # noqa: E402
-from recycle.converters.writer import OutputDir  # noqa: E402
+from _common import parser
 
 H, V = 7168, 129280  # DeepSeek-V3's hidden size and vocabulary: the defaults
 BLOCK = 128
@@ -256,8 +255,8 @@ def evict(files: list[Path]) -> None:
 
 def mtp_names(ckpt: Path) -> tuple[list[str], int]:
     """The tensors convert reads (every MTP tensor and scale) and their bytes; no handle outlives the call."""
-    from recycle.converters.roles import gather
     from recycle.checkpoint import Checkpoint
+    from recycle.converters.roles import gather
 
     w = gather(Checkpoint(ckpt))
     names = sorted(w.match.mtp_names)
@@ -348,7 +347,7 @@ def measure(bench: Bench, read_label: str) -> list[Run]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__, first_line=True)
     ap.add_argument("--dir", type=Path, default=Path("/tmp/dsv3_convert"))
     ap.add_argument("--experts", type=int, default=16)
     ap.add_argument("--hidden", type=int, default=H, help="hidden size; other widths scale with it (smoke tests)")

@@ -10,20 +10,17 @@ each (note: under the profiler, per-op overhead inflates small ops such as the K
 
 from __future__ import annotations
 
-import argparse
-import sys
 import tempfile
 from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from recycle.bench import BenchOptions, open_session
+from recycle.converters.api import convert_checkpoint
+from recycle.decoding import Drafter, generate
 
-from recycle.converters.api import convert_checkpoint  # noqa: E402
-from recycle.bench import BenchOptions, open_session  # noqa: E402
-from recycle.decoding import Drafter, generate  # noqa: E402
+from _common import FIXTURE, parser
 
 
 def _run(ses, engine, prompts, tokens, repeats):
@@ -38,12 +35,9 @@ def _run(ses, engine, prompts, tokens, repeats):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", default=str(ROOT / "fixtures/deepseek_v3_mtp"))
+    ap = parser(__doc__, target=FIXTURE, prompts=6, repeats=3)
     ap.add_argument("--tree", default="dynamic:3,2,6")
-    ap.add_argument("--prompts", type=int, default=6)
     ap.add_argument("--tokens", type=int, default=96)
-    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--rows", type=int, default=25)
     args = ap.parse_args()

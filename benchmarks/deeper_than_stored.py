@@ -16,20 +16,17 @@ autoregressive decoding with the same loop.
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from recycle.bench import BenchOptions, run_bench
+from recycle.converters.api import convert_checkpoint
+from recycle.distill.train import DistillOptions, distill
+from recycle.preflight import parse_tokens
+from recycle.prompts import code_prompts
 
-from recycle.converters.api import convert_checkpoint  # noqa: E402
-from recycle.distill.train import DistillOptions, distill, parse_tokens  # noqa: E402
-from fixtures.derive import derive  # noqa: E402
-from recycle.bench import BenchOptions, run_bench  # noqa: E402
-from recycle.prompts import code_prompts  # noqa: E402
+from _common import ROOT, parser, stamp, write_json
+from fixtures.derive import derive
 
 CASES = {
     # name: (source checkpoint, distillation data / prompt corpus)
@@ -41,24 +38,18 @@ CASES = {
 def bench(drafter: str | None, target: Path, prompts: list, tree: str, tokens: int, repeats: int) -> dict:
     r = run_bench(BenchOptions(drafter=drafter, target=str(target), prompts=prompts, max_new_tokens=tokens, tree=tree,
                                native=drafter is None, repeats=repeats))
-    o = r["overall"]
-    return {"tree": r["tree"], "tau": o["spec"]["tau"], "acceptance": o["spec"]["acceptance"], "speedup": o["speedup"],
-            "predicted": o["predicted"]["speedup"], "greedy_match": o["greedy_match"],
-            "ar_tokens_per_s": o["ar"]["tokens_per_s"], "spec_tokens_per_s": o["spec"]["tokens_per_s"]}
+    o = r.overall
+    return {"tree": r.tree, "tau": o.spec.tau, "acceptance": list(o.spec.acceptance), "speedup": o.speedup,
+            "predicted": o.predicted.speedup, "greedy_match": o.greedy_match,
+            "ar_tokens_per_s": o.ar.tokens_per_s, "spec_tokens_per_s": o.spec.tokens_per_s}
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__, work="/tmp/recycle-deeper", prompts=8, max_new_tokens=128, repeats=2, threads=None, json=True)
     ap.add_argument("--cases", default="aligned,posttrained")
-    ap.add_argument("--work", default="/tmp/recycle-deeper")
     ap.add_argument("--tokens", default="aligned=512k,posttrained=1M", help="distillation budget per case")
     ap.add_argument("--draft-steps", type=int, default=4)
     ap.add_argument("--chains", default="2,3,4")
-    ap.add_argument("--prompts", type=int, default=8)
-    ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--json", default=None)
     a = ap.parse_args()
     if a.threads:
         import torch
@@ -68,7 +59,7 @@ def main() -> None:
     chains = [int(c) for c in a.chains.split(",")]
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
-    out: dict = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cases": {}}
+    out: dict = {**stamp(), "cases": {}}
     t0 = time.perf_counter()
     for case in a.cases.split(","):
         src, corpus = CASES[case]
@@ -97,7 +88,7 @@ def main() -> None:
             print(f"| {case} | {r['drafter']} | {r['chain']} | {r['tau']:.3f} | "
                   + " / ".join(f"{x:.3f}" for x in r["acceptance"]) + f" | {r['speedup']:.2f}× | {r['greedy_match']} |")
     if a.json:
-        Path(a.json).write_text(json.dumps(out, indent=1))
+        write_json(a.json, out)
 
 
 if __name__ == "__main__":

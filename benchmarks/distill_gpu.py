@@ -28,7 +28,8 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from _common import FIXTURE, POSTTRAINED, parser, write_json
+
 LABELS = ("recycle.teacher", "recycle.drafter", "recycle.optimizer")
 
 
@@ -85,7 +86,7 @@ def run(a: argparse.Namespace) -> None:
         prof = profile(activities=acts, schedule=schedule(wait=a.profile_wait, warmup=2, active=a.profile_steps,
                                                           repeat=1))
         prof.start()
-        progress = lambda row: prof.step()  # noqa: E731 - one profiler step per training step
+        progress = lambda row: prof.step()  # one profiler step per training step
     t0 = time.perf_counter()
     record = distill(opts, progress=progress)
     wall = time.perf_counter() - t0
@@ -108,18 +109,16 @@ def run(a: argparse.Namespace) -> None:
                "kernels": account,
                "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
                "torch": torch.__version__}
-        Path(a.json).write_text(json.dumps(out, indent=1))
+        write_json(a.json, out)
     if dist.is_initialized():
         dist.destroy_process_group()
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__, target=POSTTRAINED, out=None, json=True)
     ap.add_argument("mode", nargs="?", default="all", choices=("all", "run"))
-    ap.add_argument("--source", default=str(ROOT / "fixtures/deepseek_v3_mtp"))
-    ap.add_argument("--target", default=str(ROOT / "fixtures/deepseek_v3_mtp_posttrained"))
+    ap.add_argument("--source", default=str(FIXTURE))
     ap.add_argument("--drafter", default=None, help="run: the EAGLE drafter (all: converted from --source)")
-    ap.add_argument("--out", default=None)
     ap.add_argument("--tokens", default="1M")
     ap.add_argument("--profile-tokens", default="256k")
     ap.add_argument("--batch", type=int, default=16)
@@ -130,7 +129,6 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--profile-wait", type=int, default=5)
     ap.add_argument("--profile-steps", type=int, default=10)
-    ap.add_argument("--json", default=None)
     a = ap.parse_args()
     if a.mode == "run":
         return run(a)
@@ -172,7 +170,7 @@ def main() -> None:
                   + ", ".join(f"{n.split('.')[1]} {k[n]['kernel_share_of_step']:.1%} (range wall "
                               f"{k[n]['wall_ms'] / k['profiled_wall_ms']:.1%})" for n in LABELS), flush=True)
         if a.json:  # after every run: a run cut short by a time limit keeps the ones before it
-            Path(a.json).write_text(json.dumps({"runs": results, "options": vars(a)}, indent=1))
+            write_json(a.json, {"runs": results, "options": vars(a)})
 
 
 if __name__ == "__main__":

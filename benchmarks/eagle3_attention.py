@@ -6,29 +6,22 @@
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from recycle.bench import BenchOptions, run_bench
+from recycle.converters.api import convert_checkpoint
+from recycle.distill.train import DistillOptions, distill
+from recycle.preflight import parse_tokens
+from recycle.prompts import prompt_set
 
-from recycle.converters.api import convert_checkpoint  # noqa: E402
-from recycle.distill.train import DistillOptions, distill, parse_tokens  # noqa: E402
-from recycle.bench import BenchOptions, run_bench  # noqa: E402
-from recycle.prompts import prompt_set  # noqa: E402
+from _common import FIXTURE, parser, write_json
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", default=str(ROOT / "fixtures/deepseek_v3_mtp"))
+    ap = parser(__doc__, target=FIXTURE, work="/tmp/recycle-eagle3-attention", prompts=8, max_new_tokens=64, json=True)
     ap.add_argument("--tokens", default="32k")
-    ap.add_argument("--prompts", type=int, default=8)
-    ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--tree", default="chain:3")
-    ap.add_argument("--work", default="/tmp/recycle-eagle3-attention")
-    ap.add_argument("--json", default=None)
     args = ap.parse_args()
     work, budget = Path(args.work), parse_tokens(args.tokens)
     prompts = prompt_set("stdlib", args.prompts)
@@ -40,16 +33,16 @@ def main() -> None:
                                      overwrite=True, threads=2))["out"]
         for name, d in (("0", src), (args.tokens, out)):
             r = run_bench(BenchOptions(drafter=d, target=args.target, prompts=prompts, max_new_tokens=args.max_new_tokens,
-                                       tree=args.tree, stop_at_eos=False))["overall"]
-            rows[(attention, name)] = {"tau": round(r["spec"]["tau"], 3), "accepted": r["spec"]["accepted"],
-                                       "tried": r["spec"]["tried"], "greedy_match": r["greedy_match"]}
+                                       tree=args.tree, stop_at_eos=False)).overall
+            rows[(attention, name)] = {"tau": round(r.spec.tau, 3), "accepted": list(r.spec.accepted),
+                                       "tried": list(r.spec.tried), "greedy_match": r.greedy_match}
             print(attention, name, json.dumps(rows[(attention, name)]), flush=True)
     print(f"| midlayer | tokens | τ ({args.tree}) | accepted/tried per depth |\n|---|---|---|---|")
     for (attention, name), r in rows.items():
         per = ", ".join(f"{a}/{t}" for a, t in zip(r["accepted"], r["tried"]))
         print(f"| {attention} | {name} | {r['tau']:.3f} | {per} |")
     if args.json:
-        Path(args.json).write_text(json.dumps({f"{a}@{n}": r for (a, n), r in rows.items()}, indent=1))
+        write_json(args.json, {f"{a}@{n}": r for (a, n), r in rows.items()})
 
 
 if __name__ == "__main__":

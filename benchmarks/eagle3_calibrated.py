@@ -6,7 +6,7 @@ Per fixture, on held-out code prompts of a domain the fixtures never saw (`py:tr
   - the MTP module itself, chained (`convert --to eagle`, no training): the prior;
   - the plain fold (`convert --to eagle3`);
   - the calibrated fold (`convert --to eagle3 --calibrate TOKENS`), then distilled on the stdlib text with
-    snapshots at the marks (`recycle.distill.experiment`), against `--init scratch` for a budget many times larger.
+    snapshots at the marks (`benchmarks/experiment.py`), against `--init scratch` for a budget many times larger.
 
     python benchmarks/eagle3_calibrated.py --fixtures glm4_moe_mtp,deepseek_v3_mtp --calibrate 32k \\
         --tokens 1M --marks 0,64k,256k,1M --scratch-tokens 4M --scratch-marks 0,256k,640k,1M,2M,2560k,4M --threads 2
@@ -30,19 +30,17 @@ Writes WORK/<fixture>/experiment.json and WORK/summary.json, the plot, and print
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from recycle.converters.api import convert_checkpoint
+from recycle.distill.calibrate import convert_calibrated
+from recycle.preflight import parse_tokens
+from recycle.prompts import code_prompts
 
-from recycle.converters.api import convert_checkpoint  # noqa: E402
-from recycle.distill.experiment import ExperimentOptions, bench_tau, run_experiment, tokens_to_reach  # noqa: E402
-from recycle.distill.train import parse_tokens  # noqa: E402
-from recycle.prompts import code_prompts  # noqa: E402
+from _common import BENCHMARKS, CONFIGS, FIXTURES, parser, write_json
+from experiment import ExperimentOptions, bench_tau, run_experiment, tokens_to_reach
 
 
 def counts(text: str) -> tuple[int, ...]:
@@ -50,7 +48,7 @@ def counts(text: str) -> tuple[int, ...]:
 
 
 def fixture_run(name: str, a, work: Path) -> dict:
-    target = str(ROOT / "fixtures" / name)
+    target = str(FIXTURES / name)
     prompts = [("code", p) for p in code_prompts(a.prompts, source=a.prompt_source)]
     out: dict = {"fixture": name, "tree": a.tree}
     for fmt, label in (("eagle", "module"), ("eagle3", "fold")):
@@ -82,10 +80,11 @@ def scale(a) -> str:
     midlayer attentions), from the real config on the meta device."""
     import torch
 
-    from recycle.converters.eagle3 import MLA_CONFIG_KEYS, llama_config
+    from recycle.converters.eagle3 import MLA_CONFIG_KEYS
+    from recycle.converters.eagle3_layout import llama_config
     from recycle.drafters.eagle3 import eagle3_module
 
-    cfg = json.loads((ROOT / "benchmarks/configs/deepseek_v3/config.json").read_text())
+    cfg = json.loads((CONFIGS / "deepseek_v3" / "config.json").read_text())
     h, heads = cfg["hidden_size"], cfg["num_attention_heads"]
     qk = cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"]
     tokens, steps = parse_tokens(a.calibrate), 3
@@ -123,9 +122,9 @@ def variants(a) -> str:
     prompts = [("code", p) for p in code_prompts(a.prompts, source=a.prompt_source)]
     for combo in a.combos.split(","):
         name, attention, mlp = combo.split(":")
-        target = ROOT / "fixtures" / name
+        target = FIXTURES / name
         d = Path(a.work) / "variants" / f"{name}-{attention}-{mlp}-{a.calibrate_steps or 'default'}"
-        conv = convert_checkpoint(target, "eagle3", d, overwrite=True, calibrate=parse_tokens(a.calibrate),
+        conv = convert_calibrated(target, "eagle3", d, overwrite=True, calibrate=parse_tokens(a.calibrate),
                                   eagle3_mlp=mlp, eagle3_attention=attention,
                                   **({"calibrate_steps": a.calibrate_steps} if a.calibrate_steps else {}))
         cal = json.loads((d / "recycle.json").read_text())["calibration"]
@@ -242,7 +241,7 @@ def plot(results: list[dict], path: str) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__, work="/tmp/recycle-eagle3-calibrated", prompts=8, max_new_tokens=64, threads=None)
     ap.add_argument("--fixtures", default="glm4_moe_mtp,deepseek_v3_mtp")
     ap.add_argument("--summaries", default=None, help="comma list of WORK/summary.json files: plot and tabulate "
                     "them together, running nothing")
@@ -266,11 +265,7 @@ def main() -> None:
     ap.add_argument("--tree", default="chain:3")
     ap.add_argument("--lr", type=float, default=5e-4, help="distillation learning rate (recycled and scratch)")
     ap.add_argument("--prompt-source", default="py:transformers")
-    ap.add_argument("--prompts", type=int, default=8)
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--work", default="/tmp/recycle-eagle3-calibrated")
-    ap.add_argument("--plot", default=str(ROOT / "benchmarks/eagle3_calibrated.png"))
+    ap.add_argument("--plot", default=str(BENCHMARKS / "eagle3_calibrated.png"))
     a = ap.parse_args()
     if a.threads:
         import torch
@@ -294,7 +289,7 @@ def main() -> None:
     results = []
     for name in a.fixtures.split(","):
         results.append(fixture_run(name, a, Path(a.work) / name))
-        Path(a.work, "summary.json").write_text(json.dumps(results, indent=1))
+        write_json(Path(a.work, "summary.json"), results)
     plot(results, a.plot)
     print(f"\nwall time {time.perf_counter() - t0:.0f} s; plot {a.plot}\n")
     print(markdown(results))

@@ -9,27 +9,19 @@ and prints the table rows; `--json` keeps every count. vLLM comes from the venv 
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from tests.engines.interop import ENGINE, interop  # noqa: E402
-from tests.engines.test_vllm import FIXTURES  # noqa: E402
+from _common import parser, write_json
+from tests.engines.interop import ENGINE, FIXTURES, interop
 
 HEADER = ("| fixture | vLLM method | output | loads | greedy lossless | k=1 accepted/drafted: vLLM vs recycle bench |\n"
           "|---|---|---|---|---|---|")
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__, work="/tmp/recycle-interop", json=True)
     ap.add_argument("--fixtures", default=",".join(FIXTURES), help="comma list of " + ", ".join(FIXTURES))
-    ap.add_argument("--work", default="/tmp/recycle-interop")
-    ap.add_argument("--json", default=None)
     args = ap.parse_args()
     rows, t0 = [], time.time()
     for name in args.fixtures.split(","):
@@ -38,7 +30,7 @@ def main() -> None:
     for r in rows:
         print(r.table_row())
     if args.json:
-        Path(args.json).write_text(json.dumps([r.as_dict() for r in rows], indent=1))
+        write_json(args.json, [r.as_dict() for r in rows])
 
 
 if __name__ == "__main__":

@@ -15,7 +15,8 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from _common import ROOT, parser
+
 RECYCLE = str(Path(sys.executable).with_name("recycle"))
 
 
@@ -26,6 +27,7 @@ def timed(args: list[str]) -> tuple[float, int, str]:
 
 
 def main() -> None:
+    parser(__doc__).parse_args()
     work = Path(tempfile.mkdtemp(prefix="recycle-first-hour-"))
     empty = work / "not-a-drafter"
     empty.mkdir()

@@ -14,21 +14,15 @@ fixture's 60 CPU minutes.
 
 from __future__ import annotations
 
-import argparse
 import math
-import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from fixture_loss_breakdown import CTX, mean_loss
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "fixtures"))
-
-import build_trained  # noqa: E402
-from fixture_loss_breakdown import CTX, mean_loss  # noqa: E402
+from _common import FIXTURE, parser
+from fixtures import build_trained
 
 SEQ, BATCH = CTX, 16
 
@@ -42,7 +36,7 @@ def heldout_loss(model, held: torch.Tensor, windows: int = 64) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__, first_line=True)
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--eval-every", type=int, default=0, help="also report held-out loss every this many steps")
@@ -50,7 +44,7 @@ def main() -> None:
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     torch.set_num_threads(2)
-    tok = AutoTokenizer.from_pretrained(ROOT / "fixtures" / "deepseek_v3_mtp")
+    tok = AutoTokenizer.from_pretrained(FIXTURE)
     train, held = build_trained.token_stream(tok, "train"), build_trained.token_stream(tok, "heldout")
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=4096, hidden_size=256, intermediate_size=688, num_hidden_layers=4,

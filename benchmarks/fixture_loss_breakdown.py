@@ -15,20 +15,15 @@ tell "too few training tokens" from "the held-out files are unlike the training 
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "fixtures"))
+from recycle.corpus import documents
 
-import build_trained  # noqa: E402
-from recycle.corpus import documents  # noqa: E402
+from _common import FIXTURE, parser, write_json
+from fixtures import build_trained
 
 CTX = 256
 
@@ -52,10 +47,9 @@ def mean_loss(model, ids: torch.Tensor, starts: list[int], scored_from: int = 0,
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--fixture", type=Path, default=ROOT / "fixtures" / "deepseek_v3_mtp")
+    ap = parser(__doc__, first_line=True, json=True)
+    ap.add_argument("--fixture", type=Path, default=FIXTURE)
     ap.add_argument("--top", type=int, default=12, help="held-out files to list, largest first")
-    ap.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = ap.parse_args()
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging
@@ -85,7 +79,7 @@ def main() -> None:
     for f in out["files"][: args.top]:
         print(f"{f['path']:44s} {f['tokens']:7d} {f['tokens'] / n_held:6.1%} {f['loss']:6.3f}")
     if args.json:
-        args.json.write_text(json.dumps(out, indent=2) + "\n")
+        write_json(args.json, out, indent=2)
 
 
 if __name__ == "__main__":

@@ -11,19 +11,13 @@ projection + cross-entropy (vocab 4096). Each piece's share is its time × how o
 
 from __future__ import annotations
 
-import argparse
-import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "fixtures"))
-
-import build_trained  # noqa: E402
+from _common import parser
+from fixtures import build_trained
 
 
 def seconds_per_call(fn, *args, calls: int, bf16: bool, after=None) -> float:
@@ -45,7 +39,7 @@ def seconds_per_call(fn, *args, calls: int, bf16: bool, after=None) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__, first_line=True)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--steps", type=int, default=5)

@@ -17,20 +17,20 @@ estimate. At DeepSeek-V3 scale freezing the experts takes the trainable count fr
 from __future__ import annotations
 
 import json
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from quantized_drafters import DOMAIN, chain2, setup
 
-from benchmarks.quantized_drafters import DOMAIN, chain2, setup  # noqa: E402
-from recycle.converters.api import convert_checkpoint  # noqa: E402
-from recycle.distill.train import DistillOptions, distill, parse_tokens  # noqa: E402
+from recycle.converters.api import convert_checkpoint
+from recycle.distill.train import DistillOptions, distill
+from recycle.preflight import parse_tokens
+
+from _common import FIXTURE, GLM_FIXTURE, POSTTRAINED, write_json
 
 CASES = {  # name: (source of the modules, target)
-    "deepseek (post-trained target)": (ROOT / "fixtures/deepseek_v3_mtp", ROOT / "fixtures/deepseek_v3_mtp_posttrained"),
-    "glm-4.5 (new domain)": (ROOT / "fixtures/glm4_moe_mtp", ROOT / "fixtures/glm4_moe_mtp"),
+    "deepseek (post-trained target)": (FIXTURE, POSTTRAINED),
+    "glm-4.5 (new domain)": (GLM_FIXTURE, GLM_FIXTURE),
 }
 
 
@@ -56,7 +56,7 @@ def main() -> None:
     result = {"tokens": tokens, "prompts": a.prompts, "max_new_tokens": a.max_new_tokens, "domain": DOMAIN,
               "rows": rows, "seconds": round(time.perf_counter() - t0)}
     if a.json:
-        Path(a.json).write_text(json.dumps(result, indent=1))
+        write_json(a.json, result)
     print("| case | frozen | tokens | trained params | tokens/s | held-out estimate | α1 | α2 | τ (chain:2) | greedy = AR |")
     print("|---|---|---:|---:|---:|---|---:|---:|---:|---|")
     for r in rows:

@@ -14,31 +14,28 @@ On the Gemma 4 fixtures (`fixtures/build_gemma4.py`):
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from recycle.bench import BenchOptions, BenchResult, run_bench
+from recycle.distill.train import DistillOptions, distill
+from recycle.preflight import parse_tokens
+from recycle.prompts import prompt_set
 
-from recycle.distill.train import DistillOptions, distill  # noqa: E402
-from recycle.bench import BenchOptions, run_bench  # noqa: E402
-from recycle.preflight import parse_tokens  # noqa: E402
-from recycle.prompts import prompt_set  # noqa: E402
+from _common import FIXTURES as FX
+from _common import parser, write_json
 
-FX = ROOT / "fixtures"
 TARGET, ASSISTANT, POST = FX / "gemma4_target", FX / "gemma4_assistant", FX / "gemma4_target_posttrained"
 DOMAIN = "py:transformers"
 
 
-def summary(r: dict) -> dict:
-    o = r["overall"]
-    return {"tree": r["tree"], "tau": round(o["spec"]["tau"], 3), "acceptance": [round(a, 3) for a in o["spec"]["acceptance"]],
-            "speedup": round(o["speedup"], 3), "predicted": round(o["predicted"]["speedup"], 3),
-            "ar_tok_s": round(o["ar"]["tokens_per_s"], 1), "spec_tok_s": round(o["spec"]["tokens_per_s"], 1),
-            "greedy_match": o["greedy_match"]}
+def summary(r: BenchResult) -> dict:
+    o = r.overall
+    return {"tree": r.tree, "tau": round(o.spec.tau, 3), "acceptance": [round(a, 3) for a in o.spec.acceptance],
+            "speedup": round(o.speedup, 3), "predicted": round(o.predicted.speedup, 3),
+            "ar_tok_s": round(o.ar.tokens_per_s, 1), "spec_tok_s": round(o.spec.tokens_per_s, 1),
+            "greedy_match": o.greedy_match}
 
 
 def native(new_tokens: int, repeats: int) -> dict:
@@ -49,7 +46,8 @@ def native(new_tokens: int, repeats: int) -> dict:
                                    compare_hf=hf, repeats=repeats))
         rows[tree or "default"] = summary(r)
         if hf:
-            rows["hf"] = [{k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()} for row in r["hf"]]
+            rows["hf"] = [{k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.to_json().items()}
+                          for row in r.hf]
         print(tree, json.dumps(rows[tree or "default"]), flush=True)
     return rows
 
@@ -79,25 +77,21 @@ def realign(tokens: int, new_tokens: int, out: Path, seq_len: int, batch: int) -
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__, first_line=True, out=Path("/tmp/gemma4-realigned"), repeats=1, json=True)
     ap.add_argument("--tokens", default="256k", help="distillation budget for the re-alignment")
     ap.add_argument("--new-tokens", type=int, default=96)
-    ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--out", type=Path, default=Path("/tmp/gemma4-realigned"))
     ap.add_argument("--skip", choices=("native", "realign"), action="append", default=[])
-    ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args()
     res = {}
     if "native" not in a.skip:
         res["native"] = native(a.new_tokens, a.repeats)
     if "realign" not in a.skip:
         res["realign"] = realign(parse_tokens(a.tokens), a.new_tokens, a.out, a.seq_len, a.batch)
-    text = json.dumps(res, indent=2)
-    print(text)
+    print(json.dumps(res, indent=2))
     if a.json:
-        a.json.write_text(text + "\n")
+        write_json(a.json, res, indent=2)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ at DeepSeek-V3's 256 experts, from the plan's shapes.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import shutil
@@ -18,18 +17,17 @@ import sys
 from pathlib import Path
 
 import torch
+from convert_scale import Dims, H, V, build, dir_bytes, gb, timed
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.convert_scale import H, V, Dims, build, dir_bytes, gb, timed  # noqa: E402
+from _common import parser
 
 SAFETENSORS = """
 import sys, time, torch
 from recycle.checkpoint import Checkpoint
-from recycle.converters.api import ConvertRequest
+from recycle.converters.registry import ConvertRequest
 from recycle.converters.gguf import convert
 from recycle.converters.roles import gather
-from recycle.converters.writer import OutputDir
+from recycle.io.writer import OutputDir
 from recycle.options import ConvertOptions
 ckpt, out = sys.argv[1], sys.argv[2]
 opts = ConvertOptions(source=ckpt, to="gguf", out=out, overwrite=True)
@@ -42,8 +40,8 @@ with OutputDir(out, overwrite=True) as d:
 def side_bytes_at(experts_now: int, experts_at: int, ckpt: Path) -> dict:
     """The side file's tensor bytes (bf16, f32 norms) with `experts_at` routed experts, from the plan's shapes."""
     from recycle.checkpoint import Checkpoint
-    from recycle.converters.api import ConvertRequest
     from recycle.converters.gguf import convert
+    from recycle.converters.registry import ConvertRequest
     from recycle.converters.roles import gather
     from recycle.options import ConvertOptions
 
@@ -64,7 +62,7 @@ def side_bytes_at(experts_now: int, experts_at: int, ckpt: Path) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__, first_line=True)
     ap.add_argument("--dir", type=Path, default=Path("/tmp/dsv3_gguf"))
     ap.add_argument("--experts", type=int, default=16)
     ap.add_argument("--hidden", type=int, default=H)

@@ -12,32 +12,26 @@ same distillation with the target in the process (fp32, the same windows).
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from recycle.distill.harvest import HarvestOptions, harvest, plan
+from recycle.distill.teacher import Teacher
+from recycle.preflight import parse_tokens
 
-from recycle.distill.harvest import HarvestOptions, harvest, plan  # noqa: E402
-from recycle.distill.teacher import Teacher  # noqa: E402
-from recycle.preflight import parse_tokens  # noqa: E402
+from _common import FIXTURE, parser, write_json
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", default=str(ROOT / "fixtures/deepseek_v3_mtp"))
+    ap = parser(__doc__, target=FIXTURE, work="/tmp/recycle-harvest-speed", json=True)
     ap.add_argument("--tokens", default="64k")
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--aux", default="2,5,9", help="aux layer ids (EAGLE-3), or '' for the last state only")
-    ap.add_argument("--work", default="/tmp/recycle-harvest-speed")
-    ap.add_argument("--json", default=None)
     ap.add_argument("--distill", action="store_true", help="also time distill from the cache against in-process")
     ap.add_argument("--online", type=int, default=0, help="with --distill: also distill --online N (vLLM alongside)")
     args = ap.parse_args()
@@ -62,7 +56,7 @@ def main() -> None:
         report["distill"] = distill_speed(args, opts)
     print(json.dumps(report, indent=1))
     if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=1))
+        write_json(args.json, report)
     shutil.rmtree(args.work, ignore_errors=True)
 
 

@@ -15,7 +15,6 @@ Usage:  python benchmarks/inspect_scale.py [--dir /tmp/dsv3_sparse] [--layers 61
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -26,6 +25,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from _common import parser
 
 H, V, E = 7168, 129280, 256
 Q_LORA, KV_LORA, ROPE, NOPE, VDIM, HEADS = 1536, 512, 64, 128, 128, 128
@@ -162,7 +163,7 @@ def measure(ckpt: Path, extra_rows: int = 0) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     ap.add_argument("--dir", type=Path, default=Path("/tmp/recycle_dsv3_sparse"))
     ap.add_argument("--layers", type=int, nargs="+", default=[4, 61])
     ap.add_argument("--extra-rows", type=int, nargs="+", default=[0],

@@ -19,23 +19,18 @@ Needs the managed llama.cpp (`recycle.engines.llama_cpp`: built on first use, 15
 
 from __future__ import annotations
 
-import argparse
 import json
-import platform
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from recycle.converters.api import convert_checkpoint
+from recycle.distill.train import DistillOptions, distill
+from recycle.engines.llama_cpp import convert_trunk
+from recycle.preflight import parse_tokens
+from recycle.prompts import prompt_set
 
-from recycle.converters.api import convert_checkpoint  # noqa: E402
-from recycle.engines.llama_cpp import convert_trunk  # noqa: E402
-from recycle.distill.train import DistillOptions, distill, parse_tokens  # noqa: E402
-from recycle.prompts import prompt_set  # noqa: E402
-from tests.engines.llama_interop import FIXTURES, llama_runs, recycle_run, side_file, trunk_gguf  # noqa: E402
-
-POSTTRAINED = ROOT / "fixtures" / "deepseek_v3_mtp_posttrained"
+from _common import POSTTRAINED, parser, stamp, write_json
+from tests.engines.llama_interop import FIXTURES, llama_runs, recycle_run, side_file, trunk_gguf
 
 
 def ids_of(fixture: Path, prompts) -> list[list[int]]:
@@ -61,23 +56,18 @@ def compare(target: Path, trunk: Path, side: Path, drafter: Path | None, prompts
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--work", default="/tmp/recycle-llama-cpp")
-    ap.add_argument("--prompts", type=int, default=6)
-    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap = parser(__doc__, work="/tmp/recycle-llama-cpp", prompts=6, max_new_tokens=64, json=True)
     ap.add_argument("--depths", default="1,2,3")
     ap.add_argument("--distill-tokens", default="256k")
     ap.add_argument("--fixtures", default=None, help="comma list of the fixtures to compare (default: all)")
     ap.add_argument("--no-stale", action="store_true", help="skip part 2 (the post-trained DeepSeek re-aligned)")
     ap.add_argument("--embedded", action="store_true", help="also draft with llama.cpp's own GGUF holding the module "
                     "(its converter keeps it: not DeepSeek-V3's)")
-    ap.add_argument("--json", default=None)
     a = ap.parse_args()
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
     depths = [int(x) for x in a.depths.split(",")]
-    out: dict = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": platform.processor()
-                 or platform.machine(), "prompts": a.prompts, "max_new_tokens": a.max_new_tokens, "agreement": {},
+    out: dict = {**stamp(), "prompts": a.prompts, "max_new_tokens": a.max_new_tokens, "agreement": {},
                  "write_s": {}}
     code = prompt_set("stdlib", a.prompts)
     chosen = a.fixtures.split(",") if a.fixtures else list(FIXTURES)
@@ -97,7 +87,7 @@ def main() -> None:
                                                     "accepted": ll["accepted"], "lossless": ll["tokens"] == plain}
             print(name, "MTP inside the trunk GGUF, n_max 1", json.dumps(out["embedded"][name]), flush=True)
         if a.json:  # after every phase, so a long run leaves what it measured
-            Path(a.json).write_text(json.dumps(out, indent=1) + "\n")
+            write_json(a.json, out)
     if a.no_stale:
         return _table(out)
     budget = parse_tokens(a.distill_tokens)
@@ -115,7 +105,7 @@ def main() -> None:
                     "realigned": compare(POSTTRAINED, trunk, realigned, Path(rec["out"]), domain, a.max_new_tokens,
                                          depths)}
     if a.json:
-        Path(a.json).write_text(json.dumps(out, indent=1) + "\n")
+        write_json(a.json, out)
     _table(out)
 
 

@@ -8,23 +8,17 @@ steps, bf16.
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from recycle.distill.memory import GIB, plan
 
-from recycle.distill.memory import GIB, plan  # noqa: E402
+from _common import CONFIGS, parser, write_json
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", default=str(ROOT / "benchmarks/configs/deepseek_v3"))
+    ap = parser(__doc__, json=True)
+    ap.add_argument("--config", default=str(CONFIGS / "deepseek_v3"))
     ap.add_argument("--gpu", default="H100")
-    ap.add_argument("--json", default=None)
     a = ap.parse_args()
     rows = []
     t0 = time.perf_counter()
@@ -38,7 +32,7 @@ def main() -> None:
                 rows.append(p.as_dict())
     seconds = time.perf_counter() - t0
     if a.json:
-        Path(a.json).write_text(json.dumps({"rows": rows, "seconds": round(seconds, 1)}, indent=1))
+        write_json(a.json, {"rows": rows, "seconds": round(seconds, 1)})
     parts = list(rows[0]["parts"])
     print(f"{len(rows)} plans in {seconds:.1f} s")
     print("| teacher | frozen | micro-batch | activation checkpointing | ranks | trained params | " + " | ".join(parts) +

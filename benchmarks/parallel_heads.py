@@ -12,46 +12,40 @@ the same Medusa-style static tree (and chain:1, the depth-1 acceptance) on held-
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from recycle.bench import BenchOptions, run_bench
+from recycle.converters.api import convert_checkpoint
+from recycle.decoding.tree import DEFAULT_MEDUSA_CHOICES
+from recycle.distill.calibrate import convert_calibrated
+from recycle.preflight import parse_tokens
+from recycle.prompts import code_prompts
 
-from recycle.converters.api import convert_checkpoint  # noqa: E402
-from recycle.bench import BenchOptions, run_bench  # noqa: E402
-from recycle.decoding.tree import DEFAULT_MEDUSA_CHOICES  # noqa: E402
-from recycle.preflight import parse_tokens  # noqa: E402
-from recycle.prompts import code_prompts  # noqa: E402
+from _common import FIXTURE, FIXTURES, parser, stamp, write_json
 
-SOURCES = {"parallel": ROOT / "fixtures/meta_mtp_parallel", "deepseek": ROOT / "fixtures/deepseek_v3_mtp"}
+SOURCES = {"parallel": FIXTURES / "meta_mtp_parallel", "deepseek": FIXTURE}
 
 
 def measure(drafter: str, target: str, prompts: list, tokens: int, tree: str) -> dict:
     r = run_bench(BenchOptions(drafter=drafter, target=target, prompts=prompts, max_new_tokens=tokens, tree=tree,
                                warmup=False))
-    o = r["overall"]
-    return {"tree": r["tree"], "tau": o["spec"]["tau"], "acceptance": o["spec"]["acceptance"],
-            "greedy_match": o["greedy_match"]}
+    o = r.overall
+    return {"tree": r.tree, "tau": o.spec.tau, "acceptance": list(o.spec.acceptance),
+            "greedy_match": o.greedy_match}
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__, work="/tmp/recycle-parallel", prompts=8, max_new_tokens=64, json=True)
     ap.add_argument("--sources", default="parallel,deepseek")
     ap.add_argument("--calibrate", default="64k")
     ap.add_argument("--heads", type=int, default=3)
-    ap.add_argument("--prompts", type=int, default=8)
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--work", default="/tmp/recycle-parallel")
-    ap.add_argument("--json", default=None)
     a = ap.parse_args()
     work = Path(a.work)
     prompts = [("code", p) for p in code_prompts(a.prompts)]
     static = json.dumps([c for c in DEFAULT_MEDUSA_CHOICES if len(c) <= a.heads])
-    out: dict = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "calibrate_tokens": a.calibrate, "rows": []}
+    out: dict = {**stamp(), "calibrate_tokens": a.calibrate, "rows": []}
     for name in a.sources.split(","):
         src = str(SOURCES[name])
         drafters = {}
@@ -60,7 +54,7 @@ def main() -> None:
         drafters["medusa, identity ResBlocks"] = convert_checkpoint(src, "medusa", work / f"{name}-identity",
                                                                     heads=a.heads, overwrite=True)["out"]
         t0 = time.perf_counter()
-        cal = convert_checkpoint(src, "medusa", work / f"{name}-calibrated", heads=a.heads, overwrite=True,
+        cal = convert_calibrated(src, "medusa", work / f"{name}-calibrated", heads=a.heads, overwrite=True,
                                  calibrate=parse_tokens(a.calibrate, "--calibrate"))
         seconds = time.perf_counter() - t0
         drafters["medusa, calibrated"] = cal["out"]
@@ -79,7 +73,7 @@ def main() -> None:
                       f" greedy {m['greedy_match']}", flush=True)
         out.setdefault("calibration", {})[name] = {"seconds": round(seconds, 1), **fit}
         if a.json:
-            Path(a.json).write_text(json.dumps(out, indent=1))
+            write_json(a.json, out)
     print("\n| source | drafter | tree | τ | acceptance by depth |\n|---|---|---|---:|---|")
     for r in out["rows"]:
         print(f"| {r['source']} | {r['drafter']} | {r['tree']} | {r['tau']:.3f} | "

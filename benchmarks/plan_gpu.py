@@ -17,18 +17,15 @@ Run on a CUDA machine (the lent H100 here); writes one JSON:
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
-import sys
 import time
 import traceback
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from _common import FIXTURE, date, parser, write_json
 
 SLABS = {
     "dense-llama8b-8L": dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=8,
@@ -113,12 +110,12 @@ def slab(name: str, cfg: dict, context: int) -> dict:
 def fixture(prompts: str | None, out: dict, max_new: int = 128, limit: int | None = None, dtype: str = "bf16",
             trees: tuple[str, ...] = ("chain:1", "chain:2", "chain:3", "chain:4", "dynamic:3,2,6"),
             with_plan: bool = True) -> None:
-    from recycle.converters.api import convert_checkpoint
     from recycle.bench import BenchOptions, run_bench
+    from recycle.converters.api import convert_checkpoint
     from recycle.plan import PlanOptions, run_plan
     from recycle.prompts import prompt_set
 
-    target = str(ROOT / "fixtures/deepseek_v3_mtp")
+    target = str(FIXTURE)
     drafter = "/tmp/plan-gpu-eagle"
     convert_checkpoint(target, "eagle", drafter, overwrite=True)
     chosen = prompt_set(prompts, limit) if prompts else None
@@ -126,11 +123,11 @@ def fixture(prompts: str | None, out: dict, max_new: int = 128, limit: int | Non
     for tree in trees:
         rep = run_bench(BenchOptions(drafter=drafter, target=target, prompts=chosen, max_new_tokens=max_new, tree=tree,
                                      device=DEV.type, precision=dtype))
-        o = rep["overall"]
-        rows.append({"tree": tree, "tau": o["spec"]["tau"], "speedup": o["speedup"],
-                     "predicted_cost_model": o["predicted"]["speedup"], "ar_tokens_per_s": o["ar"]["tokens_per_s"],
-                     "spec_tokens_per_s": o["spec"]["tokens_per_s"], "bandwidth": rep["bandwidth"],
-                     "greedy_match": o["greedy_match"]})
+        o = rep.overall
+        rows.append({"tree": tree, "tau": o.spec.tau, "speedup": o.speedup,
+                     "predicted_cost_model": o.predicted.speedup, "ar_tokens_per_s": o.ar.tokens_per_s,
+                     "spec_tokens_per_s": o.spec.tokens_per_s,
+                     "bandwidth": rep.bandwidth.to_json() if rep.bandwidth else None, "greedy_match": o.greedy_match})
         print(json.dumps(rows[-1]), flush=True)
     out[f"fixture_bench_{dtype}"] = rows
     if not with_plan:
@@ -147,12 +144,12 @@ def profile_fixture() -> str:
     from recycle.decoding import Target, load_target
 
     dtype = torch.bfloat16
-    target = Target(load_target(ROOT / "fixtures/deepseek_v3_mtp", device=DEV, dtype=dtype))
+    target = Target(load_target(FIXTURE, device=DEV, dtype=dtype))
     cache = target.new_cache()
     ids = torch.arange(3, 103, device=DEV)[None]
     with torch.inference_mode():
         target.forward(ids, torch.arange(100, device=DEV)[None], None, cache)
-        step = lambda i: target.forward(torch.tensor([[5]], device=DEV), torch.tensor([[100 + i]], device=DEV),  # noqa: E731
+        step = lambda i: target.forward(torch.tensor([[5]], device=DEV), torch.tensor([[100 + i]], device=DEV),
                                         None, cache)
         for i in range(3):
             step(i)
@@ -169,8 +166,7 @@ def profile_fixture() -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=None)
+    ap = parser(__doc__, out=None)
     ap.add_argument("--prompts", default=None)
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--skip", default="", help="comma-separated: fixture, slabs")
@@ -190,12 +186,12 @@ def main() -> None:
     import transformers
 
     out = {"torch": torch.__version__, "transformers": transformers.__version__,
-           "device": torch.cuda.get_device_name(0) if DEV.type == "cuda" else "cpu", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+           "device": torch.cuda.get_device_name(0) if DEV.type == "cuda" else "cpu", "date": date()}
     skip = set(args.skip.split(","))
 
     def save() -> None:  # after every section: a run stopped at its time limit keeps what it measured
         if args.out:
-            Path(args.out).write_text(json.dumps(out, indent=1))
+            write_json(args.out, out)
 
     if "slabs" not in skip:
         out["slabs"] = {}
@@ -203,7 +199,7 @@ def main() -> None:
             try:
                 out["slabs"][name] = slab(name, cfg, args.context)
                 print(name, json.dumps(out["slabs"][name]["verify"]), json.dumps(out["slabs"][name]["draft"]), flush=True)
-            except Exception:  # noqa: BLE001
+            except Exception:
                 out["slabs"][name] = {"error": traceback.format_exc()[-2000:]}
                 print(out["slabs"][name]["error"], flush=True)
             save()
@@ -215,7 +211,7 @@ def main() -> None:
         try:
             fixture(args.prompts, out, args.fixture_tokens, args.fixture_prompts, args.fixture_dtype,
                     tuple(t for t in args.fixture_trees.split(";") if t), not args.no_plan)
-        except Exception:  # noqa: BLE001 - record and go on to the slabs
+        except Exception:  # record and go on to the slabs
             out["fixture_error"] = traceback.format_exc()[-2000:]
             print(out["fixture_error"], flush=True)
         save()

@@ -12,7 +12,6 @@ and the findings that made it refuse; the load average before each run; and whet
 
 from __future__ import annotations
 
-import argparse
 import json
 import multiprocessing as mp
 import os
@@ -22,10 +21,9 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from recycle.converters.api import convert_checkpoint
 
-from recycle.converters.api import convert_checkpoint  # noqa: E402
+from _common import FIXTURE, ROOT, parser, write_json
 
 
 def spin(stop) -> None:
@@ -59,13 +57,9 @@ def plan(drafter: str, target: str, args) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", default=str(ROOT / "fixtures/deepseek_v3_mtp"))
-    ap.add_argument("--max-new-tokens", type=int, default=16)
+    ap = parser(__doc__, target=FIXTURE, max_new_tokens=16, threads=None, json=True)
     ap.add_argument("--max-chain", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--busy", type=int, default=os.cpu_count() or 2, help="busy-loop processes (default: one a core)")
-    ap.add_argument("--json", default=None)
     args = ap.parse_args()
     out = {"cpus": os.cpu_count(), "busy_processes": args.busy, "max_new_tokens": args.max_new_tokens,
            "max_chain": args.max_chain, "threads": args.threads}
@@ -101,7 +95,7 @@ def main() -> None:
     out["passed"] = ok
     print(f"loaded run {'refused or agreed with the idle run' if ok else 'RECOMMENDED SOMETHING ELSE'} on every set")
     if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+        write_json(args.json, out, indent=2)
 
 
 if __name__ == "__main__":

@@ -10,29 +10,22 @@ own wall time (target: under 2 minutes) and the draft/verify decomposition of th
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from recycle.bench import BenchOptions, run_bench
+from recycle.converters.api import convert_checkpoint
+from recycle.plan import PlanOptions, run_plan
+from recycle.prompts import default_prompts
 
-from recycle.converters.api import convert_checkpoint  # noqa: E402
-from recycle.bench import BenchOptions, run_bench  # noqa: E402
-from recycle.plan import PlanOptions, run_plan  # noqa: E402
-from recycle.prompts import default_prompts  # noqa: E402
+from _common import FIXTURE, parser, write_json
 
 SHAPES = ("chain:1", "chain:2", "chain:3", "chain:4", "dynamic:3,2,6")
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", default=str(ROOT / "fixtures/deepseek_v3_mtp"))
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--json", default=None)
+    ap = parser(__doc__, target=FIXTURE, max_new_tokens=64, json=True)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         drafter = str(Path(tmp) / "eagle")
@@ -49,13 +42,13 @@ def main() -> None:
             for shape in SHAPES:
                 rep = run_bench(BenchOptions(drafter=drafter, target=args.target, prompts=chosen, tree=shape,
                                              max_new_tokens=args.max_new_tokens))
-                o = rep["overall"]
+                o = rep.overall
                 c = cands[shape]
-                rows.append({"set": set_name, "shape": shape, "tau_pred": c["tau"], "tau": o["spec"]["tau"],
-                             "predicted": c["predicted"], "measured": o["speedup"],
-                             "error": c["predicted"] / o["speedup"] - 1, "c_draft": c["c_draft"],
-                             "c_verify": c["c_verify"], "efficiency": o["speedup"] / o["spec"]["tau"],
-                             "greedy_match": o["greedy_match"]})
+                rows.append({"set": set_name, "shape": shape, "tau_pred": c["tau"], "tau": o.spec.tau,
+                             "predicted": c["predicted"], "measured": o.speedup,
+                             "error": c["predicted"] / o.speedup - 1, "c_draft": c["c_draft"],
+                             "c_verify": c["c_verify"], "efficiency": o.speedup / o.spec.tau,
+                             "greedy_match": o.greedy_match})
                 r = rows[-1]
                 print(f"{set_name:5s} {shape:14s} τ {r['tau_pred']:.2f}/{r['tau']:.2f}  predicted {r['predicted']:.2f}× "
                       f"measured {r['measured']:.2f}×  error {r['error']:+.1%}  efficiency {r['efficiency']:.2f}  "
@@ -65,7 +58,7 @@ def main() -> None:
     print(f"plan: {plan_s:.0f} s; worst |error| {worst:.1%}; recommended: "
           + ", ".join(f"{k}: {v['recommended']['shape']}" for k, v in plan["sets"].items()))
     if args.json:
-        Path(args.json).write_text(json.dumps({"plan_seconds": plan_s, "rows": rows, "plan": plan}, indent=1))
+        write_json(args.json, {"plan_seconds": plan_s, "rows": rows, "plan": plan})
 
 
 if __name__ == "__main__":

@@ -18,21 +18,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from recycle.bench import BenchOptions, run_bench, set_threads
+from recycle.converters.api import convert_checkpoint
+from recycle.converters.overlay import stitch as stitch_overlay
+from recycle.distill.train import DistillOptions, distill
+from recycle.preflight import parse_tokens
+from recycle.prompts import code_prompts
 
-from fixtures.fp8 import make_fp8  # noqa: E402
-from fixtures.rtn import make_rtn4  # noqa: E402
-from recycle.bench import BenchOptions, run_bench, set_threads  # noqa: E402
-from recycle.converters.api import convert_checkpoint, stitch_overlay  # noqa: E402
-from recycle.distill.train import DistillOptions, distill, parse_tokens  # noqa: E402
-from recycle.prompts import code_prompts  # noqa: E402
+from _common import FIXTURE, POSTTRAINED, parser, write_json
+from fixtures.fp8 import make_fp8
+from fixtures.rtn import make_rtn4
 
-BASE, POST = ROOT / "fixtures/deepseek_v3_mtp", ROOT / "fixtures/deepseek_v3_mtp_posttrained"
+BASE, POST = FIXTURE, POSTTRAINED
 DOMAIN = "py:transformers"
 
 
@@ -40,21 +40,16 @@ def chain2(target: Path, prompts: list, tokens: int, drafter: Path | None = None
     """`recycle bench --tree chain:2` (greedy) of a drafter, or of the target's own MTP modules: τ, α, losslessness."""
     r = run_bench(BenchOptions(drafter=str(drafter) if drafter else None, native=drafter is None, target=str(target),
                                prompts=prompts, max_new_tokens=tokens, tree="chain:2"))
-    o = r["overall"]
-    return {"tau": round(o["spec"]["tau"], 3), "acceptance": [round(a, 3) for a in o["spec"]["acceptance"]],
-            "greedy_match": o["greedy_match"]}
+    o = r.overall
+    return {"tau": round(o.spec.tau, 3), "acceptance": [round(a, 3) for a in o.spec.acceptance],
+            "greedy_match": o.greedy_match}
 
 
 def setup(doc: str, work: str) -> tuple[argparse.Namespace, Path, list]:
     """The options these re-alignment benchmarks share (work dir, budget, prompts, threads, JSON), the work dir made,
     and the held-out `py:transformers` code prompts every row is measured on."""
-    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--work", default=work)
+    ap = parser(doc, work=work, prompts=8, max_new_tokens=64, threads=None, json=True)
     ap.add_argument("--tokens", default="256k")
-    ap.add_argument("--prompts", type=int, default=8)
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--json", default=None)
     a = ap.parse_args()
     set_threads(a.threads)
     Path(a.work).mkdir(parents=True, exist_ok=True)
@@ -96,7 +91,7 @@ def main() -> None:
     result = {"tokens": tokens, "prompts": a.prompts, "max_new_tokens": a.max_new_tokens, "domain": DOMAIN,
               "rows": rows, "seconds": round(time.perf_counter() - t0)}
     if a.json:
-        Path(a.json).write_text(json.dumps(result, indent=1))
+        write_json(a.json, result)
     print("| target | drafter | taught by | MTP weights | α1 | α2 | τ (chain:2) | greedy = AR |")
     print("|---|---|---|---|---:|---:|---:|---|")
     for r in rows:

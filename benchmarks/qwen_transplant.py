@@ -16,13 +16,11 @@ checked equal to plain decoding in every run.
 
 from __future__ import annotations
 
-import argparse
-import json
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from _common import FIXTURES, parser, write_json
 
 
 def bench(target: Path, prompts, n_new: int, chain: int) -> dict:
@@ -30,23 +28,19 @@ def bench(target: Path, prompts, n_new: int, chain: int) -> dict:
 
     r = run_bench(BenchOptions(drafter=None, native=True, target=str(target), prompts=prompts,
                                max_new_tokens=n_new, tree=f"chain:{chain}", stop_at_eos=False))
-    spec = r["overall"]["spec"]
-    return {"tau": round(spec["tau"], 3), "acceptance": [round(a, 3) for a in spec["acceptance"]],
-            "accepted": spec["accepted"], "tried": spec["tried"], "rollbacks": spec["rollbacks"],
-            "steps": spec["steps"], "greedy_equal": r["overall"]["greedy_match"], "speedup": r["overall"]["speedup"]}
+    spec = r.overall.spec
+    return {"tau": round(spec.tau, 3), "acceptance": [round(a, 3) for a in spec.acceptance],
+            "accepted": list(spec.accepted), "tried": list(spec.tried), "rollbacks": spec.rollbacks,
+            "steps": spec.steps, "greedy_equal": r.overall.greedy_match, "speedup": r.overall.speedup}
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--base", default=str(ROOT / "fixtures/qwen3_5_mtp"))
-    ap.add_argument("--target", default=str(ROOT / "fixtures/qwen3_5_mtp_posttrained"))
+    ap = parser(__doc__, target=FIXTURES / "qwen3_5_mtp_posttrained", work=None, max_new_tokens=64, json=True)
+    ap.add_argument("--base", default=str(FIXTURES / "qwen3_5_mtp"))
     ap.add_argument("--tokens", default="256k")
     ap.add_argument("--data", default="py:transformers")
     ap.add_argument("--n", type=int, default=8)
-    ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--chains", default="1,3")
-    ap.add_argument("--work", default=None)
-    ap.add_argument("--json", default=None)
     a = ap.parse_args()
     from recycle.converters.api import convert_checkpoint
     from recycle.converters.overlay import stitch
@@ -83,7 +77,7 @@ def main() -> None:
           f"{out['transplant_s']:.0f} s; held-out estimate {out['distill']['heldout_estimate']}", flush=True)
     measure("re-aligned (post-trained target, stitched module)", stitched)
     if a.json:
-        Path(a.json).write_text(json.dumps(out, indent=1))
+        write_json(a.json, out)
 
 
 if __name__ == "__main__":

@@ -21,17 +21,14 @@ that BENCHMARKS.md holds.
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from recycle.preflight import parse_tokens
 
-from recycle.distill.experiment import FORMATS, ExperimentOptions, plot, run_experiment  # noqa: E402
-from recycle.distill.train import parse_tokens  # noqa: E402
+from _common import BENCHMARKS, FIXTURE, POSTTRAINED, parser
+from experiment import FORMATS, ExperimentOptions, plot, run_experiment
 
 
 def markdown(result: dict) -> str:
@@ -75,7 +72,7 @@ def markdown(result: dict) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__, work=None, prompts=8, max_new_tokens=64, threads=None)
     ap.add_argument("--stale", action="store_true", help="the post-trained fixture's setting (defaults below "
                     "change to it: target, source, reference, data, prompts, budgets, plot)")
     ap.add_argument("--target", default=None)
@@ -86,27 +83,23 @@ def main() -> None:
     ap.add_argument("--scratch-tokens", default=None)
     ap.add_argument("--scratch-marks", default=None)
     ap.add_argument("--calibrate", default=None, help="--to medusa: calibrate the recycled heads on this many tokens")
-    ap.add_argument("--work", default=None)
     ap.add_argument("--tokens", default=None)
     ap.add_argument("--marks", default=None)
     ap.add_argument("--formats", default=",".join(FORMATS))
-    ap.add_argument("--prompts", type=int, default=8)
-    ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--lr", type=float, default=5e-4)
-    ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--plot", default=None)
     ap.add_argument("--title", default=None, help="the plot's title")
     a = ap.parse_args()
-    base, posttrained = str(ROOT / "fixtures/deepseek_v3_mtp"), str(ROOT / "fixtures/deepseek_v3_mtp_posttrained")
+    base, posttrained = str(FIXTURE), str(POSTTRAINED)
     defaults = dict(target=base, work="/tmp/recycle-experiment", tokens="512k", marks="0,64k,128k,256k,512k",
-                    prompt_source="stdlib", plot=str(ROOT / "benchmarks/recycling_experiment.png"))
+                    prompt_source="stdlib", plot=str(BENCHMARKS / "recycling_experiment.png"))
     if a.stale:
         defaults.update(target=posttrained, source=base, reference=base, data="py:transformers",
                         prompt_source="py:transformers", work="/tmp/recycle-stale", tokens="1M",
                         marks="0,64k,128k,256k,512k,1M", scratch_tokens="8M", scratch_marks="0,256k,1M,2M,4M,8M",
-                        plot=str(ROOT / "benchmarks/recycling_stale.png"))
+                        plot=str(BENCHMARKS / "recycling_stale.png"))
     for k, v in defaults.items():
         if getattr(a, k, None) is None:
             setattr(a, k, v)

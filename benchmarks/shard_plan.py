@@ -10,43 +10,39 @@ writing) for each size asked, and prints the shards per layout with their planne
 
 from __future__ import annotations
 
-import argparse
-import json
 import shutil
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from inspect_scale import build
 
-from inspect_scale import build  # noqa: E402
+from recycle.checkpoint import SHORT_DTYPES, Checkpoint
+from recycle.converters import CONVERTERS
+from recycle.converters.registry import ConvertRequest
+from recycle.converters.roles import gather
+from recycle.io.weights import whole_file
+from recycle.io.writer import nbytes, split_plan
+from recycle.options import ConvertOptions
+from recycle.preflight import parse_size
 
-from recycle.checkpoint import SHORT_DTYPES, Checkpoint, whole_file  # noqa: E402
-from recycle.converters.api import ConvertRequest  # noqa: E402
-from recycle.converters.roles import gather, nbytes  # noqa: E402
-from recycle.converters.writer import split_plan  # noqa: E402
-from recycle.formats import get  # noqa: E402
-from recycle.options import ConvertOptions  # noqa: E402
-from recycle.preflight import parse_size  # noqa: E402
+from _common import parser, write_json
 
 
 def plan_files(ckpt: Path, size: str, dtype: str = "bf16") -> dict[str, int]:
     """rel path → planned bytes of every safetensors file convert --to eagle would write at this size."""
-    fmt = get("eagle")
     opts = ConvertOptions(source=str(ckpt), to="eagle", out=str(ckpt.parent / "unused"), dtype=dtype)
     w = gather(Checkpoint(ckpt))
-    plan = fmt.resolve("converter")(w, ConvertRequest(opts, "bfloat16", None, None))
+    plan = CONVERTERS.get("eagle")(w, ConvertRequest(opts, "bfloat16", None, None))
     files, _ = split_plan(plan.tensors, SHORT_DTYPES[dtype], parse_size(size), plan.jsons)
     return {rel: sum(nbytes(lz.shape, lz.dtype or SHORT_DTYPES[dtype]) for lz in ts.values())
             for rel, ts in sorted(files.items())}
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__, json=True)
     ap.add_argument("--dir", type=Path, default=Path("/tmp/recycle_shard_plan"))
     ap.add_argument("--layers", type=int, default=4, help="trunk layers of the sparse layout (the MTP layer follows)")
     ap.add_argument("--sizes", default="5GB,none")
-    ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     shutil.rmtree(args.dir, ignore_errors=True)
     built = build(args.dir / "ckpt", args.layers)
@@ -63,7 +59,7 @@ def main() -> None:
         for whole, sizes in groups.items():
             print(f"  {whole}: {len(sizes)} file(s), {sum(sizes) / 1e9:.2f} GB, largest {max(sizes) / 1e9:.2f} GB")
     if args.json:
-        args.json.write_text(json.dumps(out, indent=2))
+        write_json(args.json, out, indent=2)
     shutil.rmtree(args.dir, ignore_errors=True)
 
 

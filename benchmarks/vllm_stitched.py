@@ -17,35 +17,29 @@ vLLM runs in its own virtual environment (it pins an older transformers) through
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from _common import POSTTRAINED, parser, write_json
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__, work="/tmp/recycle-vllm", max_new_tokens=64, json=True)
     ap.add_argument("--drafter", help="a distilled --to eagle drafter directory (its mtp_overlay/ is stitched)")
-    ap.add_argument("--target", default=str(ROOT / "fixtures/deepseek_v3_mtp_posttrained"),
+    ap.add_argument("--target", default=str(POSTTRAINED),
                     help="its MTP tensors are dropped first (fixtures/derive.py --modules 0), then stitched")
     ap.add_argument("--vllm-python", default="/tmp/vllm-venv/bin/python")
     ap.add_argument("--prompts", default="py:transformers")
     ap.add_argument("--n", type=int, default=8)
-    ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--ks", default="2", help="vLLM num_speculative_tokens to run (a multiple of the modules)")
-    ap.add_argument("--work", default="/tmp/recycle-vllm")
-    ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
-    sys.path.insert(0, str(ROOT))
     from transformers import AutoTokenizer
 
-    from recycle.converters.api import stitch_overlay
-    from fixtures.derive import derive
     from recycle.bench import BenchOptions, run_bench
+    from recycle.converters.overlay import stitch as stitch_overlay
     from recycle.prompts import prompt_set
+
+    from fixtures.derive import derive
 
     work = Path(args.work)
     dropped = derive(args.target, work / "dropped", 0, overwrite=True)["out"]
@@ -58,8 +52,8 @@ def main() -> None:
     for k in ks:
         r = run_bench(BenchOptions(drafter=None, native=True, target=stitched, prompts=prompts,
                                    max_new_tokens=args.max_new_tokens, tree=f"chain:{k}", stop_at_eos=False))
-        ours[k] = {"accepted": r["overall"]["spec"]["accepted"], "tried": r["overall"]["spec"]["tried"],
-                   "tokens": [p["spec"]["new_tokens"] for p in r["prompts"]], "greedy_match": r["overall"]["greedy_match"]}
+        ours[k] = {"accepted": list(r.overall.spec.accepted), "tried": list(r.overall.spec.tried),
+                   "tokens": [p.spec.new_tokens for p in r.prompts], "greedy_match": r.overall.greedy_match}
     from recycle.engines.vllm_env import run_job
 
     runs = [{"name": "0"}] + [{"name": str(k), "speculative_config": {"method": "mtp", "num_speculative_tokens": k}}
@@ -87,7 +81,7 @@ def main() -> None:
               f"plain: {report['vllm'][k]['greedy_equal_to_vllm_plain']}; vLLM plain = recycle AR: "
               f"{report['vllm'][k]['vllm_plain_equal_to_recycle_ar']}", flush=True)
     if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=1))
+        write_json(args.json, report)
 
 
 if __name__ == "__main__":

@@ -1,41 +1,32 @@
-"""`convert`: reader → role weights → the format record's converter → the atomic writer → recycle.json.
+"""`convert`: reader → role weights → the format's converter (`CONVERTERS`) → the atomic writer → recycle.json.
 
-The CLI and the benchmarks call this; the converters themselves stay pure (weights in, plan out); a format
-that calibrates (Medusa) runs the target through its record's `calibrate` step before anything is written.
+The CLI and the benchmarks call this; the converters themselves stay pure (weights in, plan out). `--calibrate`
+(a format that fits what it could not copy: Medusa, EAGLE-3) is a short distillation, which lives above the
+converters: the caller passes it in as a `Calibrator` (`recycle convert` and
+`recycle.distill.calibrate.convert_calibrated` pass distill's), run between the converter and the writer.
 """
 
 from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from datetime import UTC, datetime
 from pathlib import Path
-from datetime import datetime, timezone
-
-import torch
+from typing import Protocol
 
 from recycle import __version__
 from recycle.checkpoint import SHORT_DTYPES, ST_NAMES, TORCH_NAMES, Checkpoint
 from recycle.converters.gguf import DTYPES as GGUF_DTYPES
-from recycle.converters.overlay import stitch as stitch_overlay
-from recycle.converters.reexport import source_view  # noqa: F401  (the scripts' name for it)
-from recycle.converters.roles import APPROX, EXACT, FRESH, Backbone, Plan, RoleWeights, backbone, gather
-from recycle.converters.writer import OutputDir, Progress, split_plan
-from recycle.formats import DrafterFormat, get
+from recycle.converters.reexport import source_view
+from recycle.converters.registry import CONVERTERS, ConvertRequest
+from recycle.converters.roles import APPROX, EXACT, FRESH, Plan, RoleWeights, backbone, gather
 from recycle.errors import RecycleError
 from recycle.fit import check_fit
+from recycle.formats import DrafterFormat, get
+from recycle.io.writer import OutputDir, Progress, split_plan
 from recycle.options import ConvertOptions
 from recycle.preflight import checkpoint_dir
-
-
-@dataclass
-class ConvertRequest:
-    """What a format's converter is given beside the role weights."""
-
-    options: ConvertOptions
-    dtype_name: str  # the output's torch dtype name (config.json's torch_dtype)
-    draft_ids: torch.Tensor | None = None  # EAGLE-3's reduced draft vocabulary (ascending target ids)
-    backbone: Backbone | None = None  # the target of a drafter-kind source (a Gemma 4 assistant)
 
 
 def mapping_rows(plan: Plan, dtype: str) -> list[dict]:
@@ -58,7 +49,7 @@ def provenance(w: RoleWeights, fmt: DrafterFormat, dtype_name: str, options: dic
     m = w.match
     return {
         "recycle_version": __version__,
-        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "created": datetime.now(UTC).isoformat(timespec="seconds"),
         "source": {
             "path": str(w.ckpt.path.resolve()),
             "family": w.family.name,
@@ -79,22 +70,35 @@ def provenance(w: RoleWeights, fmt: DrafterFormat, dtype_name: str, options: dic
     }
 
 
-def convert(opts: ConvertOptions, progress: Progress | None = None) -> dict:
+class Calibrator(Protocol):
+    """`--calibrate`'s step between the converter and the writer: replaces the plan's approximated tensors by ones
+    fitted to the source on the target's own features (in place) and returns recycle.json's "calibration" record.
+    `progress(done, total, label)`. Distill's is `recycle.distill.calibrate.calibrate`."""
+
+    def __call__(self, fmt: DrafterFormat, plan: Plan, w: RoleWeights, opts: ConvertOptions,
+                 progress: Callable[[int, int, str], None] | None = None) -> dict: ...
+
+
+def convert(opts: ConvertOptions, progress: Progress | None = None, calibrator: Calibrator | None = None) -> dict:
     """Convert the MTP modules of `opts.source` into a drafter directory `opts.out` in the format `opts.to` names;
-    returns a summary dict. The format's record supplies the converter (and the calibration, where it has one)."""
+    returns a summary dict. The format's converter writes the plan; `calibrator` runs `opts.calibrate`."""
     started = time.perf_counter()
     opts.validate()
+    if opts.calibrate is not None and calibrator is None:  # a caller's slip, before anything is read
+        raise ValueError("convert: calibrate=TOKENS needs a calibrator (recycle.distill.calibrate.calibrate), "
+                         "or convert through recycle.distill.calibrate.convert_calibrated")
     with source_view(opts.source) as source:  # an EAGLE drafter: its mtp_overlay/, re-exported
-        return _convert(opts, Checkpoint(source), progress, started)
+        return _convert(opts, Checkpoint(source), progress, started, calibrator)
 
 
-def _convert(opts: ConvertOptions, ckpt: Checkpoint, progress: Progress | None, started: float) -> dict:
+def _convert(opts: ConvertOptions, ckpt: Checkpoint, progress: Progress | None, started: float,
+             calibrator: Calibrator | None) -> dict:
     fmt = get(opts.to)
     writer = OutputDir(opts.out, overwrite=opts.overwrite, protect=opts.inputs())  # refuses a bad OUT before reading
     if opts.target is not None and fmt.target_file is None:  # a file target (a trunk GGUF): its converter checks it
         check_fit(ckpt.config, checkpoint_dir(opts.target), ckpt.path, opts.target, f"--target {opts.target}")
     w = gather(ckpt)
-    bb = backbone(opts.target) if w.family.kind == "drafter" and opts.target is not None else None
+    bb = backbone(opts.target) if w.family.reads_target and opts.target is not None else None
     draft_ids = None
     if opts.draft_vocab is not None:
         from recycle.converters.vocab import draft_vocab as top_tokens
@@ -103,10 +107,10 @@ def _convert(opts: ConvertOptions, ckpt: Checkpoint, progress: Progress | None, 
         draft_ids = top_tokens(bb.path if bb is not None else ckpt.path, opts.draft_vocab, w.vocab_size,
                                opts.vocab_corpus)
     dtype_name = TORCH_NAMES.get(opts.dtype, opts.dtype)  # torch's name; a GGUF-only type (q8_0) as it is
-    plan = fmt.resolve("converter")(w, ConvertRequest(opts, dtype_name, draft_ids, bb))
+    plan = CONVERTERS.get(fmt.name, fmt.title)(w, ConvertRequest(opts, dtype_name, draft_ids, bb))
     if not plan.tensors:
         raise RecycleError(f"--layouts {opts.layouts}: nothing to write ({'; '.join(plan.notes)})")
-    calibration = fmt.resolve("calibrate")(plan, w, opts, progress) if opts.calibrate is not None else None
+    calibration = calibrator(fmt, plan, w, opts, progress) if opts.calibrate is not None else None
     if opts.eagle3_names is not None:  # the names the chosen readers expect (the record's spellings)
         plan.tensors = {rel: fmt.disk_names(ts, fmt.spellings[opts.eagle3_names]) for rel, ts in plan.tensors.items()}
     # files over --max-shard-size become shards with an index (recycle.json's mapping names the shards)
@@ -157,6 +161,7 @@ def _labelled(progress: Progress | None, label: str) -> Progress | None:
 
 
 def convert_checkpoint(source: str | os.PathLike, to: str, out: str | os.PathLike, *, progress: Progress | None = None,
-                       **options) -> dict:
+                       calibrator: Calibrator | None = None, **options) -> dict:
     """`convert` with the options as keywords (ConvertOptions' names): the scripts' and tests' shorthand."""
-    return convert(ConvertOptions(source=str(source), to=to, out=str(out), **options), progress=progress)
+    return convert(ConvertOptions(source=str(source), to=to, out=str(out), **options), progress=progress,
+                   calibrator=calibrator)

@@ -53,10 +53,11 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
-from recycle.converters.eagle3 import DEFAULT_SPEC_TOKENS, WEIGHTS, draft_head, llama_config
-from recycle.converters.roles import APPROX, Backbone, Lazy, Plan, RoleWeights
-from recycle.formats.eagle3 import fold_aux_layers
+from recycle.converters.eagle3_layout import DEFAULT_SPEC_TOKENS, WEIGHTS, draft_head, llama_config
+from recycle.converters.roles import APPROX, Backbone, Plan, RoleWeights
 from recycle.errors import RecycleError
+from recycle.formats.eagle3 import fold_aux_layers
+from recycle.io.writer import Lazy
 
 GELU_SILU = 1.702  # gelu(x) ≈ x·sigmoid(1.702x) = silu(1.702x)/1.702
 SELF_SCORE = 24.0  # mean attention logit of an embedding head on its own position: weight ≈ 1 over hundreds
@@ -122,7 +123,7 @@ def _sources(w: RoleWeights, bb: Backbone, i: int, kv_layer: int) -> Sources:
 def fold(src: Sources, *, a: int, big: int, heads: int, kv_heads: int, head_dim: int, extra: int) -> tuple[dict, list[str]]:
     """The midlayer's tensors (H wide, Llama names) and notes on what was estimated; fp32. `extra` K/V heads carry
     the embedding term (those past what its singular directions need stay zero)."""
-    f = lambda lazy: lazy.make().float()  # noqa: E731
+    f = lambda lazy: lazy.make().float()
     d = head_dim
     lay = {k: f(v) for k, v in src.layer.items()}
     proj = f(src.proj)
@@ -219,7 +220,7 @@ def convert(w: RoleWeights, bb: Backbone, *, draft_ids: torch.Tensor | None = No
             speculative_tokens: int = DEFAULT_SPEC_TOKENS, layer: int | None = None) -> Plan:
     """Role weights of a Gemma 4 assistant + its target's backbone → the EAGLE-3 plan (Llama midlayer, width H).
     `layer`: the assistant layer to fold (default `chosen_layer`; benchmarks/assistant_fold.py compares them)."""
-    from recycle.drafters.gemma4 import kv_source_layers
+    from recycle.formats.gemma4_assistant import kv_source_layers
 
     cfg, a, big = w.config, w.hidden_size, bb.hidden_size
     if a > big:

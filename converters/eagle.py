@@ -30,9 +30,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from recycle.checkpoint import STORAGE_KEYS
-from recycle.converters.roles import Lazy, Plan, RoleWeights, raw, require_sequential, same_values
+from recycle.converters.registry import CONVERTERS, REWRITERS
+from recycle.converters.roles import Plan, RoleWeights, raw, require_sequential, same_values
 from recycle.errors import RecycleError, did_you_mean
 from recycle.formats.eagle import MODEL_TYPE
+from recycle.io.writer import Lazy
 
 ARCHITECTURE = "RecycleEagleDrafter"
 WEIGHTS = "model.safetensors"
@@ -139,8 +141,9 @@ def chosen_layouts(value: str | Iterable[str] | None) -> tuple[str, ...]:
     return tuple(n for n in LAYOUT_NAMES if n in names)
 
 
+@CONVERTERS.register("eagle")
 def convert(w: RoleWeights, req) -> Plan:
-    """Role weights → the layouts `--layouts` chose (`req`: converters.api.ConvertRequest)."""
+    """Role weights → the layouts `--layouts` chose (`req`: converters.registry.ConvertRequest)."""
     require_sequential(w, "eagle")
     layouts, dtype_name = chosen_layouts(req.options.layouts), req.dtype_name
     plan = Plan(tensors={}, jsons={}, tokenizer_dirs=(), layouts=layouts)
@@ -174,16 +177,17 @@ def _add_nextn(plan: Plan, w: RoleWeights, dtype_name: str) -> None:
                           f"{len(w.modules)} modules)")
 
 
+@REWRITERS.register("eagle")
 def rewrite(src, main: dict, model) -> tuple[dict, list[str], list[str]]:
-    """The record's rewrite step: `nextn/` and `mtp_overlay/` from the trained modules, in their stored names,
+    """EAGLE's layout rewriter: `nextn/` and `mtp_overlay/` from the trained modules, in their stored names,
     shapes and dtypes; an overlay stored in block FP8 (a DeepSeek-V3/R1 release's) stays FP8: each trained weight is
     re-quantized in the source's blocks with fresh scales, so `recycle stitch` takes it straight back. A layout
     whose key set cannot be rebuilt exactly (a family whose stored norms or concatenation are not canonical, a
     quantization recycle cannot write) is dropped with a note rather than shipped stale."""
-    from recycle.checkpoint import SCALE_SUFFIX, load_json
     from recycle.converters.rewrite import stored_layout
     from recycle.families import BY_NAME
-    from recycle.quant import requantize, scheme
+    from recycle.preflight import load_json
+    from recycle.quant import SCALE_SUFFIX, requantize, scheme
 
     files: dict[str, dict] = {}
     dropped, notes = [], []

@@ -53,24 +53,34 @@ differs from the Llama fold's: BENCHMARKS.md, "EAGLE-3 midlayer"):
 Only vLLM loads this variant (speculators and SGLang's EAGLE-3 readers expect the Llama layer).
 
 A Gemma 4 assistant is no MTP module: converters/assistant.py folds it (same layout and config, through
-`llama_config` and `draft_head`).
+`converters/eagle3_layout.py`'s `llama_config` and `draft_head`).
 """
 
 from __future__ import annotations
 
 import torch
 
-from recycle.converters.roles import (APPROX, EXACT, Lazy, Plan, RoleWeights, block_norm, normal, ones,
-                                     require_sequential, zeros)
-from recycle.formats.eagle3 import fold_aux_layers
+from recycle.converters import assistant
+from recycle.converters.eagle3_layout import DEFAULT_SPEC_TOKENS, WEIGHTS, draft_head, llama_config
+from recycle.converters.registry import CONVERTERS
+from recycle.converters.roles import (
+    APPROX,
+    EXACT,
+    Plan,
+    RoleWeights,
+    block_norm,
+    normal,
+    ones,
+    require_sequential,
+    zeros,
+)
 from recycle.errors import RecycleError, did_you_mean
+from recycle.formats.eagle3 import fold_aux_layers
+from recycle.io.writer import Lazy
 
-WEIGHTS = "model.safetensors"
 ATTENTION = ("llama", "mla")
 MLA_CONFIG_KEYS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
                    "rope_interleave", "rope_scaling", "rope_parameters", "num_key_value_heads")
-SPECULATORS_VERSION = "0.9.0"  # the speculators release the output is validated against
-DEFAULT_SPEC_TOKENS = 3
 
 
 def _get(block: dict[str, Lazy], *names: str) -> Lazy | None:
@@ -171,31 +181,6 @@ def _rope_theta(cfg: dict) -> float:
     return float(cfg.get("rope_theta") or (rp.get("rope_theta") if isinstance(rp, dict) else None) or 10000.0)
 
 
-def vocab_maps(draft_ids: torch.Tensor | None, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(d2t offsets [Vd], t2d mask [V]) for ascending target ids; None means the full vocabulary."""
-    if draft_ids is None:
-        return torch.zeros(vocab, dtype=torch.long), torch.ones(vocab, dtype=torch.bool)
-    ids = draft_ids.to(torch.long)
-    if ids.numel() and (not bool((ids[1:] > ids[:-1]).all()) or int(ids[0]) < 0 or int(ids[-1]) >= vocab):
-        raise RecycleError("draft vocabulary ids must be distinct, ascending and inside the target vocabulary")
-    t2d = torch.zeros(vocab, dtype=torch.bool)
-    t2d[ids] = True
-    return ids - torch.arange(ids.numel()), t2d
-
-
-def draft_head(head: Lazy, draft_ids: torch.Tensor | None, vocab: int) -> dict[str, Lazy]:
-    """lm_head over the draft vocabulary (rows of `head` in d2t order) and, for a reduced one, d2t and t2d."""
-    if draft_ids is None:  # a full vocabulary carries no maps (vLLM refuses them there)
-        return {"lm_head.weight": head}
-    d2t, t2d = vocab_maps(draft_ids, vocab)
-    vd, sel = d2t.numel(), draft_ids.clone()
-    note = f"top-{vd} tokens by corpus frequency"
-    return {"lm_head.weight": head.derive((vd, head.shape[1]), lambda t: t.index_select(0, sel), EXACT,
-                                          f"rows of the {vd} draft-vocabulary ids"),
-            "d2t": Lazy((vd,), lambda: d2t, (), APPROX, f"{note}: int64 offsets", dtype=torch.long),
-            "t2d": Lazy((vocab,), lambda: t2d, (), APPROX, f"{note}: kept-token mask", dtype=torch.bool)}
-
-
 def _mla_attention(block: dict[str, Lazy]) -> dict[str, Lazy] | None:
     """The block's MLA attention tensors by their name under `self_attn.`, or None if it is not MLA."""
     a = "self_attn."
@@ -203,13 +188,12 @@ def _mla_attention(block: dict[str, Lazy]) -> dict[str, Lazy] | None:
     return mla if "kv_a_proj_with_mqa.weight" in mla else None
 
 
+@CONVERTERS.register("eagle3")
 def convert(w: RoleWeights, req) -> Plan:
-    """The format record's converter (`req`: converters.api.ConvertRequest): MTP module 0 folded into the
-    midlayer (`fold`), or a Gemma 4 assistant's layer (`converters.assistant`, which needs its target)."""
+    """EAGLE-3's converter (`req`: converters.registry.ConvertRequest): MTP module 0 folded into the midlayer (`fold`),
+    or, from a source that reads its target (a Gemma 4 assistant), one of its layers (`converters.assistant`)."""
     attention = req.options.eagle3_attention or "llama"
-    if w.family.kind == "drafter":
-        from recycle.converters import assistant
-
+    if w.family.reads_target:
         bb = assistant.require_target(w, req, "eagle3")
         if attention != "llama":
             raise RecycleError("--eagle3-attention mla needs an MLA source; an assistant folds into the llama one")
@@ -302,52 +286,6 @@ def fold(w: RoleWeights, *, draft_ids: torch.Tensor | None = None, dtype_name: s
         plan.notes.append(f"trunk has {n_layers} layers: aux layer ids {aux} include the final state, "
                           "which vLLM does not capture")
     return plan
-
-
-def llama_config(*, hidden: int, intermediate: int, heads: int, kv_heads: int, head_dim: int, vocab: int,
-                 draft_vocab: int, eps: float, max_positions: int, theta: float, aux: list[int], dtype_name: str,
-                 norm_before_residual: bool, verifier: str, verifier_architectures: list | None,
-                 speculative_tokens: int = DEFAULT_SPEC_TOKENS, target_hidden: int | None = None) -> dict:
-    """config.json of a Llama-midlayer EAGLE-3 drafter: the flat keys vLLM/SGLang read and the speculators ones."""
-    layer = {
-        "model_type": "llama",
-        "architectures": ["LlamaForCausalLM"],
-        "hidden_size": hidden,
-        "intermediate_size": intermediate,
-        "num_attention_heads": heads,
-        "num_key_value_heads": kv_heads,
-        "head_dim": head_dim,
-        "num_hidden_layers": 1,
-        "vocab_size": vocab,
-        "rms_norm_eps": eps,
-        "hidden_act": "silu",
-        "max_position_embeddings": max_positions,
-        "rope_theta": theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": theta},
-        "attention_bias": False,
-        "mlp_bias": False,
-        "tie_word_embeddings": False,
-    }
-    return {
-        **layer,
-        "architectures": ["LlamaForCausalLMEagle3"],
-        "draft_vocab_size": draft_vocab,
-        "target_hidden_size": target_hidden or hidden,
-        "norm_before_residual": norm_before_residual,
-        "eagle_aux_hidden_state_layer_ids": aux,
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": aux, "use_aux_hidden_state": True},
-        "torch_dtype": dtype_name,
-        "speculators_model_type": "eagle3",
-        "speculators_version": SPECULATORS_VERSION,
-        "transformer_layer_config": layer,
-        "speculators_config": {
-            "algorithm": "eagle3",
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": speculative_tokens,
-                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
-            "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": verifier, "architectures": list(verifier_architectures or [])},
-        },
-    }
 
 
 def _mla_plan(w: RoleWeights, tensors: dict[str, Lazy], mla: dict[str, Lazy], two_h, inter: int, aux: list[int],

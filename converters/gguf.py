@@ -32,13 +32,14 @@ from pathlib import Path
 import torch
 
 from recycle.checkpoint import SHORT_DTYPES
-from recycle.converters.roles import EXACT, Lazy, Plan, RoleWeights, require_sequential, same_values, stored
+from recycle.converters.registry import CONVERTERS
+from recycle.converters.roles import EXACT, Plan, RoleWeights, require_sequential, same_values, stored
 from recycle.errors import RecycleError
 from recycle.families import FAMILIES, merged_config
 from recycle.ggufarch import NEXTN, TRUNK, GGUFArch
+from recycle.io.writer import Q8_0, Lazy
 
 SIDE_FILE = "mtp.gguf"
-Q8_0 = "q8_0"  # GGML's 8-bit blocks (32 weights + one f16 scale), as llama.cpp's Q8_0 stores them
 DTYPES = {**SHORT_DTYPES, Q8_0: Q8_0}  # `--dtype` → what the writer stores
 FILE_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 32, Q8_0: 7}  # general.file_type (LLAMA_FTYPE_*)
 # Under q8_0 the head and the embeddings stay f16: what the module's acceptance rests on most (MTP heads quantized
@@ -144,6 +145,7 @@ def _trunk(w: RoleWeights, role: str) -> str | None:
     return next((n for n in names if n in w.ckpt.tensors), None)
 
 
+@CONVERTERS.register("gguf")
 def convert(w: RoleWeights, req) -> Plan:
     """The side file's tensors and header (see the module docstring)."""
     require_sequential(w, "gguf")

@@ -23,21 +23,23 @@ target's last hidden state), so nothing else carries over; the heads need traini
 
 from __future__ import annotations
 
-from recycle.converters.roles import Backbone, Lazy, Plan, RoleWeights, zeros
-from recycle.formats.medusa import FD_WEIGHTS, WEIGHTS, faster_decoding_names
+from recycle.converters.assistant import require_target
+from recycle.converters.registry import CONVERTERS, REWRITERS
+from recycle.converters.roles import Backbone, Plan, RoleWeights, zeros
 from recycle.errors import RecycleError
+from recycle.formats.medusa import FD_WEIGHTS, WEIGHTS, faster_decoding_names
+from recycle.io.writer import Lazy
 
 DEFAULT_HEADS = 3
 LAYERS = 1
 
 
+@CONVERTERS.register("medusa")
 def convert(w: RoleWeights, req) -> Plan:
-    """The format record's converter (`req`: converters.api.ConvertRequest). From a Gemma 4 assistant the heads
-    are built at its target's width (`--target`) and must be calibrated to it."""
+    """Medusa's converter (`req`: converters.registry.ConvertRequest). From a source that reads its target (a Gemma 4
+    assistant) the heads are built at the target's width (`--target`) and must be calibrated to it."""
     backbone = None
-    if w.family.kind == "drafter":
-        from recycle.converters.assistant import require_target
-
+    if w.family.reads_target:
         if req.options.calibrate is None:
             raise RecycleError(f"{w.ckpt.path}: Medusa heads from a {w.family.title} are fitted to it: pass "
                                "--calibrate TOKENS --target TARGET")
@@ -49,7 +51,7 @@ def convert(w: RoleWeights, req) -> Plan:
 def heads_plan(w: RoleWeights, *, heads: int = DEFAULT_HEADS, dtype_name: str = "bfloat16",
                base_model: str | None = None, backbone: Backbone | None = None) -> Plan:
     """`backbone`: the target of a drafter narrower than it (a Gemma 4 assistant): the heads take its width
-    and its LM head, and only calibration (recycle.converters.calibrate) teaches them what the assistant predicts."""
+    and its LM head, and only calibration (recycle.distill.calibrate) teaches them what the assistant predicts."""
     if heads < 1:
         raise RecycleError(f"--heads must be at least 1, got {heads}")
     h, vocab = backbone.hidden_size if backbone is not None else w.hidden_size, w.vocab_size
@@ -85,8 +87,9 @@ def heads_plan(w: RoleWeights, *, heads: int = DEFAULT_HEADS, dtype_name: str = 
     return plan
 
 
+@REWRITERS.register("medusa")
 def rewrite(src, main: dict, model) -> tuple[dict, list[str], list[str]]:
-    """The record's rewrite step: the FasterDecoding file from the trained vLLM-layout weights, where the
+    """Medusa's layout rewriter: the FasterDecoding file from the trained vLLM-layout weights, where the
     directory has one."""
     if not (src / FD_WEIGHTS).is_file():
         return {}, [], []

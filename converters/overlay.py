@@ -26,14 +26,14 @@ from pathlib import Path
 
 import torch
 
-from recycle.checkpoint import DTYPES, INDEX_FILE, ST_NAMES, Checkpoint, expected_scale_shape
+from recycle.checkpoint import DTYPES, INDEX_FILE, ST_NAMES, Checkpoint
 from recycle.converters.eagle import OVERLAY_INDEX
-from recycle.converters.roles import EXACT, Lazy, nbytes, raw
-from recycle.converters.writer import OutputDir, Progress, split_plan
-from recycle.preflight import DEFAULT_SHARD_SIZE
+from recycle.converters.roles import EXACT, raw
 from recycle.errors import RecycleError
 from recycle.families import MTPMatch, match
-from recycle.quant import engine_fp8, ignore_entries, requantize, scale_name, scheme, with_ignored
+from recycle.io.writer import Lazy, OutputDir, Progress, nbytes, split_plan
+from recycle.preflight import DEFAULT_SHARD_SIZE
+from recycle.quant import engine_fp8, expected_scale_shape, ignore_entries, requantize, scale_name, scheme, with_ignored
 
 STITCHED_FILE = "recycle-mtp.safetensors"
 RECORD = "recycle-stitch.json"  # what stitch decided, per tensor (the stitched directory is a model, not a drafter)

@@ -1,10 +1,10 @@
 """A trained drafter written back in exactly its input's layout: same files, same key sets and dtypes.
 
 Distillation trains the drafter module; its directory may hold more than the module's own file (an EAGLE
-drafter's `nextn/` and `mtp_overlay/`, Medusa's FasterDecoding file). The format's record names a `rewrite`
-step that rebuilds those other layouts from the trained weights, or drops a layout it cannot rebuild exactly
-(FP8 overlay tensors, say) with a note rather than ship it stale. Everything goes through the one atomic writer;
-`recycle.json` gets the run's record appended to its `distillation` list.
+drafter's `nextn/` and `mtp_overlay/`, Medusa's FasterDecoding file). A format whose record declares the
+"rewrite" hook has a rewriter in `REWRITERS` that rebuilds those other layouts from the trained weights, or drops
+a layout it cannot rebuild exactly (FP8 overlay tensors, say) with a note rather than ship it stale. Everything
+goes through the one atomic writer; `recycle.json` gets the run's record appended to its `distillation` list.
 """
 
 from __future__ import annotations
@@ -14,10 +14,13 @@ from pathlib import Path
 
 import torch
 
-from recycle.checkpoint import load_json, meta_state, weight_files
-from recycle.converters.roles import EXACT, Lazy
+from recycle.converters.registry import REWRITERS
+from recycle.converters.roles import EXACT
 from recycle.errors import RecycleError
 from recycle.formats import BENCH_REPORT
+from recycle.io.weights import meta_state, weight_files
+from recycle.io.writer import Lazy
+from recycle.preflight import load_json
 
 WEIGHTS = "model.safetensors"
 
@@ -42,8 +45,8 @@ def write_drafter(src_dir: str | os.PathLike, writer, fmt, main: dict[str, torch
     planned = {rel: {k: main[k] for k in layout if k in main} for rel, layout in layouts.items()}
     dropped: list[str] = []
     notes: list[str] = []
-    if fmt.rewrite is not None:
-        extra, dropped, notes = fmt.resolve("rewrite")(src, main, model)
+    if "rewrite" in fmt.hooks:
+        extra, dropped, notes = REWRITERS.get(fmt.name, fmt.title)(src, main, model)
         planned.update(extra)  # already by the files (shards) that hold them
     tensors: dict[str, dict[str, Lazy]] = {}
     for rel, state in planned.items():

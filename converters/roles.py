@@ -12,17 +12,19 @@ plan of (name → Lazy, config) and nothing is held in memory longer than one te
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
 
-from recycle.checkpoint import DTYPES, SCALE_SUFFIX, Checkpoint, Span
+from recycle.checkpoint import DTYPES, Checkpoint
 from recycle.errors import RecycleError
 from recycle.families import Family, MTPMatch, MTPModule, first_value, match, merged_config
+from recycle.io.writer import Lazy
+from recycle.quant import SCALE_SUFFIX
 
 EXACT, APPROX, FRESH = "exact", "approx", "fresh"
 LEAF_SHAPES = {"embed_norm": ("H",), "hidden_norm": ("H",), "proj": ("H", "2H"), "final_norm": ("H",),
@@ -35,34 +37,6 @@ REQUIRED = {"mtp": ("embed_norm", "hidden_norm", "proj", "head", "embed"), "para
 FINITE_CHUNK = 1 << 24  # elements per NaN/Inf check slice (a bool mask of a 129k×7k head would be 0.9 GB)
 NONFINITE_BITS = {torch.bfloat16: 0x7F80, torch.float16: 0x7C00}  # |bits| ≥ this: exponent all ones, Inf or NaN
 BITS_CHUNK = 1 << 18  # elements per 16-bit check slice: its integer copy stays in cache (4× faster than 1 << 24)
-
-
-@dataclass(eq=False)
-class Lazy:
-    """An output tensor not read yet: shape, dtype, a maker, and its provenance for recycle.json.
-
-    `dtype` None means "the output's float dtype" (the writer casts); integer/bool tensors (d2t,
-    t2d) and raw copies set it. Identity matters: the writer makes each Lazy once, however many
-    files or names use it. `reads` are the stored byte ranges `make` reads (the writer asks the
-    kernel for the next tensor's while it works on this one); a raw Lazy's one span *is* its output,
-    so the writer copies those bytes file to file instead of making a tensor.
-    """
-
-    shape: tuple[int, ...]
-    make: Callable[[], torch.Tensor]
-    sources: tuple[str, ...]
-    kind: str  # EXACT | APPROX | FRESH
-    note: str = ""
-    dtype: torch.dtype | None = None
-    raw: bool = False  # written byte for byte in its stored dtype (the overlay)
-    reads: tuple[Span, ...] = ()
-    parts: tuple[Lazy, ...] = ()  # a stack of these along a new first dim: writers may stream them one by one
-
-    def derive(self, shape: tuple[int, ...], fn: Callable[[torch.Tensor], torch.Tensor], kind: str | None = None,
-               note: str | None = None) -> Lazy:
-        """A tensor computed from this one (same sources); `kind` defaults to this one's."""
-        return Lazy(tuple(shape), lambda: fn(self.make()), self.sources, kind or self.kind,
-                    self.note if note is None else note, reads=self.reads)
 
 
 def check_finite(t: torch.Tensor, what: str) -> torch.Tensor:
@@ -202,15 +176,15 @@ def gather(ckpt: Checkpoint, family: str | None = None) -> RoleWeights:
             got = ckpt.tensors[name].shape
             if got != want:
                 raise RecycleError(f"{ckpt.path}: {name} ({role}) has shape {list(got)}, config.json implies {list(want)}")
-            src = once(name, "stored", lambda: stored(ckpt, name))
+            src = once(name, "stored", partial(stored, ckpt, name))
             plain[role] = src
             if role.endswith("norm"):
-                leaves[role] = once(name, "norm", lambda: _canonical_norm(src, fam.norm))
+                leaves[role] = once(name, "norm", partial(_canonical_norm, src, fam.norm))
             elif role == "proj":
-                leaves[role] = once(name, "proj", lambda: _canonical_proj(src, fam.concat_order, h))
+                leaves[role] = once(name, "proj", partial(_canonical_proj, src, fam.concat_order, h))
             else:
                 leaves[role] = src
-        block = {rel: once(full, "stored", lambda: stored(ckpt, full))
+        block = {rel: once(full, "stored", partial(stored, ckpt, full))
                  for rel, full in mod.block_names().items() if not rel.endswith(SCALE_SUFFIX)}
         if not block:
             raise RecycleError(f"{ckpt.path}: MTP module {mod.index} stores no decoder block under {mod.prefix}")
@@ -291,9 +265,9 @@ class Plan:
 
 def require_sequential(w: RoleWeights, to: str) -> None:
     """Formats built on the MTP block itself (EAGLE, EAGLE-3) need sequential modules with an embedding input."""
-    if w.family.kind == "mtp":
+    if w.family.mtp_block:
         return
-    if w.family.kind == "drafter":
+    if w.family.reads_target:
         raise RecycleError(f"{w.ckpt.path}: a {w.family.title} has no MTP block for --to {to}; use --to eagle3 "
                            "or --to medusa")
     raise RecycleError(f"{w.ckpt.path}: family '{w.family.name}' holds {w.family.kind.replace('_', ' ')}, not "
@@ -313,7 +287,3 @@ def normal(shape: tuple[int, ...], seed: int, note: str, std: float = 0.02) -> L
     """A fresh N(0, std²) tensor, deterministic per seed."""
     return Lazy(tuple(shape), lambda: torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * std,
                 (), FRESH, note)
-
-
-def nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
-    return math.prod(shape) * torch.empty((), dtype=dtype).element_size()

@@ -12,8 +12,8 @@ followed by EOS, concatenated, and cut into `seq_len` windows; no padding, so ev
 target reads is a real one. Epoch e visits documents in a shuffled order seeded by (seed, e), so a
 position in the stream is just (epoch, sequences taken) and a resumed run rebuilds the same stream
 and skips to it (re-encoding is cheap next to the target's forward). Memory is bounded: no document is longer than
-`recycle.texts.DOC_CHARS` characters (longer text is read as pieces), the tokenizer sees at most ENCODE_CHARS per
-call, and windows are cut as each document arrives.
+`recycle.texts.DOC_CHARS` characters (longer text is read as pieces), the tokenizer sees at most
+`recycle.encode.ENCODE_CHARS` per call, and windows are cut as each document arrives.
 
 Conversations (`recycle.chat`) are rendered with the target's chat template instead, and carry a mask over
 their tokens: True on the assistant turns (plain text: every token), False on the template's and the other
@@ -37,80 +37,15 @@ from pathlib import Path
 
 import torch
 
-from recycle.chat import ChatRenderer, Conversation, Document, RenderError, has_conversations, read_template
+from recycle.chat import ChatRenderer, Conversation, Document, has_conversations
+from recycle.encode import ENCODE_CHUNK, UNLIMITED, encode
 from recycle.errors import RecycleError
-from recycle.texts import DataSource, ReadLog, data_source, load_texts, split_tail  # noqa: F401  (re-exported)
-
-ENCODE_CHUNK = 32  # documents per tokenizer call (the fast tokenizer batches internally)
-ENCODE_CHARS = 1 << 20  # characters per tokenizer call at most (it holds ~100 bytes per character while it works)
-CHECK_CONVERSATIONS = 256  # rendered before any model loads: a template that renders none of them is refused
+from recycle.texts import ReadLog, data_source
 
 # (indices of the documents, the documents, a key naming the chunk's place in the stream) -> the documents to encode
 Rewrite = Callable[[list[int], list[Document], str], list[Document]]
 # (prompts' token ids, max new tokens, temperature (0: greedy), seed, stop token ids) -> each prompt's new token ids
 Generate = Callable[[list[list[int]], int, float, int, list[int]], list[list[int]]]
-
-
-def chat_renderer(docs: list[Document], tokenizer, where: str, template: str | Path | None = None,
-                  log: ReadLog | None = None) -> ChatRenderer | None:
-    """The renderer for a source's conversations (None when it holds only text), checked on the first
-    CHECK_CONVERSATIONS of them now, before any model loads: a target without a template, or a template that
-    renders none of them, is refused in one line."""
-    if not has_conversations(docs):
-        return None
-    renderer = ChatRenderer(tokenizer, where, read_template(template) if template else None)
-    sample = [d for d in docs if isinstance(d, Conversation)][:CHECK_CONVERSATIONS]
-    errors = []
-    for conv in sample:
-        try:
-            renderer.render(conv)
-            return renderer
-        except RenderError as e:
-            errors.append(str(e))
-    raise RecycleError(f"--data: none of the first {len(sample)} conversations renders with {where}'s chat template "
-                       f"({errors[0]})")
-
-
-def source_renderer(opts, tokenizer, docs: list[Document] | None = None) -> ChatRenderer | None:
-    """`chat_renderer` for a distill or harvest run's options (`--data`, `--target`, `--chat-template`)."""
-    src = data_source(opts.data)
-    return chat_renderer(docs if docs is not None else src.train(), tokenizer, str(opts.target), opts.chat_template,
-                         src.log)
-
-
-def _tokenized(texts: list[str], tokenizer) -> Iterator[list[int]]:
-    """Each text's ids, tokenized in calls of at most ENCODE_CHARS characters (or one text): a chunk of long
-    documents never makes the tokenizer hold gigabytes."""
-    group: list[str] = []
-    chars = 0
-    for t in texts:
-        if group and chars + len(t) > ENCODE_CHARS:
-            yield from tokenizer(group, add_special_tokens=False)["input_ids"]
-            group, chars = [], 0
-        group.append(t)
-        chars += len(t)
-    if group:
-        yield from tokenizer(group, add_special_tokens=False)["input_ids"]
-
-
-def encode(docs: list[Document], tokenizer, renderer: ChatRenderer | None, skipped: Callable[[int, str], None]
-           ) -> Iterator[tuple[list[int], list[bool] | None]]:
-    """Each document's ids and mask, EOS appended (masked out after a conversation; text's mask None). A
-    conversation that fails to render yields nothing and is reported to `skipped(index, reason)`."""
-    eos = tokenizer.eos_token_id
-    for start in range(0, len(docs), ENCODE_CHUNK):
-        chunk = docs[start:start + ENCODE_CHUNK]
-        encoded = _tokenized([d for d in chunk if not isinstance(d, Conversation)], tokenizer)
-        for i, d in enumerate(chunk):
-            if not isinstance(d, Conversation):
-                yield next(encoded) + ([eos] if eos is not None else []), None
-                continue
-            try:
-                r = renderer.render(d)
-            except RenderError as e:
-                skipped(start + i, str(e))
-                continue
-            yield r.ids + ([eos] if eos is not None else []), r.mask + ([False] if eos is not None else [])
 
 
 @dataclass
@@ -135,7 +70,7 @@ class PackedStream:
         self.tokenizer, self.seq_len, self.seed = tokenizer, seq_len, seed
         self.renderer, self.log, self.rewrite = renderer, log, rewrite
         self.failed: set[int] = set()
-        tokenizer.model_max_length = 1 << 62  # documents are cut into windows here, never fed whole
+        tokenizer.model_max_length = UNLIMITED  # documents are cut into windows here, never fed whole
         self._texts_fn, self._texts = texts, None
         self.eos = tokenizer.eos_token_id
         self.pos = Position()
@@ -177,7 +112,7 @@ class PackedStream:
             chunk = [texts[i] for i in idx]
             if self.rewrite is not None:
                 chunk = self.rewrite(idx, chunk, f"{self.seed}:{epoch}:{start}")
-            for ids, mask in encode(chunk, self.tokenizer, self.renderer, lambda i, why: self._skipped(idx[i], why)):
+            for ids, mask in encode(chunk, self.tokenizer, self.renderer, lambda i, why, idx=idx: self._skipped(idx[i], why)):
                 buf.extend(ids)
                 mbuf.extend(mask if mask is not None else [True] * len(ids))
                 at = 0  # windows are cut as each document arrives, by offset: the buffer holds one document's ids
@@ -242,7 +177,7 @@ def heldout_rows(tokenizer, seq_len: int, rows: int, data: str | Path | None = N
         raise RecycleError(f"--data {data}: its held-out side holds conversations: a chat renderer is needed")
     order = list(range(len(texts)))
     random.Random("heldout").shuffle(order)
-    tokenizer.model_max_length = 1 << 62
+    tokenizer.model_max_length = UNLIMITED
     windows: list[list[int]] = []
     packed: list[int] = []
     pmask: list[bool] = []

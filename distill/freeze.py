@@ -11,9 +11,8 @@ every family that uses them).
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
-
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from recycle.errors import RecycleError, did_you_mean

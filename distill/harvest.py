@@ -30,15 +30,17 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from recycle.checkpoint import Checkpoint, load_json
-from recycle.converters.writer import OutputDir
-from recycle.distill.data import (
-    Generate, PackedStream, Regenerated, data_source, heldout_rows, regenerate_turns, source_renderer)
+from recycle.checkpoint import Checkpoint
+from recycle.distill.data import Generate, PackedStream, Regenerated, heldout_rows, regenerate_turns
 from recycle.distill.schedule import EVAL_KEY, Schedule, eval_prompt_len
 from recycle.distill.teacher import store_features
+from recycle.encode import load_tokenizer, source_renderer
 from recycle.errors import RecycleError
 from recycle.families import match
+from recycle.io.writer import OutputDir
 from recycle.options import DataOptions, HarvestOptions
+from recycle.preflight import load_json
+from recycle.texts import data_source
 
 MANIFEST = "manifest.json"
 REGENERATED = "regenerated.jsonl"  # --self-distill on conversations: what the target wrote, reusable as --data
@@ -140,7 +142,7 @@ def eval_rows(opts: HarvestOptions, tokenizer, generate: Generate | None = None
     renderer = source_renderer(opts, tokenizer)
     rewrite = None
     if generate is not None and renderer is not None:
-        rewrite = lambda idx, docs, key: regenerate_turns(  # noqa: E731
+        rewrite = lambda idx, docs, key: regenerate_turns(
             generate, renderer, docs, opts.sd_temperature, opts.seed, opts.seq_len)
     ev, mask = heldout_rows(tokenizer, opts.seq_len, opts.eval_rows, opts.data, renderer, rewrite)
     return ev, 0 if mask is not None else eval_prompt_len(ev.shape[1], opts.eval_prompt_len), mask
@@ -200,15 +202,13 @@ class _Job:
     the captured layers, and the conversion of vLLM's per-window files into one cache file per key."""
 
     def __init__(self, opts: HarvestOptions) -> None:
-        from transformers import AutoTokenizer
-
         self.opts = opts
         self.fp = fingerprint(opts.target)
         self.n_layers = n = self.fp["num_hidden_layers"]
         bad = [i for i in opts.aux_layers if not 0 <= i <= n]
         if bad:
             raise RecycleError(f"aux layer {bad[0]}: the target has {n} layers")
-        self.tokenizer = AutoTokenizer.from_pretrained(opts.target)
+        self.tokenizer = load_tokenizer(opts.target)
         self.target = str(Path(opts.target).resolve())
         self.chat = source_renderer(opts, self.tokenizer) is not None
         gen = vllm_generate(self.target, opts.parallel, opts.gpu_memory_utilization) \
@@ -416,7 +416,7 @@ class OnlineHarvest:
                     time.sleep(self.POLL_S)
                 self._serve(n, key, ids, mask)
                 n += 1
-        except BaseException as e:  # noqa: BLE001 - handed to the consumer, which raises it as one line
+        except BaseException as e:  # handed to the consumer, which raises it as one line
             self.error = e
         finally:
             self.done = True
@@ -429,7 +429,7 @@ class OnlineHarvest:
             run_job(self.job.job(self.feed / "raw", feed_dir=str(self.feed.resolve()),
                                  max_window=max(self.opts.seq_len, int(self.job.eval.shape[1]))),
                     env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
-        except BaseException as e:  # noqa: BLE001
+        except BaseException as e:
             self.error = e
 
     def _serve(self, n: int, key: str, ids: torch.Tensor, mask: torch.Tensor | None = None) -> None:
@@ -454,7 +454,7 @@ class OnlineHarvest:
 class OnlineFollower:
     """`--online` on a rank other than 0 under torchrun: rank 0's `OnlineHarvest` feeds vLLM and writes each step's
     key (the one-process key of the global batch); this rank waits for the file and reads its own rows of it (a
-    span, as from any harvested cache). Rank 0 deletes a key once every rank has passed the step (`Distiller`)."""
+    span, as from any harvested cache). Rank 0 deletes a key once every rank has passed the step (`distill.train`)."""
 
     POLL_S = OnlineHarvest.POLL_S
 

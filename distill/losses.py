@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from recycle.options import LossConfig  # noqa: F401  (its defaults are explained above)
+from recycle.options import LossConfig
 
 
 def step_weights(steps: int, decay: float) -> list[float]:

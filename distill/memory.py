@@ -116,7 +116,7 @@ def _target_params(path: Path) -> tuple[int, int]:
     """(trunk parameters, embedding + head parameters) of the target, built on meta from its config."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from recycle.decoding.target import quiet_transformers
+    from recycle.encode import quiet_transformers
 
     with quiet_transformers():
         cfg = AutoConfig.from_pretrained(path)

@@ -13,6 +13,10 @@ the rest (step, data position, RNG, scheduler, optimizer hyper-parameters) as `s
 into place when every rank is done. The run's state directory (`OUT.distill/`) holds it and
 `metrics.jsonl`, one row per step, and the best snapshot's trained weights (`best-STEP.safetensors`); a resumed
 run cuts the log back to the checkpoint's step.
+
+The loop's side of it: `Counters` (step, tokens, timers, the best estimate so far), `save` and `restore` (the
+checkpoint of a run, sharded or not), `consider` (never worse: the weights of the best held-out estimate kept on disk)
+and `claim` (the state directory probed before any model loads, an earlier run's checkpoint refused or cleared).
 """
 
 from __future__ import annotations
@@ -21,12 +25,23 @@ import json
 import os
 import random
 import shutil
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor
 
+from recycle.distill.data import Position
 from recycle.errors import RecycleError
+from recycle.preflight import sweep_dead_writes
 
 CHECKPOINT = "checkpoint.pt"
 SHARDED = "checkpoint"  # a sharded run's: every rank's safetensors shards and state.json
@@ -119,8 +134,6 @@ def best_path(state_dir: Path, step: int) -> Path:
 def save_best(state_dir: Path, step: int, tensors: dict[str, torch.Tensor]) -> None:
     """The best snapshot's trained weights on disk (not in RAM: at DeepSeek-V3 scale a host copy is 46 GB), written
     atomically; frozen weights are never saved, they are still the model's."""
-    from safetensors.torch import save_file
-
     path = best_path(state_dir, step)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     save_file({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, str(tmp))
@@ -128,8 +141,6 @@ def save_best(state_dir: Path, step: int, tensors: dict[str, torch.Tensor]) -> N
 
 
 def load_best(state_dir: Path, step: int) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
     path = best_path(state_dir, step)
     if not path.is_file():
         raise RecycleError(f"{path}: the best snapshot is missing from the state directory (resume with --overwrite)")
@@ -212,10 +223,6 @@ def _from_json(obj):
 def save_sharded(state_dir: Path, tensors: dict, meta: dict, fp: dict) -> None:
     """Every rank: its shards of `tensors` (nested dicts of DTensors and tensors) into `checkpoint/`; rank 0 also
     `meta` (plain values and RNG tensors) as state.json. Written beside the previous checkpoint, renamed when whole."""
-    import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import HuggingFaceStorageWriter
-
     rank = dist.get_rank()
     tmp, final = state_dir / f".{SHARDED}.tmp", state_dir / SHARDED
     if rank == 0:
@@ -256,12 +263,9 @@ def load_sharded_meta(state_dir: Path, fp: dict) -> dict | None:
 def load_sharded(state_dir: Path, tensors: dict) -> None:
     """Fill `tensors` (this rank's sharded state dicts, as templates) from `checkpoint/`: each rank reads its own
     pieces from the safetensors files."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import HuggingFaceStorageReader
-
     try:
         dcp.load(tensors, storage_reader=HuggingFaceStorageReader(str(state_dir / SHARDED)))
-    except Exception as e:  # noqa: BLE001 - a torn or foreign shard
+    except Exception as e:  # a torn or foreign shard
         raise RecycleError(f"{state_dir / SHARDED}: unreadable checkpoint shards ({type(e).__name__}: "
                            f"{' '.join(str(e).split())[:120]}); remove it to start over") from None
 
@@ -286,3 +290,122 @@ def truncate_metrics(state_dir: Path, step: int) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text("".join(f"{line}\n" for line in keep), encoding="utf-8")
     os.replace(tmp, path)
+
+
+# -- the loop's state: counters, the state directory, checkpoints, the best weights ------------------------------
+
+TIMERS = ("data_s", "generate_s", "teacher_s", "drafter_s", "optimizer_s", "log_s")  # the record's `timing`
+
+
+@dataclass
+class Counters:
+    """The loop's position and counters: what a checkpoint holds besides the tensors, and a resumed run restores."""
+
+    step: int = 0
+    tokens: int = 0
+    timing: dict[str, float] = field(default_factory=lambda: dict.fromkeys(TIMERS, 0.0))
+    wall_before: float = 0.0  # the train time of the runs this one continues
+    before: list[float] | None = None  # the input's held-out agreement
+    best: dict | None = None  # the best held-out estimate so far: estimate, agree, step, tokens
+    last_row: dict | None = None  # the last step's metrics row
+    checkpointed_best: int = -1  # the step of the best snapshot the last checkpoint names (kept on disk)
+    last_checkpoint: int | None = None  # the step the checkpoint on disk holds (written or resumed from)
+    time_estimate: dict | None = None  # the budget's time at the first steps' rate (the record's)
+    stop: str | None = None  # the signal that asked the loop to stop after its step
+    t_start: float = field(default_factory=time.perf_counter)  # when this process's training began
+
+    def wall(self) -> float:
+        """The run's training time so far, the runs it continues included."""
+        return self.wall_before + time.perf_counter() - self.t_start
+
+
+def claim(state_dir: Path, resume: bool, overwrite: bool, note: Callable[[str], None]) -> None:
+    """Rank 0, before any model loads: the state directory made and probed for writing, a killed run's partial
+    files swept, and an earlier run's checkpoint refused (neither --resume nor --overwrite) or cleared (--overwrite)."""
+    try:
+        state_dir.mkdir(parents=True, exist_ok=True)
+        probe = state_dir / f".probe-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise RecycleError(f"{state_dir}: cannot write the run's state here ({e.strerror or e})") from None
+    for line in sweep_dead_writes(state_dir):  # a killed run's partial checkpoint or best snapshot
+        note(f"note: {line}")
+    if has_checkpoint(state_dir) and not resume:
+        if not overwrite:
+            raise RecycleError(f"{state_dir}: an earlier run's checkpoint exists; "
+                               "pass --resume to continue it or --overwrite to start over")
+        remove_checkpoint(state_dir)
+        (state_dir / METRICS).unlink(missing_ok=True)
+        prune_best(state_dir, set())
+
+
+def save(state_dir: Path, fp: dict, c: Counters, model: torch.nn.Module, opt: torch.optim.Optimizer, sched,
+         data_pos, wall_s: float, sharded: bool, is_main: bool) -> None:
+    """A checkpoint of the run at `c.step` (every rank calls it when sharded: each writes its own shards, nothing
+    is gathered; otherwise rank 0 writes one file), then the best snapshots it does not name pruned."""
+    run = {"step": c.step, "tokens": c.tokens, "data": asdict(data_pos), "scheduler": sched.state_dict(),
+           "rng": rng_state(), "timing": dict(c.timing), "wall_s": wall_s, "before": c.before,
+           "history": c.last_row, "best": c.best}
+    if sharded:
+        model_state, opt_state = get_state_dict(model, opt)
+        save_sharded(state_dir, {"model": model_state, "optimizer": opt_state["state"]},
+                     {**run, "param_groups": opt_state["param_groups"]}, fp)
+    elif is_main:
+        save_checkpoint(state_dir, {**run, "model": model.state_dict(), "optimizer": opt.state_dict()}, fp)
+    c.last_checkpoint = c.step
+    if not is_main:
+        return
+    c.checkpointed_best = c.best["step"]
+    prune_best(state_dir, {c.best["step"]})
+
+
+def restore(state_dir: Path, fp: dict, c: Counters, model: torch.nn.Module, opt: torch.optim.Optimizer, sched,
+            stream, device: torch.device, sharded: bool, is_main: bool) -> bool:
+    """The run continued from its checkpoint (False when there is none): weights, AdamW, schedule, counters, the
+    data position and the RNG states as they were; the metrics log cut back to the checkpoint's step."""
+    if sharded:  # each rank reads its own shards of the drafter and of AdamW's moments
+        saved = load_sharded_meta(state_dir, fp)
+        if saved is None:
+            return False
+        model_state, opt_state = get_state_dict(model, opt)
+        load_sharded(state_dir, {"model": model_state, "optimizer": opt_state["state"]})
+        set_state_dict(model, opt, model_state_dict=model_state,
+                       optim_state_dict={"state": opt_state["state"], "param_groups": saved["param_groups"]})
+    else:
+        saved = load_checkpoint(state_dir, device, fp)
+        if saved is None:
+            return False
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["optimizer"])
+    sched.load_state_dict(saved["scheduler"])
+    c.step, c.tokens = int(saved["step"]), int(saved["tokens"])
+    c.last_checkpoint = c.step
+    stream.seek(Position(**saved["data"]))
+    set_rng(saved["rng"])
+    c.timing.update(saved["timing"])
+    c.wall_before = float(saved["wall_s"])
+    c.before = saved["before"]
+    c.best = saved["best"]
+    c.checkpointed_best = c.best["step"]
+    if is_main:
+        truncate_metrics(state_dir, c.step)
+    return True
+
+
+def consider(state_dir: Path, c: Counters, score: float, agree: list[float], model: torch.nn.Module,
+             is_main: bool) -> None:
+    """Never worse: keep the current weights if their held-out `score` beats the best so far (the input counts). The
+    trained weights go to disk, not RAM (sharded: gathered by every rank, a collective, one tensor at a time)."""
+    if not (c.best is None or score > c.best["estimate"]):
+        return
+    c.best = {"estimate": score, "agree": list(agree), "step": c.step, "tokens": c.tokens}
+    trained = {}
+    for n, p in model.named_parameters():
+        if p.requires_grad:
+            whole = p.full_tensor() if isinstance(p, DTensor) else p.detach()
+            if is_main:
+                trained[n] = whole.cpu() if isinstance(p, DTensor) else whole
+    if is_main:  # only rank 0 writes the output
+        save_best(state_dir, c.step, trained)
+        prune_best(state_dir, {c.step, c.checkpointed_best})

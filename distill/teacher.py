@@ -83,7 +83,7 @@ class Teacher:
     def __init__(self, target_dir: str | os.PathLike, device: torch.device, aux_layers: list[int] | None = None,
                  precision: str = "bf16", cache_dir: str | os.PathLike | None = None, trunk: bool = True,
                  producer=None, kv: bool = False) -> None:
-        """`kv`: also return the K/V a Gemma 4 assistant attends (`recycle.drafters.gemma4.kv_source_layers`);
+        """`kv`: also return the K/V a Gemma 4 assistant attends (`recycle.formats.gemma4_assistant.kv_source_layers`);
         they are never cached, so it needs the trunk."""
         self.device, self.precision = device, precision
         self.producer = producer  # distill.harvest.OnlineHarvest/OnlineFollower: wait for each key (`release` deletes)
@@ -109,7 +109,7 @@ class Teacher:
             self.num_layers = int(self.config.num_hidden_layers)
         self.kv_layers: dict[str, int] = {}
         if kv:
-            from recycle.drafters.gemma4 import kv_source_layers
+            from recycle.formats.gemma4_assistant import kv_source_layers
 
             if self.decoder is None or cache_dir is not None:
                 raise RecycleError("a Gemma 4 assistant trains on the target's own K/V cache, which is not harvested "
@@ -212,7 +212,7 @@ class Teacher:
         try:
             t = self._read(key, ("input_ids", MASK_KEY))
             return t["input_ids"], t.get(MASK_KEY)
-        except Exception as e:  # noqa: BLE001 - missing or torn: the cache is unusable for this
+        except Exception as e:  # missing or torn: the cache is unusable for this
             raise RecycleError(f"--cache-hidden {self.cache_dir}: no readable {path.name} ({type(e).__name__})") from None
 
     def _load(self, key: str, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None] | None:

@@ -1,6 +1,6 @@
 """How each drafter format runs during training: which weights train, and the unrolled draft steps.
 
-Index convention (the decoder's, `recycle/decoding/drafting.py`): for a batch of L tokens and K
+Index convention (the decoder's, `recycle/decoding/drafting/`): for a batch of L tokens and K
 draft steps, anchor i ∈ [0, T), T = L − K − 1, is the position of the target's last committed
 state; step k (0-based) at anchor i predicts t_{i+k+2}, and its teacher is the target's softmax at
 position i+k+1. Every step after the first consumes the drafter's *own* previous output, never the
@@ -39,7 +39,10 @@ from transformers import DynamicCache
 from recycle.distill.losses import StepOutput
 from recycle.drafters import Eagle3Drafter, EagleDrafter, MedusaDrafter
 from recycle.errors import RecycleError
+from recycle.formats import DrafterFormat, get
 from recycle.mtp import to_checkpoint_layout
+from recycle.registry import Registry
+
 
 def _init_std(model: nn.Module) -> float:
     cfg = getattr(model, "config", None)
@@ -47,7 +50,8 @@ def _init_std(model: nn.Module) -> float:
 
 
 class Unroller(ABC):
-    """Base: a drafter module, K steps, and what the teacher must provide. A format's record names its class."""
+    """Base: a drafter module, K steps, and what the teacher must provide. Each format's subclass is filed in
+    `UNROLLERS` under the format's name (its record declares the "unroller" hook)."""
 
     default_steps = 3
     needs_kv = False  # the teacher must hand over the target's K/V (a Gemma 4 assistant attends it)
@@ -115,10 +119,20 @@ class Unroller(ABC):
         return {k: v.detach() for k, v in self.model.state_dict().items()}
 
 
+# A format's unroller is its Unroller subclass (the class is the hook's signature), keyed by the format's name.
+UNROLLERS: Registry[type[Unroller]] = Registry("unroller")
+
+
+def unroller_for(fmt: DrafterFormat) -> type[Unroller]:
+    """The Unroller subclass of a format (a one-line RecycleError where it has none)."""
+    return UNROLLERS.get(fmt.name, fmt.title)
+
+
 def _rows(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1])
 
 
+@UNROLLERS.register("eagle")
 class EagleUnroller(Unroller):
     shardable = True
     checkpointable = True  # MTP.checkpoint_blocks
@@ -162,7 +176,7 @@ class EagleUnroller(Unroller):
             target = _rows(last[:, k + 1:k + 1 + t])
             feats, tfeats = (_rows(out.normed[k]), target) if with_features else (None, None)
             steps.append(StepOutput(_rows(out.normed[k]), target, ids[:, k + 2:k + 2 + t].reshape(-1), feats, tfeats,
-                                    head=m._role(m.layer_for(k), "head"), target_head=logits))
+                                    head=m.role(m.layer_for(k), "head"), target_head=logits))
         return steps
 
     def file_state(self):
@@ -176,6 +190,7 @@ class EagleUnroller(Unroller):
         return out
 
 
+@UNROLLERS.register("eagle3")
 class Eagle3Unroller(Unroller):
     @classmethod
     def make(cls, model, steps, embed=None, aux_layers=None):
@@ -232,6 +247,7 @@ class Eagle3Unroller(Unroller):
         return {k: v.detach() for k, v in self.model.state_dict().items() if not k.startswith("rotary.")}
 
 
+@UNROLLERS.register("medusa")
 class MedusaUnroller(Unroller):
     @classmethod
     def steps_for(cls, model, steps):
@@ -261,6 +277,7 @@ class MedusaUnroller(Unroller):
         return steps
 
 
+@UNROLLERS.register("gemma4-assistant")
 class AssistantUnroller(Unroller):
     default_steps = 4
     needs_kv = True
@@ -291,8 +308,6 @@ class AssistantUnroller(Unroller):
 
 def make_unroller(fmt, model: nn.Module, steps: int | None, embed: nn.Module | None = None,
                   aux_layers: list[int] | None = None) -> Unroller:
-    """The unroller a format's record names (`fmt`: a DrafterFormat or its name), for `model`."""
-    from recycle.formats import get
-
+    """The unroller of a format (`fmt`: a DrafterFormat or its name) for `model`."""
     fmt = get(fmt) if isinstance(fmt, str) else fmt
-    return fmt.resolve("unroller").make(model, steps, embed, aux_layers)
+    return unroller_for(fmt).make(model, steps, embed, aux_layers)

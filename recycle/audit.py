@@ -39,9 +39,10 @@ from pathlib import Path
 
 import numpy as np
 
-from recycle.checkpoint import SCALE_SUFFIX, Checkpoint, expected_scale_shape
+from recycle.checkpoint import Checkpoint
 from recycle.errors import RecycleError
 from recycle.families import SHARED_ROLES, MTPMatch, MTPModule, eval_shape, match
+from recycle.quant import SCALE_SUFFIX, expected_scale_shape
 
 SEVERITIES = ("error", "warning", "info")
 # What a family kind (families.Family.kind) holds and what recycle does with it, in words for the report: the

@@ -28,11 +28,28 @@ import os
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
+from recycle.bench_result import (
+    Bandwidth,
+    BenchResult,
+    HfPeer,
+    Measure,
+    Overall,
+    Predicted,
+    PromptRepeats,
+    PromptResult,
+    PromptRun,
+    PromptSpread,
+    Quartiles,
+    RepeatSpread,
+    Span,
+    Spread,
+)
+from recycle.checkpoint import SHORT_DTYPES
 from recycle.decoding import (
     DecodeStats,
     Drafter,
@@ -41,70 +58,61 @@ from recycle.decoding import (
     generate,
     load_target,
 )
-from recycle.decoding.drafting import load_engine, shape_tokens
-from recycle.checkpoint import SHORT_DTYPES
+from recycle.decoding.drafting import load_engine
+from recycle.decoding.tree import shape_tokens
+from recycle.encode import load_tokenizer, quiet_transformers
 from recycle.errors import RecycleError
 from recycle.formats import BENCH_REPORT
+from recycle.hardware import detect, resolve_device, sync
 from recycle.options import BenchOptions
 from recycle.preflight import load_json
 
 Progress = Callable[[int, int, str], None]
 
 
-def resolve_device(name: str | None) -> torch.device:
-    if name is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name not in ("cpu", "cuda") and not name.startswith("cuda:"):
-        raise RecycleError(f"--device {name!r}: choose cpu or cuda")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise RecycleError("--device cuda: no CUDA device is available to torch here")
-    return torch.device(name)
-
-
 def peak_bandwidth(device: torch.device) -> float | None:
     """The device's datasheet bandwidth in GB/s (recycle.hardware), None on CPU or an unlisted card."""
-    from recycle.hardware import detect
-
     g = detect(device)
     return g.bandwidth_gbs if g is not None else None
 
 
-def _summary(stats: list[DecodeStats]) -> dict:
+def summarize(stats: list[DecodeStats]) -> Measure:
+    """One side's decodes summed over prompts."""
     tokens = sum(s.new_tokens for s in stats)
     secs = sum(s.total_s for s in stats)
     steps = sum(s.steps for s in stats)
     depth = max((len(s.tried) for s in stats), default=0)
     tried = [sum(s.tried[d] for s in stats if d < len(s.tried)) for d in range(depth)]
     acc = [sum(s.accepted[d] for s in stats if d < len(s.accepted)) for d in range(depth)]
-    return {
-        "new_tokens": tokens,
-        "seconds": secs,
-        "tokens_per_s": tokens / secs if secs else 0.0,
-        "target_forwards": sum(s.forwards for s in stats),
-        "steps": steps,
-        "tau": sum(s.new_tokens - 1 for s in stats) / steps if steps else 1.0,
-        "acceptance": [a / t if t else 0.0 for a, t in zip(acc, tried)],
-        "accepted": acc,
-        "tried": tried,
-        "draft_s": sum(s.draft_s for s in stats),
-        "verify_s": sum(s.verify_s for s in stats),
-        "prefill_s": sum(s.prefill_s for s in stats),
-        "tree_nodes_per_step": sum(s.tree_nodes for s in stats) / steps if steps else 0.0,
-        "rollbacks": sum(s.rollbacks for s in stats),  # hybrid targets: steps whose recurrent states went back
-    }
+    return Measure(
+        new_tokens=tokens,
+        seconds=secs,
+        tokens_per_s=tokens / secs if secs else 0.0,
+        target_forwards=sum(s.forwards for s in stats),
+        steps=steps,
+        tau=sum(s.new_tokens - 1 for s in stats) / steps if steps else 1.0,
+        acceptance=tuple(a / t if t else 0.0 for a, t in zip(acc, tried)),
+        accepted=tuple(acc),
+        tried=tuple(tried),
+        draft_s=sum(s.draft_s for s in stats),
+        verify_s=sum(s.verify_s for s in stats),
+        prefill_s=sum(s.prefill_s for s in stats),
+        tree_nodes_per_step=sum(s.tree_nodes for s in stats) / steps if steps else 0.0,
+        rollbacks=sum(s.rollbacks for s in stats),  # hybrid targets: steps whose recurrent states went back
+    )
 
 
-def predicted_speedup(spec: dict, ar: dict) -> dict:
+def predicted_speedup(spec: Measure, ar: Measure) -> Predicted:
     """The cost-model prediction from measured acceptance and per-step costs (module docstring)."""
     tau, run = 1.0, 1.0
-    for a in spec["acceptance"]:
+    for a in spec.acceptance:
         run *= a
         tau += run
-    ar_step = (ar["draft_s"] + ar["verify_s"]) / ar["steps"] if ar["steps"] else float("nan")
-    steps = spec["steps"] or 1
-    c_draft = spec["draft_s"] / steps / ar_step
-    c_verify = spec["verify_s"] / steps / ar_step
-    return {"tau": tau, "c_draft": c_draft, "c_verify": c_verify, "speedup": tau / (c_draft + c_verify)}
+    ar_step = (ar.draft_s + ar.verify_s) / ar.steps if ar.steps else float("nan")
+    steps = spec.steps or 1
+    c_draft = spec.draft_s / steps / ar_step
+    c_verify = spec.verify_s / steps / ar_step
+    return Predicted(tau=tau, c_draft=c_draft, c_verify=c_verify, speedup=tau / (c_draft + c_verify))
 
 
 def _param_bytes(module: torch.nn.Module) -> int:
@@ -112,10 +120,11 @@ def _param_bytes(module: torch.nn.Module) -> int:
 
 
 def hf_peers(model: torch.nn.Module, prompts: list[list[int]], ours: list[list[int]], opts: BenchOptions,
-             eos: int | None, progress: Progress | None, assistant: torch.nn.Module | None = None) -> list[dict]:
+             eos: int | None, progress: Progress | None, assistant: torch.nn.Module | None = None,
+             *, ar_tokens_per_s: float) -> list[HfPeer]:
     """transformers' own decoding on the same target and prompts: plain, use_mtp (where the target
-    declares MTP layers), `assistant_model=` (a Gemma 4 assistant) and prompt lookup; tokens/s and
-    whether greedy output equals ours."""
+    declares MTP layers), `assistant_model=` (a Gemma 4 assistant) and prompt lookup; tokens/s, whether greedy
+    output equals ours, and the speed over our AR decoding's `ar_tokens_per_s`."""
     cfg = model.config
     methods: list[tuple[str, dict]] = [("hf greedy", {})]
     if assistant is not None:
@@ -129,8 +138,6 @@ def hf_peers(model: torch.nn.Module, prompts: list[list[int]], ours: list[list[i
         methods.append(("hf use_mtp", {"use_mtp": True}))
     methods.append(("hf prompt lookup", {"prompt_lookup_num_tokens": 3}))
     sampling = {"do_sample": True, "temperature": opts.temperature} if opts.temperature > 0 else {"do_sample": False}
-    from recycle.decoding.target import quiet_transformers
-
     dev = next(model.parameters()).device
     rows = []
     for mi, (name, kw) in enumerate(methods):
@@ -146,8 +153,7 @@ def hf_peers(model: torch.nn.Module, prompts: list[list[int]], ours: list[list[i
                     t0 = time.perf_counter()
                     o = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=opts.max_new_tokens,
                                        eos_token_id=eos, pad_token_id=eos, **sampling, **kw)
-                    if dev.type == "cuda":
-                        torch.cuda.synchronize(dev)
+                    sync(dev)
                     secs += time.perf_counter() - t0
             except Exception as e:  # a peer failing is a finding to report, not a crash of our bench
                 err = f"{type(e).__name__}: {' '.join(str(e).split())[:160]}"
@@ -157,12 +163,12 @@ def hf_peers(model: torch.nn.Module, prompts: list[list[int]], ours: list[list[i
             match += int(new == ours[i])
             if progress:
                 progress(mi * len(prompts) + i + 1, len(methods) * len(prompts), name)
-        rows.append({
-            "method": name, "new_tokens": int(tokens), "seconds": secs,
-            "tokens_per_s": tokens / secs if secs and err is None else None,
-            "greedy_match": f"{match}/{len(prompts)}" if opts.temperature <= 0 and err is None else None,
-            "error": err,
-        })
+        tps = tokens / secs if secs and err is None else None
+        rows.append(HfPeer(
+            method=name, new_tokens=int(tokens), seconds=secs, tokens_per_s=tps,
+            greedy_match=f"{match}/{len(prompts)}" if opts.temperature <= 0 and err is None else None,
+            error=err, speedup_vs_our_ar=tps / ar_tokens_per_s if tps else None,
+        ))
     return rows
 
 
@@ -180,8 +186,6 @@ class Session:
 
     def engine_for(self, tree: str, opts: BenchOptions) -> Drafter:
         """Another engine of the same drafter with another tree shape."""
-        from recycle.decoding.target import quiet_transformers
-
         with quiet_transformers():
             return load_engine(opts.drafter, self.target, self.masks, tree=tree, native=opts.native,
                                target_dir=opts.target)
@@ -189,20 +193,12 @@ class Session:
 
 def open_session(opts: BenchOptions) -> Session:
     """Load the target, the drafter (checked against the target) and the tokenizer; encode the prompts."""
-    from transformers import AutoTokenizer
-
-    from recycle.decoding.target import quiet_transformers
     from recycle.prompts import default_prompts, encode_prompts
 
     opts.validate()
     device = resolve_device(opts.device)
     tdir = Path(opts.target)
-    tok_dir = tdir if (tdir / "tokenizer.json").is_file() or (tdir / "tokenizer_config.json").is_file() else opts.drafter
-    try:
-        with quiet_transformers():
-            tokenizer = AutoTokenizer.from_pretrained(tok_dir)
-    except Exception as e:  # noqa: BLE001 - a corrupt tokenizer file is bad input
-        raise RecycleError(f"{tok_dir}: no usable tokenizer ({' '.join(str(e).split())[:160]})") from None
+    tokenizer = load_tokenizer(tdir, opts.drafter)  # the drafter's where the target ships none
     prompts = opts.prompts if opts.prompts is not None else default_prompts()
     with quiet_transformers():  # a prompt longer than the model is refused below, in one line
         encoded = encode_prompts(tokenizer, prompts, str(tdir), opts.chat_template)  # before any model loads
@@ -243,8 +239,8 @@ def check_positions(encoded: list[list[int]], max_new: int, extra: int, position
                            "(max_position_embeddings); shorten the prompt or lower --max-new-tokens")
 
 
-def run_bench(opts: BenchOptions, progress: Progress | None = None) -> dict:
-    """Benchmark one drafter against AR decoding of its target; returns the JSON-ready report."""
+def run_bench(opts: BenchOptions, progress: Progress | None = None) -> BenchResult:
+    """Benchmark one drafter against AR decoding of its target; its `to_json()` is the `--json` report."""
     from recycle.prompts import default_prompts, prompt_text
 
     ses = open_session(opts)
@@ -271,74 +267,78 @@ def run_bench(opts: BenchOptions, progress: Progress | None = None) -> dict:
         sp_stats.append(sp.stats)
         ours.append(sp.tokens)
         match = (ar.tokens == sp.tokens) if opts.temperature <= 0 else None
-        rows.append({
-            "set": kind, "prompt_tokens": len(ids), "text": prompt_text(text)[:80],
-            "ar": {k: v for k, v in asdict(ar.stats).items() if k != "accept_lengths"} | {"tokens_per_s": _tps(ar.stats)},
-            "spec": {k: v for k, v in asdict(sp.stats).items() if k != "accept_lengths"}
-            | {"tokens_per_s": _tps(sp.stats), "tau": sp.stats.tau},
-            "speedup": _tps(sp.stats) / _tps(ar.stats) if _tps(ar.stats) else None,
-            "greedy_match": match,
-            "repeats": None if opts.repeats == 1 else {"ar_tokens_per_s": [_tps(a) for a, _ in timings[-1]],
-                                                        "spec_tokens_per_s": [_tps(b) for _, b in timings[-1]]},
-        })
+        rows.append(PromptResult(
+            set=kind, prompt_tokens=len(ids), text=prompt_text(text)[:80],
+            ar=_prompt_run(ar.stats), spec=_prompt_run(sp.stats, sp.stats.tau),
+            speedup=_tps(sp.stats) / _tps(ar.stats) if _tps(ar.stats) else None,
+            greedy_match=match,
+            repeats=None if opts.repeats == 1 else PromptRepeats(tuple(_tps(a) for a, _ in timings[-1]),
+                                                                 tuple(_tps(b) for _, b in timings[-1])),
+        ))
         if progress:
             progress(i + 1, len(prompts), "decoding")
-    ar_sum, sp_sum = _summary(ar_stats), _summary(sp_stats)
-    report = {
-        "target": str(tdir),
-        "drafter": opts.drafter if not opts.native else None,
-        "drafter_kind": engine.kind,
-        "tree": engine.describe(),
-        "device": str(device),
-        "dtype": opts.precision,
-        "threads": torch.get_num_threads(),
-        "temperature": opts.temperature,
-        "max_new_tokens": opts.max_new_tokens,
-        "seed": opts.seed,
-        "repeats": opts.repeats,
-        "prompts": rows,
-        "overall": {
-            "ar": ar_sum,
-            "spec": sp_sum,
-            "speedup": sp_sum["tokens_per_s"] / ar_sum["tokens_per_s"] if ar_sum["tokens_per_s"] else None,
-            "predicted": predicted_speedup(sp_sum, ar_sum),
-            "greedy_match": f"{sum(bool(r['greedy_match']) for r in rows)}/{len(rows)}" if opts.temperature <= 0 else None,
-        },
-        "bandwidth": None,
-        "hf": None,
-        "notes": [],
-        "saved": None,
-    }
-    report["overall"]["spread"] = spread(ar_stats, sp_stats, timings)
-    report["notes"] = noise_notes(report["overall"])
+    ar_sum, sp_sum = summarize(ar_stats), summarize(sp_stats)
+    overall = Overall(
+        ar=ar_sum,
+        spec=sp_sum,
+        speedup=sp_sum.tokens_per_s / ar_sum.tokens_per_s if ar_sum.tokens_per_s else None,
+        predicted=predicted_speedup(sp_sum, ar_sum),
+        greedy_match=f"{sum(bool(r.greedy_match) for r in rows)}/{len(rows)}" if opts.temperature <= 0 else None,
+        spread=spread(ar_stats, sp_stats, timings),
+    )
+    bandwidth = None
     peak = peak_bandwidth(device)
     if peak is not None:
         nbytes = _param_bytes(model)
-        report["bandwidth"] = {
-            "peak_gbs": peak,
-            "ar_gbs": nbytes * ar_sum["target_forwards"] / ar_sum["seconds"] / 1e9,
-            "spec_gbs": nbytes * sp_sum["target_forwards"] / sp_sum["seconds"] / 1e9,
-        }
+        bandwidth = Bandwidth(peak_gbs=peak, ar_gbs=nbytes * ar_sum.target_forwards / ar_sum.seconds / 1e9,
+                              spec_gbs=nbytes * sp_sum.target_forwards / sp_sum.seconds / 1e9)
+    hf = None
     if opts.compare_hf:
-        report["hf"] = hf_peers(model, encoded, ours, opts, eos, progress, assistant=getattr(engine, "assistant", None))
-        for r in report["hf"]:
-            r["speedup_vs_our_ar"] = r["tokens_per_s"] / ar_sum["tokens_per_s"] if r["tokens_per_s"] else None
+        hf = tuple(hf_peers(model, encoded, ours, opts, eos, progress, assistant=getattr(engine, "assistant", None),
+                            ar_tokens_per_s=ar_sum.tokens_per_s))
+    result = BenchResult(
+        target=str(tdir),
+        drafter=opts.drafter if not opts.native else None,
+        drafter_kind=engine.kind,
+        tree=engine.describe(),
+        device=str(device),
+        dtype=opts.precision,
+        threads=torch.get_num_threads(),
+        temperature=opts.temperature,
+        max_new_tokens=opts.max_new_tokens,
+        seed=opts.seed,
+        repeats=opts.repeats,
+        prompts=tuple(rows),
+        overall=overall,
+        bandwidth=bandwidth,
+        hf=hf,
+        notes=tuple(noise_notes(overall)),
+        saved=None,
+    )
     if opts.save:
-        save_report(report, Path(opts.drafter))
-    return report
+        result = replace(result, saved=str(save_report(result, Path(opts.drafter)).resolve()))
+    return result
+
+
+def _prompt_run(s: DecodeStats, tau: float | None = None) -> PromptRun:
+    """One side's decode of one prompt as the report holds it (`tau`: the speculative side's)."""
+    return PromptRun(new_tokens=s.new_tokens, forwards=s.forwards, rollbacks=s.rollbacks, steps=s.steps,
+                     tree_nodes=s.tree_nodes, prefill_s=s.prefill_s, draft_s=s.draft_s, verify_s=s.verify_s,
+                     total_s=s.total_s, tried=tuple(s.tried), accepted=tuple(s.accepted), tokens_per_s=_tps(s),
+                     tau=tau)
 
 
 LOADED_RATIO = 2.0  # AR decoding speed varying more than this across prompts: something else shares the machine
 GOOD_TAU = 1.5  # τ above which a speedup below 1 is the per-round cost's doing, not the drafter's acceptance
 
 
-def _quartiles(values: list[float]) -> dict:
+def _quartiles(values: list[float]) -> Quartiles:
     """min, q1, median, q3, max (inclusive quartiles: a handful of prompts is the whole population)."""
     v = sorted(values)
     if len(v) == 1:
-        return {"min": v[0], "q1": v[0], "median": v[0], "q3": v[0], "max": v[0]}
+        return Quartiles(v[0], v[0], v[0], v[0], v[0])
     q1, med, q3 = statistics.quantiles(v, n=4, method="inclusive")
-    return {"min": v[0], "q1": q1, "median": med, "q3": q3, "max": v[-1]}
+    return Quartiles(v[0], q1, med, q3, v[-1])
 
 
 def _decode_rate(s: DecodeStats) -> float | None:
@@ -349,52 +349,50 @@ def _decode_rate(s: DecodeStats) -> float | None:
 
 
 def _speedup(ar: list[DecodeStats], sp: list[DecodeStats]) -> float | None:
-    a, b = _summary(ar)["tokens_per_s"], _summary(sp)["tokens_per_s"]
+    a, b = summarize(ar).tokens_per_s, summarize(sp).tokens_per_s
     return b / a if a else None
 
 
-def spread(ar: list[DecodeStats], sp: list[DecodeStats], timings: list[list[tuple[DecodeStats, DecodeStats]]]) -> dict:
+def spread(ar: list[DecodeStats], sp: list[DecodeStats], timings: list[list[tuple[DecodeStats, DecodeStats]]]) -> Spread:
     """How much the figures move: across prompts (always: the IQR of per-prompt speedup and τ, and how far AR
     decoding speed ranged, which on an idle machine hardly moves) and, with --repeats > 1, across repeats (each
     repeat's overall figures, every prompt timed once)."""
     speedups = [_tps(b) / _tps(a) for a, b in zip(ar, sp) if _tps(a)]
     rates = [r for r in map(_decode_rate, ar) if r]
-    prompts = {
-        "speedup": _quartiles(speedups) if speedups else None,
-        "tau": _quartiles([s.tau for s in sp]),
-        "ar_decode_steps_per_s": {"min": min(rates), "max": max(rates), "ratio": max(rates) / min(rates)}
-        if rates else None,
-    }
+    span = Span(min(rates), max(rates), max(rates) / min(rates)) if rates else None
+    prompts = PromptSpread(speedup=_quartiles(speedups) if speedups else None, tau=_quartiles([s.tau for s in sp]),
+                           ar_decode_steps_per_s=span)
     repeats = None
     if timings and len(timings[0]) > 1:
         rounds = [[t[r] for t in timings] for r in range(len(timings[0]))]
-        repeats = {
-            "n": len(rounds),
-            "speedup": _quartiles([x for x in (_speedup([a for a, _ in r], [b for _, b in r]) for r in rounds)
-                                   if x is not None]),
-            "ar_tokens_per_s": _quartiles([_summary([a for a, _ in r])["tokens_per_s"] for r in rounds]),
-            "spec_tokens_per_s": _quartiles([_summary([b for _, b in r])["tokens_per_s"] for r in rounds]),
-        }
-    ratio = (prompts["ar_decode_steps_per_s"] or {}).get("ratio") or 1.0
-    return {"prompts": prompts, "repeats": repeats, "loaded": ratio > LOADED_RATIO}
+        repeats = RepeatSpread(
+            n=len(rounds),
+            speedup=_quartiles([x for x in (_speedup([a for a, _ in r], [b for _, b in r]) for r in rounds)
+                                if x is not None]),
+            ar_tokens_per_s=_quartiles([summarize([a for a, _ in r]).tokens_per_s for r in rounds]),
+            spec_tokens_per_s=_quartiles([summarize([b for _, b in r]).tokens_per_s for r in rounds]),
+        )
+    ratio = (span.ratio if span else None) or 1.0
+    return Spread(prompts=prompts, repeats=repeats, loaded=ratio > LOADED_RATIO)
 
 
-def noise_notes(overall: dict) -> list[str]:
+def noise_notes(overall: Overall) -> list[str]:
     """One line each: a loaded machine (speedups are noise there), and a good τ that still loses, explained by the
     cost model's per-round costs (in AR steps)."""
     notes = []
-    rates = overall["spread"]["prompts"]["ar_decode_steps_per_s"]
-    if overall["spread"]["loaded"]:
-        notes.append(f"autoregressive decoding ran {rates['ratio']:.1f}× faster on one prompt than on another "
-                     f"({rates['min']:.0f}–{rates['max']:.0f} steps/s): the machine is busy with other work, so "
+    loaded = overall.spread is not None and overall.spread.loaded
+    if loaded:
+        rates = overall.spread.prompts.ar_decode_steps_per_s
+        notes.append(f"autoregressive decoding ran {rates.ratio:.1f}× faster on one prompt than on another "
+                     f"({rates.min:.0f}–{rates.max:.0f} steps/s): the machine is busy with other work, so "
                      "these speedups are noise; re-run on an idle machine, or with --repeats 3")
-    tau, speedup, pr = overall["spec"]["tau"], overall["speedup"], overall["predicted"]
+    tau, speedup, pr = overall.spec.tau, overall.speedup, overall.predicted
     if speedup is not None and speedup < 1 and tau > GOOD_TAU:
-        cd, cv = pr["c_draft"], pr["c_verify"]
+        cd, cv = pr.c_draft, pr.c_verify
         cost = cd + cv
         if cost >= tau:
             why = ""
-            if overall["spread"]["loaded"]:  # the costs are as noisy as the speedups: no advice follows from them
+            if loaded:  # the costs are as noisy as the speedups: no advice follows from them
                 why = "; measured on a busy machine, so no advice on the tree or the drafter follows from these costs"
             elif cv - 1 >= cd:  # verification's cost beyond one AR step is the larger share
                 why = (f"; verifying costs {cv:.2f} target steps a round, not about one as where decoding is "
@@ -405,26 +403,24 @@ def noise_notes(overall: dict) -> list[str]:
             notes.append(f"τ is {tau:.2f} but the speedup {speedup:.2f}×: a round costs {cost:.2f} AR steps "
                          f"(drafting {cd:.2f}, verifying {cv:.2f}), more than the {tau:.2f} tokens it gains{why}")
         else:
-            notes.append(f"τ is {tau:.2f} and the cost model predicts {pr['speedup']:.2f}× from the per-round costs, "
+            notes.append(f"τ is {tau:.2f} and the cost model predicts {pr.speedup:.2f}× from the per-round costs, "
                          f"yet {speedup:.2f}× was measured: the time went outside drafting and verifying (prefill, "
                          "the loop's own work) or to other work on the machine")
     return notes
 
 
-def save_report(report: dict, drafter: Path) -> Path:
+def save_report(result: BenchResult, drafter: Path) -> Path:
     """Write the report as DRAFTER/bench.json (the model card's benchmark), atomically: a temp file beside it,
     then a rename, so an interrupted write leaves the previous report or none, never half of one. The file
-    goes up with the drafter on `recycle push`, so where it was saved (a local path) stays out of it; the
-    returned report says it as `saved`."""
+    goes up with the drafter on `recycle push`, so where it was saved (a local path) stays out of it: the
+    result's `saved` says it (run_bench sets it to the returned path)."""
     path = drafter / BENCH_REPORT
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        tmp.write_text(json.dumps({k: v for k, v in report.items() if k != "saved"}, indent=2) + "\n",
-                       encoding="utf-8")
+        tmp.write_text(json.dumps(result.file_json(), indent=2) + "\n", encoding="utf-8")
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
-    report["saved"] = str(path.resolve())
     return path
 
 
@@ -439,5 +435,5 @@ def set_threads(n: int | None) -> None:
         torch.set_num_threads(n)
 
 
-__all__ = ["BenchOptions", "run_bench", "predicted_speedup", "peak_bandwidth", "set_threads", "spread", "noise_notes",
-           "save_report"]
+__all__ = ["BenchOptions", "BenchResult", "run_bench", "summarize", "predicted_speedup", "peak_bandwidth", "set_threads",
+           "spread", "noise_notes", "save_report"]

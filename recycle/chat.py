@@ -291,7 +291,7 @@ class ChatRenderer:
                                "refused; fix or replace it (--chat-template FILE)") from None
         except RecycleError:
             raise
-        except Exception as e:  # noqa: BLE001 - a template raises whatever Jinja or its raise_exception raises
+        except Exception as e:  # a template raises whatever Jinja or its raise_exception raises
             raise RenderError(f"the chat template failed to render ({_one_line(e)})") from None
 
     def text(self, messages: list[dict] | tuple[dict, ...], generation_prompt: bool = False) -> str:
@@ -351,21 +351,6 @@ class ChatRenderer:
         if eos is not None and eos not in stops:
             stops.append(eos)
         return stops
-
-
-def render_all(renderer: ChatRenderer, docs: Iterable[Document], log: Counter | None = None
-               ) -> Iterable[Rendered | str]:
-    """Each document rendered (conversations) or as it is (text); a conversation that cannot be rendered is skipped,
-    its reason counted in `log`."""
-    for d in docs:
-        if isinstance(d, Conversation):
-            try:
-                yield renderer.render(d)
-            except RenderError as e:
-                if log is not None:
-                    log.skip(str(e))
-        else:
-            yield d
 
 
 def generation_prompt(conv: Conversation) -> tuple[dict, ...]:

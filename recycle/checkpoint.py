@@ -3,7 +3,8 @@
 Opening a checkpoint reads `config.json` and every shard's header (through the safetensors
 library), never tensor data; tensors are read one at a time on demand. FP8 block-scaled weights
 (DeepSeek's convention: `W` float8_e4m3fn and `W_scale_inv` float32 of shape
-[ceil(M/b0), ceil(N/b1)], a *multiplier*) are dequantized on request, wherever the scale is stored.
+[ceil(M/b0), ceil(N/b1)], a *multiplier*) are dequantized on request (`recycle.quant`'s codec), wherever the
+scale is stored.
 `span` gives a tensor's byte range in its shard, so stored bytes can be copied without a tensor.
 
 A checkpoint is untrusted input (a Hub download): every file it reads must lie inside its directory. A shard
@@ -18,7 +19,6 @@ import contextlib
 import json
 import math
 import os
-import re
 import struct
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -29,7 +29,8 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 
 from recycle.errors import RecycleError
-from recycle.preflight import checkpoint_dir, load_json  # noqa: F401  (load_json: re-exported)
+from recycle.preflight import checkpoint_dir, load_json
+from recycle.quant import SCALE_SUFFIX, dequantize_fp8, expected_scale_shape
 
 if TYPE_CHECKING:
     import torch
@@ -63,13 +64,7 @@ ST_DTYPES: dict[str, tuple[float, str | None]] = {
 FP8_DTYPES = frozenset({"F8_E4M3", "F8_E5M2"})
 # The names users give (--dtype, --precision) → torch's (config.json's torch_dtype).
 TORCH_NAMES: dict[str, str] = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-# Elements per dequantization step: the float32 buffer (1 MiB) stays in cache, 1.7× faster than
-# one 128-row block of a 7168-wide weight at a time.
-DEQUANT_CHUNK = 1 << 18
-SCALE_SUFFIX = "_scale_inv"
 INDEX_FILE = "model.safetensors.index.json"
-# One weights file split by huggingface_hub (`model.safetensors` → `model-00001-of-00003.safetensors` + its index).
-SHARD_NAME = re.compile(r"^(?P<stem>.+)-(?P<i>\d{5})-of-(?P<n>\d{5})\.safetensors$")
 # Config keys that describe storage, not the computation (the runtime holds dequantized weights);
 # here, not in recycle.mtp, so converters need not import transformers.
 STORAGE_KEYS = ("quantization_config", "architectures", "auto_map", "torch_dtype", "dtype", "transformers_version")
@@ -394,12 +389,6 @@ class Checkpoint:
                 yield chunk.float()
 
 
-def expected_scale_shape(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, int]:
-    """[ceil(M/b0), ceil(N/b1)] for a weight of shape [M, N]."""
-    m, n = shape[-2], shape[-1]
-    return math.ceil(m / block[0]), math.ceil(n / block[1])
-
-
 def read_header(path: Path) -> tuple[dict, int]:
     """A safetensors file's JSON header and where its data begins."""
     try:
@@ -418,159 +407,3 @@ def data_offsets(path: Path) -> dict[str, tuple[int, int]]:
     header, base = read_header(path)
     return {k: (base + v["data_offsets"][0], base + v["data_offsets"][1])
             for k, v in header.items() if k != "__metadata__"}
-
-
-_FP8_TABLES: dict[torch.dtype, np.ndarray] = {}
-
-
-def fp8_table(dtype: torch.dtype) -> np.ndarray:
-    """float32 value of each of the 256 FP8 codes, made by torch's own cast (so lookups match it bit for bit)."""
-    import torch  # made here: headers alone need no torch
-
-    if dtype not in _FP8_TABLES:
-        _FP8_TABLES[dtype] = torch.arange(256, dtype=torch.uint8).view(dtype).float().numpy()
-    return _FP8_TABLES[dtype]
-
-
-def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = (128, 128),
-                   dtype: torch.dtype | None = None) -> torch.Tensor:
-    """`W[i, j] * S[i // b0, j // b1]` in float32, rounded once to `dtype` (the scale multiplies, despite its name).
-
-    Goes a few rows at a time: codes → float32 by a 256-entry table lookup (np.take, ~5× faster
-    than torch's FP8 cast), times the rows' scale row, cast into the output. No float32 copy of
-    the whole weight exists, and the values equal `W.float() * S` cast to `dtype`, bit for bit.
-    """
-    import torch  # made here: headers alone need no torch
-
-    dtype = dtype or torch.float32
-    if weight.dim() != 2 or weight.element_size() != 1 or not weight.is_floating_point():
-        raise RecycleError(f"FP8 block dequantization needs a 2-D FP8 weight, got {weight.dtype} {list(weight.shape)}")
-    m, n = weight.shape
-    bm, bn = expected_scale_shape(weight.shape, block)
-    if tuple(scale_inv.shape) != (bm, bn):
-        raise RecycleError(f"FP8 scale has shape {list(scale_inv.shape)}, expected {[bm, bn]} for weight {[m, n]}")
-    table = fp8_table(weight.dtype)
-    codes = weight.contiguous().view(torch.uint8).numpy()
-    scale_cols = scale_inv.float().repeat_interleave(block[1], dim=1)[:, :n]  # [bm, n]: one scale row per row block
-    out = torch.empty((m, n), dtype=dtype)
-    rows = _chunk_rows(n, block[0])
-    buf = None if dtype == torch.float32 else np.empty((min(rows, m), n), np.float32)
-    for start in range(0, m, rows):
-        stop = min(m, start + rows)
-        f32 = out.numpy()[start:stop] if buf is None else buf[: stop - start]
-        np.take(table, codes[start:stop], out=f32, mode="clip")  # "clip" writes straight into `out`; u8 is in range
-        chunk = torch.from_numpy(f32)
-        _scale_rows(chunk, scale_cols, start, block[0])
-        if buf is not None:
-            out[start:stop].copy_(chunk)
-    return out
-
-
-def _chunk_rows(n: int, b0: int) -> int:
-    """Rows per dequantization step: about DEQUANT_CHUNK elements, a multiple of the row block or a
-    divisor of it, so no step covers part of two row blocks."""
-    want = max(1, DEQUANT_CHUNK // max(1, n))
-    if want >= b0:
-        return want // b0 * b0
-    return max(d for d in range(1, want + 1) if b0 % d == 0)
-
-
-def _scale_rows(chunk: torch.Tensor, scale_cols: torch.Tensor, start: int, b0: int) -> None:
-    """Multiply rows `start`.. in place by their row block's scale row."""
-    i, rows = start // b0, chunk.shape[0]
-    if start % b0 or rows <= b0:  # inside one row block
-        chunk.mul_(scale_cols[i])
-        return
-    full = rows // b0 * b0
-    chunk[:full].view(full // b0, b0, -1).mul_(scale_cols[i:i + full // b0, None, :])
-    if full < rows:
-        chunk[full:].mul_(scale_cols[i + full // b0])
-
-
-def quantize_fp8(weight: torch.Tensor, block: tuple[int, int] = (128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
-    """Block-wise e4m3 quantization in DeepSeek's convention: returns (fp8 weight, float32 scale_inv)."""
-    import torch  # made here: headers alone need no torch
-
-    w = weight.float()
-    m, n = w.shape
-    bm, bn = expected_scale_shape(w.shape, block)
-    padded = torch.zeros(bm * block[0], bn * block[1])
-    padded[:m, :n] = w
-    tiles = padded.view(bm, block[0], bn, block[1])
-    amax = tiles.abs().amax(dim=(1, 3)).clamp(min=1e-12)
-    scale = amax / torch.finfo(torch.float8_e4m3fn).max
-    q = (tiles / scale[:, None, :, None]).view(bm * block[0], bn * block[1])[:m, :n]
-    return q.to(torch.float8_e4m3fn), scale.float()
-
-
-def whole_file(rel: str) -> str:
-    """The weights file a shard belongs to (`nextn/x-00002-of-00003.safetensors` → `nextn/x.safetensors`); any other
-    name as it is."""
-    head, _, name = rel.rpartition("/")
-    m = SHARD_NAME.match(name)
-    return rel if m is None else f"{head}{'/' if head else ''}{m['stem']}.safetensors"
-
-
-def weight_files(d: str | os.PathLike, name: str) -> list[Path]:
-    """The files that hold the weights file `name` of directory `d`: `d/name` itself, or the shards its index
-    (`name.index.json`, huggingface_hub's convention) lists, all present; [] when neither is there. A directory
-    may hold either form: every reader of a drafter's own weights goes through here."""
-    d = Path(d)
-    if (d / name).is_file():
-        return [shard_path(d, name, d)]
-    index = d / f"{name}.index.json"
-    if not index.is_file():
-        return []
-    weight_map = load_json(index, "safetensors index").get("weight_map")
-    if not isinstance(weight_map, dict) or not weight_map:
-        raise RecycleError(f"{index}: no 'weight_map' object")
-    for f in set(weight_map.values()):
-        shard_path(d, f, index)
-    files = [d / f for f in sorted(set(weight_map.values()))]
-    missing = [f.name for f in files if not f.is_file()]
-    if missing:
-        raise RecycleError(f"{index}: names shard '{missing[0]}', which is missing")
-    return files
-
-
-def load_weights(d: str | os.PathLike, name: str, meta: bool = False) -> dict[str, torch.Tensor]:
-    """Every tensor of the weights file `name` of `d`, whole or sharded (`weight_files`); `meta`: from the headers
-    alone, on the meta device. A missing, truncated or foreign file is one RecycleError."""
-    import torch  # made here: headers alone need no torch
-
-    from safetensors.torch import load_file
-
-    files = weight_files(d, name)
-    if not files:
-        raise RecycleError(f"{Path(d) / name}: missing")
-    state: dict[str, torch.Tensor] = {}
-    for f in files:
-        try:
-            part = meta_state(f) if meta else load_file(str(f))
-        except RecycleError:
-            raise
-        except Exception as e:  # noqa: BLE001 - a truncated or foreign file
-            raise RecycleError(f"{f}: corrupt or unreadable safetensors ({' '.join(str(e).split())[:160]})") from None
-        twice = next((k for k in part if k in state), None)
-        if twice is not None:
-            raise RecycleError(f"{Path(d) / name}: tensor {twice} is stored in two shards")
-        state.update(part)
-    return state
-
-
-def meta_state(path: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """One safetensors file's tensors as meta tensors (names, shapes, dtypes from its header; nothing read):
-    enough to build and check a module on the meta device (`push` validates a 27 GB drafter this way)."""
-    import torch  # made here: headers alone need no torch
-
-    from safetensors import safe_open
-
-    out = {}
-    with safe_open(str(path), "pt") as f:
-        for name in f.keys():
-            sl = f.get_slice(name)
-            dtype = __getattr__("DTYPES").get(sl.get_dtype(), (0, None))[1]
-            if dtype is None:
-                raise RecycleError(f"{path}: tensor {name} has dtype {sl.get_dtype()}, which torch cannot hold")
-            out[name] = torch.empty(tuple(sl.get_shape()), dtype=dtype, device="meta")
-    return out

@@ -22,9 +22,10 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from recycle.checkpoint import SCALE_SUFFIX, Checkpoint
+from recycle.checkpoint import Checkpoint
 from recycle.errors import RecycleError
 from recycle.ggufarch import DEEPSEEK2, GLM4MOE, QWEN3NEXT, QWEN35, QWEN35MOE, GGUFArch
+from recycle.quant import SCALE_SUFFIX
 
 ROLES = ("embed_norm", "hidden_norm", "proj", "block", "final_norm", "head", "embed")
 SHARED_ROLES = ("final_norm", "head", "embed")  # roles a module may borrow from the trunk
@@ -113,6 +114,11 @@ class Family:
     )
     block_shapes: Mapping[str, tuple[str, ...]] = field(default_factory=lambda: COMMON_BLOCK_SHAPES)
     kind: str = "mtp"  # "mtp" (sequential modules), "parallel_heads" (Meta), "drafter" (Gemma 4 assistant)
+    # What `recycle convert` builds on (the converters read these, never `kind`):
+    mtp_block: bool = True  # sequential modules with an embedding input, the block EAGLE, EAGLE-3 and GGUF are built on
+    # already a drafter of its own target (reads the target's states, norm and head): convert takes `--target` as
+    # its backbone, folds it into EAGLE-3 (converters/assistant.py) and builds Medusa heads at the target's width
+    reads_target: bool = False
     # Runtime semantics (what vLLM/SGLang compute), used by recycle.mtp:
     block_class: str | None = None  # transformers decoder-layer class running the block
     block_model_type: str | None = None  # transformers model_type for the block's config, if not the family's own
@@ -335,6 +341,7 @@ FAMILIES: tuple[Family, ...] = (
         hidden_keys=("dim", "hidden_size"),
         block_shapes={"attention_norm.weight": ("H",), "ffn_norm.weight": ("H",)},
         kind="parallel_heads",
+        mtp_block=False,
         hf_layout=META_LLAMA,
         block_class="transformers.models.llama.modeling_llama.LlamaDecoderLayer",
         notes="extra_heads.{k} are transformer blocks reading the trunk state in parallel; no embedding input",
@@ -357,6 +364,8 @@ FAMILIES: tuple[Family, ...] = (
         backbone_keys=("backbone_hidden_size",),
         shapes={"proj": ("H", "2Hb"), "final_norm": ("H",), "head": ("V", "H"), "embed": ("V", "H")},
         kind="drafter",
+        mtp_block=False,
+        reads_target=True,
         notes="already a drafter (Q-only layers attending the target's KV cache): drafts as it is; convert --to "
               "eagle3|medusa --target rewrites it",
     ),

@@ -56,7 +56,7 @@ def check_drafter(fmt, drafter: Mapping, target: Mapping, drafter_dir: str | Pat
     r = fmt.reads(drafter, merged_config(target))
     _compare(r.hidden, r.vocab, r.aux_layers or (), r.target_types, target, drafter_dir, target_dir, what, r.hidden_key)
     if fmt.fit_extra is not None:
-        fmt.resolve("fit_extra")(dict(drafter), dict(target), what)
+        fmt.fit_extra(dict(drafter), dict(target), what)
 
 
 def _compare(hidden: int | None, vocab: int | None, aux: tuple[int, ...] | list[int], types: tuple[str, ...] | None,

@@ -33,7 +33,7 @@ def open_gguf(path: str | os.PathLike):
         from gguf import GGUFReader
 
         r = GGUFReader(str(p))
-    except Exception as e:  # noqa: BLE001 - whatever a cut or corrupt header makes the reader raise is bad input
+    except Exception as e:  # whatever a cut or corrupt header makes the reader raise is bad input
         raise RecycleError(f"{p}: unreadable GGUF ({type(e).__name__}: {' '.join(str(e).split())[:120]}); "
                            "truncated or corrupt?") from None
     size = p.stat().st_size

@@ -2,11 +2,13 @@
 
 One table serves `recycle bench` (achieved bandwidth against the device's peak) and `recycle plan`
 (the roofline across GPUs). Figures are the vendors' datasheet numbers for dense (not 2:4-sparse)
-bf16 tensor math; a device is matched on the name torch reports.
+bf16 tensor math; a device is matched on the name torch reports. `resolve_device` (`--device`) and `sync` are the
+one of each that bench, plan, the decode loop and distill use.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -55,6 +57,28 @@ def gpu(key: str) -> GPU:
     raise RecycleError(f"--gpu {key!r}: unknown GPU; known: {', '.join(keys)}{did_you_mean(key, keys)}")
 
 
+def resolve_device(name: str | None, rank: int | None = None) -> torch.device:
+    """`--device`: cpu, cuda or cuda:N (None: cuda where torch sees one, else cpu). `rank`, a distributed run's rank,
+    puts a process on its own GPU: LOCAL_RANK (torchrun's), else the rank modulo the GPUs here."""
+    if name is None:
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name not in ("cpu", "cuda") and not name.startswith("cuda:"):
+        raise RecycleError(f"--device {name!r}: choose cpu or cuda")
+    if name == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise RecycleError("--device cuda: no CUDA device is available to torch here")
+    if rank is not None:
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count())))
+    return torch.device(name)
+
+
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued work (a timing's edge); nothing to wait for on the CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def detect(device: torch.device) -> GPU | None:
     """The table entry for a CUDA device, by the name torch reports (None on CPU or an unlisted card)."""
     if device.type != "cuda":
@@ -63,7 +87,7 @@ def detect(device: torch.device) -> GPU | None:
     return next((g for g in GPUS if any(n in name for n in g.names)), None)
 
 
-__all__ = ["GPU", "GPUS", "gpu", "detect"]
+__all__ = ["GPU", "GPUS", "gpu", "detect", "resolve_device", "sync"]
 
 
 def cpu_capabilities() -> dict:

@@ -1,7 +1,8 @@
-"""The one resolver of objects named as data: the family table names transformers' decoder-layer classes
-("transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3DecoderLayer"), the drafter-format records
-name the pieces that live in higher layers ("recycle.decoding.drafting:eagle_engine"). Imported on use, so
-the tables themselves import nothing heavy and no arrow points back up."""
+"""The one resolver of transformers' classes named as data: the family table names each family's decoder-layer
+class ("transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3DecoderLayer"), which the MTP runtime
+(`recycle.mtp`) and parallel heads (`recycle.drafters.parallel`) import on use, so the table itself imports nothing
+heavy. recycle's own code is never named by string: a format's hooks are registered objects (`recycle.registry`).
+"""
 
 from __future__ import annotations
 
@@ -12,10 +13,10 @@ from recycle.errors import RecycleError
 
 
 def import_object(ref: str) -> Any:
-    """`"package.module:attr"`, or a dotted path whose last part is the attribute → the object."""
-    module, _, name = ref.partition(":") if ":" in ref else ref.rpartition(".")
+    """A dotted path whose last part is the attribute ("transformers.models.x.modeling_x.XDecoderLayer") → the
+    class, from the installed transformers."""
+    module, _, name = ref.rpartition(".")
     try:
         return getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as e:
-        where = "the installed transformers" if module.startswith("transformers") else "recycle"
-        raise RecycleError(f"cannot import {ref} from {where} ({e})") from None
+        raise RecycleError(f"cannot import {ref} from the installed transformers ({e})") from None

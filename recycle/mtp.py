@@ -31,10 +31,11 @@ from transformers.conversion_mapping import get_checkpoint_conversion_mapping
 from transformers.core_model_loading import revert_weight_conversion
 from transformers.masking_utils import create_causal_mask
 
-from recycle.checkpoint import SCALE_SUFFIX, STORAGE_KEYS, Checkpoint
+from recycle.checkpoint import STORAGE_KEYS, Checkpoint
 from recycle.errors import RecycleError
 from recycle.families import BY_NAME, Family, MTPMatch, match
 from recycle.imports import import_object
+from recycle.quant import SCALE_SUFFIX
 
 LEAF_ROLES = ("embed_norm", "hidden_norm", "proj", "final_norm", "head", "embed")
 REQUIRED_ROLES = ("embed_norm", "hidden_norm", "proj", "head", "embed")
@@ -204,7 +205,8 @@ class MTP(nn.Module):
         """The module that runs step `step` (0-based)."""
         return self.layers[step]
 
-    def _role(self, layer: MTPDepth, role: str) -> nn.Module | None:
+    def role(self, layer: MTPDepth, role: str) -> nn.Module | None:
+        """A module's `role` ("embed", "head", "final_norm"): its own copy, else the one it shares with the trunk."""
         own = getattr(layer, role)
         return own if own is not None else self._shared.get(role)
 
@@ -243,7 +245,7 @@ class MTP(nn.Module):
         state, logits, states, normeds = hidden, [], [], []
         for k in range(n):
             layer = self.layer_for(k)
-            embed, head, final_norm = (self._role(layer, r) for r in ("embed", "head", "final_norm"))
+            embed, head, final_norm = (self.role(layer, r) for r in ("embed", "head", "final_norm"))
             e = embed(input_ids[:, k + 1 : k + 1 + t])
             if self.family.zero_embed_at_pos0:
                 e = e.masked_fill(at_start, 0.0)

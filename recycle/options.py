@@ -5,6 +5,9 @@ The CLI parses flags into these and the library takes them whole, so a check liv
 that distill and harvest share (the data, the windows, the budget, self-distillation) are declared once,
 in `DataOptions`, which both inherit: the two commands cannot disagree about what a window is.
 
+Each command-line flag is declared here, once, on the field it sets (`cli`/`opt`: its names, help, choices,
+default, hidden old name); `recycle.flags` makes the Typer parameters from these fields.
+
 This module imports nothing heavy; a check that needs the drafter-format records imports them when it runs.
 """
 
@@ -12,31 +15,117 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable
+from dataclasses import MISSING, Field, dataclass, field, fields, replace
 from pathlib import Path
 
 from recycle import kinds
 from recycle.errors import RecycleError, did_you_mean
 from recycle.preflight import (
-    DEFAULT_SHARD_SIZE, checkpoint_dir, data_name, data_path, drafter_dir, model_dir, output_dir, parse_size,
-    parse_tokens)
+    DEFAULT_SHARD_SIZE,
+    checkpoint_dir,
+    data_name,
+    data_path,
+    drafter_dir,
+    model_dir,
+    output_dir,
+    parse_size,
+    parse_tokens,
+)
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")  # OWNER/NAME
 DTYPES = ("bf16", "fp16", "fp32")  # storage (--dtype) and compute (--precision) names; torch's in checkpoint.py
 PRECISIONS = ("bf16", "fp32")
 MLP_WIDTHS = ("shared", "wide")  # --eagle3-mlp: the midlayer's MLP at the shared expert's width, or the target's
-CONVERT_OPTIONS = {  # the format-specific convert options, by their flag
-    "heads": "--heads", "draft_vocab": "--draft-vocab", "vocab_corpus": "--vocab-corpus", "layouts": "--layouts",
-    "calibrate": "--calibrate", "target": "--target", "data": "--data", "eagle3_attention": "--eagle3-attention",
-    "eagle3_mlp": "--eagle3-mlp", "module": "--module", "eagle3_names": "--eagle3-names",
-}
+CONVERT_OPTIONS = ("heads", "draft_vocab", "vocab_corpus", "layouts", "calibrate", "target", "data",  # per format
+                   "eagle3_attention", "eagle3_mlp", "module", "eagle3_names")
+
+
+FIELD_DEFAULT = object()  # a flag whose default on the command line is its field's
+
+
+@dataclass(frozen=True)
+class Old:
+    """A flag's hidden old spelling (`flag` None: the argument's old place), still accepted with a `note`."""
+
+    flag: str | None
+    note: str
+
+
+@dataclass(frozen=True)
+class Flag:
+    """How the command line sets a field: `recycle.flags` makes the Typer parameter from this."""
+
+    names: tuple[str, ...]  # none: a positional argument
+    help: str
+    type: type | None = None  # what the command line parses; None: the default's type, else str
+    metavar: str | None = None
+    choices: tuple[str, ...] | Callable[[], Iterable[str]] = ()  # shown as [a|b]; `_chosen` checks the value
+    cli_default: object = FIELD_DEFAULT  # on the command line, where it is not the field's (None: not given)
+    parse: Callable | None = None  # the command line's value → the field's
+    old: Old | None = None
+
+
+def flag(*names: str, help: str, **kw) -> Flag:
+    return Flag(names, help, **kw)
+
+
+def cli(spec: Flag, default=MISSING, factory=MISSING, **change) -> Field:
+    """A field the command line sets through `spec` (a flag several options share; `change` adapts it here)."""
+    return field(default=default, default_factory=factory, metadata={"flag": replace(spec, **change)})
+
+
+def opt(*names: str, help: str, default=MISSING, factory=MISSING, **kw) -> Field:
+    """A field with its own flag."""
+    return cli(flag(*names, help=help, **kw), default, factory)
+
+
+def nested(cls: type, default=MISSING) -> Field:
+    """A field holding another options object, whose flags are the command's too."""
+    return field(default=default, metadata={"options": cls})
+
+
+def flag_of(cls: type, name: str) -> Flag:
+    return next(f.metadata["flag"] for f in fields(cls) if f.name == name)
+
+
+def _formats() -> list[str]:
+    from recycle.formats import convertible
+
+    return convertible()
+
+
+def _tokens_or_none(value: str | None) -> int | None:
+    return parse_tokens(value, "--calibrate") if value else None
+
+
+# -- flags that several options share -------------------------------------------------------------------------
+CHECKPOINT = flag(help="Checkpoint directory (config.json + *.safetensors).", metavar="CKPT_DIR", type=Path)
+TARGET = flag("--target", help="Target model directory.", metavar="TARGET_DIR", type=Path, cli_default=None)
+OLD_TARGET = "TARGET_DIR as {} is deprecated; use --target TARGET_DIR"  # before --target, it was an argument
+OUTPUT = flag("-o", "--output", help="Output directory (default: ./INPUT-SUFFIX here; it must not exist, see "
+              "--overwrite).", metavar="OUT_DIR", type=Path, cli_default=None)
+OVERWRITE = flag("--overwrite", help="Replace an existing output directory that recycle wrote (or an empty one).")
+MAX_SHARD_SIZE = flag("--max-shard-size", help="Split each safetensors file larger than this into shards with an "
+                      "index (huggingface_hub's naming: model-00001-of-00003.safetensors; every engine and recycle "
+                      "command reads either form); none: one file each.", metavar="SIZE")
+CHAT_TEMPLATE = flag("--chat-template", help="A Jinja chat template file, used in place of the target tokenizer's "
+                     "own (needed for conversations when it has none).")
+SEED = flag("--seed", help="Seed for the data order (and initialisation, sampling).")
+DEVICE = flag("--device", help="Default: cuda when available.", choices=("cpu", "cuda"))
+THREADS = flag("--threads", help="torch CPU threads (default: torch's choice).", type=int, cli_default=None)
 
 
 def _choice(value: str | None, choices: Iterable[str], flag: str) -> None:
     choices = tuple(choices)
     if value is not None and value not in choices:
         raise RecycleError(f"{flag} {value!r}: choose from {', '.join(choices)}{did_you_mean(value, choices)}")
+
+
+def _chosen(opts: object, name: str) -> None:
+    """The field's value is one of its flag's choices."""
+    spec = flag_of(type(opts), name)
+    _choice(getattr(opts, name), spec.choices, spec.names[-1])
 
 
 def _at_least(pairs: Iterable[tuple[str, int | None, int]]) -> None:
@@ -49,24 +138,43 @@ def _at_least(pairs: Iterable[tuple[str, int | None, int]]) -> None:
 class ConvertOptions:
     """`recycle convert SOURCE --to FORMAT -o OUT`."""
 
-    source: str
-    to: str
-    out: str
-    dtype: str = "bf16"
-    overwrite: bool = False
-    heads: int | None = None  # medusa
-    draft_vocab: int | None = None  # eagle3
-    vocab_corpus: str | None = None  # eagle3, with draft_vocab
-    layouts: tuple[str, ...] | str | None = None  # eagle
-    eagle3_attention: str | None = None  # eagle3: llama (default) or mla
-    eagle3_mlp: str | None = None  # eagle3 with calibrate: wide (the default on a MoE block) or shared
-    calibrate: int | None = None  # medusa: tokens to fit the ResBlocks on; eagle3: to fit the midlayer on
-    calibrate_steps: int | None = None  # None: the calibration's own default (Medusa 400; EAGLE-3 by its tokens)
-    target: str | None = None  # with calibrate; eagle3/medusa from a Gemma 4 assistant; gguf: the trunk GGUF file
-    data: str | None = None  # with calibrate
-    module: int | None = None  # gguf: which MTP module to write (llama.cpp drafts with one)
-    eagle3_names: str | None = None  # eagle3: official (midlayer.*, the default) or speculators (layers.0.*)
-    max_shard_size: int | str | None = DEFAULT_SHARD_SIZE  # bytes (or "5GB"); None: every file whole
+    source: str = cli(CHECKPOINT)
+    to: str = opt("--to", help="Drafter format.", choices=_formats)
+    out: str = cli(OUTPUT)
+    dtype: str = opt("--dtype", help="Storage dtype of the output (--to gguf also q8_0: llama.cpp's 8-bit blocks, "
+                     "the head and embeddings kept f16).", choices=DTYPES, default="bf16")
+    overwrite: bool = cli(OVERWRITE, False)
+    heads: int | None = opt("--heads", help="--to medusa: heads (default 3).", type=int, default=None)
+    draft_vocab: int | None = opt("--draft-vocab", help="--to eagle3: draft vocabulary size (the top-N corpus tokens; "
+                                  "default: the full vocabulary).", type=int, default=None)
+    vocab_corpus: str | None = opt("--vocab-corpus", help="--to eagle3: text to count tokens in (default: recycle's "
+                                   "stdlib corpus).", type=Path, default=None)  # with draft_vocab
+    layouts: tuple[str, ...] | str | None = opt("--layouts", help="--to eagle: comma list of recycle, nextn, overlay "
+                                                "(default: all three).", default=None)
+    eagle3_attention: str | None = opt("--eagle3-attention", help="--to eagle3: llama (default; every engine) or mla "
+                                       "(MLA sources: vLLM's DeepSeek EAGLE-3, which pairs with MLA targets on vLLM's "
+                                       "CPU backend).", choices=("llama", "mla"), default=None)
+    eagle3_mlp: str | None = opt("--eagle3-mlp", help="--to eagle3 with --calibrate: wide (the default for a MoE "
+                                 "block: the target's dense width, the shared expert plus the routed experts picked "
+                                 "most often, then fitted) or shared (the shared expert's width).", choices=MLP_WIDTHS,
+                                 default=None)
+    calibrate: int | None = opt("--calibrate", help="--to medusa: fit each ResBlock to the source head on this many "
+                                "tokens (e.g. 64k) instead of the identity. --to eagle3: fit the folded midlayer to "
+                                "the MTP module on them.", metavar="TOKENS", parse=_tokens_or_none, default=None)
+    calibrate_steps: int | None = opt("--calibrate-steps", help="With --calibrate: optimizer steps of the fit (fewer: "
+                                      "faster, looser; default: Medusa 400, EAGLE-3 one per 80 tokens and at least "
+                                      "400, e.g. 1,600 for 128k).", type=int, default=None)
+    target: str | None = opt("--target", help="With --calibrate: the model whose states the heads read (default: "
+                             "the checkpoint). From a Gemma 4 assistant: the model it drafts for. --to gguf: the trunk "
+                             "GGUF the side file pairs with (its header and token_embd are copied).", metavar="TARGET",
+                             type=Path, default=None)
+    data: str | None = opt("--data", help="With --calibrate: calibration text, as distill's --data.", default=None)
+    module: int | None = opt("--module", help="--to gguf: the MTP module to write (llama.cpp drafts with one; needed "
+                             "when the checkpoint has several).", type=int, default=None)
+    eagle3_names: str | None = opt("--eagle3-names", help="--to eagle3: tensor names for official (midlayer.*: vLLM, "
+                                   "SGLang, SpecForge; the default) or speculators (layers.0.*: vLLM, speculators).",
+                                   metavar="[official|speculators]", default=None)  # the format's spellings
+    max_shard_size: int | str | None = cli(MAX_SHARD_SIZE, DEFAULT_SHARD_SIZE)  # bytes (or "5GB"); None: whole files
 
     def inputs(self) -> tuple[str | None, ...]:
         """Every path convert reads: -o may be none of them, inside one or around one."""
@@ -96,12 +204,13 @@ class ConvertOptions:
         given = {k for k in CONVERT_OPTIONS if getattr(self, k) is not None}
         for key in sorted(given - fmt.options):
             takers = [name for name in convertible() if key in get(name).options]
-            raise RecycleError(f"{CONVERT_OPTIONS[key]} applies to --to {' or --to '.join(takers)} only")
+            raise RecycleError(f"{flag_of(ConvertOptions, key).names[-1]} applies to --to {' or --to '.join(takers)} "
+                               "only")
         if self.vocab_corpus is not None and self.draft_vocab is None:
             raise RecycleError("--vocab-corpus needs --draft-vocab N")
         if "calibrate" in fmt.options and self.calibrate is None and self.data is not None:
             raise RecycleError("--data needs --calibrate TOKENS")
-        _choice(self.eagle3_mlp, MLP_WIDTHS, "--eagle3-mlp")
+        _chosen(self, "eagle3_mlp")
         if self.eagle3_names is not None:
             _choice(self.eagle3_names, tuple(fmt.spellings), "--eagle3-names")
         if self.eagle3_mlp == "wide" and self.calibrate is None:
@@ -128,29 +237,37 @@ class ConvertOptions:
 class LossConfig:
     """distill's objective weights (why these defaults: `recycle/distill/losses.py`)."""
 
-    ce_weight: float = 0.1
-    kl_weight: float = 1.0
-    feature_weight: float = 0.0
-    decay: float = 0.8
+    ce_weight: float = opt("--ce-weight", help="Weight of CE to the data label.", default=0.1)
+    kl_weight: float = opt("--kl-weight", help="β: weight of KL(P_target ‖ P_draft).", default=1.0)
+    feature_weight: float = opt("--feature-weight", help="Smooth-L1 feature regression (EAGLE).", default=0.0)
+    decay: float = opt("--step-decay", help="Weight of draft step k ∝ decay^k.", default=0.8)
 
 
 @dataclass(kw_only=True)
 class DataOptions:
     """What a distillation reads, shared by distill and harvest: the same options name the same windows."""
 
-    target: str
-    tokens: int
-    data: str | None = None  # corpus name, file, JSONL, directory or saved dataset (None: the stdlib corpus)
-    seq_len: int = 256
-    batch: int = 8  # sequences per step and rank
-    seed: int = 0
-    self_distill: bool = False
-    prompt_len: int = 64
-    sd_temperature: float = 0.0
+    target: str = cli(TARGET)
+    tokens: int = opt("--tokens", help="Budget in target tokens read: 64k, 2M, 1.5B ...", cli_default=None)
+    data: str | None = opt("--data", help="Text file, JSONL/JSON rows ('text', OpenAI 'messages' or ShareGPT "
+                           "'conversations'), directory of text files, a saved `datasets` dataset, or hf:NAME (a "
+                           "dataset in the local datasets cache, offline); its tail is held out. Or a corpus: stdlib "
+                           "(default) or py:PACKAGE (an installed package's source). Conversations render with the "
+                           "target's chat template; only assistant tokens count.", default=None)
+    seq_len: int = opt("--seq-len", help="Tokens per packed sequence.", default=256)
+    batch: int = opt("--batch", help="Sequences per optimizer step and rank.", default=8)
+    seed: int = cli(SEED, 0)
+    self_distill: bool = opt("--self-distill", help="The target writes each sequence after its first --prompt-len "
+                             "tokens (its own distribution); on conversations, every assistant turn, turn by turn.",
+                             default=False)
+    prompt_len: int = opt("--prompt-len", help="Self-distillation prompt tokens per sequence.", default=64)
+    sd_temperature: float = opt("--sd-temperature", help="Self-distillation sampling temperature (0: greedy).",
+                                default=0.0)
     eval_rows: int = 16  # the held-out batch
     eval_prompt_len: int = 64  # its rows keep this many tokens; the target writes the rest
-    chat_template: str | None = None  # a Jinja file replacing the target tokenizer's chat template (conversations)
-    save_regenerated: str | None = None  # --self-distill on conversations: append each regenerated one here (JSONL)
+    chat_template: str | None = cli(CHAT_TEMPLATE, None)  # a Jinja file in place of the tokenizer's template
+    save_regenerated: str | None = opt("--save-regenerated", help="With --self-distill on conversations: append each "
+                                       "regenerated conversation to this JSONL (reuse it as --data).", default=None)
 
     def inputs(self) -> tuple[str | None, ...]:
         """Every path the run reads: its output may be none of them, inside one or around one."""
@@ -178,32 +295,44 @@ class DataOptions:
 class DistillOptions(DataOptions):
     """`recycle distill DRAFTER --target TARGET`."""
 
-    drafter: str
-    out: str | None = None  # default: DRAFTER-distilled beside the input
-    lr: float = 5e-4
+    drafter: str = cli(flag(help="Drafter directory (from `recycle convert`, or a Gemma 4 assistant: re-aligned in "
+                            "its own layout).", metavar="DRAFTER_DIR", type=Path))
+    out: str | None = cli(OUTPUT, None, old=Old("--out", "--out is deprecated; use -o/--output"))
+    lr: float = opt("--lr", help="Peak AdamW learning rate.", default=5e-4)
     warmup: float = 0.05
     min_lr: float = 0.1  # fraction of lr at the end of the cosine
     weight_decay: float = 0.0
     clip: float = 0.5
-    draft_steps: int | None = None
-    loss: LossConfig | None = None  # None: the defaults
-    init: str = "recycled"  # or "scratch"
-    freeze: tuple[str, ...] = ()  # parameter groups kept as they are (distill/freeze.py)
-    micro_batch: int | None = None  # rows per forward/backward; the step's gradient accumulates over them
-    activation_checkpointing: bool = False  # EAGLE: each draft step's decoder layer recomputed in backward
-    checkpoint_every: int = 50
-    eval_every: int = 25
-    resume: bool = False
+    draft_steps: int | None = opt("--draft-steps", help="Unrolled draft steps (default 3; Medusa: its heads).",
+                                  type=int, default=None)
+    loss: LossConfig | None = nested(LossConfig, None)  # None: the defaults
+    init: str = opt("--init", help="The converted weights, or re-initialised (the same architecture).",
+                    choices=("recycled", "scratch"), default="recycled")
+    freeze: tuple[str, ...] = opt("--freeze", metavar="GROUP,...", help="Parameter groups that stay as they are: "
+                                  "experts, shared_experts, router, mlp, attention, norms, projection (e.g. --freeze "
+                                  "experts: DeepSeek-V3's drafter then trains 0.34B of its 11.6B parameters).",
+                                  default=(), cli_default=None, parse=lambda groups: tuple((groups or "").split(",")))
+    micro_batch: int | None = opt("--micro-batch", help="Rows per forward/backward; the step's gradient accumulates "
+                                  "over them, so --batch is the step and memory follows this.", type=int, default=None)
+    activation_checkpointing: bool = opt("--activation-checkpointing", help="EAGLE drafters: recompute each draft "
+                                         "step's decoder layer in backward instead of keeping its activations (one "
+                                         "more forward of each layer; --plan shows what it saves).", default=False)
+    checkpoint_every: int = opt("--checkpoint-every", help="Steps between checkpoints.", default=50)
+    eval_every: int = opt("--eval-every", help="Steps between held-out agreement checks.", default=25)
+    resume: bool = opt("--resume", help="Continue from the last checkpoint in OUT.distill/.", default=False)
     state_dir: str | None = None
-    cache_hidden: str | None = None
-    online: int | None = None  # harvest in vLLM while training into cache_hidden, this many steps' keys ahead
+    cache_hidden: str | None = opt("--cache-hidden", help="Store/reuse the target's features per batch here; a "
+                                   "`recycle harvest` cache is read without loading the target.", metavar="CACHE_DIR",
+                                   type=Path, default=None)
+    online: int | None = opt("--online", help="Harvest in vLLM while training, at most N steps' windows ahead in "
+                             "--cache-hidden (disk stays flat); the target is never loaded here. Under torchrun vLLM "
+                             "runs beside rank 0.", metavar="N", type=int, default=None)
     vllm_parallel: dict | None = None  # with online: vLLM's own parallelism arguments
-    device: str | None = None
-    precision: str | None = None  # None: bf16 where the device has native bf16, else fp32
-    threads: int | None = None
-    overwrite: bool = False
-    snapshots: tuple[int, ...] = ()  # token counts at which to write a drafter dir (the experiment)
-    snapshot_dir: str | None = None
+    device: str | None = cli(DEVICE, None)
+    precision: str | None = opt("--precision", help="Compute dtype (default: bf16 on CUDA and CPUs with native bf16, "
+                                "else fp32).", choices=PRECISIONS, default=None)
+    threads: int | None = cli(THREADS, None)
+    overwrite: bool = opt("--overwrite", help="Replace OUT and any earlier run's checkpoint.", default=False)
 
     def inputs(self) -> tuple[str | None, ...]:
         return self.drafter, *super().inputs(), self.cache_hidden
@@ -211,8 +340,8 @@ class DistillOptions(DataOptions):
     def validate(self) -> None:
         drafter_dir(self.drafter)
         super().validate()
-        _choice(self.init, ("recycled", "scratch"), "--init")
-        _choice(self.precision, PRECISIONS, "--precision")
+        _chosen(self, "init")
+        _chosen(self, "precision")
         _device_name(self.device)
         _at_least((("--checkpoint-every", self.checkpoint_every, 1), ("--eval-every", self.eval_every, 1),
                    ("--draft-steps", self.draft_steps, 1), ("--threads", self.threads, 1),
@@ -237,11 +366,14 @@ class DistillOptions(DataOptions):
 class HarvestOptions(DataOptions):
     """`recycle harvest --target TARGET -o CACHE`: distill's windows, computed by vLLM ahead of it."""
 
-    out: str
+    target: str = cli(TARGET, old=Old(None, OLD_TARGET.format("an argument")))
+    out: str = cli(OUTPUT)
     aux_layers: tuple[int, ...] = ()  # EAGLE-3's eagle_aux_hidden_state_layer_ids (transformers' hidden_states ids)
-    overwrite: bool = False
+    overwrite: bool = cli(OVERWRITE, False)
     parallel: dict | None = None  # vLLM's own names: tensor_parallel_size, pipeline_parallel_size, ...
-    gpu_memory_utilization: float | None = None  # vLLM's share of device memory; None: the machine's default
+    gpu_memory_utilization: float | None = opt("--gpu-memory-utilization", help="vLLM's own: its share of each "
+                                               "device's memory (default 0.9 on GPUs, 0.5 of RAM on CPUs).",
+                                               type=float, default=None)
 
     def validate(self) -> None:
         super().validate()
@@ -255,19 +387,22 @@ class HarvestOptions(DataOptions):
 class StitchOptions:
     """`recycle stitch OVERLAY --target TARGET -o OUT`."""
 
-    overlay: str
-    target: str
-    out: str
-    overwrite: bool = False
-    mtp_dtype: str = "auto"  # into a quantized target: its scheme (auto) or BF16 in the ignore list
-    max_shard_size: int | str | None = DEFAULT_SHARD_SIZE  # the stitched MTP file's shards
+    overlay: str = cli(flag(help="An MTP overlay directory (OUT/mtp_overlay from convert --to eagle or distill).",
+                            metavar="OVERLAY_DIR", type=Path))
+    target: str = cli(TARGET, old=Old(None, OLD_TARGET.format("a second argument")))
+    out: str = cli(OUTPUT)
+    overwrite: bool = cli(OVERWRITE, False)
+    mtp_dtype: str = opt("--mtp-dtype", help="Into a quantized target: auto writes the MTP weights in its scheme "
+                         "(block FP8: re-quantized, fresh scales); bf16 keeps them BF16 and adds them to its ignore "
+                         "list.", choices=("auto", "bf16"), default="auto")
+    max_shard_size: int | str | None = cli(MAX_SHARD_SIZE, DEFAULT_SHARD_SIZE)  # the stitched MTP file's shards
 
     def inputs(self) -> tuple[str | None, ...]:
         return self.overlay, self.target
 
     def validate(self) -> None:
         self.max_shard_size = parse_size(self.max_shard_size)
-        _choice(self.mtp_dtype, ("auto", "bf16"), "--mtp-dtype")
+        _chosen(self, "mtp_dtype")
         checkpoint_dir(self.overlay)
         checkpoint_dir(self.target)
         output_dir(self.out, self.overwrite, self.inputs())
@@ -275,28 +410,44 @@ class StitchOptions:
 
 
 MAX_NEW_TOKENS = 32768  # bench/plan --max-new-tokens: beyond, a run takes hours and outgrows most targets' positions
+GPUS, BATCH_SIZES = "H100,H200,A100,L40S,RTX4090", "1,8,32,128"  # plan's roofline, by default
+
+
+def _names(value: str) -> list[str]:
+    return [g for g in value.split(",") if g.strip()]
 
 
 @dataclass(kw_only=True)
 class BenchOptions:
     """`recycle bench DRAFTER --target TARGET`."""
 
-    drafter: str | None  # drafter directory; None with native=True: the target's own MTP modules
-    target: str
-    prompts: list[tuple[str, object]] | None = None  # (set, text or Conversation); None: recycle.prompts.default_prompts()
-    chat_template: str | None = None  # a Jinja file in place of the target tokenizer's (conversation prompts)
-    max_new_tokens: int = 128
-    temperature: float = 0.0
-    tree: str | None = None
-    device: str | None = None  # None: cuda when available, else cpu
-    precision: str = "fp32"  # the target's and drafter's compute dtype
-    native: bool = False
-    compare_hf: bool = False
-    seed: int = 0
+    drafter: str | None = cli(flag(help="Drafter directory (from `recycle convert` or `distill`), or the target "
+                                   "directory itself to draft with its own MTP modules.", metavar="DRAFTER_DIR",
+                                   type=Path, cli_default=None))  # None with native=True: the target's own modules
+    target: str = cli(TARGET)
+    prompts: list[tuple[str, object]] | None = opt(  # (set, text or Conversation); None: prompts.default_prompts()
+        "--prompts", help='JSONL, one {"prompt": "..."} or conversation ("messages" / "conversations", rendered with '
+        'the chat template up to the assistant turn) per line (a "set" field groups them); or a corpus: stdlib '
+        "(held-out code + English, the default) or py:PACKAGE.", default=None)
+    chat_template: str | None = cli(CHAT_TEMPLATE, None)  # a Jinja file in place of the target tokenizer's
+    max_new_tokens: int = opt("--max-new-tokens", help="New tokens per prompt.", default=128, cli_default=None,
+                              type=int)
+    temperature: float = opt("--temperature", help="0: greedy; > 0: lossless speculative sampling.", default=0.0)
+    tree: str | None = opt("--tree", help="chain[:N], dynamic[:DEPTH,TOPK,TOTAL], or a JSON list of Medusa-style "
+                           "paths (or a file holding one).", default=None)
+    device: str | None = cli(DEVICE, None)  # None: cuda when available, else cpu
+    precision: str = opt("--precision", help="Compute dtype.", choices=DTYPES, default="fp32", cli_default=None,
+                         old=Old("--dtype", "--dtype is deprecated; use --precision"))  # the target's and drafter's
+    native: bool = opt("--native-mtp", help="Draft with the target's own MTP modules.", default=False)
+    compare_hf: bool = opt("--compare-hf", help="Also time transformers' generate: plain, use_mtp, assistant_model= (a "
+                           "Gemma 4 assistant) and prompt lookup.", default=False)
+    seed: int = cli(SEED, 0)
     warmup: bool = True
     stop_at_eos: bool = True
-    repeats: int = 1  # time each prompt this many times per decoder and keep the fastest (shared machines)
-    save: bool = False  # also write the report as DRAFTER/bench.json (the model card's benchmark)
+    repeats: int = opt("--repeats", help="Time each prompt N times per decoder, keep the fastest; the report gives "
+                       "the spread over the N.", default=1)  # shared machines
+    save: bool = opt("--save", help="Also write the --json report as DRAFTER_DIR/bench.json, which `recycle push` puts "
+                     "in the model card (not with native MTP: recycle never writes into a target).", default=False)
 
     def validate(self) -> None:
         """Reject bad options before any loading (so the CLI fails fast, before its progress bar)."""
@@ -306,14 +457,14 @@ class BenchOptions:
                                "benchmark's tokens/s settles within a few hundred)")
         if self.temperature < 0 or not math.isfinite(self.temperature):
             raise RecycleError("--temperature must be a finite number ≥ 0")
-        _choice(self.precision, DTYPES, "--precision")
+        _chosen(self, "precision")
         _device_name(self.device)
         if self.drafter is None and not self.native:
             raise RecycleError("give a DRAFTER_DIR, or --native-mtp to draft with the target's own MTP modules")
         if self.drafter is not None:
             drafter_dir(self.drafter)
         model_dir(self.target)
-        from recycle.decoding.drafting import parse_shape  # torch: after the checks that need none
+        from recycle.decoding.tree import parse_shape  # torch: after the checks that need none
 
         parse_shape(self.tree, 1)
         kinds.target(self.target)
@@ -339,18 +490,26 @@ class BenchOptions:
 class PlanOptions:
     """`recycle plan DRAFTER --target TARGET`: bench's measurement, then the predictions."""
 
-    bench: BenchOptions
-    gpus: list[str] = field(default_factory=lambda: ["H100", "H200", "A100", "L40S", "RTX4090"])
-    batches: list[int] = field(default_factory=lambda: [1, 8, 32, 128])  # the roofline's batch sizes
-    context: int = 2048  # tokens already cached per sequence in the roofline
-    max_chain: int = 8
+    bench: BenchOptions = nested(BenchOptions)
+    gpus: list[str] = opt("--gpu", help="GPUs for the roofline, comma-separated (H100, H200, H100-PCIe, A100, "
+                          "A100-40GB, L40S, L4, RTX4090).", cli_default=GPUS, parse=_names,
+                          factory=lambda: _names(GPUS))
+    batches: list[int] = opt("--batch-sizes", help=f"Batch sizes for the roofline table [default: {BATCH_SIZES}].",
+                             cli_default=None, factory=lambda: parse_batch_sizes(BATCH_SIZES),
+                             old=Old("--batch", "--batch (plan) is deprecated; use --batch-sizes"))
+    context: int = opt("--context", help="Tokens cached per sequence in the roofline.", default=2048)
+    max_chain: int = opt("--max-chain", help="Longest chain measured (shorter ones are derived).", default=8)
     verify_max: int = 32
-    model_config: str | None = None  # roofline this config (e.g. the full-size model's) with the measured τ
-    plot: str | None = None
+    model_config: str | None = opt("--model-config", help="Roofline this config.json instead of the target's (the "
+                                   "full-size model a stand-in was measured for).", default=None)
+    plot: str | None = opt("--plot", help="Write speedup against batch size (PNG).", metavar="OUT.png", type=Path,
+                           default=None)
 
     def validate(self) -> None:
         from recycle.hardware import gpu
 
+        if not isinstance(self.batches, list):  # the command line's --batch-sizes
+            self.batches = parse_batch_sizes(BATCH_SIZES if self.batches is None else self.batches)
         self.bench.validate()
         for g in self.gpus:
             gpu(g)
@@ -366,15 +525,20 @@ class PlanOptions:
 class PushOptions:
     """`recycle push DRAFTER --repo OWNER/NAME`."""
 
-    drafter: str
-    repo: str
-    private: bool = False
-    revision: str | None = None
-    commit_message: str | None = None
-    base_model: str | None = None  # the card's base_model (a Hub id), only as given
-    license: str | None = None
-    dry_run: bool = False
-    card_out: str | None = None
+    drafter: str = cli(flag(help="Drafter directory (from `recycle convert` or `recycle distill`).",
+                            metavar="DRAFTER_DIR", type=Path))
+    repo: str = opt("--repo", help="Hub repository, OWNER/NAME (created if missing).", metavar="OWNER/NAME")
+    private: bool = opt("--private", help="Create the repository private.", default=False)
+    revision: str | None = opt("--revision", help="Branch to commit to (created if missing; default main).",
+                               default=None)
+    commit_message: str | None = opt("--commit-message", help="Commit summary.", default=None)
+    base_model: str | None = opt("--base-model", help="Hub id of the target model for the card's base_model.",
+                                 default=None)  # only as given
+    license: str | None = opt("--license", help="Hub license id for the card (default: from the source's config, "
+                              "README or LICENSE).", default=None)
+    dry_run: bool = opt("--dry-run", help="Validate, write the card and list the files; upload nothing.", default=False)
+    card_out: str | None = opt("--card-out", help="Also write the model card here (outside the drafter directory); "
+                               "--dry-run prints it otherwise.", type=Path, default=None)
     attempts: int | None = None  # None: RECYCLE_HUB_ATTEMPTS or 3
     backoff: float | None = None  # None: RECYCLE_HUB_BACKOFF or 2 s
 

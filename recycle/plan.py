@@ -32,14 +32,13 @@ from pathlib import Path
 import torch
 
 from recycle import roofline
-from recycle.bench import Session, _summary, check_positions, open_session, resolve_device
+from recycle.bench import Session, check_positions, open_session, summarize
 from recycle.decoding import Drafter, generate
 from recycle.decoding import cache as kv
-from recycle.decoding.drafting import describe_shape, shape_tokens
-from recycle.decoding.tree import Tree, chain_parents
+from recycle.decoding.tree import Tree, chain_parents, describe_shape, shape_tokens
 from recycle.decoding.verify import verify
 from recycle.errors import RecycleError
-from recycle.hardware import GPUS, gpu
+from recycle.hardware import GPUS, gpu, resolve_device, sync
 from recycle.options import BenchOptions, PlanOptions
 
 Progress = Callable[[int, int, str], None]
@@ -66,11 +65,6 @@ def _model_config(path: str) -> dict:
     return cfg
 
 
-def _sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-
-
 def verify_curve(ses: Session, context: int, max_n: int, reps: int = VERIFY_REPS) -> list[list[float]]:
     """Seconds for the decode loop's verification of n = 1 … max_n chain tokens after `context` cached
     tokens (forward, greedy verify, cache crop): `reps` timings per n (after one warm-up pass over every n),
@@ -94,12 +88,12 @@ def verify_curve(ses: Session, context: int, max_n: int, reps: int = VERIFY_REPS
         out: list[list[float]] = [[] for _ in steps]
         for rep in range(reps + 1):  # the first round is a warm-up
             for n, (toks, pos, mask, tree) in enumerate(steps):
-                _sync(dev)
+                sync(dev)
                 t0 = time.perf_counter()
                 logits, _ = target.forward(toks, pos, mask, cache)
                 verify(tree, logits, 0.0, None)
                 kv.crop(cache, context)
-                _sync(dev)
+                sync(dev)
                 if rep:
                     out[n].append(time.perf_counter() - t0)
     return out
@@ -165,7 +159,7 @@ def _decode(ses: Session, engine: Drafter, prompts: list[list[int]], opts: Bench
     time; only the timings move)."""
     run = dict(temperature=0.0, seed=opts.seed, eos=ses.eos, masks=ses.masks)
     stats = [generate(ses.target, engine, p, opts.max_new_tokens, **run).stats for p in prompts]
-    s = _summary(stats)
+    s = summarize(stats).to_json()
     s["accept_lengths"] = [n for st in stats for n in st.accept_lengths]
     s["round_s"] = (s["draft_s"] + s["verify_s"]) / s["steps"] if s["steps"] else 0.0
     s["draft_step_s"] = s["draft_s"] / s["steps"] if s["steps"] else 0.0
@@ -476,4 +470,4 @@ def plot(report: dict, path: str) -> str:
     return str(path)
 
 
-__all__ = ["PlanOptions", "run_plan", "parse_batches", "plot", "GPUS"]
+__all__ = ["PlanOptions", "run_plan", "plot", "GPUS"]

@@ -266,7 +266,7 @@ class OutputLock:
     def __del__(self) -> None:
         try:
             self.release()
-        except Exception:  # noqa: BLE001 - at interpreter exit; the kernel drops the lock with the process
+        except Exception:  # at interpreter exit; the kernel drops the lock with the process
             pass
 
     def _unmake(self) -> None:
@@ -284,7 +284,7 @@ class OutputLock:
         notes: list[str] = []
         if not self.exclusive:  # another run may be writing beside OUT: leave its files alone
             return notes
-        pattern = lambda infix: glob.escape(str(sibling(self.out, infix))) + "*"  # noqa: E731
+        pattern = lambda infix: glob.escape(str(sibling(self.out, infix))) + "*"
         olds = sorted((Path(p) for p in glob.glob(pattern(OLD_INFIX))), key=lambda p: p.lstat().st_mtime)
         if olds and not (self.out.exists() or self.out.is_symlink()):
             back = olds.pop()

@@ -21,16 +21,21 @@ attention and MLP/experts; not the router (`mlp.gate`, built unquantized), not `
 or heads (built as plain `nn.Linear`/embedding layers by the engines' MTP modules). Schemes recycle cannot write
 (AWQ, GPTQ, compressed-tensors, NVFP4, MXFP4, bitsandbytes, ...) are refused by name: writing BF16 into them would
 be a silently wrong checkpoint.
+
+The block-FP8 codec lives here too (`dequantize_fp8`, `quantize_fp8`, the scale's shape and name), below the reader
+(`recycle.checkpoint` dequantizes through it); torch is imported only when a tensor is (de)quantized.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from recycle.checkpoint import SCALE_SUFFIX, dequantize_fp8, expected_scale_shape, quantize_fp8
+import numpy as np
+
 from recycle.errors import RecycleError
 
 if TYPE_CHECKING:
@@ -40,6 +45,10 @@ WRITABLE = ("fp8 (block-wise e4m3, weight_scale_inv)",)
 IGNORE_KEYS = ("ignored_layers", "modules_to_not_convert")  # vLLM reads the first (else the second), transformers both
 FP8_PARTS = (".self_attn.", ".mlp.")  # where the engines' Linear layers are FP8 (DeepSeek's rule)
 NOT_FP8 = ("mlp.gate.weight",)  # the router: built unquantized
+SCALE_SUFFIX = "_scale_inv"  # `W` float8_e4m3fn is stored with `W_scale_inv`, its block scale (a multiplier)
+# Elements per dequantization step: the float32 buffer (1 MiB) stays in cache, 1.7× faster than
+# one 128-row block of a 7168-wide weight at a time.
+DEQUANT_CHUNK = 1 << 18
 
 
 @dataclass(frozen=True)
@@ -131,3 +140,92 @@ def requantize(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tens
 
 def scale_name(weight: str) -> str:
     return weight + SCALE_SUFFIX
+
+
+def expected_scale_shape(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, int]:
+    """[ceil(M/b0), ceil(N/b1)] for a weight of shape [M, N]."""
+    m, n = shape[-2], shape[-1]
+    return math.ceil(m / block[0]), math.ceil(n / block[1])
+
+
+_FP8_TABLES: dict[torch.dtype, np.ndarray] = {}
+
+
+def fp8_table(dtype: torch.dtype) -> np.ndarray:
+    """float32 value of each of the 256 FP8 codes, made by torch's own cast (so lookups match it bit for bit)."""
+    import torch  # made here: headers alone need no torch
+
+    if dtype not in _FP8_TABLES:
+        _FP8_TABLES[dtype] = torch.arange(256, dtype=torch.uint8).view(dtype).float().numpy()
+    return _FP8_TABLES[dtype]
+
+
+def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = (128, 128),
+                   dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`W[i, j] * S[i // b0, j // b1]` in float32, rounded once to `dtype` (the scale multiplies, despite its name).
+
+    Goes a few rows at a time: codes → float32 by a 256-entry table lookup (np.take, ~5× faster
+    than torch's FP8 cast), times the rows' scale row, cast into the output. No float32 copy of
+    the whole weight exists, and the values equal `W.float() * S` cast to `dtype`, bit for bit.
+    """
+    import torch  # made here: headers alone need no torch
+
+    dtype = dtype or torch.float32
+    if weight.dim() != 2 or weight.element_size() != 1 or not weight.is_floating_point():
+        raise RecycleError(f"FP8 block dequantization needs a 2-D FP8 weight, got {weight.dtype} {list(weight.shape)}")
+    m, n = weight.shape
+    bm, bn = expected_scale_shape(weight.shape, block)
+    if tuple(scale_inv.shape) != (bm, bn):
+        raise RecycleError(f"FP8 scale has shape {list(scale_inv.shape)}, expected {[bm, bn]} for weight {[m, n]}")
+    table = fp8_table(weight.dtype)
+    codes = weight.contiguous().view(torch.uint8).numpy()
+    scale_cols = scale_inv.float().repeat_interleave(block[1], dim=1)[:, :n]  # [bm, n]: one scale row per row block
+    out = torch.empty((m, n), dtype=dtype)
+    rows = _chunk_rows(n, block[0])
+    buf = None if dtype == torch.float32 else np.empty((min(rows, m), n), np.float32)
+    for start in range(0, m, rows):
+        stop = min(m, start + rows)
+        f32 = out.numpy()[start:stop] if buf is None else buf[: stop - start]
+        np.take(table, codes[start:stop], out=f32, mode="clip")  # "clip" writes straight into `out`; u8 is in range
+        chunk = torch.from_numpy(f32)
+        _scale_rows(chunk, scale_cols, start, block[0])
+        if buf is not None:
+            out[start:stop].copy_(chunk)
+    return out
+
+
+def _chunk_rows(n: int, b0: int) -> int:
+    """Rows per dequantization step: about DEQUANT_CHUNK elements, a multiple of the row block or a
+    divisor of it, so no step covers part of two row blocks."""
+    want = max(1, DEQUANT_CHUNK // max(1, n))
+    if want >= b0:
+        return want // b0 * b0
+    return max(d for d in range(1, want + 1) if b0 % d == 0)
+
+
+def _scale_rows(chunk: torch.Tensor, scale_cols: torch.Tensor, start: int, b0: int) -> None:
+    """Multiply rows `start`.. in place by their row block's scale row."""
+    i, rows = start // b0, chunk.shape[0]
+    if start % b0 or rows <= b0:  # inside one row block
+        chunk.mul_(scale_cols[i])
+        return
+    full = rows // b0 * b0
+    chunk[:full].view(full // b0, b0, -1).mul_(scale_cols[i:i + full // b0, None, :])
+    if full < rows:
+        chunk[full:].mul_(scale_cols[i + full // b0])
+
+
+def quantize_fp8(weight: torch.Tensor, block: tuple[int, int] = (128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block-wise e4m3 quantization in DeepSeek's convention: returns (fp8 weight, float32 scale_inv)."""
+    import torch  # made here: headers alone need no torch
+
+    w = weight.float()
+    m, n = w.shape
+    bm, bn = expected_scale_shape(w.shape, block)
+    padded = torch.zeros(bm * block[0], bn * block[1])
+    padded[:m, :n] = w
+    tiles = padded.view(bm, block[0], bn, block[1])
+    amax = tiles.abs().amax(dim=(1, 3)).clamp(min=1e-12)
+    scale = amax / torch.finfo(torch.float8_e4m3fn).max
+    q = (tiles / scale[:, None, :, None]).view(bm * block[0], bn * block[1])[:m, :n]
+    return q.to(torch.float8_e4m3fn), scale.float()

@@ -9,18 +9,22 @@ import os
 import sys
 from collections.abc import Callable
 from functools import wraps
+from typing import TYPE_CHECKING
 
 import typer
 from rich.console import Console
-from typer.core import TyperGroup
 from rich.panel import Panel
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
+from typer.core import TyperGroup
 
 from recycle.errors import Interrupted, RecycleError
+from recycle.flags import DEPRECATED
 from recycle.preflight import duration
 from recycle.texts import plural
-from recycle.flags import DEPRECATED
+
+if TYPE_CHECKING:
+    from recycle.bench_result import BenchResult
 
 try:  # typer ≥ 0.2x carries its own copy of click
     from typer._click.exceptions import UsageError
@@ -427,84 +431,85 @@ def _or_dash(value: float | None, form: str) -> str:
     return "-" if value is None else form.format(value)
 
 
-def render_bench(data: dict) -> None:
+def render_bench(r: BenchResult) -> None:
     """Rich report: configuration, per-prompt rows, the overall comparison and the HF peers."""
-    o = data["overall"]
-    ar, sp, pr = o["ar"], o["spec"], o["predicted"]
-    head = _header(data, data["tree"])
-    head.add_row("decoding", f"{'greedy' if data['temperature'] <= 0 else 'sampling T=' + str(data['temperature'])}, "
-                 f"≤{data['max_new_tokens']} new tokens, {plural(len(data['prompts']), 'prompt')}, {data['device']} "
-                 f"{data['dtype']}, {data['threads']} thread(s)")
+    o = r.overall
+    ar, sp, pr = o.ar, o.spec, o.predicted
+    head = _header(r.target, r.drafter, r.tree)
+    head.add_row("decoding", f"{'greedy' if r.temperature <= 0 else 'sampling T=' + str(r.temperature)}, "
+                 f"≤{r.max_new_tokens} new tokens, {plural(len(r.prompts), 'prompt')}, {r.device} "
+                 f"{r.dtype}, {r.threads} thread(s)")
     out.print(Panel(head, title="recycle bench", expand=False))
     t = table("per prompt")
     for col in ("#", "set", "prompt tok", "new tok", "τ", "AR tok/s", "spec tok/s", "speedup", "= AR"):
         t.add_column(col, justify="right" if col not in ("set", "= AR") else "left")
-    for i, r in enumerate(data["prompts"]):
-        a, s = r["ar"]["tokens_per_s"], r["spec"]["tokens_per_s"]
-        same = "" if r["greedy_match"] is None else ("yes" if r["greedy_match"] else "[red]NO[/red]")
-        t.add_row(str(i), r["set"], str(r["prompt_tokens"]), str(r["spec"]["new_tokens"]), f"{r['spec']['tau']:.2f}",
+    for i, p in enumerate(r.prompts):
+        a, s = p.ar.tokens_per_s, p.spec.tokens_per_s
+        same = "" if p.greedy_match is None else ("yes" if p.greedy_match else "[red]NO[/red]")
+        t.add_row(str(i), p.set, str(p.prompt_tokens), str(p.spec.new_tokens), f"{p.spec.tau:.2f}",
                   f"{a:.1f}", f"{s:.1f}", f"{s / a:.2f}×" if a else "-", same)
     out.print(t)
     s = table("overall")
     s.add_column("")
     s.add_column("autoregressive", justify="right")
-    s.add_column(data["tree"], justify="right")
+    s.add_column(r.tree, justify="right")
     s.add_column("[dim]cost model[/dim]", justify="right")
-    bw = data.get("bandwidth")
-    gbs = (lambda k: f" ({bw[k]:.0f}/{bw['peak_gbs']:.0f} GB/s)") if bw else (lambda k: "")
-    spread = o.get("spread") or {}
-    per, rep = spread.get("prompts") or {}, spread.get("repeats")
-    span = lambda q, unit="": f"{q['min']:.1f}–{q['max']:.1f}{unit}"  # noqa: E731
-    s.add_row("tokens/s", f"{ar['tokens_per_s']:.1f}{gbs('ar_gbs')}", f"{sp['tokens_per_s']:.1f}{gbs('spec_gbs')}", "")
+    bw = r.bandwidth
+    gbs = (lambda k: f" ({getattr(bw, k):.0f}/{bw.peak_gbs:.0f} GB/s)") if bw else (lambda k: "")
+    per = o.spread.prompts if o.spread else None
+    rep = o.spread.repeats if o.spread else None
+    span = lambda q, unit="": f"{q.min:.1f}–{q.max:.1f}{unit}"
+    s.add_row("tokens/s", f"{ar.tokens_per_s:.1f}{gbs('ar_gbs')}", f"{sp.tokens_per_s:.1f}{gbs('spec_gbs')}", "")
     if rep:
-        s.add_row(f"  each of {rep['n']} repeats", span(rep["ar_tokens_per_s"]), span(rep["spec_tokens_per_s"]), "")
-    s.add_row("speedup", "1.00×", _or_dash(o["speedup"], "{:.2f}×"), f"[dim]{pr['speedup']:.2f}×[/dim]")
+        s.add_row(f"  each of {rep.n} repeats", span(rep.ar_tokens_per_s), span(rep.spec_tokens_per_s), "")
+    s.add_row("speedup", "1.00×", _or_dash(o.speedup, "{:.2f}×"), f"[dim]{pr.speedup:.2f}×[/dim]")
     if rep:
-        q = rep["speedup"]
-        s.add_row(f"  each of {rep['n']} repeats", "", f"{q['min']:.2f}–{q['max']:.2f}×", "")
-    if per.get("speedup") and len(data["prompts"]) > 1:
-        s.add_row("  per prompt (IQR)", "", f"{per['speedup']['q1']:.2f}–{per['speedup']['q3']:.2f}×", "")
-    s.add_row("τ (tokens/step)", "1.00", f"{sp['tau']:.2f}", f"[dim]{pr['tau']:.2f}[/dim]")
-    if per.get("tau") and len(data["prompts"]) > 1:
-        s.add_row("  per prompt (IQR)", "", f"{per['tau']['q1']:.2f}–{per['tau']['q3']:.2f}", "")
-    s.add_row("target forwards", str(ar["target_forwards"]), str(sp["target_forwards"]), "")
-    s.add_row("acceptance by depth", "", " ".join(f"{a:.2f}" for a in sp["acceptance"]), "")
-    s.add_row("draft / verify s", f"- / {ar['verify_s']:.2f}", f"{sp['draft_s']:.2f} / {sp['verify_s']:.2f}",
-              f"[dim]{pr['c_draft']:.2f} / {pr['c_verify']:.2f} AR steps[/dim]")
-    if o["greedy_match"]:
-        s.add_row("greedy = AR", "", o["greedy_match"], "")
+        q = rep.speedup
+        s.add_row(f"  each of {rep.n} repeats", "", f"{q.min:.2f}–{q.max:.2f}×", "")
+    if per and per.speedup and len(r.prompts) > 1:
+        s.add_row("  per prompt (IQR)", "", f"{per.speedup.q1:.2f}–{per.speedup.q3:.2f}×", "")
+    s.add_row("τ (tokens/step)", "1.00", f"{sp.tau:.2f}", f"[dim]{pr.tau:.2f}[/dim]")
+    if per and per.tau and len(r.prompts) > 1:
+        s.add_row("  per prompt (IQR)", "", f"{per.tau.q1:.2f}–{per.tau.q3:.2f}", "")
+    s.add_row("target forwards", str(ar.target_forwards), str(sp.target_forwards), "")
+    s.add_row("acceptance by depth", "", " ".join(f"{a:.2f}" for a in sp.acceptance), "")
+    s.add_row("draft / verify s", f"- / {ar.verify_s:.2f}", f"{sp.draft_s:.2f} / {sp.verify_s:.2f}",
+              f"[dim]{pr.c_draft:.2f} / {pr.c_verify:.2f} AR steps[/dim]")
+    if o.greedy_match:
+        s.add_row("greedy = AR", "", o.greedy_match, "")
     out.print(s)
-    if data.get("hf"):
+    if r.hf:
         h = table("transformers' generate on the same prompts")
         for col in ("method", "tok/s", "vs our AR", "= ours"):
             h.add_column(col, justify="left" if col in ("method", "= ours") else "right")
-        for r in data["hf"]:
-            if r["error"]:
-                h.add_row(r["method"], "[red]failed[/red]", r["error"][:40], "")
+        for peer in r.hf:
+            if peer.error:
+                h.add_row(peer.method, "[red]failed[/red]", peer.error[:40], "")
             else:
-                h.add_row(r["method"], f"{r['tokens_per_s']:.1f}", f"{r['speedup_vs_our_ar']:.2f}×", r["greedy_match"] or "")
+                h.add_row(peer.method, f"{peer.tokens_per_s:.1f}", f"{peer.speedup_vs_our_ar:.2f}×",
+                          peer.greedy_match or "")
         out.print(h)
     out.print("[dim]speedup = tok/s ÷ our AR tok/s (same loop and KV-cache code); cost model = τ_pred / "
               "(c_draft + c_verify), costs per step in AR steps; IQR: the middle half of the prompts[/dim]")
-    for note in data.get("notes") or []:
+    for note in r.notes:
         out.print(f"[yellow]note:[/yellow] {note}")
-    if data.get("saved"):
-        out.print(f"report saved to [bold]{data['saved']}[/bold] (`recycle push` puts it in the model card)")
+    if r.saved:
+        out.print(f"report saved to [bold]{r.saved}[/bold] (`recycle push` puts it in the model card)")
 
-def _header(data: dict, what: str) -> Table:
+def _header(target: str, drafter: str | None, what: str) -> Table:
     """The key/value grid above bench's and plan's tables, opening with the target and the drafter."""
     head = Table.grid(padding=(0, 2))
     head.add_column(style="bold")
     head.add_column()
-    head.add_row("target", data["target"])
-    head.add_row("drafter", f"{data['drafter'] or '(the target’s own MTP modules)'}  [dim]{what}[/dim]")
+    head.add_row("target", target)
+    head.add_row("drafter", f"{drafter or '(the target’s own MTP modules)'}  [dim]{what}[/dim]")
     return head
 
 
 def render_plan(data: dict) -> None:
     """Rich report: per prompt set the candidates (predicted and, where run, measured) and the pick;
     then the roofline per GPU: the best shape per batch size and each shape's crossover batch."""
-    head = _header(data, data["drafter_kind"])
+    head = _header(data["target"], data["drafter"], data["drafter_kind"])
     head.add_row("measured on", f"{data['device']} {data['dtype']}, {data['threads']} thread(s), "
                  f"≤{data['max_new_tokens']} new tokens, verify cost at context {data['context_measured']}")
     vs = data["verify_s"]

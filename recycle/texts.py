@@ -5,7 +5,7 @@ A path (a text file, JSONL or JSON rows, a directory of text files, a dataset sa
 tail of its documents as the held-out side; a built-in corpus (`stdlib`, `py:PACKAGE`: `recycle.corpus`) has
 its train/held-out split by file. Rows are plain text or conversations (OpenAI `messages`, ShareGPT
 `conversations`: `recycle.chat`), detected row by row; a document is a `str` or a `Conversation`. Distillation
-(`recycle.distill.data`), harvest and calibration (`recycle.converters.calibrate`) read text through here.
+(`recycle.distill.data`), harvest and calibration (`recycle.distill.calibrate`) read text through here.
 
 Memory stays bounded by the data's size, whatever its shape: a text file is read a block at a time, and a text
 longer than DOC_CHARS characters (a whole file on one line, a huge row) becomes several documents of at most
@@ -258,7 +258,7 @@ def _cached_dataset_texts(name: str, log: ReadLog) -> list[Document]:
     datasets.config.HF_HUB_OFFLINE = datasets.config.HF_DATASETS_OFFLINE = True
     try:
         ds = datasets.load_dataset(name)
-    except Exception as e:  # noqa: BLE001 - a missing cache entry surfaces as one of several exception types
+    except Exception as e:  # a missing cache entry surfaces as one of several exception types
         raise RecycleError(f"--data {HUB_PREFIX}{name}: not in the local datasets cache ({' '.join(str(e).split())[:120]}); "
                            "recycle never downloads: fetch it once with datasets.load_dataset, or save it with "
                            "save_to_disk and pass that directory") from None
@@ -272,16 +272,16 @@ def _path_texts(path: Path, log: ReadLog) -> Callable[[], list[Document]]:
     """A loader of every document under a `--data` path (validated now, read on call); what it skips is counted
     in `log`, and a path that yields no document at all is refused."""
     if _is_saved_dataset(path):
-        read = lambda: _dataset_texts(path, log)  # noqa: E731
+        read = lambda: _dataset_texts(path, log)
     elif path.is_file():
         if is_binary(path):
             raise RecycleError(f"--data {path}: not text (binary bytes in its first {SNIFF_BYTES // 1024} KB)")
-        read = lambda: _file_texts(path, log)  # noqa: E731
+        read = lambda: _file_texts(path, log)
     else:
         files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES)
         if not files:
             raise RecycleError(f"--data {path}: holds no text files ({' '.join(TEXT_SUFFIXES)})")
-        read = lambda: [t for p in files for t in _file_texts(p, log)]  # noqa: E731
+        read = lambda: [t for p in files for t in _file_texts(p, log)]
     return _checked(str(path), read, log)
 
 

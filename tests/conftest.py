@@ -1,4 +1,5 @@
-"""Shared fixtures: synthetic family checkpoints, each built once per test session (per xdist worker).
+"""Shared fixtures, each built once per test session (per xdist worker): synthetic family checkpoints (`family_dir`)
+and converted drafters (`converted`); the helpers the test files share are in tests/helpers.py.
 
 The default run is spread over two pytest-xdist workers (pyproject.toml: `-n 2 --dist loadgroup`): every
 test file is one unit of work, so its module-scoped fixtures are built once, except the docs tests
@@ -29,9 +30,8 @@ def _threads() -> int:
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", str(_threads()))
 
-from fixtures.families import build  # noqa: E402  (imports torch: after OMP_NUM_THREADS)
-from tests import helpers  # noqa: E402
-
+from fixtures.families import build  # imports torch: after OMP_NUM_THREADS
+from tests import helpers
 
 ROOT = Path(__file__).resolve().parents[1]
 # The commands that take more than a few seconds on the fixtures: a docs file's count of them ranks its test.
@@ -79,6 +79,33 @@ def family_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
         if key not in cache:
             suffix = "".join(f"-{k}{v}" for k, v in key[1])
             cache[key] = build(name, root / f"{name}{suffix}", **opts)
+        return cache[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def converted(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """`converted(fmt, source=FIXTURE, **options)` -> the drafter `convert_checkpoint(source, fmt, OUT, **options)`
+    writes, converted on first use and then reused by every test file of the session (per xdist worker), keyed by
+    (source, format, options).
+
+    Each drafter sits alone in a folder of its own (OUT's parent holds nothing else). Tests must treat it as read-only
+    (copy it first to change it); a test of conversion itself calls convert_checkpoint.
+    """
+    from recycle.converters.api import convert_checkpoint
+
+    from tests.trained import FIXTURE
+
+    root = tmp_path_factory.mktemp("converted")
+    cache: dict[tuple, Path] = {}
+
+    def get(fmt: str, source: str | Path = FIXTURE, **options) -> Path:
+        source = Path(source).resolve()
+        key = (str(source), fmt, tuple(sorted((k, repr(v)) for k, v in options.items())))
+        if key not in cache:
+            out = root / f"{len(cache):02d}-{source.name}" / fmt
+            cache[key] = Path(convert_checkpoint(source, fmt, out, **options)["out"])
         return cache[key]
 
     return get

@@ -1,5 +1,10 @@
-"""Subprocesses the tests start, each in a process group of its own that dies with the test.
+"""What the test files share: the subprocesses they start, and small helpers more than one file uses.
 
+The drafters the tests convert are one session fixture, `converted(fmt, source=..., **options)` in tests/conftest.py.
+The distill tests' small run (`TINY`) and their metrics reader, and the exact next-token laws and the χ² tail the
+lossless-sampling tests compare against, are at the end of this file.
+
+Subprocesses the tests start run each in a process group of its own that dies with the test:
 `run(cmd, timeout=...)` is `subprocess.run` and `popen(cmd)` a context manager around `subprocess.Popen`; both start
 the child with `start_new_session=True` (its own process group, which everything it starts inherits) and, when the
 command times out, the test fails or ends, or the `with` block is left, stop the whole group: SIGTERM, `grace`
@@ -11,6 +16,8 @@ gets SIGTERM (and at exit), so a killed test run leaves nothing behind.
 from __future__ import annotations
 
 import atexit
+import json
+import math
 import os
 import signal
 import subprocess
@@ -18,6 +25,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 
 import psutil  # a dependency of accelerate, which recycle requires
 
@@ -198,3 +206,48 @@ def install_sigterm_handler() -> None:
             os.kill(os.getpid(), signal.SIGTERM)
 
     signal.signal(signal.SIGTERM, on_sigterm)
+
+
+# -- shared by several test files -----------------------------------------------------------------------------------
+
+ROOT = Path(__file__).resolve().parents[1]
+# The distill tests' small run: 48-token rows, 2 a batch, 2 held-out rows, one thread.
+TINY = dict(seq_len=48, batch=2, eval_rows=2, threads=1)
+
+
+def metrics(state_dir: Path) -> list[dict]:
+    """The rows of a distill run's `metrics.jsonl`."""
+    return [json.loads(line) for line in (state_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def chi2_sf(x: float, k: int) -> float:
+    """P(χ²_k ≥ x), via the regularised lower incomplete gamma series (no scipy here)."""
+    s, z = k / 2.0, x / 2.0
+    term = total = 1.0 / s
+    n = 1
+    while term > 1e-15 * total and n < 10_000:
+        term *= z / (s + n)
+        total += term
+        n += 1
+    return max(0.0, 1.0 - math.exp(s * math.log(z) - z - math.lgamma(s)) * total) if z > 0 else 1.0
+
+
+def exact_marginals(model, prompt: list[int], temperature: float) -> list:
+    """Exact laws of generated tokens 1, 2, 3 under sampling at `temperature`, enumerating every continuation of
+    a tiny vocabulary (the model's logits' width)."""
+    import torch
+
+    with torch.no_grad():
+        def law(seqs: torch.Tensor) -> torch.Tensor:
+            return torch.softmax(model(seqs).logits[:, -1].double() / temperature, -1)
+
+        base = torch.tensor([prompt])
+        p1 = law(base)[0]
+        v = p1.shape[0]
+        two = torch.cat([base.expand(v, -1), torch.arange(v)[:, None]], 1)
+        p2c = law(two)  # [a, b] = p(b | a)
+        three = torch.cat([two.repeat_interleave(v, 0), torch.arange(v).repeat(v)[:, None]], 1)
+        p3c = law(three).view(v, v, v)  # [a, b, c]
+        p2 = p1 @ p2c
+        p3 = torch.einsum("a,ab,abc->c", p1, p2c, p3c)
+    return [p1, p2, p3]

@@ -14,9 +14,11 @@ from safetensors.torch import load_file
 from recycle.converters.api import convert_checkpoint
 from recycle.decoding import Drafter, MaskCache, Target, generate, load_target
 from recycle.decoding.drafting import load_engine
+from recycle.distill.calibrate import convert_calibrated
 from recycle.drafters import load_drafter
 from recycle.drafters.eagle3 import Eagle3Drafter
 from recycle.drafters.medusa import MedusaDrafter
+
 from tests.cli_helpers import assert_bad_input, run_cli
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
@@ -112,7 +114,7 @@ def test_folded_eagle3_decodes_losslessly_and_distils(folded, tmp_path):
 
 def test_medusa_from_the_assistant_is_calibrated_at_the_target_width(tmp_path):
     out = tmp_path / "medusa"
-    convert_checkpoint(ASSISTANT, "medusa", out, heads=2, calibrate=4096, target=TARGET, dtype="fp32",
+    convert_calibrated(ASSISTANT, "medusa", out, heads=2, calibrate=4096, target=TARGET, dtype="fp32",
                        calibrate_steps=100)
     d = load_drafter(out)
     assert isinstance(d, MedusaDrafter) and d.num_heads == 2

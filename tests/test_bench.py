@@ -10,18 +10,15 @@ from typer.testing import CliRunner
 
 from recycle.cli import app
 from recycle.prompts import code_prompts, default_prompts, text_prompts
+
 from tests.trained import FIXTURE
 
 runner = CliRunner()
 
 
 @pytest.fixture(scope="module")
-def eagle_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from recycle.converters.api import convert_checkpoint
-
-    out = tmp_path_factory.mktemp("bench") / "eagle"
-    convert_checkpoint(FIXTURE, "eagle", out)
-    return out
+def eagle_dir(converted) -> Path:
+    return converted("eagle")
 
 
 @pytest.fixture(scope="module")
@@ -126,19 +123,20 @@ def _stats(tokens: int, steps: int, step_s: float, tau_tokens: int | None = None
 def test_spread_flags_a_loaded_machine_and_explains_a_losing_good_tau():
     """AR speed 3× apart across prompts: one note that speedups are noise. τ 2 with each round costing more than
     2 AR steps: one note that names the per-round costs from the cost model."""
-    from recycle.bench import _summary, noise_notes, predicted_speedup, spread
+    from recycle.bench import noise_notes, predicted_speedup, spread, summarize
+    from recycle.bench_result import Overall
 
     ar = [_stats(17, 16, 0.01), _stats(17, 16, 0.03)]  # the second prompt's AR steps took 3× as long
     sp = [_stats(17, 8, 0.012, draft_s=0.1), _stats(17, 8, 0.036, draft_s=0.3)]  # τ = 16/8 = 2
-    sp_sum, ar_sum = _summary(sp), _summary(ar)
-    overall = {"ar": ar_sum, "spec": sp_sum, "speedup": sp_sum["tokens_per_s"] / ar_sum["tokens_per_s"],
-               "predicted": predicted_speedup(sp_sum, ar_sum),
-               "spread": spread(ar, sp, [[(a, b)] for a, b in zip(ar, sp)])}
-    assert overall["spread"]["loaded"] and overall["spread"]["repeats"] is None
-    assert overall["spread"]["prompts"]["ar_decode_steps_per_s"]["ratio"] == pytest.approx(3.0)
-    q = overall["spread"]["prompts"]["speedup"]
-    assert q["min"] <= q["q1"] <= q["median"] <= q["q3"] <= q["max"]
-    assert sp_sum["tau"] == 2.0 and overall["speedup"] < 1
+    sp_sum, ar_sum = summarize(sp), summarize(ar)
+    overall = Overall(ar=ar_sum, spec=sp_sum, speedup=sp_sum.tokens_per_s / ar_sum.tokens_per_s,
+                      predicted=predicted_speedup(sp_sum, ar_sum), greedy_match=None,
+                      spread=spread(ar, sp, [[(a, b)] for a, b in zip(ar, sp)]))
+    assert overall.spread.loaded and overall.spread.repeats is None
+    assert overall.spread.prompts.ar_decode_steps_per_s.ratio == pytest.approx(3.0)
+    q = overall.spread.prompts.speedup
+    assert q.min <= q.q1 <= q.median <= q.q3 <= q.max
+    assert sp_sum.tau == 2.0 and overall.speedup < 1
     notes = noise_notes(overall)
     assert len(notes) == 2 and all("\n" not in n for n in notes)
     assert "noise" in notes[0] and "3.0×" in notes[0]
@@ -151,8 +149,8 @@ def test_a_quiet_run_has_no_notes():
     ar = [_stats(9, 8, 0.01), _stats(9, 8, 0.011)]
     sp = [_stats(9, 3, 0.012), _stats(9, 3, 0.012)]
     s = spread(ar, sp, [[(ar[0], sp[0]), (ar[0], sp[0])], [(ar[1], sp[1]), (ar[1], sp[1])]])
-    assert not s["loaded"] and s["repeats"]["n"] == 2
-    overall = {"spread": s, "spec": {"tau": 2.67}, "speedup": 1.8, "predicted": {}}
+    assert not s.loaded and s.repeats.n == 2
+    overall = _overall(s, tau=2.67, speedup=1.8, predicted=(0.2, 1.2, 1.9))
     assert noise_notes(overall) == []
 
 
@@ -188,7 +186,61 @@ def test_bench_save_writes_bench_json_into_the_drafter(eagle_dir: Path, prompts_
     assert shown["saved"] == str((d / "bench.json").resolve()) and "saved" not in saved  # no local path goes up
     assert saved == {k: v for k, v in shown.items() if k != "saved"}
     assert sorted(p.name for p in d.iterdir() if p.name.startswith(".")) == []  # no temp file left
-    assert validate_drafter(d).bench["overall"]["spec"]["tau"] == shown["overall"]["spec"]["tau"]  # push reads it
+    assert validate_drafter(d).bench.overall.spec.tau == shown["overall"]["spec"]["tau"]  # push reads it
+    from recycle.bench_result import BenchResult
+
+    assert BenchResult.from_json(shown).to_json() == shown  # to_json → from_json → to_json: the same report
+    assert validate_drafter(d).bench == BenchResult.from_json(shown | {"saved": None})
+
+
+REPORT = Path(__file__).parent / "data" / "bench_report.json"  # `recycle bench --native-mtp --target FIXTURE
+# --max-new-tokens 4 --tree chain:2 --repeats 2 --compare-hf --json` (two prompts), from before bench was typed
+
+
+def test_a_saved_report_reads_back_byte_for_byte():
+    """A report as bench printed it before its result was typed reads into the typed result and writes back the
+    same bytes: every key, its order and every float as it was; bench.json is the same less `saved`."""
+    from recycle.bench_result import Bandwidth, BenchResult
+
+    text = REPORT.read_text(encoding="utf-8")
+    r = BenchResult.from_json(json.loads(text))
+    assert json.dumps(r.to_json(), indent=2) + "\n" == text
+    assert r.file_json() == {k: v for k, v in json.loads(text).items() if k != "saved"}
+    assert r.overall.spec.tau == json.loads(text)["overall"]["spec"]["tau"] and r.drafter is None
+    assert r.overall.spread.repeats.n == 2 and [p.method for p in r.hf] == ["hf greedy", "hf use_mtp",
+                                                                         "hf prompt lookup"]
+    assert r.prompts[0].ar.tau is None and "tau" not in r.to_json()["prompts"][0]["ar"]  # AR rows carry no τ
+    on_gpu = json.loads(text) | {"bandwidth": {"peak_gbs": 3350.0, "ar_gbs": 1210.5, "spec_gbs": 960.25}}
+    g = BenchResult.from_json(on_gpu)
+    assert g.bandwidth == Bandwidth(3350.0, 1210.5, 960.25) and g.to_json() == on_gpu
+    assert BenchResult.from_json(g.to_json()) == g
+
+
+def test_a_report_of_an_earlier_version_reads():
+    """bench.json files written before per-prompt speedups, spreads, notes and hybrid rollbacks still read (push's
+    check and the card read saved files), with those figures empty; a report without overall.spec.tau does not."""
+    from recycle.bench_result import BenchResult
+
+    old = json.loads(REPORT.read_text(encoding="utf-8"))
+    for key in ("notes", "saved"):
+        del old[key]
+    for key in ("spread",):
+        del old["overall"][key]
+    for side in ("ar", "spec"):
+        del old["overall"][side]["rollbacks"]
+    for row in old["prompts"]:
+        del row["speedup"], row["repeats"], row["ar"]["rollbacks"], row["spec"]["rollbacks"]
+    for peer in old["hf"]:
+        del peer["speedup_vs_our_ar"]
+    r = BenchResult.from_json(old)
+    assert r.overall.spread is None and r.notes == () and r.saved is None and r.overall.spec.rollbacks == 0
+    assert r.prompts[0].speedup is None and r.prompts[0].repeats is None and r.hf[0].speedup_vs_our_ar is None
+    assert r.overall.spec.tau == old["overall"]["spec"]["tau"] and r.overall.spec.acceptance == tuple(
+        old["overall"]["spec"]["acceptance"])
+    for bad, why in [({"overall": {}}, "no overall.spec.tau"), ([], "no overall.spec.tau"),
+                     (old | {"prompts": [{"set": "code"}]}, "prompt has no prompt_tokens")]:
+        with pytest.raises(ValueError, match=why):
+            BenchResult.from_json(bad)
 
 
 @pytest.mark.parametrize("args", [[str(FIXTURE), "--target", str(FIXTURE)], ["--native-mtp", "--target", str(FIXTURE)]],
@@ -213,12 +265,32 @@ def test_bench_names_a_drafter_given_as_the_target(eagle_dir: Path):
                      "this is a drafter (gemma4-assistant), not a target")
 
 
+def _spread(loaded: bool, ratio: float, low: float):
+    """A Spread whose AR decoding ranged `ratio`× from `low` steps/s (one prompt's τ and speedup)."""
+    from recycle.bench_result import PromptSpread, Quartiles, Span, Spread
+
+    one = Quartiles(1.0, 1.0, 1.0, 1.0, 1.0)
+    return Spread(PromptSpread(speedup=one, tau=one, ar_decode_steps_per_s=Span(low, low * ratio, ratio)),
+                  repeats=None, loaded=loaded)
+
+
+def _overall(spread, tau: float, speedup: float, predicted: tuple[float, float, float]):
+    """An Overall of the given spread, τ, speedup and cost model (c_draft, c_verify, speedup); the AR side and the
+    rest of the speculative one as a decode that measured nothing."""
+    from dataclasses import replace
+
+    from recycle.bench import summarize
+    from recycle.bench_result import Overall, Predicted
+
+    return Overall(ar=summarize([]), spec=replace(summarize([]), tau=tau), speedup=speedup,
+                   predicted=Predicted(0.0, *predicted), greedy_match=None, spread=spread)
+
+
 def test_a_costly_verification_is_named_as_the_reason():
     from recycle.bench import noise_notes
 
-    quiet = {"loaded": False, "prompts": {"ar_decode_steps_per_s": {"ratio": 1.1}}}
-    overall = {"spread": quiet, "spec": {"tau": 2.5}, "speedup": 0.5,
-               "predicted": {"c_draft": 0.7, "c_verify": 4.6, "speedup": 0.47}}
+    quiet = _spread(loaded=False, ratio=1.1, low=50.0)
+    overall = _overall(quiet, tau=2.5, speedup=0.5, predicted=(0.7, 4.6, 0.47))
     (note,) = noise_notes(overall)
     assert "verifying costs 4.60 target steps a round" in note and "--tree" in note
 
@@ -229,9 +301,8 @@ def test_a_busy_machine_gets_no_tree_advice():
     """The same costly verification as above, measured on a loaded machine: the speedups are noise, so no advice."""
     from recycle.bench import noise_notes
 
-    loaded = {"loaded": True, "prompts": {"ar_decode_steps_per_s": {"ratio": 3.2, "min": 20.0, "max": 64.0}}}
-    overall = {"spread": loaded, "spec": {"tau": 2.5}, "speedup": 0.5,
-               "predicted": {"c_draft": 0.7, "c_verify": 4.6, "speedup": 0.47}}
+    loaded = _spread(loaded=True, ratio=3.2, low=20.0)
+    overall = _overall(loaded, tau=2.5, speedup=0.5, predicted=(0.7, 4.6, 0.47))
     noise, costs = noise_notes(overall)
     assert "noise" in noise and "3.2×" in noise
     assert "busy machine" in costs and "no advice" in costs
@@ -253,6 +324,7 @@ def test_bench_refuses_an_absurd_max_new_tokens():
 
 def test_bench_refuses_a_prompt_longer_than_the_target_before_loading_it(tmp_path: Path, monkeypatch):
     from recycle import bench
+
     from tests.cli_helpers import assert_bad_input
 
     def no_load(*a, **k):
@@ -273,6 +345,7 @@ def test_bench_counts_the_trees_draft_tokens_against_the_positions(eagle_dir: Pa
     from transformers import AutoTokenizer
 
     from recycle.prompts import encode_prompts, read_jsonl
+
     from tests.cli_helpers import assert_bad_input
 
     encoded = encode_prompts(AutoTokenizer.from_pretrained(FIXTURE), read_jsonl(prompts_file), str(FIXTURE), None)

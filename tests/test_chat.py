@@ -17,6 +17,7 @@ from recycle.distill.losses import StepOutput, step_terms
 from recycle.errors import RecycleError
 from recycle.prompts import encode_prompts, read_jsonl
 from recycle.texts import data_source
+
 from tests.cli_helpers import assert_bad_input, run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -181,7 +182,7 @@ def test_a_mixed_file_records_what_it_skipped(tmp_path):
 def test_self_distill_keeps_the_other_turns_byte_for_byte(tok):
     from transformers import AutoModelForCausalLM
 
-    from recycle.decoding.target import quiet_transformers
+    from recycle.encode import quiet_transformers
 
     with quiet_transformers():
         model = AutoModelForCausalLM.from_pretrained(CHAT, dtype=torch.float32).eval()
@@ -248,7 +249,7 @@ def test_bad_chat_input_is_refused_before_any_model_loads(tmp_path, drafter):
     bad.write_text("{{ raise_exception('no') }}")
     tok = AutoTokenizer.from_pretrained(CHAT)
     with pytest.raises(RecycleError, match=r"none of the first \d+ conversations renders .*failed to render \(no\)"):
-        from recycle.distill.data import chat_renderer
+        from recycle.encode import chat_renderer
 
         chat_renderer(data_source(data).train(), tok, "t", bad)
     res = run_cli("distill", str(drafter), "--target", str(CHAT), "--tokens", "4k", "--data", str(data),
@@ -367,14 +368,13 @@ def test_chat_requests_without_an_answer_render_through_the_generation_prompt(to
 
 
 def test_distill_on_empty_answers_is_refused_with_the_counts_before_any_model_loads(tmp_path, drafter, monkeypatch):
-    import recycle.distill.train as train
-    import recycle.drafters as drafters
+    import recycle.distill.setup as setup
 
     def never(*a, **k):
         raise AssertionError("a model loaded before the data was checked")
 
-    monkeypatch.setattr(drafters, "load_drafter", never)
-    monkeypatch.setattr(train, "Teacher", never)
+    monkeypatch.setattr(setup, "load_drafter", never)
+    monkeypatch.setattr(setup, "Teacher", never)
     empty = [[{"role": "user", "content": "Write add(a, b)."}, {"role": "assistant", "content": ""}],
              [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi."},
               {"role": "assistant", "content": "<think></think>"}, {"role": "user", "content": "And?"},
@@ -421,7 +421,7 @@ def test_counts_are_singular_or_plural():
 
     assert [plural(1, "document"), plural(2, "document"), plural(1_000, "row"), plural(0, "entry", "entries")] == [
         "1 document", "2 documents", "1,000 rows", "0 entries"]
-    src = ROOT / "distill" / "train.py"
+    src = ROOT / "distill" / "setup.py"  # the data's passes note, written at set-up
     assert "documents)" not in src.read_text()  # the one count that printed "(1 documents)"
 
 

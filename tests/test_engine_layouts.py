@@ -10,18 +10,18 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
-from recycle.converters.api import convert_checkpoint, stitch_overlay
-from fixtures.derive import derive
 from recycle.checkpoint import Checkpoint
+from recycle.converters.overlay import stitch as stitch_overlay
+
+from fixtures.derive import derive
 from tests.trained import TRAINED
 
 NEXTN_ARCH = {"deepseek_v3": "DeepseekV3ForCausalLMNextN", "glm4_moe": "Glm4MoeForCausalLMNextN"}
 
 
 @pytest.fixture(scope="module")
-def eagle_dirs(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("engine-layouts")
-    return {f: Path(convert_checkpoint(d, "eagle", root / f)["out"]) for f, d in TRAINED.items()}
+def eagle_dirs(converted) -> dict[str, Path]:
+    return {f: converted("eagle", source=d) for f, d in TRAINED.items()}
 
 
 def _keys(path: Path) -> set[str]:
@@ -74,11 +74,11 @@ SGLANG_STACKED = {".q_proj": ".qkv_proj", ".k_proj": ".qkv_proj", ".v_proj": ".q
 
 
 @pytest.mark.parametrize("draft_vocab", [None, 512])
-def test_eagle3_is_what_sglang_loads(tmp_path, draft_vocab):
+def test_eagle3_is_what_sglang_loads(converted, draft_vocab):
     """SGLang `llama_eagle3.py` @03d5a777: every tensor must land on a parameter (`midlayer.*` natively, with
     no `layers.0.` remap), `d2t` becomes `hot_token_id` (optional: `eagle_worker_v2.py` @69834611 checks it
     for None), `t2d` is skipped; `EntryClass = [LlamaForCausalLMEagle3]`; one layer."""
-    out = convert_checkpoint(TRAINED["glm4_moe"], "eagle3", tmp_path / "e3", draft_vocab=draft_vocab)["out"]
+    out = converted("eagle3", source=TRAINED["glm4_moe"], draft_vocab=draft_vocab)
     cfg = json.loads((Path(out) / "config.json").read_text())
     assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["num_hidden_layers"] == 1
     keys = _keys(Path(out) / "model.safetensors")
@@ -111,12 +111,12 @@ def test_stitched_glm_target_carries_what_llama_cpp_converts(eagle_dirs, tmp_pat
 
 
 @pytest.fixture(scope="module")
-def fp8_stitched(tmp_path_factory) -> dict[str, Path]:
+def fp8_stitched(tmp_path_factory, converted) -> dict[str, Path]:
     from fixtures.fp8 import make_fp8
 
     root = tmp_path_factory.mktemp("fp8-contract")
     target = make_fp8(TRAINED["deepseek_v3"].parent / "deepseek_v3_mtp_posttrained", root / "target")
-    overlay = Path(convert_checkpoint(TRAINED["deepseek_v3"], "eagle", root / "e", layouts="overlay")["out"])
+    overlay = converted("eagle", source=TRAINED["deepseek_v3"], layouts="overlay")
     return {mode: Path(stitch_overlay(overlay / "mtp_overlay", target, root / mode, mtp_dtype=mode)["out"])
             for mode in ("auto", "bf16")}
 

@@ -86,8 +86,8 @@ def test_not_shardable_when_the_ranks_do_not_divide_the_experts() -> None:
 
 
 def _run_worker(rank: int, world: int, port: int, drafter: str, out: str, queue) -> None:
-    """One rank of a real 2-rank Distiller (gloo): after one step, the bytes it holds against the plan's."""
-    import collections
+    """One rank of a real 2-rank distillation (gloo, `prepare`): after one step, the bytes it holds against the
+    plan's."""
     import os
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
@@ -96,21 +96,21 @@ def _run_worker(rank: int, world: int, port: int, drafter: str, out: str, queue)
 
     from recycle.distill.experts import expert_modules
     from recycle.distill.memory import for_options
-    from recycle.distill.train import DistillOptions, Distiller
-    from tests.test_distill import TINY
+    from recycle.distill.setup import prepare
+    from recycle.distill.sharding import full_state
+    from recycle.distill.train import DistillOptions, train_step
+
+    from tests.helpers import TINY
     from tests.trained import FIXTURE
 
-    local = lambda t: t.to_local() if isinstance(t, DTensor) else t  # noqa: E731
-    nbytes = lambda ts: sum(local(t).numel() * local(t).element_size() for t in ts)  # noqa: E731
+    local = lambda t: t.to_local() if isinstance(t, DTensor) else t
+    nbytes = lambda ts: sum(local(t).numel() * local(t).element_size() for t in ts)
     try:
         for groups in ((), ("experts",)):
             opts = DistillOptions(drafter=drafter, target=str(FIXTURE), tokens=400, out=f"{out}{len(groups)}",
                                   freeze=groups, precision="fp32", **TINY)
-            run = Distiller(opts)
-            run._validate()
-            run._build()
-            run.step, run.tokens, run.timing = 0, 0, collections.defaultdict(float)
-            run.train_step(run.schedule.step(0))
+            run = prepare(opts)
+            train_step(run, run.schedule.step(0))
             plan = for_options(opts, world=world).parts
             teachers = {id(p) for p in run.teacher.model.parameters()}
             held = {"weights": nbytes(p for p in run.model.parameters() if id(p) not in teachers),
@@ -119,7 +119,7 @@ def _run_worker(rank: int, world: int, port: int, drafter: str, out: str, queue)
                                         if torch.is_tensor(t) and t.dim() > 0)}
             split = [p for m in expert_modules(run.model) for p in m.parameters(recurse=False)]
             assert split and all(isinstance(p, DTensor) and p.to_local().shape[0] * world == p.shape[0] for p in split)
-            whole, _ = run._full_state(optimizer=False)  # gathered onto rank 0 (a collective)
+            whole, _ = full_state(run.model, None, run.shard.sharded)  # gathered onto rank 0 (a collective)
             moved = None
             if rank == 0 and groups:  # frozen split experts come back bit-identical; attention trained
                 from recycle.drafters import load_drafter
@@ -128,23 +128,20 @@ def _run_worker(rank: int, world: int, port: int, drafter: str, out: str, queue)
                 experts = [k for k in before if ".experts." in k and "shared" not in k]
                 assert experts and all(torch.equal(before[k], whole[k].to(before[k].dtype)) for k in experts)
                 moved = any(not torch.equal(before[k], whole[k]) for k in before if "self_attn" in k)
-            queue.put((rank, groups, run.expert_parallel, held, {k: plan[k] for k in held}, moved))
+            queue.put((rank, groups, run.shard.expert_parallel, held, {k: plan[k] for k in held}, moved))
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.slow  # two 2-rank Distillers, ~40 s
-def test_plan_counts_what_each_rank_holds_with_split_experts(tmp_path: Path) -> None:
+@pytest.mark.slow  # two 2-rank distillations, ~40 s
+def test_plan_counts_what_each_rank_holds_with_split_experts(tmp_path: Path, converted) -> None:
     """Under 2 ranks the routed experts are split (each rank holds half of every fused expert tensor, trained or
     frozen), and the plan's weights, gradients and AdamW state per rank are what each rank holds after a step (to
     FSDP2's rounding of uneven shards: 1%); with --freeze experts the gathered experts are the input's, bit for bit,
     while attention moved."""
     import socket
 
-    from recycle.converters.api import convert_checkpoint
-    from tests.trained import FIXTURE
-
-    drafter = convert_checkpoint(FIXTURE, "eagle", tmp_path / "eagle")["out"]
+    drafter = str(converted("eagle"))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -14,9 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from fixtures.families import FAULTS, VARIANTS, main, make
-from recycle.checkpoint import INDEX_FILE, SCALE_SUFFIX, Checkpoint, expected_scale_shape
+from recycle.checkpoint import INDEX_FILE, Checkpoint
 from recycle.families import FAMILIES, MTPMatch, eval_shape, match
+from recycle.quant import SCALE_SUFFIX, expected_scale_shape
+
+from fixtures.families import FAULTS, VARIANTS, main, make
 
 
 def nextn(p: str, copies: bool = True) -> dict[str, list[str]]:

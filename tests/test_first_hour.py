@@ -11,18 +11,17 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from tests import helpers
 from tests.cli_helpers import assert_bad_input, run_cli
-
-from recycle.converters.api import convert_checkpoint
 from tests.trained import FIXTURE
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def eagle(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return Path(convert_checkpoint(FIXTURE, "eagle", tmp_path_factory.mktemp("e") / "eagle", layouts="recycle")["out"])
+def eagle(converted) -> Path:
+    return converted("eagle", layouts="recycle")
 
 
 def _corrupt_target(tmp_path: Path, case: str) -> Path:

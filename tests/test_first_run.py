@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 
-from recycle.converters.api import convert_checkpoint
 from tests import helpers
 from tests.cli_helpers import assert_bad_input, run_cli
 from tests.trained import FIXTURE
@@ -23,10 +22,8 @@ SMALL = ["--seq-len", "48", "--batch", "2", "--threads", "1"]
 
 
 @pytest.fixture(scope="module")
-def drafters(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("kinds")
-    return {"eagle": Path(convert_checkpoint(FIXTURE, "eagle", root / "eagle")["out"]),
-            "medusa": Path(convert_checkpoint(FIXTURE, "medusa", root / "medusa")["out"])}
+def drafters(converted) -> dict[str, Path]:
+    return {"eagle": converted("eagle"), "medusa": converted("medusa")}
 
 
 def _nothing_written(out: Path) -> bool:

@@ -12,10 +12,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from fixtures.fp8 import make_fp8
-from recycle.checkpoint import Checkpoint, dequantize_fp8, quantize_fp8
+from recycle.checkpoint import Checkpoint
 from recycle.converters.api import convert_checkpoint
-from recycle.quant import engine_fp8, ignore_entries
+from recycle.quant import dequantize_fp8, engine_fp8, ignore_entries, quantize_fp8
+
+from fixtures.fp8 import make_fp8
 from tests.cli_helpers import assert_bad_input, run_cli
 from tests.trained import FIXTURE
 
@@ -23,12 +24,12 @@ POST = FIXTURE.parent / "deepseek_v3_mtp_posttrained"
 
 
 @pytest.fixture(scope="module")
-def fp8(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def fp8(tmp_path_factory: pytest.TempPathFactory, converted) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("fp8")
     base = make_fp8(FIXTURE, root / "base-fp8")
     post = make_fp8(POST, root / "post-fp8")
-    eagle = Path(convert_checkpoint(FIXTURE, "eagle", root / "eagle", layouts="overlay")["out"])
-    eagle8 = Path(convert_checkpoint(base, "eagle", root / "eagle8", layouts="recycle,overlay")["out"])
+    eagle = converted("eagle", layouts="overlay")
+    eagle8 = converted("eagle", source=base, layouts="recycle,overlay")
     return {"root": root, "base": base, "post": post, "overlay": eagle / "mtp_overlay", "eagle8": eagle8}
 
 

@@ -11,12 +11,15 @@ import pytest
 import torch
 
 from recycle.decoding import MaskCache, Target, generate, load_target
-from recycle.decoding.drafting import AssistantEngine, Drafter, load_engine
+from recycle.decoding.drafting import Drafter, load_engine
+from recycle.decoding.drafting.gemma4_assistant import AssistantEngine
 from recycle.drafters import load_drafter
-from recycle.drafters.gemma4 import assistant_kv_modes, new_assistant, step
+from recycle.drafters.gemma4 import new_assistant, step
 from recycle.errors import RecycleError
+from recycle.formats.gemma4_assistant import assistant_kv_modes
+
 from tests.cli_helpers import assert_bad_input, run_cli
-from tests.test_decoding import _exact_marginals, chi2_sf
+from tests.helpers import chi2_sf, exact_marginals
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 TARGET, ASSISTANT = FIXTURES / "gemma4_target", FIXTURES / "gemma4_assistant"
@@ -139,7 +142,7 @@ def test_assistant_sampling_follows_the_target_law():
     engine = AssistantEngine(a, 2, masks, target)
     target.set_taps(engine.taps)
     prompt, runs = [1, 5, 2, 7, 3], 1200
-    exact = _exact_marginals(model, prompt, 1.0)
+    exact = exact_marginals(model, prompt, 1.0)
     counts = torch.zeros(3, 8, dtype=torch.float64)
     accepted = 0
     for seed in range(runs):

@@ -14,6 +14,7 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 from gguf.quants import quantize
 
 from recycle.checkpoint import Checkpoint
+
 from tests.cli_helpers import assert_bad_input, run_cli
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -15,16 +15,18 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from recycle.decoding.drafting import Drafter, MTPStack, load_engine
+from recycle.checkpoint import Checkpoint
+from recycle.decoding.drafting import Drafter, load_engine
+from recycle.decoding.drafting.native_mtp import MTPStack
 from recycle.decoding.loop import generate
-from recycle.decoding.target import Target, load_target, quiet_transformers
+from recycle.decoding.target import Target, load_target
 from recycle.decoding.tree import MaskCache, Tree
+from recycle.encode import quiet_transformers
 from recycle.errors import RecycleError
 from recycle.families import BY_NAME, match
-from recycle.checkpoint import Checkpoint
 from recycle.mtp import MTP
-from tests.test_decoding import _exact_marginals, chi2_sf
 
+from tests.helpers import chi2_sf, exact_marginals
 
 
 @pytest.fixture(scope="module")
@@ -148,7 +150,7 @@ def test_speculative_sampling_on_a_hybrid_follows_the_target_law() -> None:
         model.lm_head.weight.mul_(40.0)  # a target law far from uniform
     mtp = MTP(block_config(dict(cfg, model_type="qwen3_5_text")), BY_NAME["qwen3_5"], 1).eval()
     with torch.no_grad():
-        for name, t in mtp.named_parameters():
+        for t in mtp.parameters():
             t.normal_(0, 0.1) if t.dim() > 1 else t.zero_()  # zero-centred norms: scale 1
         mtp.layers[0].head.weight.copy_(model.lm_head.weight * 0.05)
         mtp.layers[0].embed.weight.copy_(model.model.embed_tokens.weight)
@@ -158,7 +160,7 @@ def test_speculative_sampling_on_a_hybrid_follows_the_target_law() -> None:
     engine = MTPStack(mtp, 2, masks, reuse="cycle")
     target.set_taps(engine.taps)
     prompt, runs = [1, 5, 2, 7, 3], 600
-    exact = _exact_marginals(model, prompt, 1.0)
+    exact = exact_marginals(model, prompt, 1.0)
     counts = torch.zeros(3, V, dtype=torch.float64)
     accepted = rollbacks = 0
     for seed in range(runs):
@@ -175,17 +177,17 @@ def test_speculative_sampling_on_a_hybrid_follows_the_target_law() -> None:
         assert chi2_sf(stat, int(keep.sum()) - 1) > 1e-3, (i, counts[i].tolist(), expected.tolist())
 
 
-def test_a_distilled_qwen_drafter_writes_its_overlay_back_and_stitches(qwen_dir: Path, tmp_path: Path) -> None:
+def test_a_distilled_qwen_drafter_writes_its_overlay_back_and_stitches(qwen_dir: Path, tmp_path: Path,
+                                                                     converted) -> None:
     """Zero-centred norms: the EAGLE drafter trains them as plain `w`, the overlay stores them as the family does
     (w − 1), so `recycle stitch` puts the trained module back and the target's own MTP runtime runs it."""
     from safetensors.torch import load_file
 
-    from recycle.converters.api import convert_checkpoint
     from recycle.converters.overlay import stitch
     from recycle.distill.train import DistillOptions, distill
     from recycle.drafters import load_drafter
 
-    eagle = convert_checkpoint(qwen_dir, "eagle", tmp_path / "eagle")["out"]
+    eagle = str(converted("eagle", source=qwen_dir))
     rec = distill(DistillOptions(drafter=eagle, target=str(qwen_dir), tokens=6 * 4 * 64, seq_len=64, batch=4,
                                  lr=3e-3, eval_every=10**6, out=str(tmp_path / "d"), init="scratch"))
     out = Path(rec["out"])
@@ -206,8 +208,9 @@ def test_a_distilled_qwen_drafter_writes_its_overlay_back_and_stitches(qwen_dir:
 def test_the_trained_module_drafts_losslessly_through_rejections() -> None:
     """The trained fixture's own module, reused for 3 draft steps (as vLLM and llama.cpp reuse it): accepted and
     rejected mid-chain on real text, and the output is plain decoding's."""
-    from recycle.prompts import default_prompts, encode_prompts
     from transformers import AutoTokenizer
+
+    from recycle.prompts import default_prompts, encode_prompts
 
     with quiet_transformers():
         target = Target(load_target(TRAINED))

@@ -9,10 +9,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from tests.cli_helpers import assert_bad_input, run_cli
-from tests.helpers import run
 
 from recycle.audit import inspect_checkpoint
+
+from tests.cli_helpers import assert_bad_input, run_cli
+from tests.helpers import run
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -14,13 +14,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fixtures.fp8 import QUANTIZATION_CONFIG, is_fp8_weight, make_fp8
 from recycle.checkpoint import Checkpoint
 from recycle.errors import RecycleError
 from recycle.families import BY_NAME
 from recycle.mtp import MTP, Norm, block_config
-from tests.trained import FIXTURE, H, L
 
+from fixtures.fp8 import QUANTIZATION_CONFIG, is_fp8_weight, make_fp8
+from tests.trained import FIXTURE, H, L
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +80,7 @@ def test_matches_hand_assembled_forward(trunk, mtp, ids):
     cfg.num_hidden_layers = L + 2
     wide = DeepseekV3ForCausalLM.from_pretrained(FIXTURE, config=cfg, dtype=torch.float32).eval()
     ck = Checkpoint(FIXTURE)
-    raw = lambda n: ck.get(n, torch.float32)  # noqa: E731
+    raw = lambda n: ck.get(n, torch.float32)
     t = ids.shape[1] - 2
     pos = torch.arange(t).unsqueeze(0).expand(2, t)
     with torch.no_grad():

@@ -11,15 +11,16 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from recycle.converters.api import convert_checkpoint
-from fixtures.build_parallel import PARAMS, ParallelLM, llama_config, save
 from recycle.audit import inspect_checkpoint
 from recycle.decoding import Drafter, MaskCache, Target, generate, load_target
 from recycle.decoding.drafting import load_engine
+from recycle.distill.calibrate import convert_calibrated
 from recycle.drafters import MedusaDrafter, load_drafter
 from recycle.drafters.parallel import ParallelHeads
+
+from fixtures.build_parallel import PARAMS, ParallelLM, llama_config, save
 from tests.cli_helpers import assert_bad_input, run_cli
-from tests.test_decoding import _exact_marginals, chi2_sf
+from tests.helpers import chi2_sf, exact_marginals
 from tests.trained import FIXTURE
 
 TINY = dict(PARAMS, dim=64, n_layers=5, n_heads=2, n_kv_heads=2, multiple_of=32)  # layers.0-1 (trunk, head) + 3 extra
@@ -95,7 +96,7 @@ def test_parallel_drafting_samples_the_target_law(tmp_path: Path) -> None:
     engine = load_engine(str(d), target, masks, tree="chain:2", target_dir=str(d))
     target.set_taps(engine.taps)
     prompt, runs = [1, 5, 2, 7, 3], 1200
-    exact = _exact_marginals(model, prompt, 1.0)
+    exact = exact_marginals(model, prompt, 1.0)
     counts = torch.zeros(3, 8, dtype=torch.float64)
     for seed in range(runs):
         g = generate(target, engine, prompt, 3, temperature=1.0, seed=seed, masks=masks)
@@ -110,7 +111,7 @@ def test_parallel_drafting_samples_the_target_law(tmp_path: Path) -> None:
 
 def test_medusa_from_parallel_heads_calibrated(par, tmp_path: Path) -> None:
     d, _ = par
-    out = Path(convert_checkpoint(d, "medusa", tmp_path / "m", calibrate=2048, calibrate_steps=60)["out"])
+    out = Path(convert_calibrated(d, "medusa", tmp_path / "m", calibrate=2048, calibrate_steps=60)["out"])
     assert isinstance(load_drafter(out), MedusaDrafter)
     rec = json.loads((out / "recycle.json").read_text())
     for h in rec["calibration"]["heads"]:  # calibration lowers the held-out fit error against the identity

@@ -10,6 +10,7 @@ import pytest
 
 from recycle import roofline
 from recycle.hardware import GPUS, gpu
+
 from tests.cli_helpers import assert_bad_input, run_cli
 from tests.trained import FIXTURE, TRAINED
 
@@ -88,16 +89,13 @@ def test_gpu_table_lookup_and_bench_bandwidth():
 
 
 @pytest.fixture(scope="module")
-def plan_report(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
-    from recycle.converters.api import convert_checkpoint
-
+def plan_report(tmp_path_factory: pytest.TempPathFactory, converted) -> tuple[dict, Path]:
     tmp = tmp_path_factory.mktemp("plan")
-    convert_checkpoint(FIXTURE, "eagle", tmp / "eagle")
     prompts = tmp / "p.jsonl"
     prompts.write_text('{"set": "code", "prompt": "def add(a, b):\\n    return"}\n'
                        '{"set": "prose", "prompt": "The module reads configuration files and"}\n')
     png = tmp / "plan.png"
-    res = run_cli("plan", str(tmp / "eagle"), "--target", str(FIXTURE), "--prompts", str(prompts), "--max-chain", "3",
+    res = run_cli("plan", str(converted("eagle")), "--target", str(FIXTURE), "--prompts", str(prompts), "--max-chain", "3",
                   "--max-new-tokens", "12", "--gpu", "H100,L40S", "--batch", "1,16", "--plot", str(png), "--json",
                   "--threads", "1")
     assert res.exit_code == 0, res.output
@@ -159,12 +157,9 @@ def test_plan_bad_options_exit_2(extra, needle, tmp_path: Path):
     assert_bad_input(res, needle)
 
 
-def test_plan_drafter_that_does_not_fit_exits_2(tmp_path: Path):
-    from recycle.converters.api import convert_checkpoint
-
-    convert_checkpoint(FIXTURE, "eagle", tmp_path / "eagle")
+def test_plan_drafter_that_does_not_fit_exits_2(tmp_path: Path, converted):
     other = FIXTURE.parent / "meta_mtp_parallel"  # hidden 256 against the drafter's 128
-    res = run_cli("plan", str(tmp_path / "eagle"), "--target", str(other), "--prompts", _one_prompt(tmp_path))
+    res = run_cli("plan", str(converted("eagle")), "--target", str(other), "--prompts", _one_prompt(tmp_path))
     assert_bad_input(res, "does not fit the target")
 
 
@@ -182,15 +177,13 @@ def test_jsonl_prompt_sets(tmp_path: Path):
 
 
 @pytest.mark.parametrize("kind", ["native-mtp", "medusa", "parallel-heads"])
-def test_plan_runs_for_every_drafter_kind(kind: str, tmp_path: Path):
+def test_plan_runs_for_every_drafter_kind(kind: str, tmp_path: Path, converted):
     """Heads that draft in one pass and to a fixed depth (Medusa, Meta's parallel heads) and the native
     modules; a Meta-layout target's roofline reads the config transformers built it from."""
     target = FIXTURE.parent / "meta_mtp_parallel" if kind == "parallel-heads" else FIXTURE
     drafter = target
     if kind == "medusa":
-        from recycle.converters.api import convert_checkpoint
-
-        drafter = Path(convert_checkpoint(FIXTURE, "medusa", tmp_path / "medusa")["out"])
+        drafter = converted("medusa")
     res = run_cli("plan", str(drafter), "--target", str(target), "--prompts", _one_prompt(tmp_path), "--max-chain", "2",
                   "--max-new-tokens", "6", "--gpu", "H100", "--batch", "1", "--json", "--threads", "1")
     assert res.exit_code == 0, res.output

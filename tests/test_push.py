@@ -22,6 +22,7 @@ from typer.testing import CliRunner
 
 from recycle.cli import app
 from recycle.hub import base_model_name, validate_drafter
+
 from tests.fake_hub import FakeHubServer
 from tests.trained import FIXTURE
 

@@ -19,24 +19,25 @@ from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file, save_file
+
+from recycle.converters.api import convert_checkpoint
+from recycle.distill.train import DistillOptions, distill
+from recycle.errors import RecycleError
+from recycle.io.writer import OutputDir
+from recycle.preflight import OLD_INFIX, TMP_INFIX, OutputLock, output_dir, sibling
+
 from tests import helpers
 from tests.cli_helpers import assert_bad_input, run_cli
 from tests.trained import FIXTURE
-
-from recycle.converters.api import convert_checkpoint
-from recycle.converters.writer import OutputDir
-from recycle.distill.train import DistillOptions, distill
-from recycle.errors import RecycleError
-from recycle.preflight import OLD_INFIX, TMP_INFIX, OutputLock, output_dir, sibling
 
 SENTINEL = "SENTINEL"
 FAST = ["--tokens", "16", "--seq-len", "8", "--batch", "2", "--threads", "1"]  # one step (add --data: seconds)
 
 
 @pytest.fixture(scope="module")
-def drafter(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def drafter(converted) -> Path:
     """An EAGLE drafter of the fixture: distill's input, and its mtp_overlay/ stitch's."""
-    return Path(convert_checkpoint(FIXTURE, "eagle", tmp_path_factory.mktemp("drafter") / "eagle")["out"])
+    return converted("eagle")
 
 
 @pytest.fixture(scope="module")
@@ -323,7 +324,7 @@ def test_an_output_moved_aside_by_a_killed_run_is_put_back(tmp_path: Path) -> No
 
 
 def test_the_swap_without_an_exchange_still_replaces(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import recycle.converters.writer as writer
+    import recycle.io.writer as writer
 
     out = tmp_path / "o"
     convert_checkpoint(FIXTURE, "medusa", out)

@@ -12,12 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from fixtures.fp8 import make_fp8
-from recycle.checkpoint import SHARD_NAME, Checkpoint, whole_file
+from recycle.checkpoint import Checkpoint
 from recycle.converters.api import convert_checkpoint
-from recycle.converters.roles import EXACT, Lazy
-from recycle.converters.writer import split_plan
+from recycle.converters.roles import EXACT
 from recycle.drafters import load_drafter
+from recycle.io.weights import SHARD_NAME, whole_file
+from recycle.io.writer import Lazy, split_plan
+
+from fixtures.fp8 import make_fp8
 from tests.cli_helpers import assert_bad_input, run_cli
 from tests.trained import FIXTURE
 
@@ -25,11 +27,9 @@ POST = FIXTURE.parent / "deepseek_v3_mtp_posttrained"
 
 
 @pytest.fixture(scope="module")
-def drafters(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def drafters(tmp_path_factory: pytest.TempPathFactory, converted) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("shards")
-    whole = Path(convert_checkpoint(FIXTURE, "eagle", root / "whole")["out"])
-    sharded = Path(convert_checkpoint(FIXTURE, "eagle", root / "sharded", max_shard_size="1MB")["out"])
-    return {"root": root, "whole": whole, "sharded": sharded}
+    return {"root": root, "whole": converted("eagle"), "sharded": converted("eagle", max_shard_size="1MB")}
 
 
 def _shards(d: Path) -> list[str]:

@@ -15,6 +15,7 @@ import torch
 
 from recycle.checkpoint import Checkpoint
 from recycle.families import match
+
 from tests import helpers
 from tests.trained import FIXTURE
 

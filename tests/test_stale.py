@@ -13,16 +13,20 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from tests.cli_helpers import assert_bad_input, run_cli
 
-from recycle.converters.api import convert_checkpoint
-from recycle.distill.data import data_source, heldout_batch, split_tail
-from recycle.distill.train import DistillOptions, default_precision, distill, expected_length
-from fixtures.derive import derive
 from recycle.audit import inspect_checkpoint
 from recycle.bench import BenchOptions, run_bench
+from recycle.bench_result import Measure
 from recycle.checkpoint import Checkpoint
+from recycle.distill.data import heldout_batch
+from recycle.distill.record import expected_length
+from recycle.distill.setup import default_precision
+from recycle.distill.train import DistillOptions, distill
 from recycle.families import match
+from recycle.texts import data_source, split_tail
+
+from fixtures.derive import derive
+from tests.cli_helpers import assert_bad_input, run_cli
 from tests.trained import FIXTURE, L
 
 POSTTRAINED = FIXTURE.parent / "deepseek_v3_mtp_posttrained"
@@ -51,14 +55,14 @@ def derived(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="module")
-def base_eagle(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return Path(convert_checkpoint(FIXTURE, "eagle", tmp_path_factory.mktemp("base") / "eagle")["out"])
+def base_eagle(converted) -> Path:
+    return converted("eagle")
 
 
-def _bench(drafter: str | None, target: Path, tree: str) -> dict:
+def _bench(drafter: str | None, target: Path, tree: str) -> Measure:
     r = run_bench(BenchOptions(drafter=drafter, target=str(target), prompts=PROMPTS, max_new_tokens=24, tree=tree,
                                native=drafter is None, warmup=False))
-    return r["overall"]["spec"]
+    return r.overall.spec
 
 
 # -- the targets ----------------------------------------------------------------------------------
@@ -89,7 +93,7 @@ def test_derived_variants_are_deterministic(derived: dict[str, Path], tmp_path: 
 
 
 def test_inspect_finds_stale_and_missing_modules(derived: dict[str, Path]) -> None:
-    codes = lambda p: {f.code for f in inspect_checkpoint(p).findings}  # noqa: E731
+    codes = lambda p: {f.code for f in inspect_checkpoint(p).findings}
     assert "mtp_stale_copy" in codes(POSTTRAINED) and "mtp_stale_copy" not in codes(FIXTURE)
     assert "mtp_declared_missing" in codes(derived["pt_dropped"])
     assert not codes(derived["one"])
@@ -126,7 +130,7 @@ def test_transplant_into_a_target_without_mtp(derived: dict[str, Path], base_eag
     assert torch.equal(st.raw(f"model.layers.{L}.shared_head.head.weight"), target.raw("lm_head.weight"))
     native = _bench(None, tmp_path / "st", "chain:2")
     drafter = _bench(str(out), derived["pt_dropped"], "chain:2")
-    assert native["accepted"] == drafter["accepted"] and native["tried"] == drafter["tried"], (native, drafter)
+    assert native.accepted == drafter.accepted and native.tried == drafter.tried, (native, drafter)
 
 
 def test_stitch_writes_the_targets_copies_over_stale_ones(base_eagle: Path, tmp_path: Path) -> None:
@@ -179,13 +183,13 @@ def test_default_precision_is_fp32_without_native_bf16(monkeypatch: pytest.Monke
 # -- deeper than stored ----------------------------------------------------------------------------
 
 
-def test_native_module_reused_past_its_depth_equals_the_eagle_chain(derived: dict[str, Path], tmp_path: Path) -> None:
+def test_native_module_reused_past_its_depth_equals_the_eagle_chain(derived: dict[str, Path], converted) -> None:
     """One stored module, chain:3: native MTP chains module 0 again (vLLM's k mod n), exactly what the
     `--to eagle` drafter of the same checkpoint computes."""
-    eagle = convert_checkpoint(derived["one"], "eagle", tmp_path / "e", layouts="recycle")["out"]
+    eagle = str(converted("eagle", source=derived["one"], layouts="recycle"))
     native = _bench(None, derived["one"], "chain:3")
     drafter = _bench(eagle, derived["one"], "chain:3")
-    assert len(native["tried"]) == 3 and native["accepted"] == drafter["accepted"], (native, drafter)
+    assert len(native.tried) == 3 and native.accepted == drafter.accepted, (native, drafter)
 
 
 # -- bad input --------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from recycle.checkpoint import Checkpoint
 from recycle.corpus import HELDOUT_PERCENT, documents, is_heldout, split_paths, stdlib_files, stdlib_root
 from recycle.families import match
 from recycle.mtp import MTP
+
 from tests.trained import FIXTURE, TRAINED, H, L
 
 # Held-out files present in every CPython ≥ 3.11 (the fixture was trained without them).

@@ -15,6 +15,7 @@ import sysconfig
 from pathlib import Path
 
 from recycle.engines.vllm_env import run_logged
+
 from tests import helpers
 
 CACHE = Path(os.environ.get("RECYCLE_VALIDATORS", Path.home() / ".cache" / "recycle" / "validators"))

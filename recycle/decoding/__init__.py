@@ -1,6 +1,7 @@
 """The built-in tree-verification decoder: draft trees, masks, KV-cache gather, verification, the decode loop."""
 
-from recycle.decoding.drafting import AutoRegressive, Drafter, MTPStack
+from recycle.decoding.drafting.base import AutoRegressive, Drafter
+from recycle.decoding.drafting.native_mtp import MTPStack
 from recycle.decoding.loop import DecodeStats, Generation, generate
 from recycle.decoding.target import Target, load_target
 from recycle.decoding.tree import DynamicTreeSpec, MaskCache, StaticTree, Tree

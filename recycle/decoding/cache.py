@@ -78,7 +78,7 @@ def snapshot(cache: Cache) -> Snapshot:
     """Copies of every recurrent layer's conv and recurrent states (and whether it has seen a token)."""
     out = []
     for lyr in recurrent_layers(cache):
-        clone = lambda states: {i: None if t is None else t.clone() for i, t in states.items()}  # noqa: E731
+        clone = lambda states: {i: None if t is None else t.clone() for i, t in states.items()}
         out.append((lyr, clone(lyr.conv_states), clone(lyr.recurrent_states), dict(lyr.has_previous_state)))
     return out
 

@@ -12,12 +12,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from recycle.decoding import cache as kv
-from recycle.decoding.drafting import Drafter
+import recycle.decoding.cache as kv  # by attribute: tests stand in for a step (kv.restore)
+from recycle.decoding.drafting.base import Drafter
 from recycle.decoding.target import Target
 from recycle.decoding.tree import MaskCache
 from recycle.decoding.verify import sample, target_probs, verify
 from recycle.errors import RecycleError
+from recycle.hardware import sync
 
 
 @dataclass
@@ -64,11 +65,6 @@ class Generation:
     stats: DecodeStats
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 @torch.inference_mode()
 def generate(
     target: Target,
@@ -87,7 +83,7 @@ def generate(
     rng = random.Random(seed)
     gen = torch.Generator(device="cpu").manual_seed(seed)
     st = DecodeStats()
-    _sync(dev)
+    sync(dev)
     t0 = time.perf_counter()
     cache = target.new_cache()
     recurrent = target.recurrent  # a hybrid target: states rolled back on rejection
@@ -99,13 +95,13 @@ def generate(
     out = [tok]
     drafter.start(prompt, feats)
     st.forwards = 1
-    _sync(dev)
+    sync(dev)
     t1 = time.perf_counter()
     st.prefill_s = t1 - t0
     while len(out) < max_new_tokens and tok != eos:
         prefix = len(prompt) + len(out) - 1  # cache length; the root sits at this position
         tree = drafter.propose(tok, temperature, gen)
-        _sync(dev)
+        sync(dev)
         t2 = time.perf_counter()
         ids = torch.tensor([tree.tokens], device=dev)
         if len(tree) == 1:
@@ -133,7 +129,7 @@ def generate(
             if len(path) < len(tree):
                 sel = torch.tensor(path, device=dev)
                 feats = {k: v.index_select(0, sel) for k, v in feats.items()}
-        _sync(dev)
+        sync(dev)
         t3 = time.perf_counter()
         drafter.commit(accepted, feats)
         t4 = time.perf_counter()
@@ -150,7 +146,7 @@ def generate(
             if t == eos or len(out) >= max_new_tokens:
                 break
         tok = out[-1]
-    _sync(dev)
+    sync(dev)
     st.total_s = time.perf_counter() - t0
     st.new_tokens = len(out)
     return Generation(out, st)

@@ -12,32 +12,15 @@ Feature names ("taps"):
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 from torch import nn
 from transformers import DynamicCache
 
+from recycle.encode import quiet_transformers
 from recycle.errors import RecycleError
-
-
-@contextlib.contextmanager
-def quiet_transformers() -> Iterator[None]:
-    """Silence transformers' load reports (an MTP checkpoint always has 'unexpected' MTP tensors)."""
-    from transformers.utils import logging as hf_logging
-
-    old = hf_logging.get_verbosity()
-    bars = hf_logging.is_progress_bar_enabled()
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        hf_logging.set_verbosity(old)
-        if bars:
-            hf_logging.enable_progress_bar()
 
 
 def layout_family(path: Path) -> str | None:
@@ -74,7 +57,7 @@ def load_target(
                 model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn)
     except RecycleError:
         raise
-    except Exception as e:  # noqa: BLE001 - whatever a corrupt directory makes transformers raise is bad input
+    except Exception as e:  # whatever a corrupt directory makes transformers raise is bad input
         raise RecycleError(f"{path}: transformers cannot load it as a causal LM ({type(e).__name__}: "
                            f"{_first_sentence(e)})") from None
     return model.to(device).eval()

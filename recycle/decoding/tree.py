@@ -227,6 +227,54 @@ def parse_dynamic(value: str) -> DynamicTreeSpec:
     return DynamicTreeSpec(d, k, t)
 
 
+Shape = int | StaticTree | DynamicTreeSpec  # a chain of K tokens, Medusa choices, or an EAGLE-2 dynamic tree
+
+
+def parse_shape(value: str | None, default: Shape, max_depth: int | None = None) -> Shape:
+    """`--tree`: chain[:N], dynamic[:DEPTH,TOPK,TOTAL], or Medusa-style choices (JSON list or file)."""
+    if value is None:
+        return default
+    v = value.strip()
+    if v == "chain" or v.startswith("chain:"):
+        if v == "chain":
+            return default.depth if not isinstance(default, int) else default
+        try:
+            n = int(v.split(":", 1)[1])
+        except ValueError:
+            raise RecycleError(f"--tree {value!r}: expected chain:N, e.g. chain:2") from None
+        if n < 0:
+            raise RecycleError(f"--tree {value!r}: the chain length must be ≥ 0")
+        return n
+    if v == "dynamic":
+        return DynamicTreeSpec()
+    if v.startswith("dynamic:"):
+        return parse_dynamic(v)
+    shape = StaticTree.from_choices(parse_tree_option(v))
+    if max_depth is not None and shape.depth > max_depth:
+        raise RecycleError(f"--tree is {shape.depth} deep; this drafter drafts at most {max_depth} tokens ahead")
+    return shape
+
+
+def describe_shape(shape: Shape) -> str:
+    if isinstance(shape, int):
+        return f"chain:{shape}"
+    if isinstance(shape, StaticTree):
+        return f"static:{len(shape.parents) - 1} nodes, depth {shape.depth}"
+    return f"dynamic:{shape.depth},{shape.top_k},{shape.total_tokens}"
+
+
+def shape_tokens(shape: Shape) -> int:
+    """How many draft tokens one round verifies beyond the committed one: a chain's K, a tree's nodes."""
+    if isinstance(shape, int):
+        return shape
+    if isinstance(shape, StaticTree):
+        return len(shape.parents) - 1
+    return shape.total_tokens
+
+
+def medusa_default(heads: int) -> StaticTree:
+    """Medusa's default tree, cut to the depth a set of heads reaches."""
+    return StaticTree.from_choices([c for c in DEFAULT_MEDUSA_CHOICES if len(c) <= heads])
 
 
 class Expander:
@@ -242,7 +290,7 @@ class Expander:
     for the verifier.
     """
 
-    def __init__(self, root: int, shape: int | StaticTree | DynamicTreeSpec, temperature: float = 0.0,
+    def __init__(self, root: int, shape: Shape, temperature: float = 0.0,
                  gen: torch.Generator | None = None) -> None:
         self.shape, self.temperature, self.gen = shape, temperature, gen
         self.tok, self.par, self.dep, self.score = [root], [-1], [0], [0.0]
@@ -313,3 +361,13 @@ class Expander:
         t = Tree([self.tok[c] for c in keep], [where.get(self.par[c], -1) for c in keep],
                  [self.dep[c] for c in keep], [self.q[c] for c in keep])
         return t, keep
+
+
+def per_level_tree(root: int, shape: Shape, rows: list[torch.Tensor], temperature: float,
+                   gen: torch.Generator | None) -> Tree:
+    """A tree whose every node at depth d+1 draws from the same logits row `rows[d]` [1, V]: heads that
+    read only the last committed state (Medusa, parallel heads) cannot condition on their parents."""
+    ex = Expander(root, shape, temperature, gen)
+    while not ex.done():
+        ex.expand(rows[ex.level].expand(len(ex.frontier()), -1))
+    return ex.tree()[0]

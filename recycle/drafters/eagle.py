@@ -25,6 +25,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
+from recycle.drafters.registry import BUILDERS
 from recycle.families import BY_NAME, Family
 from recycle.formats.eagle import source_model_type
 from recycle.mtp import MTP, block_config, to_runtime_layout
@@ -118,6 +119,7 @@ def build_eagle(config_dict: Mapping, state: Mapping[str, torch.Tensor], dtype: 
     return model.to(dtype or torch.float32).eval()
 
 
+@BUILDERS.register("eagle")
 def build(directory, config: Mapping, state: Mapping[str, torch.Tensor], dtype: torch.dtype | None = None,
           attn_implementation: str = "sdpa") -> EagleDrafter:
     return build_eagle(config, state, dtype, attn_implementation)

@@ -31,6 +31,8 @@ from transformers.masking_utils import create_causal_mask
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as ds
 from transformers.models.llama import modeling_llama as llama
 
+from recycle.drafters.registry import BUILDERS
+
 
 @dataclass(frozen=True)
 class LayerKind:
@@ -165,6 +167,7 @@ def build_eagle3(config_dict: Mapping, state: Mapping[str, torch.Tensor], dtype:
     return model.to(dtype or torch.float32).eval()
 
 
+@BUILDERS.register("eagle3")
 def build(directory, config: Mapping, state: Mapping[str, torch.Tensor], dtype: torch.dtype | None = None,
           attn_implementation: str = "sdpa") -> Eagle3Drafter:
     return build_eagle3(config, state, dtype, attn_implementation)

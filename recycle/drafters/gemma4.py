@@ -1,4 +1,4 @@
-"""Gemma 4's MTP assistants (`gemma4_assistant`): load one, check it fits its target, run one drafting step.
+"""Gemma 4's MTP assistants (`gemma4_assistant`): load one, run one drafting step.
 
 Google ships Gemma 4's multi-token predictor as a separate model per instruct target
 (`Gemma4AssistantForCausalLM`). It is already a drafter, so recycle runs it as transformers defines it:
@@ -11,41 +11,20 @@ Google ships Gemma 4's multi-token predictor as a separate model per instruct ta
   * `post_projection` maps the output back to the target's width: the next step's "last hidden";
   * logits from the tied head (`use_ordered_embeddings`: centroid-masked logits, transformers' own module).
 
-transformers 5.23.0 cannot build an assistant: `Gemma4TextConfig.kv_sharing_modes` raises for a config
-whose every layer reuses K/V, which is what every assistant's text config is (5.22.2 and 5.24.0 build it).
-`assistant_kv_modes()` answers "reuse" for every layer there, as 5.24.0 does, while the constructor runs.
+What it needs of its target (`kv_source_layers`, the fit check) and the transformers 5.23.0 workaround every
+assistant is built under (`assistant_kv_modes`) are read from configs alone: `recycle.formats.gemma4_assistant`.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from recycle.drafters.registry import BUILDERS
 from recycle.errors import RecycleError
-
-
-@contextlib.contextmanager
-def assistant_kv_modes() -> Iterator[None]:
-    """transformers 5.23.0 workaround (see the module docstring); a no-op where the installed version copes."""
-    from transformers.models.gemma4 import configuration_gemma4 as cg
-
-    cls = cg.Gemma4TextConfig
-    original = cls.__dict__["kv_sharing_modes"]
-
-    def modes(self) -> list[str | None]:
-        if self.num_kv_shared_layers == self.num_hidden_layers:
-            return ["reuse"] * self.num_hidden_layers
-        return original.fget(self)
-
-    cls.kv_sharing_modes = property(modes)
-    try:
-        yield
-    finally:
-        cls.kv_sharing_modes = original
+from recycle.formats.gemma4_assistant import assistant_kv_modes, kv_source_layers
 
 
 def new_assistant(config) -> nn.Module:
@@ -63,7 +42,7 @@ def build_assistant(directory: Path, state: dict[str, torch.Tensor], dtype: torc
 
     try:
         config = Gemma4AssistantConfig.from_pretrained(directory)
-    except Exception as e:  # noqa: BLE001 - whatever a malformed config makes transformers raise
+    except Exception as e:  # whatever a malformed config makes transformers raise
         raise RecycleError(f"{directory}/config.json: not a Gemma 4 assistant config "
                            f"({' '.join(str(e).split())[:160]})") from None
     config.get_text_config()._attn_implementation = "sdpa"
@@ -87,41 +66,6 @@ def stored_state(assistant: nn.Module) -> dict[str, torch.Tensor]:
     centroid tables only when the assistant uses them."""
     return {k: v.detach() for k, v in assistant.state_dict().items() if k != "lm_head.weight"
             and (assistant.config.use_ordered_embeddings or not k.startswith("masked_embedding."))}
-
-
-def kv_source_layers(config) -> dict[str, int]:
-    """The target layer whose K/V the assistant attends, per attention type: the last layer of that type
-    before the target's own KV-shared tail (transformers' "store" layers)."""
-    types = list(config.layer_types)
-    first_shared = len(types) - int(getattr(config, "num_kv_shared_layers", 0) or 0)
-    out: dict[str, int] = {}
-    for i, t in enumerate(types[:first_shared]):
-        out[t] = i
-    return out
-
-
-def check_fits(assistant_config, target_config, where: str = "assistant") -> None:
-    """The assistant's part of the fit check (`recycle.fit.check_drafter` has compared width and vocabulary):
-    every assistant layer attends K/V of a type the target caches, with its head count and size. Configs may be
-    transformers objects or config.json dicts."""
-    from transformers import AutoConfig, Gemma4AssistantConfig
-
-    a, t = assistant_config, target_config
-    if isinstance(a, dict):
-        with assistant_kv_modes():
-            a = Gemma4AssistantConfig.from_dict(a)
-    if isinstance(t, dict):
-        t = AutoConfig.for_model(**t)
-    t = t.get_text_config()
-    text = a.get_text_config()
-    sources = kv_source_layers(t)
-    for i, kind in enumerate(text.layer_types):
-        if kind not in sources:
-            raise RecycleError(f"{where}: layer {i} attends {kind} K/V; the target caches none")
-        mine, theirs = text.per_layer_config[i], t.per_layer_config[sources[kind]]
-        if (mine.head_dim, mine.num_key_value_heads) != (theirs.head_dim, theirs.num_key_value_heads):
-            raise RecycleError(f"{where}: layer {i} ({kind}) expects {mine.num_key_value_heads} K/V heads of "
-                               f"{mine.head_dim}; the target caches {theirs.num_key_value_heads} of {theirs.head_dim}")
 
 
 def hidden(assistant: nn.Module, inputs: torch.Tensor, positions: torch.Tensor,
@@ -188,6 +132,7 @@ def target_states_and_kv(decoder: nn.Module, config, ids: torch.Tensor, layers: 
                                    for t, i in (layers or kv_source_layers(config)).items()}
 
 
+@BUILDERS.register("gemma4-assistant")
 def build(directory: Path, config: dict, state: dict[str, torch.Tensor], dtype: torch.dtype | None = None,
           attn_implementation: str = "sdpa") -> nn.Module:
     return build_assistant(directory, state, dtype)

@@ -12,6 +12,8 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
+from recycle.drafters.registry import BUILDERS
+
 
 class ResBlock(nn.Module):
     def __init__(self, hidden: int) -> None:
@@ -62,6 +64,7 @@ def build_medusa(config_dict: Mapping, state: Mapping[str, torch.Tensor], dtype:
     return model.to(dtype or torch.float32).eval()
 
 
+@BUILDERS.register("medusa")
 def build(directory, config: Mapping, state: Mapping[str, torch.Tensor], dtype: torch.dtype | None = None,
           attn_implementation: str = "sdpa") -> MedusaDrafter:
     return build_medusa(config, state, dtype)

@@ -1,6 +1,7 @@
 """Drafter formats as data: every format recycle knows, one record each (`record.DrafterFormat`), in one list,
 and the functions that pick one (as `recycle.families` holds every source layout). Adding a format: a module
-here with its `FORMAT` record, and a line in `FORMATS`. Nothing here imports torch."""
+here with its `FORMAT` record, a line in `FORMATS`, and each hook its record names registered in the layer that
+runs it (`record.py` lists where). Nothing here imports torch."""
 
 from __future__ import annotations
 

@@ -29,10 +29,7 @@ FORMAT = DrafterFormat(
     convertible=True,
     detect=lambda cfg: isinstance(cfg.get("recycle"), dict),
     reads=lambda cfg, target: Reads(cfg.get("hidden_size"), cfg.get("vocab_size")),
-    build="recycle.drafters.eagle:build",
-    engine="recycle.decoding.drafting:eagle_engine",
-    unroller="recycle.distill.unroll:EagleUnroller",
-    converter="recycle.converters.eagle:convert",
+    hooks=frozenset({"build", "engine", "unroller", "converter", "rewrite"}),
     options=frozenset({"layouts"}),
     layouts={
         "model.safetensors": Layout("recycle EAGLE drafter (recycle.drafters.load_drafter)", (
@@ -52,7 +49,6 @@ FORMAT = DrafterFormat(
             "'{{\"method\": \"mtp\", \"num_speculative_tokens\": 3}}'"),
             readers="vLLM 0.32 (`method: mtp`), once `recycle stitch` has put the tensors back into the target"),
     },
-    rewrite="recycle.converters.eagle:rewrite",
     loading_note=f"config.json's `model_type` is `{MODEL_TYPE}`, which transformers does not know, so "
                  "`AutoModelForCausalLM` refuses the directory instead of building a random model from it: "
                  "recycle loads it (`recycle.drafters.load_drafter`).",

@@ -53,11 +53,7 @@ FORMAT = DrafterFormat(
     convertible=True,
     detect=lambda cfg: "draft_vocab_size" in cfg or cfg.get("speculators_model_type") == "eagle3",
     reads=_reads,
-    build="recycle.drafters.eagle3:build",
-    engine="recycle.decoding.drafting:eagle3_engine",
-    unroller="recycle.distill.unroll:Eagle3Unroller",
-    converter="recycle.converters.eagle3:convert",
-    calibrate="recycle.converters.calibrate_eagle3:calibrate",
+    hooks=frozenset({"build", "engine", "unroller", "converter", "calibrate"}),
     options=frozenset({"draft_vocab", "vocab_corpus", "eagle3_attention", "eagle3_mlp", "target", "calibrate", "data",
                        "eagle3_names"}),
     # SpecForge's and SGLang's `midlayer.*`, or speculators' `layers.0.*` (speculators 0.9 leaves a midlayer.* file's

@@ -29,11 +29,7 @@ FORMAT = DrafterFormat(
     convertible=True,
     detect=lambda cfg: cfg.get("model_type") == "medusa" or "medusa_num_heads" in cfg,
     reads=lambda cfg, target: Reads(cfg.get("hidden_size"), cfg.get("vocab_size")),
-    build="recycle.drafters.medusa:build",
-    engine="recycle.decoding.drafting:medusa_engine",
-    unroller="recycle.distill.unroll:MedusaUnroller",
-    converter="recycle.converters.medusa:convert",
-    calibrate="recycle.converters.calibrate:calibrate_medusa",
+    hooks=frozenset({"build", "engine", "unroller", "converter", "calibrate", "rewrite"}),
     options=frozenset({"heads", "calibrate", "target", "data"}),
     layouts={
         WEIGHTS: Layout("vLLM Medusa layout (blocks.*, lm_heads.*)", (
@@ -45,7 +41,6 @@ FORMAT = DrafterFormat(
             "# TGI / TensorRT-LLM read medusa_lm_head.safetensors (FasterDecoding layout)",),
             readers="FasterDecoding's Medusa v1 readers (TGI, TensorRT-LLM; not run by recycle's tests)", whole=True),
     },
-    rewrite="recycle.converters.medusa:rewrite",
     serving_note="SGLang and llama.cpp have no Medusa support.",
     loading_note="config.json (`model_type: medusa`, `architectures: [MedusaModel]`) is what vLLM and FasterDecoding "
                  "read, so it stays as they expect; transformers has no Medusa class, and the directory is heads "

@@ -11,6 +11,6 @@ FORMAT = DrafterFormat(
     title="the checkpoint's own MTP modules",
     summary="the checkpoint's own MTP modules, chained as vLLM's method mtp chains them",
     native_kind="mtp",
-    engine="recycle.decoding.drafting:native_mtp_engine",
+    hooks=frozenset({"engine"}),
     tags=("mtp",),
 )

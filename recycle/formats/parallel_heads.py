@@ -10,7 +10,7 @@ FORMAT = DrafterFormat(
     title="parallel prediction heads (Meta's multi-token prediction)",
     summary="the checkpoint's own parallel prediction heads, drafting one Medusa-style tree per step",
     native_kind="parallel_heads",
-    engine="recycle.decoding.drafting:parallel_engine",
+    hooks=frozenset({"engine"}),
     single_pass=True,
     static_tree=True,
 )

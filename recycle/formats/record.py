@@ -1,17 +1,24 @@
 """A drafter format as one declarative record: what recycle knows about EAGLE, EAGLE-3, Medusa, native MTP,
-parallel heads and Gemma 4's assistants, each in one place.
+parallel heads, Gemma 4's assistants and llama.cpp's GGUF side files, each in one place.
 
 The family table (`recycle/families.py`) describes where a checkpoint keeps its MTP modules; a
-`DrafterFormat` describes what a drafter *is* once it exists: how a directory of it is recognised, which
-module builds it, which decoding engine drafts with it, what it expects of its target (the fit check),
-how distillation unrolls it, which converter writes it and which layouts it carries, and how engines
-serve it. Adding a format is a file with its record and a line in `recycle/drafters/registry.py`.
+`DrafterFormat` describes what a drafter *is* once it exists: how a directory of it is recognised, what it
+expects of its target (the fit check), which `recycle convert` options and layouts it has, and how engines
+serve it. A record is data: it imports no code of a higher layer (nor torch), so the CLI lists the formats and
+checks a directory's kind in a fraction of a second.
 
-The pieces that live in higher layers (the decoding engine, the converter, distill's unroller, the
-layout rewriter) and the drafter module itself are named as "module:attribute" and imported on use, the
-way the family table names transformers' classes: the records import none of them (nor torch), so the CLI
-lists the formats and checks a directory's kind in a fraction of a second, and the arrows keep pointing one
-way (cli → converters/distill/bench/hub → decoding → drafters → formats).
+The code a format needs lives in the layer that runs it, filed under the format's name in that layer's
+`recycle.registry.Registry`; the record's `hooks` says which of them the format has:
+
+    "build"      recycle.drafters.BUILDERS               the drafter module from its directory
+    "engine"     recycle.decoding.drafting.ENGINES       the decoder's drafting engine
+    "unroller"   recycle.distill.unroll.UNROLLERS        distill's Unroller subclass
+    "converter"  recycle.converters.CONVERTERS           `recycle convert --to NAME`'s weight mapping
+    "calibrate"  recycle.distill.calibrate.CALIBRATORS   convert's `--calibrate`: fit what cannot be copied
+    "rewrite"    recycle.converters.REWRITERS            trained weights back into the format's other layouts
+
+Adding a format is a file here with its `FORMAT` record, a line in `FORMATS` (`__init__.py`), and one
+registration per hook it declares; `tests/test_registries.py` checks the two agree.
 """
 
 from __future__ import annotations
@@ -19,9 +26,6 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
-
-from recycle.errors import RecycleError
-from recycle.imports import import_object
 
 
 @dataclass(frozen=True)
@@ -61,6 +65,9 @@ class Layout:
     whole: bool = False
 
 
+HOOKS = ("build", "engine", "unroller", "converter", "calibrate", "rewrite")
+
+
 @dataclass(frozen=True)
 class DrafterFormat:
     name: str  # recycle.json's `format`, `--to`'s value, the decoding engine's kind
@@ -70,15 +77,10 @@ class DrafterFormat:
     native_kind: str | None = None  # a source family kind drafted with its own modules (no drafter directory)
     detect: Callable[[Mapping], bool] | None = None  # does a config.json describe a directory of this format
     reads: Callable[[Mapping, Mapping], Reads] | None = None  # (drafter config, target config) -> what it reads
-    build: str | None = None  # (directory, config, state, dtype, attn_implementation) -> nn.Module
-    engine: str | None = None  # (EngineRequest) -> the decoder's drafting engine
-    unroller: str | None = None  # distill's Unroller subclass for this format
+    hooks: frozenset[str] = frozenset()  # which of HOOKS it has (each registered in its layer under `name`)
     default_steps: int | None = None  # distill's unrolled draft steps (None: the drafter's own number of heads)
-    converter: str | None = None  # (RoleWeights, ConvertRequest) -> converters.roles.Plan
-    calibrate: str | None = None  # (Plan, RoleWeights, ConvertOptions, progress) -> record: fit what cannot be copied
     options: frozenset[str] = frozenset()  # `recycle convert` options that apply to this format
     layouts: Mapping[str, Layout] = field(default_factory=dict)  # what it writes, in order, and who reads it
-    rewrite: str | None = None  # (source dir, trained main state, module) -> other layouts' tensors, dropped, notes
     serving_note: str = ""  # a sentence under the card's serving commands
     # A sentence for the card on loading the directory as a plain transformers model, which none of the formats
     # is: where the format's config is the engines' (EAGLE-3, Medusa), its `architectures` cannot be changed.
@@ -88,13 +90,20 @@ class DrafterFormat:
     static_tree: bool = False  # drafts a fixed Medusa-style tree by default (no EAGLE-2 dynamic trees)
     source_layout: str | None = None  # a subfolder holding its modules in the source's own layout (convert reads it)
     native_chain: bool = False  # its chain is the MTP modules' own (compare it with native MTP at the same depth)
-    fit_extra: str | None = None  # (drafter config, target config, where) -> None: checks beyond width and vocab
+    # (drafter config, target config, where) -> None: the fit check beyond width, vocabulary and model types
+    # (a one-line RecycleError naming `where`); from the configs alone
+    fit_extra: Callable[[Mapping, Mapping, str], None] | None = None
     target_file: str | None = None  # `--target` is a file with this suffix the output pairs with (gguf: ".gguf")
     extra_dtypes: tuple[str, ...] = ()  # `--dtype` values beyond bf16/fp16/fp32 the output can store (gguf: q8_0)
     # (the module's name prefix, the same prefix as other tools spell it on disk): files with either are read,
     # and a trained drafter is written back in the spelling its directory used (EAGLE-3: midlayer. / layers.0.)
     aliases: tuple[tuple[str, str], ...] = ()
     spellings: Mapping[str, str | None] = field(default_factory=dict)  # convert's name choices -> on-disk prefix
+
+    def __post_init__(self) -> None:
+        unknown = sorted(self.hooks - frozenset(HOOKS))
+        if unknown:  # a programming error in a record, not user input
+            raise ValueError(f"format '{self.name}': unknown hooks {unknown} (known: {', '.join(HOOKS)})")
 
     def module_names(self, state: Mapping[str, Any]) -> dict[str, Any]:
         """A state read from disk under the module's own names (`aliases` undone)."""
@@ -123,10 +132,3 @@ class DrafterFormat:
     def spelling(self, names) -> str | None:
         """Which alias spelling a file's names use (None: the module's own)."""
         return next((theirs for _, theirs in self.aliases if any(n.startswith(theirs) for n in names)), None)
-
-    def resolve(self, what: str) -> Any:
-        """The object a "module:attribute" field names, imported now."""
-        ref = getattr(self, what)
-        if ref is None:
-            raise RecycleError(f"{self.title}: recycle has no {what.replace('_', ' ')} for it")
-        return import_object(ref)

@@ -13,12 +13,13 @@ import json
 import re
 from pathlib import Path, PurePosixPath
 
-from recycle.checkpoint import whole_file
+from recycle.bench_result import BenchResult
 from recycle.families import BY_NAME
 from recycle.formats import get
+from recycle.hub.validate import PROVENANCE, Drafter, distillation_runs
+from recycle.io.weights import whole_file
 from recycle.options import HUB_ID
 from recycle.texts import plural
-from recycle.hub.validate import PROVENANCE, Drafter, distillation_runs
 
 LIBRARY = "recycle"
 MAPPING_ROWS_SHOWN = 40
@@ -159,37 +160,37 @@ def _mapping_table(rows: list[dict]) -> list[str]:
     return lines
 
 
-def _bench_section(b: dict) -> list[str]:
+def _bench_section(b: BenchResult) -> list[str]:
     """A short table from bench.json: τ, the speedup with its per-prompt spread, the cost model's prediction,
     tokens/s; acceptance by position; and bench's own notes (a loaded machine, a good τ that still loses)."""
-    o = b["overall"]
-    sp, ar = o["spec"], o.get("ar") or {}
-    hw = b.get("hardware") or b.get("device_name") or b.get("device", "?")
-    rep = (o.get("spread") or {}).get("repeats")
-    setup = (f"{hw}, {b.get('dtype', '?')}, {b.get('threads', '?')} thread(s); {plural(len(b.get('prompts') or []), 'prompt')}, "
-             f"≤{b.get('max_new_tokens', '?')} new tokens, "
-             f"{'greedy' if not b.get('temperature') else 'T=' + str(b['temperature'])}; tree `{b.get('tree', '?')}`"
-             + (f"; best of {rep['n']} repeats" if rep else ""))
-    lines = ["## Benchmark", "", f"`recycle bench` against `{Path(str(b.get('target', '?'))).name}` ({setup}):", "",
+    o = b.overall
+    sp, ar = o.spec, o.ar
+    said = lambda v: "?" if v is None else v  # a setting an older report lacks
+    rep = o.spread.repeats if o.spread else None
+    setup = (f"{said(b.device)}, {said(b.dtype)}, {said(b.threads)} thread(s); {plural(len(b.prompts), 'prompt')}, "
+             f"≤{said(b.max_new_tokens)} new tokens, "
+             f"{'greedy' if not b.temperature else 'T=' + str(b.temperature)}; tree `{said(b.tree)}`"
+             + (f"; best of {rep.n} repeats" if rep else ""))
+    lines = ["## Benchmark", "", f"`recycle bench` against `{Path(str(said(b.target))).name}` ({setup}):", "",
              "| τ (tokens/step) | speedup | speedup per prompt (IQR) | predicted speedup | AR tok/s "
              "| speculative tok/s | greedy = AR |", "|---:|---:|---:|---:|---:|---:|---|"]
-    pred = (o.get("predicted") or {}).get("speedup")
-    speedup = o.get("speedup")
-    iqr = ((o.get("spread") or {}).get("prompts") or {}).get("speedup")  # reports before bench had spreads: none
-    iqr_text = f"{iqr['q1']:.2f}–{iqr['q3']:.2f}×" if iqr else "-"
-    lines.append(f"| {sp['tau']:.2f} | {f'{speedup:.2f}×' if speedup else '-'} | {iqr_text} | "
-                 f"{f'{pred:.2f}×' if pred else '-'} | {ar.get('tokens_per_s', 0):.1f} | "
-                 f"{sp.get('tokens_per_s', 0):.1f} | {o.get('greedy_match') or '-'} |")
-    acc = sp.get("acceptance") or []
+    pred = o.predicted.speedup
+    speedup = o.speedup
+    iqr = o.spread.prompts.speedup if o.spread else None  # reports before bench had spreads: none
+    iqr_text = f"{iqr.q1:.2f}–{iqr.q3:.2f}×" if iqr else "-"
+    lines.append(f"| {sp.tau:.2f} | {f'{speedup:.2f}×' if speedup else '-'} | {iqr_text} | "
+                 f"{f'{pred:.2f}×' if pred else '-'} | {ar.tokens_per_s:.1f} | "
+                 f"{sp.tokens_per_s:.1f} | {o.greedy_match or '-'} |")
+    acc = sp.acceptance
     if acc:
         lines += ["", "Acceptance rate by draft position:", "",
                   "| " + " | ".join(f"pos {i + 1}" for i in range(len(acc))) + " |",
                   "|" + "---:|" * len(acc), "| " + " | ".join(f"{a:.2f}" for a in acc) + " |"]
-    bw = b.get("bandwidth")
+    bw = b.bandwidth
     if bw:
-        lines += ["", f"Memory bandwidth: AR {bw['ar_gbs']:.0f} GB/s, speculative {bw['spec_gbs']:.0f} GB/s "
-                      f"(peak {bw['peak_gbs']:.0f} GB/s)."]
-    notes = [n for n in b.get("notes") or [] if isinstance(n, str)]
+        lines += ["", f"Memory bandwidth: AR {bw.ar_gbs:.0f} GB/s, speculative {bw.spec_gbs:.0f} GB/s "
+                      f"(peak {bw.peak_gbs:.0f} GB/s)."]
+    notes = b.notes
     lines += [""] + [f"- Note: {n.rstrip('.')}." for n in notes] + [""] * bool(notes)
     lines += ["τ is the mean number of tokens per speculative step (bonus token included); speedup is measured "
               "tokens/s over plain autoregressive decoding with the same loop and KV-cache code.", ""]

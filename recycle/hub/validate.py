@@ -16,11 +16,12 @@ from pathlib import Path, PurePosixPath
 
 import torch
 
-from recycle.checkpoint import Checkpoint, load_json
+from recycle.bench_result import BenchResult
+from recycle.checkpoint import Checkpoint
 from recycle.drafters import load_drafter
-from recycle.formats import BENCH_REPORT, convertible, get, of_config
 from recycle.errors import RecycleError
-from recycle.preflight import drafter_record
+from recycle.formats import BENCH_REPORT, convertible, get, of_config
+from recycle.preflight import drafter_record, load_json
 
 CARD = "README.md"
 BENCH = BENCH_REPORT
@@ -38,7 +39,7 @@ class Drafter:
     config: dict  # config.json
     files: dict[str, int]  # relative path -> bytes, every file that goes up (the card excluded)
     tensors: int  # tensors checked for NaN/Inf
-    bench: dict | None  # bench.json (`recycle bench --json`), when present
+    bench: BenchResult | None  # bench.json (`recycle bench --save`), when present
     notes: list[str] = field(default_factory=list)
 
 
@@ -167,17 +168,17 @@ def distillation_runs(record: dict) -> list[dict]:
     return [r for r in runs if isinstance(r, dict)] if isinstance(runs, list) else []
 
 
-def _read_bench(path: Path, fmt: str) -> dict | None:
+def _read_bench(path: Path, fmt: str) -> BenchResult | None:
     """bench.json (`recycle bench --save`), which the card's benchmark table is made from: it must be bench's report,
     and of a drafter of this directory's format (a report copied in from another drafter would be published as
     this one's figures)."""
     if not path.is_file():
         return None
-    data = load_json(path, "bench report")
-    spec = (data.get("overall") or {}).get("spec")
-    if not isinstance(spec, dict) or "tau" not in spec:
-        raise RecycleError(f"{path}: not a `recycle bench --json` report (no overall.spec.tau)")
-    kind = data.get("drafter_kind")
+    try:
+        data = BenchResult.from_json(load_json(path, "bench report"))
+    except ValueError as e:
+        raise RecycleError(f"{path}: not a `recycle bench --json` report ({e})") from None
+    kind = data.drafter_kind
     if kind is not None and kind != fmt:
         raise RecycleError(f"{path}: measures a {kind} drafter, but this directory holds {fmt}; re-run "
                            f"`recycle bench {path.parent} --target TARGET_DIR --save`")

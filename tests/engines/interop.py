@@ -15,18 +15,24 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from recycle.converters.api import convert_checkpoint, stitch_overlay
-from recycle.distill.train import DistillOptions, distill
-from fixtures.derive import derive
 from recycle.bench import BenchOptions, run_bench
 from recycle.checkpoint import Checkpoint
+from recycle.converters.api import convert_checkpoint
+from recycle.converters.overlay import stitch as stitch_overlay
 from recycle.decoding import Drafter, MaskCache, Target, generate, load_target
+from recycle.distill.calibrate import convert_calibrated
+from recycle.distill.train import DistillOptions, distill
 from recycle.engines.vllm_env import run_job
 from recycle.families import match
 from recycle.prompts import prompt_set
 
+from fixtures.derive import derive
+
 ROOT = Path(__file__).resolve().parents[2]
 ENGINE = "vLLM 0.32 (CPU)"
+# The fixtures the engine check and benchmarks/engine_interop.py run, by their table name.
+FIXTURES = {"DeepSeek-V3": ROOT / "fixtures" / "deepseek_v3_mtp", "GLM-4.5": ROOT / "fixtures" / "glm4_moe_mtp",
+            "Gemma 4": ROOT / "fixtures" / "gemma4_target"}
 
 
 @dataclass
@@ -80,11 +86,11 @@ def _recycle_chain1(target: Path, drafter: Path | None, prompts, new_tokens: int
     r = run_bench(BenchOptions(drafter=str(drafter) if drafter else None, native=drafter is None, target=str(target),
                                prompts=prompts, max_new_tokens=new_tokens, tree="chain:1", stop_at_eos=False,
                                warmup=False))
-    spec = r["overall"]["spec"]
-    return int(spec["accepted"][0]), int(spec["tried"][0])
+    spec = r.overall.spec
+    return int(spec.accepted[0]), int(spec.tried[0])
 
 
-def _ar_tokens(target: Path, ids: list[list[int]], new_tokens: int) -> list[list[int]]:
+def ar_tokens(target: Path, ids: list[list[int]], new_tokens: int) -> list[list[int]]:
     t = Target(load_target(str(target)))
     masks = MaskCache(t.dtype, t.device)
     return [generate(t, Drafter(), p, new_tokens, masks=masks, eos=None).tokens for p in ids]
@@ -97,7 +103,7 @@ def make_outputs(fixture: Path, work: Path, distill_tokens: int, calibrate_token
         e3 = convert_checkpoint(assistant, "eagle3", work / "eagle3", overwrite=True, target=fixture)["out"]
         e3d = distill(DistillOptions(drafter=e3, target=str(fixture), tokens=distill_tokens,
                                      out=str(work / "eagle3-d"), overwrite=True, eval_every=10**6))["out"]
-        medusa = convert_checkpoint(assistant, "medusa", work / "medusa", overwrite=True, calibrate=calibrate_tokens,
+        medusa = convert_calibrated(assistant, "medusa", work / "medusa", overwrite=True, calibrate=calibrate_tokens,
                                     target=fixture)["out"]
         return {"assistant": (fixture, assistant, "mtp", "Gemma 4 assistant (`gemma4_assistant`, as shipped)"),
                 "eagle3": (fixture, Path(e3d), "eagle3",
@@ -112,9 +118,9 @@ def make_outputs(fixture: Path, work: Path, distill_tokens: int, calibrate_token
                             eagle3_attention="mla" if mla else None)["out"]
     e3d = distill(DistillOptions(drafter=e3, target=str(fixture), tokens=distill_tokens, out=str(work / "eagle3-d"),
                                  overwrite=True, eval_every=10**6))["out"]
-    e3c = convert_checkpoint(fixture, "eagle3", work / "eagle3-cal", overwrite=True, calibrate=calibrate_tokens,
+    e3c = convert_calibrated(fixture, "eagle3", work / "eagle3-cal", overwrite=True, calibrate=calibrate_tokens,
                              eagle3_attention="mla" if mla else None)["out"]
-    medusa = convert_checkpoint(fixture, "medusa", work / "medusa", overwrite=True, calibrate=calibrate_tokens)["out"]
+    medusa = convert_calibrated(fixture, "medusa", work / "medusa", overwrite=True, calibrate=calibrate_tokens)["out"]
     return {
         "mtp": (fixture, None, "mtp", "native MTP (the checkpoint as released)"),
         "stitched": (Path(stitched), None, "mtp", "target without MTP, stitched from `mtp_overlay/`"),
@@ -147,7 +153,7 @@ def interop(name: str, fixture: Path, work: Path, *, prompts: int = 6, new_token
         runs = [{"name": "plain"}, *sorted(runs, key=lambda r: r["name"].startswith("eagle3"))]
         res = run_job({"target": str(target), "prompt_ids": ids, "max_new_tokens": new_tokens, "runs": runs})
         engine.update({(str(target), k): v for k, v in res.items()})
-    ar = _ar_tokens(fixture, ids, new_tokens)
+    ar = ar_tokens(fixture, ids, new_tokens)
     rows = []
     for key, (target, drafter, method, what) in outputs.items():
         v = engine[(str(target), key)]

@@ -62,9 +62,9 @@ def recycle_run(target: Path, drafter: Path | None, prompts, new_tokens: int, n_
     r = run_bench(BenchOptions(drafter=str(drafter) if drafter else None, native=drafter is None, target=str(target),
                                prompts=prompts, max_new_tokens=new_tokens, tree=f"chain:{n_max}", stop_at_eos=False,
                                warmup=False))
-    spec = r["overall"]["spec"]
-    return {"accepted": int(sum(spec["accepted"])), "tried": int(sum(spec["tried"])), "tau": spec["tau"],
-            "acceptance": spec["acceptance"]}
+    spec = r.overall.spec
+    return {"accepted": int(sum(spec.accepted)), "tried": int(sum(spec.tried)), "tau": spec.tau,
+            "acceptance": list(spec.acceptance)}
 
 
 def trunk_gguf(target: Path, work: Path) -> Path:

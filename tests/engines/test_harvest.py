@@ -9,12 +9,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from recycle.converters.api import convert_checkpoint
 from recycle.distill.harvest import HarvestOptions, harvest
 from recycle.distill.teacher import Teacher
 from recycle.distill.train import DistillOptions, distill
 from recycle.engines.vllm_env import run_job
 from recycle.errors import RecycleError
+
 from tests.trained import TRAINED
 
 pytestmark = pytest.mark.slow
@@ -54,11 +54,11 @@ def test_vllm_states_equal_transformers_at_every_position(family):
     hook.remove()
 
 
-def test_distilling_from_a_harvested_cache_matches_in_process(tmp_path):
+def test_distilling_from_a_harvested_cache_matches_in_process(tmp_path, converted):
     """Same windows, same options: the loss curve from vLLM's features equals the in-process teacher's (both
     caches hold bf16 features; the harvested one is read at every step)."""
     d = TRAINED["deepseek_v3"]
-    e3 = convert_checkpoint(d, "eagle3", tmp_path / "e3", eagle3_attention="mla")["out"]
+    e3 = str(converted("eagle3", source=d, eagle3_attention="mla"))
     common = dict(tokens=3000, seq_len=64, batch=4, seed=0)
     aux = tuple(json.loads((Path(e3) / "config.json").read_text())["eagle_aux_hidden_state_layer_ids"])
     rec = harvest(HarvestOptions(target=str(d), out=str(tmp_path / "cache"), aux_layers=aux, **common))
@@ -90,11 +90,11 @@ def test_distilling_from_a_harvested_cache_matches_in_process(tmp_path):
     assert len(lc) == len(lb) and max(abs(x - y) / abs(y) for x, y in zip(lc, lb)) < 1e-3
 
 
-def test_self_distill_harvest_matches_in_process(tmp_path):
+def test_self_distill_harvest_matches_in_process(tmp_path, converted):
     """`harvest --self-distill` (greedy): vLLM writes every window after its prompt; distilling from that cache
     follows the in-process self-distillation, whose target writes the same windows with transformers."""
     d = TRAINED["deepseek_v3"]
-    eagle = convert_checkpoint(d, "eagle", tmp_path / "eagle")["out"]
+    eagle = str(converted("eagle", source=d))
     common = dict(tokens=2000, seq_len=64, batch=4, seed=0)
     harvest(HarvestOptions(target=str(d), out=str(tmp_path / "cache"), self_distill=True, prompt_len=16, **common))
     run = dict(drafter=eagle, target=str(d), eval_every=10**6, precision="fp32", threads=2, self_distill=True,
@@ -113,15 +113,15 @@ def test_self_distill_harvest_matches_in_process(tmp_path):
     assert max(abs(x - y) / abs(y) for x, y in zip(la, lb)) < 3e-3
 
 
-def test_harvest_self_distill_on_conversations_writes_the_targets_turns_in_vllm(tmp_path):
+def test_harvest_self_distill_on_conversations_writes_the_targets_turns_in_vllm(tmp_path, converted):
     """`harvest --self-distill` on chat data: vLLM writes every assistant turn (greedy, turn by turn) as the
     in-process generator does, user turns stay byte for byte, the cache stores each window's assistant mask and the
     regenerated set, and distill trains from it on assistant tokens."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from recycle.chat import ChatRenderer, Conversation
-    from recycle.decoding.target import quiet_transformers
     from recycle.distill.data import in_process, regenerate_turns
+    from recycle.encode import quiet_transformers
 
     root = Path(__file__).resolve().parents[2]
     chat, data = root / "fixtures" / "deepseek_v3_mtp_chat", root / "docs" / "chats.jsonl"
@@ -143,7 +143,7 @@ def test_harvest_self_distill_on_conversations_writes_the_targets_turns_in_vllm(
     assert [list(c.messages) for c in ours] == regenerated[:4]  # greedy fp32: vLLM's turns are transformers'
     for key in manifest["keys"]:
         assert "assistant_mask" in load_file(str(tmp_path / "cache" / f"{key}.safetensors"))
-    e = convert_checkpoint(chat, "eagle", tmp_path / "eagle")["out"]
+    e = str(converted("eagle", source=chat))
     rec = distill(DistillOptions(drafter=e, target=str(chat), cache_hidden=str(tmp_path / "cache"), out=str(tmp_path / "o"),
                                  eval_every=10**6, **common))
     assert rec["trunk_loaded"] is False and rec["heldout"]["counted"] == "assistant tokens"

@@ -18,11 +18,11 @@ import numpy as np
 import pytest
 from gguf import GGUFReader
 
-from fixtures.derive import derive
-from recycle.converters.api import convert_checkpoint
 from recycle.distill.train import DistillOptions, distill
 from recycle.engines.llama_cpp import convert_trunk
-from tests.engines.interop import _ar_tokens
+
+from fixtures.derive import derive
+from tests.engines.interop import ar_tokens
 from tests.engines.llama_interop import FIXTURES, llama_runs, prompt_ids, recycle_run, side_file, trunk_gguf
 
 pytestmark = pytest.mark.slow
@@ -84,18 +84,18 @@ def test_llama_cpp_drafts_losslessly_with_the_side_file_and_counts_as_recycle(na
     side = side_file(fixture, tmp_path, "side")
     plain = llama_runs(trunk, None, ids, 48, 1)
     drafted = llama_runs(trunk, side, ids, 48, 1)
-    assert drafted["tokens"] == plain["tokens"] == _ar_tokens(fixture, ids, 48)
+    assert drafted["tokens"] == plain["tokens"] == ar_tokens(fixture, ids, 48)
     ours = recycle_run(fixture, None, prompts, 48, 1)
     assert 0 <= ours["tried"] - drafted["drafted"] <= len(ids)  # recycle also drafts at each prompt's last step
     rate_llama, rate_ours = drafted["accepted"] / drafted["drafted"], ours["accepted"] / ours["tried"]
     assert abs(rate_llama - rate_ours) <= 0.02 * rate_ours, (drafted, ours)
 
 
-def test_a_distilled_drafter_converts_against_the_trunk_gguf_and_drafts(tmp_path):
+def test_a_distilled_drafter_converts_against_the_trunk_gguf_and_drafts(tmp_path, converted):
     fixture = FIXTURES["DeepSeek-V3"]
     prompts, ids = prompt_ids(fixture, 2)
     trunk = trunk_gguf(fixture, tmp_path)
-    eagle = convert_checkpoint(fixture, "eagle", tmp_path / "eagle")["out"]
+    eagle = str(converted("eagle", source=fixture))
     trained = distill(DistillOptions(drafter=eagle, target=str(fixture), tokens=2048, seq_len=64, batch=4,
                                      out=str(tmp_path / "eagle-d"), eval_every=10**6))["out"]
     side = side_file(Path(trained), tmp_path, "realigned", trunk=trunk)

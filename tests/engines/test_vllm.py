@@ -17,12 +17,10 @@ from __future__ import annotations
 
 import pytest
 
-from tests.engines.interop import ROOT, interop
+from tests.engines.interop import FIXTURES, ROOT, interop
 
 pytestmark = pytest.mark.slow
 
-FIXTURES = {"DeepSeek-V3": ROOT / "fixtures" / "deepseek_v3_mtp", "GLM-4.5": ROOT / "fixtures" / "glm4_moe_mtp",
-            "Gemma 4": ROOT / "fixtures" / "gemma4_target"}
 # vLLM 0.32's Glm4MoeForCausalLM does not implement SupportsEagle3 (no aux hidden-state outputs).
 KNOWN_REFUSALS = {("GLM-4.5", "eagle3"): "Model does not support EAGLE3 interface"}
 
@@ -63,10 +61,12 @@ def test_a_stitched_fp8_target_runs_in_vllm_or_is_refused_for_its_cpu(tmp_path):
     contract is then `tests/test_engine_layouts.py::test_stitched_fp8_target_is_what_vllms_fp8_mtp_loader_reads`)."""
     from transformers import AutoTokenizer
 
-    from fixtures.fp8 import make_fp8
-    from recycle.converters.api import convert_checkpoint, stitch_overlay
+    from recycle.converters.api import convert_checkpoint
+    from recycle.converters.overlay import stitch as stitch_overlay
     from recycle.engines.vllm_env import run_job
     from recycle.prompts import prompt_set
+
+    from fixtures.fp8 import make_fp8
 
     target = make_fp8(ROOT / "fixtures" / "deepseek_v3_mtp", tmp_path / "fp8")
     eagle = convert_checkpoint(ROOT / "fixtures" / "deepseek_v3_mtp", "eagle", tmp_path / "e", layouts="overlay")

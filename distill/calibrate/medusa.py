@@ -14,6 +14,7 @@ and its LM head its own tied head, while the Medusa heads score with the target'
 go into recycle.json; the tensors are `approx`.
 
 `collect` runs the models (the caller's part); `fit` is a pure function of the cached features.
+`calibrate_medusa` is the format's step between the converter and the writer (`CALIBRATORS["medusa"]`).
 """
 
 from __future__ import annotations
@@ -21,11 +22,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
+from recycle.checkpoint import Checkpoint
+from recycle.distill.calibrate.registry import CALIBRATORS, windows
 from recycle.errors import RecycleError
+from recycle.registry import Registry
 
 DEFAULT_STEPS = 400
 DEFAULT_LR = 2e-3
@@ -111,25 +116,95 @@ def fit(feats: Features, steps: int = DEFAULT_STEPS, lr: float = DEFAULT_LR, see
 # -- collecting the features (runs the target and the source heads) ---------------------------------
 
 
-def windows(tokenizer, data: str | None, tokens: int, length: int) -> torch.Tensor:
-    """Calibration windows: the training side of `--data` (default: the stdlib train split), packed. Conversations
-    are rendered with the target's chat template; calibration fits every position of the rendered text (the fit
-    matches features, which the template's tokens have as well)."""
-    from recycle.distill.data import chat_renderer, encode
-    from recycle.texts import data_source
+@dataclass
+class Heads:
+    """A source's heads opened beside the target, as the fit reads them: how many Medusa heads they calibrate, the
+    LM head each Medusa head scores with, what one window gives (the target's final-normed states h [B, T, H] and
+    per head the source's feature [B, T, h]), and where the source scores its feature with a head of its own."""
 
-    texts = data_source(data).train()
-    renderer = chat_renderer(texts, tokenizer, "the target")
-    ids: list[int] = []
-    for chunk in range(0, len(texts), 32):
-        for enc, _ in encode(texts[chunk:chunk + 32], tokenizer, renderer, lambda i, why: None):
-            ids.extend(enc)
-        if len(ids) >= tokens + length:
-            break
-    rows = max(1, min(len(ids) // length, -(-tokens // length)))
-    if len(ids) < length:
-        raise RecycleError(f"--calibrate: the calibration text holds only {len(ids)} tokens")
-    return torch.tensor([ids[i * length:(i + 1) * length] for i in range(rows)], dtype=torch.long)
+    depth: int
+    lm_heads: list[torch.Tensor]
+    run: Callable[[torch.Tensor], tuple[torch.Tensor, list[torch.Tensor]]]
+    source_heads: list[torch.Tensor] | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+class HeadSource(Protocol):
+    """Opens a source of one family kind beside the target (`model`, float32) for `heads` Medusa heads fitted on
+    windows of `seq_len` positions (each window `depth` + 1 tokens longer, for what the source reads ahead)."""
+
+    def __call__(self, ckpt: Checkpoint, source: str | Path, target: str | Path, model, heads: int,
+                 seq_len: int) -> Heads: ...
+
+
+# keyed by the source family's `kind` (recycle/families.py): what a source's heads are follows from its row
+HEAD_SOURCES: Registry[HeadSource] = Registry("Medusa calibration source")
+
+
+@HEAD_SOURCES.register("parallel_heads")
+def parallel_heads(ckpt: Checkpoint, source: str | Path, target: str | Path, model, heads: int,
+                   seq_len: int) -> Heads:
+    """Meta's parallel heads: head k reads the trunk state at p, as Medusa head k does, and scores with the
+    target's head."""
+    from recycle.drafters.parallel import ParallelHeads
+
+    src = ParallelHeads.from_checkpoint(source, model)
+    depth = min(heads, src.num_heads)
+    layer = len(model.get_decoder().layers) - 1
+
+    def run(w: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        out = model.get_decoder()(input_ids=w[:, :seq_len], use_cache=False, output_hidden_states=True)
+        return out.last_hidden_state, src.features(out.hidden_states[layer])
+
+    return Heads(depth, [model.get_output_embeddings().weight] * depth, run)
+
+
+@HEAD_SOURCES.register("drafter")
+def assistant(ckpt: Checkpoint, source: str | Path, target: str | Path, model, heads: int, seq_len: int) -> Heads:
+    """A Gemma 4 assistant chains as deep as asked, fed the target's greedy tokens and K/V; it scores its
+    final-normed output with its own tied head."""
+    from recycle.drafters import load_drafter
+    from recycle.drafters.gemma4 import target_states_and_kv, teacher_forced
+    from recycle.fit import check_drafter
+    from recycle.formats import of_directory
+
+    check_drafter(of_directory(source), ckpt.config, model.config.to_dict(), source, target, f"--target {target}")
+    src = load_drafter(source)
+
+    def run(w: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        full, kv = target_states_and_kv(model.get_decoder(), model.config, w)
+        greedy = model.get_output_embeddings()(full).argmax(-1)
+        chain = teacher_forced(src, model.get_input_embeddings(), torch.cat([w[:, :1], greedy[:, :-1]], 1), full,
+                               kv, heads, seq_len)
+        return full[:, :seq_len], chain
+
+    notes = ["the assistant's centroid-masked logits approximated by its full tied head for the fit"] \
+        if src.config.use_ordered_embeddings else []
+    return Heads(heads, [model.get_output_embeddings().weight] * heads, run, [src.lm_head.weight] * heads, notes)
+
+
+@HEAD_SOURCES.register("mtp")
+def mtp_modules(ckpt: Checkpoint, source: str | Path, target: str | Path, model, heads: int,
+                seq_len: int) -> Heads:
+    """Sequential MTP modules: the tokens they read are the target's own greedy ones, a function of h_p as a Medusa
+    head needs; module j's feature is its final-normed output, scored with its own head."""
+    from recycle.mtp import MTP
+
+    src = MTP.from_checkpoint(ckpt)
+    depth = min(heads, src.depth)
+
+    def run(w: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        full = model.get_decoder()(input_ids=w[:, :seq_len + depth], use_cache=False).last_hidden_state
+        h = full[:, :seq_len]
+        greedy = model.get_output_embeddings()(full).argmax(-1)
+        mo = src(h, torch.cat([w[:, :1], greedy[:, :-1]], 1), depth=depth)
+        feats = []
+        for j in range(depth):
+            norm = src.role(src.layers[j], "final_norm")
+            feats.append(norm(mo.states[j]) if norm is not None else mo.states[j])
+        return h, feats
+
+    return Heads(depth, [src.role(src.layers[j], "head").weight for j in range(depth)], run)
 
 
 @torch.no_grad()
@@ -141,90 +216,43 @@ def collect(source: str | Path, target: str | Path, heads: int, tokens: int, dat
     state at p; sequential MTP depth j+1 at p reads h_p and the tokens up to p+j+1, taken as the target's
     own greedy tokens (the argmax at p+j), which is what greedy verification will feed it: token p+1 is then
     a function of h_p, so the fit need not average over a token the Medusa head cannot see. Heads past
-    the source's depth are not calibrated (they keep the identity).
+    the source's depth are not calibrated (they keep the identity). Which heads a source has follows from its
+    family's kind (`HEAD_SOURCES`).
     """
-    from transformers import AutoTokenizer
-
-    from recycle.checkpoint import Checkpoint
-    from recycle.decoding.target import load_target, quiet_transformers
+    from recycle.decoding.target import load_target
+    from recycle.encode import load_tokenizer
     from recycle.families import match
 
     ckpt = Checkpoint(source)
-    kind = match(ckpt).family.kind
+    family = match(ckpt).family
     model = load_target(target, dtype=torch.float32)
-    with quiet_transformers():
-        tok = AutoTokenizer.from_pretrained(target)
-    tok.model_max_length = 1 << 62
-    source_heads = None
-    if kind == "parallel_heads":
-        from recycle.drafters.parallel import ParallelHeads
-
-        src = ParallelHeads.from_checkpoint(source, model)
-        depth = min(heads, src.num_heads)
-        lm = [model.get_output_embeddings().weight] * depth
-    elif kind == "drafter":  # a Gemma 4 assistant chains as deep as asked
-        from recycle.drafters import load_drafter
-        from recycle.formats import of_directory
-        from recycle.fit import check_drafter
-
-        check_drafter(of_directory(source), ckpt.config, model.config.to_dict(), source, target, f"--target {target}")
-        src = load_drafter(source)
-        depth = heads
-        lm = [model.get_output_embeddings().weight] * depth
-        source_heads = [src.lm_head.weight] * depth
-    else:
-        from recycle.mtp import MTP
-
-        src = MTP.from_checkpoint(ckpt)
-        depth = min(heads, src.depth)
-        lm = [src._role(src.layers[j], "head").weight for j in range(depth)]
+    tok = load_tokenizer(target)
+    src = HEAD_SOURCES.get(family.kind, family.title)(ckpt, source, target, model, heads, seq_len)
+    depth = src.depth
     wins = windows(tok, data, tokens, seq_len + depth + 1)
-    layer = len(model.get_decoder().layers) - 1
     hs, ys = [], [[] for _ in range(depth)]
     for s in range(0, wins.shape[0], batch):
         if progress:
             progress(s, wins.shape[0], "calibrating: the target and the source heads over the text")
-        w = wins[s:s + batch]
-        if kind == "parallel_heads":
-            out = model.get_decoder()(input_ids=w[:, :seq_len], use_cache=False, output_hidden_states=True)
-            h = out.last_hidden_state
-            feats = src.features(out.hidden_states[layer])
-        elif kind == "drafter":
-            from recycle.drafters.gemma4 import target_states_and_kv, teacher_forced
-
-            full, kv = target_states_and_kv(model.get_decoder(), model.config, w)
-            h = full[:, :seq_len]
-            greedy = model.get_output_embeddings()(full).argmax(-1)
-            chain = teacher_forced(src, model.get_input_embeddings(), torch.cat([w[:, :1], greedy[:, :-1]], 1), full,
-                                   kv, depth, seq_len)
-            feats = chain
-        else:  # the tokens the modules read are the target's own greedy ones: a function of h_p, as a Medusa head needs
-            full = model.get_decoder()(input_ids=w[:, :seq_len + depth], use_cache=False).last_hidden_state
-            h = full[:, :seq_len]
-            greedy = model.get_output_embeddings()(full).argmax(-1)
-            mo = src(h, torch.cat([w[:, :1], greedy[:, :-1]], 1), depth=depth)
-            feats = []
-            for j in range(depth):
-                norm = src._role(src.layers[j], "final_norm")
-                feats.append(norm(mo.states[j]) if norm is not None else mo.states[j])
+        h, feats = src.run(wins[s:s + batch])
         hs.append(h.reshape(-1, h.shape[-1]))
         for j in range(depth):
             ys[j].append(feats[j].reshape(-1, feats[j].shape[-1]))
     past = f"heads {depth}..{heads - 1} are past the source's {depth} head(s): not calibrated (identity ResBlocks)"
-    notes = [] if depth == heads else [past]
-    if kind == "drafter" and src.config.use_ordered_embeddings:
-        notes.append("the assistant's centroid-masked logits approximated by its full tied head for the fit")
-    return Features(torch.cat(hs), [torch.cat(y) for y in ys], [t.detach() for t in lm],
+    notes = ([] if depth == heads else [past]) + src.notes
+    return Features(torch.cat(hs), [torch.cat(y) for y in ys], [t.detach() for t in src.lm_heads],
                     tokens=int(wins.shape[0] * seq_len), notes=notes,
-                    source_heads=[t.detach() for t in source_heads] if source_heads else None)
+                    source_heads=[t.detach() for t in src.source_heads] if src.source_heads else None)
 
 
+@CALIBRATORS.register("medusa")
 def calibrate_medusa(plan, w, opts, progress: Callable | None = None) -> dict:
-    """Medusa's record step (`DrafterFormat.calibrate`): replace the plan's identity ResBlocks by ones fitted to
+    """Medusa's calibration (`CALIBRATORS["medusa"]`): replace the plan's identity ResBlocks by ones fitted to
     the source's heads, in both of its layouts; returns the record for recycle.json."""
-    from recycle.converters.roles import APPROX, Lazy
-    from recycle.formats.medusa import FD_WEIGHTS, WEIGHTS, faster_decoding_names
     from recycle.converters.medusa import DEFAULT_HEADS, LAYERS
+    from recycle.converters.roles import APPROX
+    from recycle.formats.medusa import FD_WEIGHTS, WEIGHTS, faster_decoding_names
+    from recycle.io.writer import Lazy
 
     heads = opts.heads or DEFAULT_HEADS
     target = opts.target or w.ckpt.path

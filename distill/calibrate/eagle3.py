@@ -7,7 +7,7 @@ are dropped. On the GLM fixture the fold alone drafts at τ 1.21 on chain:3 wher
 drafts at 2.46, and calibrated on 32k tokens at 2.03 (BENCHMARKS.md, "Calibrated EAGLE-3 fold"): without the fit
 most of the prior is lost before training starts.
 
-What, as Medusa's calibration (`converters/calibrate.py`) does for its ResBlocks:
+What, as Medusa's calibration (`distill/calibrate/medusa.py`) does for its ResBlocks:
   1. the target runs once over the calibration text (the training side of `--data`); its aux states are
      kept, its final-normed states feed the module, and the token each position feeds a draft is the target's
      own greedy token (what greedy verification feeds it);
@@ -47,8 +47,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from recycle.converters.roles import APPROX, EXACT, Lazy
+from recycle.converters.roles import APPROX, EXACT
+from recycle.distill.calibrate.registry import CALIBRATORS, windows
 from recycle.errors import RecycleError
+from recycle.io.writer import Lazy
 
 DEFAULT_LR = 3e-3
 FEATURE_WEIGHT = 0.1  # γ: keeps the midlayer's state near the module's, which the next step reads
@@ -115,16 +117,11 @@ def _router_hook(module, counts: dict[str, torch.Tensor]):
 def collect(w, target: str | Path, tokens: int, data: str | None, steps: int, aux_layers: list[int],
             device: torch.device, progress: Callable | None = None) -> tuple[Cache, object]:
     """Run the target and the module over the calibration text (module docstring, steps 1-2)."""
-    from transformers import AutoTokenizer
-
-    from recycle.converters.calibrate import windows
-    from recycle.decoding.target import quiet_transformers
     from recycle.distill.teacher import Teacher
+    from recycle.encode import load_tokenizer
 
     teacher = Teacher(target, device, aux_layers=aux_layers, precision="fp32")
-    with quiet_transformers():
-        tok = AutoTokenizer.from_pretrained(target)
-    tok.model_max_length = 1 << 62
+    tok = load_tokenizer(target)
     wins = windows(tok, data, tokens, WINDOW)
     module = _module_drafter(w).to(device)
     picks: dict[str, torch.Tensor] = {}
@@ -263,10 +260,11 @@ def fit(unroller, cache: Cache, head, steps: int, device: torch.device, seed: in
     return {"heldout_windows": len(held), "fit_windows": len(train), "folded": before, "calibrated": after}
 
 
-def calibrate(plan, w, opts, progress: Callable | None = None) -> dict:
-    """EAGLE-3's record step (`DrafterFormat.calibrate`): fit the plan's approximated midlayer tensors to the MTP
+@CALIBRATORS.register("eagle3")
+def calibrate_eagle3(plan, w, opts, progress: Callable | None = None) -> dict:
+    """EAGLE-3's calibration (`CALIBRATORS["eagle3"]`): fit the plan's approximated midlayer tensors to the MTP
     module on the target's own features; returns the record for recycle.json."""
-    from recycle.converters.eagle3 import WEIGHTS
+    from recycle.converters.eagle3_layout import WEIGHTS
     from recycle.distill.unroll import Eagle3Unroller
     from recycle.drafters.eagle3 import build_eagle3
 

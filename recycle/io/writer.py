@@ -9,8 +9,9 @@ leaves the old output aside, which the next run into OUT puts back. A writer hol
 same OUT refuses, and it removes what a stopped run left beside OUT. `--overwrite` replaces only a directory
 recycle wrote (`recycle.preflight.output_dir`); nothing is ever written outside OUT.
 
-Safetensors files are streamed: headers are computed from the planned shapes up front, then each
-tensor is made once (even when several files or names use it), cast, written to every file that
+What it writes are `Lazy` tensors (a shape, a maker, where the values come from), defined here so that converters
+and distill, above, plan them and this floor writes them. Safetensors files are streamed: headers are computed from
+the planned shapes up front, then each tensor is made once (even when several files or names use it), cast, written to every file that
 holds it, and dropped. Peak memory is about one tensor, not one file. Stored bytes copied as they
 are (raw Lazies: the MTP overlay, stitching) go file to file in the kernel (os.copy_file_range),
 never through a tensor; the next tensor's source bytes are requested from the disk while this
@@ -29,16 +30,25 @@ import shutil
 import struct
 import uuid
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
 import torch
 
-from recycle.converters.roles import Lazy, nbytes
 from recycle.checkpoint import ST_NAMES, Span, read_ahead
 from recycle.errors import RecycleError
 from recycle.preflight import (
-    DEFAULT_SHARD_SIZE, OLD_INFIX, SMALL_SHARD, TMP_INFIX, OutputLock, note, output_dir, parse_size, sibling)
+    DEFAULT_SHARD_SIZE,
+    OLD_INFIX,
+    SMALL_SHARD,
+    TMP_INFIX,
+    OutputLock,
+    note,
+    output_dir,
+    parse_size,
+    sibling,
+)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "generation_config.json")
@@ -46,6 +56,39 @@ WEIGHT_SUFFIXES = (".safetensors", ".gguf")  # the files whose sha256 the record
 Progress = Callable[[int, int], None]
 COPY_STEP = 1 << 26  # bytes per copy_file_range / fallback read
 NO_KERNEL_COPY = frozenset({errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EPERM})
+Q8_0 = "q8_0"  # GGML's 8-bit blocks (32 weights + one f16 scale), as llama.cpp's Q8_0 stores them
+
+
+@dataclass(eq=False)
+class Lazy:
+    """An output tensor not read yet: shape, dtype, a maker, and its provenance for recycle.json.
+
+    `dtype` None means "the output's float dtype" (the writer casts); integer/bool tensors (d2t,
+    t2d) and raw copies set it. Identity matters: the writer makes each Lazy once, however many
+    files or names use it. `reads` are the stored byte ranges `make` reads (the writer asks the
+    kernel for the next tensor's while it works on this one); a raw Lazy's one span *is* its output,
+    so the writer copies those bytes file to file instead of making a tensor.
+    """
+
+    shape: tuple[int, ...]
+    make: Callable[[], torch.Tensor]
+    sources: tuple[str, ...]
+    kind: str  # its provenance in recycle.json: "exact", "approx" or "fresh" (`recycle.converters.roles`)
+    note: str = ""
+    dtype: torch.dtype | None = None
+    raw: bool = False  # written byte for byte in its stored dtype (the overlay)
+    reads: tuple[Span, ...] = ()
+    parts: tuple[Lazy, ...] = ()  # a stack of these along a new first dim: writers may stream them one by one
+
+    def derive(self, shape: tuple[int, ...], fn: Callable[[torch.Tensor], torch.Tensor], kind: str | None = None,
+               note: str | None = None) -> Lazy:
+        """A tensor computed from this one (same sources); `kind` defaults to this one's."""
+        return Lazy(tuple(shape), lambda: fn(self.make()), self.sources, kind or self.kind,
+                    self.note if note is None else note, reads=self.reads)
+
+
+def nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
 
 
 def write_all(f: BinaryIO, data) -> None:
@@ -120,7 +163,7 @@ def split_plan(files: Mapping[str, Mapping[str, Lazy]], dtype: torch.dtype | Non
         if rel in keep or not name.endswith(".safetensors"):
             out_files[rel] = dict(tensors)
             continue
-        size = lambda lazy: nbytes(lazy.shape, lazy.dtype or dtype)  # noqa: E731
+        size = lambda lazy: nbytes(lazy.shape, lazy.dtype or dtype)
         split = split_state_dict_into_shards_factory(
             dict(tensors), get_storage_size=size, get_storage_id=lambda lazy: None,
             filename_pattern=name.removesuffix(".safetensors") + "{suffix}.safetensors", max_shard_size=max_shard_size)
@@ -328,7 +371,6 @@ class OutputDir:
         from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
         from gguf.quants import quantize
 
-        from recycle.converters.gguf import Q8_0
 
         ggml = {torch.float32: (GGMLQuantizationType.F32, np.float32), torch.float16: (GGMLQuantizationType.F16,
                 np.float16), torch.bfloat16: (GGMLQuantizationType.BF16, np.uint16),

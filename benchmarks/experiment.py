@@ -5,8 +5,8 @@ are converted, then distilled against `target` with the same data, order, budget
 seed: (a) from the converted weights (`--init recycled`) and (b) re-initialised (`--init
 scratch`); optionally (c) scratch again with a budget many times larger (its own schedule), so
 that "how many more tokens does scratch need" is a measured number rather than a lower bound.
-Snapshots written along the way (`DistillOptions.snapshots`, each with the distiller's held-out
-estimate at that moment) are decoded with the bench library (`recycle.bench.run_bench`: greedy,
+Snapshots written along the way (`snapshots`: the loop's `on_step` callback writes the drafter at each
+mark, with the distiller's held-out estimate at that moment) are decoded with the bench library (`recycle.bench.run_bench`: greedy,
 held-out code prompts of `prompt_source`, the format's default tree) to give held-out τ versus
 tokens. References on the same prompts: the target's native MTP chain (stale, when the target was
 post-trained after its modules), and optionally a `reference` checkpoint's native chain (the
@@ -16,6 +16,9 @@ of the native depth, the like-for-like comparison.
 "How many times more tokens does scratch need": the first snapshot where scratch reaches the
 recycled drafter's τ at a given checkpoint, linearly interpolated between snapshots, divided by
 that checkpoint's tokens; "> N×" when scratch never gets there within its budget.
+
+A module the experiment scripts import (`recycling_experiment.py`, `eagle3_calibrated.py`, `aligned_headroom.py`);
+not part of the installed package.
 """
 
 from __future__ import annotations
@@ -27,9 +30,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from recycle.distill.train import DistillOptions, distill
+from recycle.bench import BenchOptions, run_bench
+from recycle.distill.calibrate import convert_calibrated
+from recycle.distill.record import expected_length
+from recycle.distill.train import Current, DistillOptions, distill
 from recycle.formats import convertible, get, of_config
+from recycle.io.writer import OutputDir
 from recycle.preflight import checkpoint_dir
+from recycle.prompts import code_prompts
 
 FORMATS = convertible()
 INITS = ("recycled", "scratch")
@@ -67,13 +75,11 @@ class ExperimentOptions:
 def bench_tau(drafter: str | None, target: str, prompts: list[tuple[str, str]], max_new_tokens: int,
               tree: str | None = None) -> dict:
     """Held-out τ and per-depth acceptance of one drafter dir (None: the target's native MTP)."""
-    from recycle.bench import BenchOptions, run_bench
-
     r = run_bench(BenchOptions(drafter=drafter, target=target, prompts=prompts, max_new_tokens=max_new_tokens,
                                native=drafter is None, tree=tree, warmup=False))
-    o = r["overall"]
-    return {"tau": o["spec"]["tau"], "acceptance": o["spec"]["acceptance"], "tree": r["tree"],
-            "greedy_match": o["greedy_match"], "speedup": o["speedup"]}
+    o = r.overall
+    return {"tau": o.spec.tau, "acceptance": list(o.spec.acceptance), "tree": r.tree,
+            "greedy_match": o.greedy_match, "speedup": o.speedup}
 
 
 def tokens_to_reach(curve: list[tuple[int, float]], tau: float) -> float | None:
@@ -97,6 +103,24 @@ def pearson(xs: list[float], ys: list[float]) -> float | None:
     return sxy / math.sqrt(sxx * syy) if sxx > 0 and syy > 0 else None
 
 
+def snapshots(marks: tuple[int, ...] | list[int], root: Path, init: str) -> Callable[[Current], None]:
+    """An `on_step` callback for `distill`: at each mark (a token count; 0 is the input, before the first step) the
+    drafter as it stands is written to ROOT/tokens_MARK, its recycle.json's newest distillation record holding the
+    mark, the tokens trained and the held-out agreement and estimate at that moment. A step that passes several
+    marks writes each."""
+    pending = sorted(marks)
+
+    def on_step(current: Current) -> None:
+        while pending and current.tokens >= pending[0]:
+            mark = pending.pop(0)
+            agree = current.agreement()
+            entry = {"snapshot_tokens": mark, "tokens": current.tokens, "init": init, "heldout_agree": agree,
+                     "heldout_estimate": expected_length(agree)}
+            current.write(OutputDir(root / f"tokens_{mark}", overwrite=True), entry)
+
+    return on_step
+
+
 def _estimate(snapshot: Path) -> list[float] | None:
     """The distiller's held-out agreement per draft step when it wrote this snapshot."""
     rec = json.loads((snapshot / "recycle.json").read_text()).get("distillation", [{}])[-1]
@@ -104,9 +128,6 @@ def _estimate(snapshot: Path) -> list[float] | None:
 
 
 def run_experiment(opts: ExperimentOptions, log: Callable[[str], None] = print) -> dict:
-    from recycle.converters.api import convert_checkpoint
-    from recycle.prompts import code_prompts
-
     work = Path(opts.work)
     work.mkdir(parents=True, exist_ok=True)
     prompts = [("code", p) for p in code_prompts(opts.prompts, source=opts.prompt_source)]
@@ -145,7 +166,7 @@ def run_experiment(opts: ExperimentOptions, log: Callable[[str], None] = print) 
         if fmt in opts.converted:  # e.g. a calibration made once, distilled under several recipes
             src, conv = Path(opts.converted[fmt]), {"seconds": None}
         else:
-            conv = convert_checkpoint(opts.source or opts.target, fmt, src, overwrite=True, **calibration, **extra)
+            conv = convert_calibrated(opts.source or opts.target, fmt, src, overwrite=True, **calibration, **extra)
         made = json.loads((src / "recycle.json").read_text())
         result.setdefault("conversions", {})[fmt] = {"seconds": conv["seconds"],
                                                      "options": made.get("target", {}).get("options"),
@@ -158,10 +179,10 @@ def run_experiment(opts: ExperimentOptions, log: Callable[[str], None] = print) 
             snap = work / f"{name}-snapshots"
             base = DistillOptions(drafter=str(src), target=opts.target, tokens=budget, out=str(work / name),
                                   init=init.split("-")[0], data=opts.data, seq_len=opts.seq_len, batch=opts.batch,
-                                  lr=opts.lr, threads=opts.threads, seed=opts.seed, overwrite=True,
-                                  snapshots=tuple(marks), snapshot_dir=str(snap), eval_every=32,
+                                  lr=opts.lr, threads=opts.threads, seed=opts.seed, overwrite=True, eval_every=32,
                                   checkpoint_every=10**9)
-            rec = distill(replace(base, **opts.extra))
+            run = replace(base, **opts.extra)
+            rec = distill(run, on_step=snapshots(marks, snap, run.init))
             log(f"{name}: {rec['tokens']} tokens in {rec['wall_s']:.0f} s ({rec['tokens_per_s']:.0f} tok/s), "
                 f"target forward {100 * rec['target_forward_share']:.1f}%, overhead {100 * rec['overhead_share']:.1f}%")
             curve = []
@@ -227,7 +248,7 @@ def summarize(result: dict) -> dict:
 def plot(result: dict, path: str | Path, title: str | None = None) -> None:
     """τ versus tokens per format (recycled, scratch, references), plus per-depth acceptance of the
     EAGLE drafter on the native chain when the run measured it."""
-    import matplotlib
+    import matplotlib  # only for the figure: matplotlib is no dependency of recycle, and the experiment runs without it
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -1,0 +1,78 @@
+"""Every hook a format record declares resolves, in the registry of the layer that owns it, to a real object of
+the right kind; every registered object belongs to a format that declares it; a format without a hook gets the
+registry's one-line error (as `test_every_family_row_has_a_fixture` holds the family table to its fixtures)."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+
+import pytest
+
+from recycle.errors import RecycleError
+from recycle.formats import FORMATS, DrafterFormat
+from recycle.formats.record import HOOKS
+
+# hook → (owning module, its registry, the hook's signature there: a Protocol, or the base class of a class hook)
+OWNERS = {
+    "build": ("recycle.drafters", "BUILDERS", "Builder"),
+    "engine": ("recycle.decoding.drafting", "ENGINES", "EngineFactory"),
+    "unroller": ("recycle.distill.unroll", "UNROLLERS", "Unroller"),
+    "converter": ("recycle.converters", "CONVERTERS", "Converter"),
+    "calibrate": ("recycle.distill.calibrate", "CALIBRATORS", "FormatCalibration"),
+    "rewrite": ("recycle.converters", "REWRITERS", "Rewriter"),
+}
+CLASS_HOOKS = {"unroller"}  # registered as classes (subclasses of the base); the others as callables
+
+DECLARED = [(name, hook) for name, fmt in FORMATS.items() for hook in sorted(fmt.hooks)]
+MISSING = [(name, hook) for name, fmt in FORMATS.items() for hook in HOOKS if hook not in fmt.hooks]
+
+
+def owner(hook: str):
+    module, registry, signature = OWNERS[hook]
+    mod = importlib.import_module(module)
+    return getattr(mod, registry), getattr(mod, signature)
+
+
+def test_every_hook_has_an_owner() -> None:
+    assert set(OWNERS) == set(HOOKS)
+
+
+@pytest.mark.parametrize(("name", "hook"), DECLARED, ids=[f"{n}-{h}" for n, h in DECLARED])
+def test_every_declared_hook_resolves(name: str, hook: str) -> None:
+    fmt = FORMATS[name]
+    registry, signature = owner(hook)
+    obj = registry.get(fmt.name, fmt.title)
+    if hook in CLASS_HOOKS:
+        assert inspect.isclass(obj) and issubclass(obj, signature) and obj is not signature, obj
+        assert not inspect.isabstract(obj), f"{obj.__name__} leaves abstract methods undefined"
+        return
+    assert callable(obj), obj
+    # it takes every positional argument its Protocol's __call__ is given
+    params = list(inspect.signature(signature.__call__).parameters.values())[1:]  # without self
+    args = [object()] * sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)
+    inspect.signature(obj).bind(*args)
+
+
+@pytest.mark.parametrize("hook", HOOKS)
+def test_every_registered_object_belongs_to_a_format_declaring_it(hook: str) -> None:
+    registry, _ = owner(hook)
+    for name in registry.names():
+        assert name in FORMATS, f"{registry.what} registered for '{name}', which is no format"
+        assert hook in FORMATS[name].hooks, f"{registry.what} registered for '{name}', whose record lacks '{hook}'"
+
+
+@pytest.mark.parametrize(("name", "hook"), MISSING, ids=[f"{n}-{h}" for n, h in MISSING])
+def test_a_format_without_a_hook_gets_one_line(name: str, hook: str) -> None:
+    fmt = FORMATS[name]
+    registry, _ = owner(hook)
+    with pytest.raises(RecycleError) as e:
+        registry.get(fmt.name, fmt.title)
+    message = str(e.value)
+    assert "\n" not in message
+    assert message == f"{fmt.title}: recycle has no {registry.what} for it"
+
+
+def test_a_record_names_only_known_hooks() -> None:
+    with pytest.raises(ValueError, match="unknown hooks"):
+        DrafterFormat(name="x", title="X", summary="x", hooks=frozenset({"build", "engnie"}))
