@@ -54,7 +54,7 @@ def load_tokenizer(path: str | os.PathLike, fallback: str | os.PathLike | None =
     try:
         with quiet_transformers():
             tok = AutoTokenizer.from_pretrained(where)
-    except Exception as e:  # noqa: BLE001 - a corrupt tokenizer file is bad input
+    except Exception as e:  # a corrupt tokenizer file is bad input
         raise RecycleError(f"{where}: no usable tokenizer ({' '.join(str(e).split())[:160]})") from None
     tok.model_max_length = UNLIMITED
     return tok

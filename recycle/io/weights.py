@@ -66,7 +66,7 @@ def load_weights(d: str | os.PathLike, name: str, meta: bool = False) -> dict[st
             part = meta_state(f) if meta else load_file(str(f))
         except RecycleError:
             raise
-        except Exception as e:  # noqa: BLE001 - a truncated or foreign file
+        except Exception as e:  # a truncated or foreign file
             raise RecycleError(f"{f}: corrupt or unreadable safetensors ({' '.join(str(e).split())[:160]})") from None
         twice = next((k for k in part if k in state), None)
         if twice is not None:
