@@ -20,7 +20,9 @@ DEFAULT_CORPUS_CHARS = 4_000_000  # of the stdlib train split: enough for stable
 BATCH = 256
 
 
-def load_tokenizer(ckpt_dir: Path):
+def count_tokenizer(ckpt_dir: Path):
+    """The checkpoint's tokenizer.json as a bare `tokenizers.Tokenizer`: counting a corpus's tokens for the draft
+    vocabulary needs ids only, no chat template or special-token handling (`recycle.encode.load_tokenizer`)."""
     from tokenizers import Tokenizer
 
     path = ckpt_dir / "tokenizer.json"
@@ -52,7 +54,7 @@ def corpus_texts(corpus: str | os.PathLike | None, max_chars: int = DEFAULT_CORP
 
 
 def token_counts(ckpt_dir: Path, vocab: int, corpus: str | os.PathLike | None = None) -> torch.Tensor:
-    tok = load_tokenizer(ckpt_dir)
+    tok = count_tokenizer(ckpt_dir)
     counts = torch.zeros(vocab, dtype=torch.long)
     batch: list[str] = []
 
