@@ -88,7 +88,7 @@ def convert(opts: ConvertOptions, progress: Progress | None = None, calibrator: 
         raise ValueError("convert: calibrate=TOKENS needs a calibrator (recycle.distill.calibrate.calibrate), "
                          "or convert through recycle.distill.calibrate.convert_calibrated")
     with source_view(opts.source) as source:  # an EAGLE drafter: its mtp_overlay/, re-exported
-        return _convert(opts, Checkpoint(source), progress, started, calibrator)
+        return _convert(opts, Checkpoint(source, opts.family), progress, started, calibrator)
 
 
 def _convert(opts: ConvertOptions, ckpt: Checkpoint, progress: Progress | None, started: float,

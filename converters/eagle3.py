@@ -79,6 +79,8 @@ from recycle.formats.eagle3 import fold_aux_layers
 from recycle.io.writer import Lazy
 
 ATTENTION = ("llama", "mla")
+DEEPSEEK_MLA = frozenset(f"{n}.weight" for n in ("q_a_proj", "q_a_layernorm", "q_b_proj", "q_proj", "kv_a_proj_with_mqa",
+                                                 "kv_a_layernorm", "kv_b_proj", "o_proj"))
 MLA_CONFIG_KEYS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
                    "rope_interleave", "rope_scaling", "rope_parameters", "num_key_value_heads")
 
@@ -90,13 +92,31 @@ def _get(block: dict[str, Lazy], *names: str) -> Lazy | None:
     return None
 
 
+def _layer_names(block: dict[str, Lazy], renames: tuple[tuple[str, str], ...]) -> dict[str, Lazy]:
+    """The block under its decoder layer's names (the row's `block_renames`: MiMo-V2's `pre_mlp_layernorm`, Ling's
+    `attention.*`); the tensors keep their checkpoint names as sources."""
+    out = {}
+    for name, lazy in block.items():
+        for old, new in renames:
+            name = name.replace(old, new)
+        out[name] = lazy
+    return out
+
+
 def _attention(w: RoleWeights, block: dict[str, Lazy]) -> tuple[dict, dict[str, Lazy]]:
     """(dims, {q, k, v, o} as [out, H] / [H, in] effective Linear weights) from the block."""
     cfg, h = w.config, w.hidden_size
     heads = int(cfg.get("num_attention_heads") or max(1, h // 64))
     a = "self_attn."
     q, k, v, o = (_get(block, f"{a}{p}_proj.weight") for p in "qkvo")
-    if q is not None and k is not None and v is not None and o is not None:
+    gqa = q is not None and k is not None and v is not None and o is not None
+    # Step's per-head output gate: one row per head of this layer (its sliding layers have their own count)
+    head_gate = _get(block, f"{a}g_proj.weight") if gqa else None
+    own_heads = head_gate.shape[0] if head_gate is not None else heads
+    # transformers' LlamaConfig (the midlayer's) refuses heads that do not divide hidden_size (Step: 96 at 4096)
+    fits = head_gate is None or h % own_heads == 0
+    heads = own_heads if fits else heads
+    if fits and gqa:
         hd = int(cfg.get("head_dim") or h // heads)
         kv = k.shape[0] // hd
         gated = q.shape[0] == 2 * heads * hd
@@ -104,7 +124,25 @@ def _attention(w: RoleWeights, block: dict[str, Lazy]) -> tuple[dict, dict[str, 
             q = q.derive((heads * hd, h), lambda t: t.view(heads, 2 * hd, h)[:, :hd].reshape(heads * hd, h),
                          APPROX, "query half of the gated q_proj; output gate dropped")
         note = "GQA projection" + ("; biases, q/k norms dropped" if _get(block, f"{a}q_proj.bias", f"{a}q_norm.weight")
-                                   else "")
+                                   else "") + ("; per-head output gate (g_proj) dropped" if head_gate is not None else "")
+        if _get(block, f"{a}sinks", f"{a}attention_sink_bias"):
+            note += "; attention sinks (and any sliding window) dropped"
+        vd, scale = v.shape[0] // kv, float(cfg.get("attention_value_scale") or 1.0)
+        if vd != hd or scale != 1.0:  # MiMo-V2: value heads narrower than the query/key heads, values rescaled
+            def make_v(t: torch.Tensor) -> torch.Tensor:
+                out = t.new_zeros(kv, hd, h)
+                out[:, :vd] = scale * t.view(kv, vd, h)
+                return out.reshape(kv * hd, h)
+
+            def make_o(t: torch.Tensor) -> torch.Tensor:
+                out = t.new_zeros(h, heads, hd)
+                out[:, :, :vd] = t.view(h, heads, vd)
+                return out.reshape(h, heads * hd)
+
+            how = f"v heads zero-padded {vd} → {hd}" + (f", scaled by attention_value_scale {scale}" if scale != 1 else "")
+            v = v.derive((kv * hd, h), make_v, APPROX, how)
+            o = o.derive((h, heads * hd), make_o, APPROX, "o_proj with zero columns for the padded v dims")
+            note += f"; {how}"
         return ({"heads": heads, "kv_heads": kv, "head_dim": hd},
                 {"q": q, "k": k, "v": v, "o": o.derive(o.shape, lambda t: t, APPROX, note)} | {"note": note})
     kv_a = _get(block, f"{a}kv_a_proj_with_mqa.weight")
@@ -118,6 +156,8 @@ def _attention(w: RoleWeights, block: dict[str, Lazy]) -> tuple[dict, dict[str, 
         sources = [x for x in (q_a, q_ln, q_b, q, kv_a, kv_ln, kv_b, o) if x is not None]
         srcs = tuple(s for x in sources for s in x.sources)
         note = "MLA folded into MHA: low-rank products, inner RMS scales and partial interleaved RoPE dropped"
+        if _get(block, f"{a}g_proj.weight"):  # Ling's head-wise output gate
+            note += "; output gate (g_proj) dropped"
 
         def ln(x: Lazy | None, size: int) -> torch.Tensor:
             return x.make().float() if x is not None else torch.ones(size)
@@ -156,6 +196,9 @@ def _attention(w: RoleWeights, block: dict[str, Lazy]) -> tuple[dict, dict[str, 
         return {"heads": heads, "kv_heads": heads, "head_dim": qk}, eff | {"note": note}
     hd = int(cfg.get("head_dim") or h // heads)
     note = "no attention projections this mapping understands: fresh N(0, 0.02²)"
+    if not fits:
+        note = (f"the block's {own_heads} attention heads do not divide hidden size {h}, which a Llama midlayer needs: "
+                "fresh N(0, 0.02²)")
     eff = {n: normal((heads * hd, h), i, note) for i, n in enumerate("qkv")}
     eff["o"] = normal((h, heads * hd), 3, note)
     return {"heads": heads, "kv_heads": heads, "head_dim": hd}, eff | {"note": note}
@@ -177,8 +220,13 @@ def _mlp(block: dict[str, Lazy], h: int) -> tuple[int, dict[str, Lazy]]:
 
 
 def _rope_theta(cfg: dict) -> float:
+    """The rotary base; a per-layer list (Step's runs over the MTP layers after the trunk's) gives module 0's entry."""
+    theta = cfg.get("rope_theta")
+    if isinstance(theta, list) and theta:
+        n = int(cfg.get("num_hidden_layers") or 0)
+        theta = theta[n] if n < len(theta) else theta[-1]
     rp = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    return float(cfg.get("rope_theta") or (rp.get("rope_theta") if isinstance(rp, dict) else None) or 10000.0)
+    return float(theta or (rp.get("rope_theta") if isinstance(rp, dict) else None) or 10000.0)
 
 
 def _mla_attention(block: dict[str, Lazy]) -> dict[str, Lazy] | None:
@@ -211,7 +259,7 @@ def fold(w: RoleWeights, *, draft_ids: torch.Tensor | None = None, dtype_name: s
                            f"{did_you_mean(attention, ATTENTION)}")
     m0 = w.modules[0]
     h, vocab = w.hidden_size, w.vocab_size
-    leaves, block = m0.leaves, m0.block
+    leaves, block = m0.leaves, _layer_names(m0.block, w.family.block_renames)
     mla = _mla_attention(block) if attention == "mla" else None
     if attention == "mla" and mla is None:
         raise RecycleError(f"--eagle3-attention mla needs an MLA source ({w.family.name}'s MTP block has no "
@@ -293,7 +341,11 @@ def _mla_plan(w: RoleWeights, tensors: dict[str, Lazy], mla: dict[str, Lazy], tw
     """vLLM's `Eagle3DeepseekV2ForCausalLM`: the Llama attention tensors swapped for the block's MLA ones."""
     tensors = {k: v for k, v in tensors.items() if not k.startswith("midlayer.self_attn.")}
     wide = ("q_a_proj.weight", "q_proj.weight", "kv_a_proj_with_mqa.weight")
+    # what DeepseekV2's MLA holds: anything else (Ling's output gate g_proj) has no place in vLLM's midlayer
+    dropped = sorted(n for n in mla if n not in DEEPSEEK_MLA)
     for name, lazy in sorted(mla.items()):
+        if name in dropped:
+            continue
         if name in wide:
             tensors[f"midlayer.self_attn.{name}"] = two_h(name, lazy)
         else:
@@ -323,6 +375,9 @@ def _mla_plan(w: RoleWeights, tensors: dict[str, Lazy], mla: dict[str, Lazy], tw
     })
     plan = Plan(tensors={WEIGHTS: tensors}, jsons={"config.json": config})
     plan.notes.append("MLA midlayer (vLLM Eagle3DeepseekV2ForCausalLM): loads in vLLM only")
+    if dropped:
+        plan.notes.append(f"the block's self_attn.{', self_attn.'.join(dropped)} dropped: DeepseekV2's MLA has no place "
+                          "for it")
     if len(w.modules) > 1:
         plan.notes.append(f"initialised from MTP module 0 of {len(w.modules)}")
     return plan

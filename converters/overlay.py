@@ -183,7 +183,8 @@ def stitch(overlay: str | os.PathLike, target: str | os.PathLike, out: str | os.
     meta = _read_index(ov_dir).get("metadata", {})
     ov, tgt = Checkpoint(ov_dir), Checkpoint(tgt_dir)
     fp8 = scheme(tgt.config, str(tgt_dir))  # refuses schemes recycle cannot write, before anything is written
-    tm = match(tgt)
+    # the row convert used (its --family) is the overlay's; the target's tensors must be that row's
+    tm = match(tgt, strict=meta.get("family") is None)
     fam = tm.family.name
     if meta.get("family") not in (None, fam):
         raise RecycleError(f"{ov_dir}: overlay of a '{meta.get('family')}' checkpoint, target is '{fam}'")

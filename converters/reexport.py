@@ -52,7 +52,7 @@ def source_view(path: str | os.PathLike) -> Iterator[Path]:
                          "generation_config.json"):
                 if (src / name).is_file() and not (view / name).exists():
                     _link(src / name, view / name)
-            m = match(Checkpoint(view))
+            m = match(Checkpoint(view), strict=False)  # trunk names; the convert after it checks the row
             borrowed = {role: m.family.trunk[role][0] for mod in m.modules for role, t in mod.shared.items()
                         if t is None and role in DRAFTER_IO and m.family.trunk.get(role)}
             if borrowed:

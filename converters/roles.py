@@ -127,6 +127,21 @@ def _canonical_proj(lazy: Lazy, order: str, h: int) -> Lazy:
                        note="stored [h; e]: halves swapped to [e; h]")
 
 
+def _trunk_normed(embed: Lazy, norm: Lazy, style: str, eps: float) -> Lazy:
+    """The embedding through the trunk's own norm (row by row, as a lookup then the norm computes it)."""
+    def run(e: torch.Tensor) -> torch.Tensor:
+        w = norm.make().float()
+        e = e.float()
+        e = e * torch.rsqrt(e.pow(2).mean(-1, keepdim=True) + eps)
+        return e * (1.0 + w) if style == "1+w" else e * w
+    return embed.derive(embed.shape, run, kind=APPROX, note=f"the trunk's embedding norm ({norm.sources[0]}) folded in")
+
+
+def _divided(head: Lazy, divisor: float, key: str) -> Lazy:
+    return head.derive(head.shape, lambda w: w.float() / divisor, kind=APPROX,
+                       note=f"divided by {key} {divisor:g} (the head reads h / {divisor:g})")
+
+
 def gather(ckpt: Checkpoint, family: str | None = None) -> RoleWeights:
     """Match the checkpoint against the family table and describe its MTP modules canonically.
 
@@ -143,6 +158,11 @@ def gather(ckpt: Checkpoint, family: str | None = None) -> RoleWeights:
     if fam.kind not in REQUIRED:
         raise RecycleError(f"{ckpt.path}: family '{fam.name}' is {fam.kind}, neither sequential MTP modules nor "
                            "parallel heads; there is nothing recycle convert can map")
+    unmapped = [r for r in REQUIRED[fam.kind] if r not in fam.roles and r not in fam.trunk]
+    if unmapped or fam.runtime is not None:  # e.g. DeepSeek-V4: split e/h projections over hyper-connection streams
+        what = f"has no {', '.join(unmapped)} role" if unmapped else "runs on its own runtime"
+        raise RecycleError(f"{ckpt.path}: the {fam.name} MTP layout {what} (it stores {', '.join(sorted(fam.roles))}): "
+                           "no drafter format recycle writes carries it yet; its MTP runs as it is (recycle.mtp)")
     if fam.kind == "parallel_heads" and len(m.modules) < m.declared:
         raise RecycleError(f"{ckpt.path}: config declares {m.declared} extra head(s) ({', '.join(fam.depth_keys)}), "
                            f"{len(m.modules)} stored: a parallel-heads checkpoint missing a head is incomplete")
@@ -154,6 +174,13 @@ def gather(ckpt: Checkpoint, family: str | None = None) -> RoleWeights:
     if "Hb" in dims:
         dims["2Hb"] = 2 * dims["Hb"]
     eps = float(m.config.get("rms_norm_eps") or m.config.get("layer_norm_epsilon") or 1e-6)
+    rows = first_value(m.config, (fam.logit_rows_key,)) if fam.logit_rows_key else None
+    if isinstance(rows, int) and 0 < rows < v:
+        raise RecycleError(f"{ckpt.path}: its head is padded to vocab_size {v} ({fam.logit_rows_key} {rows} real "
+                           "tokens) and no drafter format carries the real row count: recycle cannot write an exact "
+                           "head for it (its MTP runs as it is: recycle bench/distill)")
+    trunk_norm = next((m.outer_prefix + n for n in fam.embed_trunk_norm if m.outer_prefix + n in ckpt.tensors), None)
+    divisor = first_value(m.config, (fam.logit_divisor_key,)) if fam.logit_divisor_key else None
     modules = []
     cache: dict[tuple[str, str], Lazy] = {}  # one Lazy per (source tensor, form): shared tensors are read once
 
@@ -182,6 +209,11 @@ def gather(ckpt: Checkpoint, family: str | None = None) -> RoleWeights:
                 leaves[role] = once(name, "norm", partial(_canonical_norm, src, fam.norm))
             elif role == "proj":
                 leaves[role] = once(name, "proj", partial(_canonical_proj, src, fam.concat_order, h))
+            elif role == "embed" and trunk_norm is not None:
+                norm = stored(ckpt, trunk_norm)
+                leaves[role] = once(name, "embed", partial(_trunk_normed, src, norm, fam.norm, eps))
+            elif role == "head" and divisor is not None:
+                leaves[role] = once(name, "head", partial(_divided, src, float(divisor), fam.logit_divisor_key))
             else:
                 leaves[role] = src
         block = {rel: once(full, "stored", partial(stored, ckpt, full))

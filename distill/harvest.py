@@ -184,9 +184,12 @@ def final_norm(target: str | os.PathLike):
         raise RecycleError(f"{target}: no final norm tensor (model.norm.weight) to apply to vLLM's last state")
     w = ck.get(name).float()
     try:
-        zero_centred = match(ck).family.norm == "1+w"
-    except RecycleError:
-        zero_centred = False
+        m = match(ck, strict=False)
+    except RecycleError:  # no row fits: a plain trunk, `w` norms
+        m = None
+    if m is not None and m.conflict:  # the norm's parametrisation would be a guess
+        raise RecycleError(m.conflict)
+    zero_centred = m is not None and m.family.norm == "1+w"
     w = w + 1 if zero_centred else w
     eps = float(ck.config.get("rms_norm_eps", 1e-6))
 

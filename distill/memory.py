@@ -103,11 +103,11 @@ def _drafter_config(path: Path) -> tuple[dict, str, int]:
 def _meta_drafter(path: Path):
     """(the drafter on the meta device, its block config, its config dict, its family's name)."""
     from recycle.drafters.eagle import EagleDrafter, canonical_family
-    from recycle.mtp import block_config
+    from recycle.mtp import family_config
 
     body, family, depth = _drafter_config(path)
     fam = canonical_family(family)
-    config = block_config(body, "sdpa", fam.block_model_type)
+    config = family_config(body, fam)
     with torch.device("meta"):
         return EagleDrafter(config, fam, depth), config, body, family
 
@@ -265,7 +265,7 @@ def _proxy_bytes(config_json: str, family: str, steps: int, precision: str) -> t
     from recycle.distill.teacher import autocast
     from recycle.distill.unroll import EagleUnroller
     from recycle.drafters.eagle import EagleDrafter, canonical_family
-    from recycle.mtp import block_config
+    from recycle.mtp import family_config
 
     body = json.loads(config_json)
     k = next((body[key] for key in ("num_experts_per_tok", "moe_top_k") if body.get(key)), None)
@@ -277,7 +277,7 @@ def _proxy_bytes(config_json: str, family: str, steps: int, precision: str) -> t
             body[key] = 1
     body["vocab_size"] = PROXY_VOCAB
     fam = canonical_family(family)
-    config = block_config(body, "sdpa", fam.block_model_type)
+    config = family_config(body, fam)
     with torch.device("meta"):
         model = EagleDrafter(config, fam, 1)
     model.to_empty(device="cpu")

@@ -62,7 +62,10 @@ KINDS = {
                        "eagle3|medusa --target TARGET_DIR rewrites it for the engines that read those formats"},
 }
 NORM_ROLES = ("embed_norm", "hidden_norm", "final_norm")
-MTP_LOOKING = re.compile(r"(^|\.)(mtp|nextn|eh_proj|enorm|hnorm|shared_head|extra_heads)")
+MTP_WORDS = r"(?:mtp|nextn|eh_proj|enorm|hnorm|shared_head|extra_heads)"
+# tensor names that look like MTP (a word starting the name or after a dot), found in a newline-joined name list in
+# one scan (a full checkpoint has 92k–145k names)
+MTP_LOOKING_LINES = re.compile(r"(?m)^(?:[^\n]*\.)?" + MTP_WORDS + r"[^\n]*$")
 
 
 @dataclass
@@ -174,8 +177,9 @@ def _check_modules(ckpt: Checkpoint, m: MTPMatch, rep: Report) -> None:
         rep.add("info", "already_drafter", f"{fam.title}: already a drafter, with no MTP modules to extract; bench "
                 "and distill use it as it is, and convert --to eagle3|medusa --target TARGET_DIR rewrites it")
 
-    # A role is required when the family names it and the trunk cannot stand in for it.
-    required = [r for r in fam.roles if not fam.trunk.get(r)] + ["block"]
+    # A role is required when the family names it and the trunk cannot stand in for it; a trunk entry of () says the
+    # module may go without it (Inkling's chain norm, present only with mtp_config.chain_hidden_post_norm).
+    required = [r for r in fam.roles if r not in fam.trunk] + ["block"]
     for mod in m.modules:
         for role in required:
             if role not in mod.roles:
@@ -233,7 +237,7 @@ def _check_modules(ckpt: Checkpoint, m: MTPMatch, rep: Report) -> None:
     _check_copies(ckpt, m, rep)
     _check_quantization(ckpt, m, rep)
     claimed = set(m.mtp_names)
-    stray = [n for n in ckpt.tensors if n not in claimed and MTP_LOOKING.search(n)]
+    stray = [mt.group(0) for mt in MTP_LOOKING_LINES.finditer("\n".join(ckpt.tensors)) if mt.group(0) not in claimed]
     if stray:
         rep.add("warning", "unknown_layout",
                 f"{len(stray)} MTP-looking tensor(s) fit no role of {fam.name}: {', '.join(stray[:3])}"
@@ -249,8 +253,8 @@ def _check_quantization(ckpt: Checkpoint, m: MTPMatch, rep: Report) -> None:
     except RecycleError as e:
         rep.add("info", "quant_unsupported", str(e).split(": ", 1)[-1])
         return
-    for name, info in ckpt.tensors.items():
-        if info.is_scale:
+    for name in ckpt.tensors:
+        if name.endswith(SCALE_SUFFIX):  # TensorInfo.is_scale, without a property call a tensor
             weight = ckpt.tensors.get(name[: -len(SCALE_SUFFIX)])
             if weight is None or not weight.is_fp8:
                 what = "no weight" if weight is None else f"a {weight.dtype} weight"
@@ -264,7 +268,7 @@ def _check_quantization(ckpt: Checkpoint, m: MTPMatch, rep: Report) -> None:
                     f"quantization_config to read them by (first: {stored[0]})", stored[0])
         return
     ignored = set(fp8.ignored)
-    unscaled = [n for n, i in ckpt.tensors.items() if engine_fp8(n, i.shape) and not i.is_fp8
+    unscaled = [n for n, i in ckpt.tensors.items() if not i.is_fp8 and engine_fp8(n, i.shape)
                 and not set(ignore_entries([n])) <= ignored]
     for n in unscaled[:3]:
         rep.add("error", "fp8_unscaled_weight", f"{n}: {ckpt.tensors[n].dtype} under the FP8 config, not in its ignore "
@@ -334,11 +338,12 @@ def _tensor_stats(ckpt: Checkpoint, name: str, role: str, norm_style: str) -> Te
 
 
 def inspect_checkpoint(
-    path: str | Path, stats: bool = False, progress: Callable[[int, int], None] | None = None
+    path: str | Path, stats: bool = False, progress: Callable[[int, int], None] | None = None,
+    family: str | None = None,
 ) -> Report:
     """Audit a checkpoint directory. Reads headers only unless `stats` is set (then only MTP tensors)."""
-    ckpt = Checkpoint(path)
-    m = match(ckpt)
+    ckpt = Checkpoint(path, family)
+    m = match(ckpt, strict=False)
     archs = ckpt.config.get("architectures") or []
     rep = Report(
         path=str(ckpt.path),
@@ -357,6 +362,8 @@ def inspect_checkpoint(
         tensors_total=len(ckpt.tensors),
         fp8_tensors=sum(i.is_fp8 for i in ckpt.tensors.values()),
     )
+    if m.conflict:  # the tensors say one row, config.json another (or none): not taken without --family
+        rep.add("error", "family_conflict", m.conflict.split(": ", 1)[1])
     _check_modules(ckpt, m, rep)
     if stats:
         rep.stats = []

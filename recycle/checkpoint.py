@@ -21,7 +21,6 @@ import math
 import os
 import struct
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -30,7 +29,7 @@ from safetensors import SafetensorError, safe_open
 
 from recycle.errors import RecycleError
 from recycle.preflight import checkpoint_dir, load_json
-from recycle.quant import SCALE_SUFFIX, dequantize_fp8, expected_scale_shape
+from recycle.quant import SCALE_SUFFIX, dequantize_fp8, expected_scale_shape, scale_names
 
 if TYPE_CHECKING:
     import torch
@@ -88,9 +87,9 @@ def __getattr__(name: str):
     return _TORCH_TABLES[name]
 
 
-@dataclass(frozen=True)
-class TensorInfo:
-    """Header facts about one stored tensor."""
+class TensorInfo(NamedTuple):
+    """Header facts about one stored tensor (a NamedTuple: DeepSeek-V4-Pro's headers make 145,109 of them, and a
+    frozen dataclass costs twice the time to build)."""
 
     name: str
     file: str  # shard file name, relative to the checkpoint directory
@@ -185,8 +184,9 @@ class Checkpoint:
         w = ckpt.get("model.layers.2.self_attn.o_proj.weight")  # dequantized if FP8
     """
 
-    def __init__(self, path: str | os.PathLike) -> None:
+    def __init__(self, path: str | os.PathLike, family: str | None = None) -> None:
         self.path = Path(path)
+        self.family = family  # the family-table row the user named (`--family`); None: detected
         self.config: dict = checkpoint_dir(self.path)
         self.index: dict | None = None
         self.tensors: dict[str, TensorInfo] = {}
@@ -239,22 +239,19 @@ class Checkpoint:
         return handle
 
     def _read_header(self, file: str) -> None:
-        self._open(file, "numpy")  # safetensors validates the header: truncated files, overlapping or bad offsets
-        header, base = read_header(self.path / file)  # the same header's JSON once more: one parse, not a call a tensor
-        offsets = {}
-        for name in sorted(header):  # safetensors' own order (its keys() sorts)
-            if name == "__metadata__":
-                continue
-            entry = header[name]
-            dtype = entry.get("dtype") if isinstance(entry, dict) else None
+        # safetensors parses and validates the header (truncated files, overlapping or bad offsets, unknown dtypes);
+        # its parse gives names, dtypes and shapes, which costs less than parsing the JSON again here (DeepSeek-V4-Pro:
+        # 145,109 tensors, 0.53 s against 0.85 s). Byte offsets are read when first asked for (`span`).
+        handle = self._open(file, "numpy")
+        tensors = self.tensors
+        for name in handle.keys():  # sorted
+            part = handle.get_slice(name)
+            dtype = part.get_dtype()
             if dtype not in ST_DTYPES:
                 raise RecycleError(f"{self.path / file}: tensor {name} has unknown dtype {dtype}")
-            info = TensorInfo(name, file, dtype, tuple(int(d) for d in entry["shape"]))
-            if name in self.tensors:
-                raise RecycleError(f"{self.path}: tensor {name} is stored in both {self.tensors[name].file} and {file}")
-            self.tensors[name] = info
-            offsets[name] = (base + entry["data_offsets"][0], base + entry["data_offsets"][1])
-        self._offsets[file] = offsets
+            if name in tensors:
+                raise RecycleError(f"{self.path}: tensor {name} is stored in both {tensors[name].file} and {file}")
+            tensors[name] = TensorInfo(name, file, dtype, tuple(part.get_shape()))
 
     def _check_index(self) -> None:
         weight_map: dict = self.index["weight_map"]  # type: ignore[index]
@@ -282,8 +279,8 @@ class Checkpoint:
         return sum(i.nbytes for i in infos)
 
     def scale_for(self, name: str) -> TensorInfo | None:
-        """The block scale of an FP8 weight, whichever shard holds it."""
-        return self.tensors.get(name + SCALE_SUFFIX)
+        """The block scale of an FP8 weight, whichever shard holds it (`W_scale_inv`, or DeepSeek's native `P.scale`)."""
+        return next((self.tensors[s] for s in scale_names(name) if s in self.tensors), None)
 
     def block_size(self) -> tuple[int, int]:
         q = self.config.get("quantization_config") or {}

@@ -49,6 +49,7 @@ def inspect(
     stats: f.Stats = False,
     show_all: f.ShowAll = False,
     strict: f.Strict = False,
+    family: f.Family = None,
 ) -> None:
     """Audit the MTP weights of a checkpoint: family, layout, shapes, dtypes, FP8 scales, health.
 
@@ -75,7 +76,7 @@ def inspect(
     from recycle.report import Reporter, render_inspect
 
     with Reporter("reading MTP tensors", quiet=json_out or not stats) as bar:
-        data = inspect_checkpoint(ckpt, stats=stats, progress=bar.update).to_json()
+        data = inspect_checkpoint(ckpt, stats=stats, progress=bar.update, family=family).to_json()
     print_json(data) if json_out else render_inspect(data, show_all)
     if strict and data["worst"] == "error":
         raise typer.Exit(EXIT_FINDINGS)
@@ -84,7 +85,7 @@ def inspect(
 @app.command()
 @user_errors
 @f.options(ConvertOptions, "source to out heads draft_vocab vocab_corpus eagle3_attention eagle3_mlp dtype layouts "
-           "calibrate calibrate_steps target data module eagle3_names max_shard_size overwrite json_out")
+           "calibrate calibrate_steps target data module eagle3_names family max_shard_size overwrite json_out")
 def convert(opts: ConvertOptions, json_out: f.Json = False) -> None:
     """Turn a checkpoint's MTP modules into a speculative-decoding drafter directory.
 

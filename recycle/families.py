@@ -25,9 +25,11 @@ from dataclasses import dataclass, field
 from recycle.checkpoint import Checkpoint
 from recycle.errors import RecycleError
 from recycle.ggufarch import DEEPSEEK2, GLM4MOE, QWEN3NEXT, QWEN35, QWEN35MOE, GGUFArch
-from recycle.quant import SCALE_SUFFIX
+from recycle.quant import NATIVE_SCALE_SUFFIX, SCALE_SUFFIX, scale_names
 
-ROLES = ("embed_norm", "hidden_norm", "proj", "block", "final_norm", "head", "embed")
+ROLES = ("embed_norm", "hidden_norm", "proj", "block", "final_norm", "head", "embed",
+         # DeepSeek-V4: separate embedding/hidden projections (summed), and the module's own hyper-connection head
+         "e_proj", "h_proj", "hc_head_fn", "hc_head_base", "hc_head_scale")
 SHARED_ROLES = ("final_norm", "head", "embed")  # roles a module may borrow from the trunk
 
 COMMON_BLOCK_SHAPES: Mapping[str, tuple[str, ...]] = {
@@ -120,7 +122,7 @@ class Family:
     # its backbone, folds it into EAGLE-3 (converters/assistant.py) and builds Medusa heads at the target's width
     reads_target: bool = False
     # Runtime semantics (what vLLM/SGLang compute), used by recycle.mtp:
-    block_class: str | None = None  # transformers decoder-layer class running the block
+    block_class: str | None = None  # transformers decoder-layer class running the block (or recycle.mtp.blocks')
     block_model_type: str | None = None  # transformers model_type for the block's config, if not the family's own
     chained_state: str = "pre_norm"  # state fed to depth k+1: "pre_norm" (y+r) or "post_norm"
     zero_embed_at_pos0: bool = False
@@ -133,6 +135,36 @@ class Family:
     # that recycle writes for (recycle.ggufarch)
     gguf: GGUFArch | None = None
     notes: str = ""
+    # Block semantics beyond the decoder-layer class (recycle.mtp reads these; no code names a family):
+    attn_implementation: str | None = None  # forced for the block (e.g. "eager": a class without sdpa, attention sinks)
+    # the block indexes its attention mask (a sparse-attention indexer): always a mask, never the None that sdpa's
+    # causal shortcut gives (transformers' own DSA models force it the same way)
+    mask_required: bool = False
+    # (checkpoint, decoder-layer) substrings of block tensor names relative to the block prefix, applied both ways
+    block_renames: tuple[tuple[str, str], ...] = ()
+    # an MTP runtime registered in recycle.mtp.RUNTIMES under this name, for a layout the common forward cannot run
+    runtime: str | None = None
+    # shape symbols beyond H/V/E/Hb, each read from the first config key present (DeepSeek-V4: {"C": ("hc_mult",)})
+    dim_keys: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    # per-layer config lists (`layer_types`, `mlp_layer_types`, ...) → the value for the MTP layers, where the config
+    # has no `mtp_<key>` list of its own (which wins); unlisted keys repeat the trunk's last value (attention: full)
+    mtp_layer_types: Mapping[str, str] = field(default_factory=dict)
+    # transformers' conversion-mapping key for the block's checkpoint names, where not the block config's model_type
+    # (a multimodal release's top-level type: its text config has none)
+    block_conversions: str | None = None
+    # config key whose value divides the head's input (a muP width multiplier); folded into the head at load
+    logit_divisor_key: str | None = None
+    # config key giving how many head rows are real tokens (a padded unembedding); the head keeps only those rows
+    logit_rows_key: str | None = None
+    # trunk norm weights the shared embedding passes through before the module's embed_norm (a trunk whose embedding
+    # carries its own norm, as the engines run its MTP); folded into the embedding at load
+    embed_trunk_norm: tuple[str, ...] = ()
+    # the config's per-layer lists and per-layer overrides run over the MTP layers after the trunk's (Step pads
+    # layer_types, swiglu limits, rope lists): the block config is built with them counted as layers
+    config_counts_mtp: bool = False
+    # block-config key → the config.json key (dotted: a nested block) it is read from, where config.json has no such
+    # key of its own (Inkling's `mtp_config`: transformers' text config takes num_mtp_layers, mtp_local_layer_ids)
+    block_config_keys: Mapping[str, str] = field(default_factory=dict)
 
 
 DEEPSEEK_ROLES = {
@@ -167,10 +199,11 @@ FAMILIES: tuple[Family, ...] = (
     dataclasses.replace(
         DEEPSEEK_V3,
         name="deepseek_v32",
-        title="DeepSeek-V3.2 (and GLM-5: MLA + DSA indexer)",
-        model_types=("deepseek_v32", "glm_moe_dsa"),
-        architectures=("DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM"),
+        title="DeepSeek-V3.2 (MLA + DSA indexer)",
+        model_types=("deepseek_v32",),
+        architectures=("DeepseekV32ForCausalLM",),
         block_class="transformers.models.deepseek_v32.modeling_deepseek_v32.DeepseekV32DecoderLayer",
+        mask_required=True,
         gguf=None,  # llama.cpp's deepseek32 graph has the indexer: not written by recycle yet
         notes="DeepSeek's layout; the block's attention carries the sparse-attention indexer (self_attn.indexer.*)",
     ),
@@ -289,6 +322,7 @@ FAMILIES: tuple[Family, ...] = (
             "embed": ("model.mtp.embed_tokens.weight",),
         },
         block=("model.mtp.layers.{k}.",),
+        anchor="embed_norm",  # its '.m.' norm: MiMo-V2-Flash stores eh_proj under the same prefix
         trunk=LLAMA_TRUNK,
         stores_copies=("embed",),
         chained_state="post_norm",
@@ -348,9 +382,10 @@ FAMILIES: tuple[Family, ...] = (
     ),
     Family(
         name="gemma4_assistant",
-        title="Gemma 4 assistant drafter",
-        model_types=("gemma4_assistant",),
-        architectures=("Gemma4AssistantForCausalLM",),
+        title="Gemma 4 assistant drafter (and the Gemma 4 unified assistant)",
+        # the unified assistant (transformers' gemma4_unified_assistant) holds exactly these tensors
+        model_types=("gemma4_assistant", "gemma4_unified_assistant"),
+        architectures=("Gemma4AssistantForCausalLM", "Gemma4UnifiedAssistantForCausalLM"),
         roles={
             "proj": ("pre_projection.weight",),
             "final_norm": ("model.norm.weight",),
@@ -369,14 +404,280 @@ FAMILIES: tuple[Family, ...] = (
         notes="already a drafter (Q-only layers attending the target's KV cache): drafts as it is; convert --to "
               "eagle3|medusa --target rewrites it",
     ),
+    # -- deepseek_v4 (v4) --
+    # DeepSeek-V4 as released: DeepSeek's own names (transformers renames them on load: conversion_mapping
+    # "deepseek_v4"), trunk `embed`/`layers.{i}`/`hc_head_*`/`norm`/`head`, MTP module k at `mtp.{k}.`.
+    Family(
+        name="deepseek_v4",
+        title="DeepSeek-V4 (Pro / Flash): hyper-connection streams, separate e/h projections",
+        model_types=("deepseek_v4",),
+        architectures=("DeepseekV4ForCausalLM",),
+        roles={
+            "embed_norm": ("mtp.{k}.enorm.weight",),
+            "hidden_norm": ("mtp.{k}.hnorm.weight",),
+            "e_proj": ("mtp.{k}.e_proj.weight",),
+            "h_proj": ("mtp.{k}.h_proj.weight",),
+            "hc_head_fn": ("mtp.{k}.hc_head_fn",),
+            "hc_head_base": ("mtp.{k}.hc_head_base",),
+            "hc_head_scale": ("mtp.{k}.hc_head_scale",),
+            "final_norm": ("mtp.{k}.norm.weight",),
+        },
+        block=("mtp.{k}.",),
+        anchor="e_proj",
+        trunk={"head": ("head.weight",), "embed": ("embed.weight",)},
+        shapes={"embed_norm": ("H",), "hidden_norm": ("H",), "e_proj": ("H", "H"), "h_proj": ("H", "H"),
+                "hc_head_fn": ("C", "C*H"), "hc_head_base": ("C",), "hc_head_scale": ("1",), "final_norm": ("H",),
+                "head": ("V", "H"), "embed": ("V", "H")},
+        block_shapes={"attn_norm.weight": ("H",), "ffn_norm.weight": ("H",), "ffn.gate.weight": ("E", "H")},
+        block_class="transformers.models.deepseek_v4.modeling_deepseek_v4.DeepseekV4DecoderLayer",
+        zero_embed_at_pos0=True,
+        attn_implementation="eager",  # V4 ships eager only (attention sinks; head_dim 512)
+        runtime="deepseek_v4",
+        dim_keys={"C": ("hc_mult",)},
+        # the releases' MTP layer: compress ratio 0 (sliding window only), a top-k routed MoE (hash routing is the
+        # first trunk layers'); the config's `compress_ratios` past the trunk say so where present (recycle.mtp.deepseek_v4)
+        mtp_layer_types={"layer_types": "sliding_attention", "mlp_layer_types": "moe"},
+        notes="x = e_proj(enorm(e)) + h_proj(hnorm(h)) per stream, h = the trunk's hc_mult hyper-connection streams "
+              "before its hc_head; a V4 block (mHC, compressed sparse attention, sinks, MoE), then the module's own "
+              "hc_head and norm; embed and head are the trunk's. FP8 (e8m0 `.scale`) attention, FP4 routed experts",
+    ),
+    # -- mimo_v2_flash, bailing_hybrid (mimo_ling) --
+    Family(
+        name="mimo_v2_flash",
+        title="Xiaomi MiMo-V2-Flash / V2.5 / V2.5-Pro",
+        model_types=("mimo_v2_flash", "mimo_v2"),
+        architectures=("MiMoV2FlashForCausalLM", "MiMoV2ForCausalLM", "MiMoV2OmniForCausalLM"),
+        roles={
+            "embed_norm": ("model.mtp.layers.{k}.enorm.weight",),
+            "hidden_norm": ("model.mtp.layers.{k}.hnorm.weight",),
+            "proj": ("model.mtp.layers.{k}.eh_proj.weight",),
+            "final_norm": ("model.mtp.layers.{k}.final_layernorm.weight",),
+        },
+        block=("model.mtp.layers.{k}.",),
+        anchor="embed_norm",  # plain enorm: LongCat stores eh_proj under the same prefix, with '.m.' norms
+        trunk=LLAMA_TRUNK,
+        default_depth=3,  # the config has no depth key; the releases store 3 modules
+        block_class="transformers.models.mimo_v2_flash.modeling_mimo_v2_flash.MiMoV2FlashDecoderLayer",
+        chained_state="post_norm",
+        attn_implementation="eager",  # attention sinks: the class has no sdpa path
+        block_renames=(("pre_mlp_layernorm.", "post_attention_layernorm."),),  # attention_sink_bias: transformers'
+        mtp_layer_types={"layer_types": "sliding_attention", "mlp_layer_types": "dense"},
+        notes="3 separately trained modules, each a sliding-window attention layer with sinks and a dense MLP; "
+              "vLLM's MiMoV2MTP runs only module 0. V2.5/Pro (model_type mimo_v2) have no transformers config class",
+    ),
+    Family(
+        name="bailing_hybrid",
+        title="inclusionAI Ling-2.6 / Ling-3.0 (bailing_hybrid)",
+        model_types=("bailing_hybrid",),
+        architectures=("BailingHybridForCausalLM", "BailingMoeV3ForCausalLM", "BailingMoeV2_5ForCausalLM"),
+        roles={
+            "embed_norm": ("model.layers.{layer}.enorm.weight",),
+            "hidden_norm": ("model.layers.{layer}.hnorm.weight",),
+            "proj": ("model.layers.{layer}.eh_proj.weight",),
+            "final_norm": ("model.layers.{layer}.final_layernorm.weight",),
+        },
+        block=("model.layers.{layer}.",),
+        anchor="final_norm",  # final_layernorm, where DeepSeek's layout stores shared_head.norm
+        trunk={"head": ("lm_head.weight",), "embed": ("model.word_embeddings.weight",)},
+        depth_keys=("num_nextn_predict_layers", "num_mtp_layers"),
+        block_class="transformers.models.bailing_hybrid.modeling_bailing_hybrid.BailingHybridDecoderLayer",
+        chained_state="post_norm",
+        # transformers' own renames need the full name's leading dot; the block's names are relative to its prefix
+        block_renames=(("attention.dense.", "self_attn.o_proj."), ("attention.", "self_attn."),
+                       ("mlp.gate.expert_bias", "mlp.gate.e_score_correction_bias")),
+        notes="MTP module k at model.layers.{L+k}: an MLA (gated) attention layer with the MoE MLP and its own "
+              "final_layernorm; embedding and head are the trunk's (vLLM BailingMoeV3MTP). Ling-2.6's MLA has no "
+              "g_proj: transformers' layer cannot run it",
+    ),
+    # glm_moe_dsa (GLM-5 / 5.1 / 5.2) and glm5_next (GLM-5.3-Flash): DeepSeek's NextN wrapper around GLM's DSA blocks
+    dataclasses.replace(
+        DEEPSEEK_V3,
+        name="glm_moe_dsa",
+        title="GLM-5 / 5.1 / 5.2 (MLA + DSA indexer)",
+        model_types=("glm_moe_dsa",),
+        architectures=("GlmMoeDsaForCausalLM",),
+        stores_copies=(),
+        # GLM's indexer applies interleaved RoPE (V3.2's: half-split): past index_topk tokens the blocks differ
+        block_class="transformers.models.glm_moe_dsa.modeling_glm_moe_dsa.GlmMoeDsaDecoderLayer",
+        mask_required=True,
+        gguf=None,  # llama.cpp's glm-dsa converter writes the NextN tensors, its loader skips them
+        # GLM-5.2's indexer_types marks trunk layers "shared" (reusing the previous top-k); the MTP layer stores and
+        # runs its own indexer
+        mtp_layer_types={"layer_types": "indexed_attention", "indexer_types": "full"},
+        notes="MTP module k at model.layers.{L+k} without embed/head copies; GLM-5.2's one layer was trained as 7 "
+              "recurrent steps (chain it deeper than stored)",
+    ),
+    Family(
+        name="glm5_next",
+        title="GLM-5.3-Flash (glm5_next)",
+        model_types=("glm5_next", "glm5_next_text"),
+        architectures=("Glm5NextForConditionalGeneration",),
+        roles={role: tuple("model.language_model." + t[len("model."):] for t in ts) for role, ts in DEEPSEEK_ROLES.items()},
+        block=("model.language_model.layers.{layer}.",),
+        trunk={"head": ("lm_head.weight", "model.language_model.embed_tokens.weight"),
+               "embed": ("model.language_model.embed_tokens.weight",)},
+        zero_embed_at_pos0=True,
+        # transformers' Glm5NextTextDecoderLayer always mixes hyper-connection streams; the MTP layer has none: its
+        # block is composed of that model file's attention, MoE and norms with a plain residual
+        block_class="recycle.mtp.blocks.Glm5NextPlainDecoderLayer",
+        mask_required=True,
+        mtp_layer_types={"layer_types": "indexed_attention", "mlp_layer_types": "sparse", "indexer_types": "full"},
+        notes="MTP module k at model.language_model.layers.{L+k}: DeepSeek's NextN wrapper around a plain-residual "
+              "NoPE-MLA + k-pool DSA + MoE block (no hyper-connections), run as transformers' Glm5Next attention "
+              "and MoE composed with a plain residual (recycle/mtp/blocks.py)",
+    ),
+    # -- minimax_m3, inkling (m3_inkling) --
+    # MiniMax-M3 (transformers' minimax_m3_vl): the text model under `language_model.model.`, MTP module k at
+    # `language_model.model.mtp.layers.{k}.` around a `transformer_layer.` (vLLM's MiniMaxM3MTP, rtp-llm); a
+    # standalone MTP export (`minimax_m3_mtp`) drops the `language_model.` prefix.
+    Family(
+        name="minimax_m3",
+        title="MiniMax-M3 (minimax_m3_vl)",
+        model_types=("minimax_m3_vl", "minimax_m3_vl_text", "minimax_m3", "minimax_m3_mtp"),
+        architectures=("MiniMaxM3SparseForConditionalGeneration", "MiniMaxM3SparseForCausalLM",
+                       "MiniMaxM3VLForCausalLM", "MiniMaxM3MTP"),
+        roles={
+            "embed_norm": ("model.mtp.layers.{k}.enorm.weight",),
+            "hidden_norm": ("model.mtp.layers.{k}.hnorm.weight",),
+            "proj": ("model.mtp.layers.{k}.eh_proj.weight",),
+            "final_norm": ("model.mtp.layers.{k}.final_layernorm.weight",),
+        },
+        block=("model.mtp.layers.{k}.transformer_layer.",),
+        trunk={"head": ("lm_head.weight",), "embed": ("model.embed_tokens.weight",)},
+        prefixes=("language_model.", ""),
+        norm="1+w",
+        depth_keys=("num_mtp_modules",),
+        switch_key="use_mtp",
+        expert_keys=("num_local_experts",),
+        block_shapes={"input_layernorm.weight": ("H",), "post_attention_layernorm.weight": ("H",),
+                      "block_sparse_moe.gate.weight": ("E", "H")},
+        block_class="transformers.models.minimax_m3_vl.modeling_minimax_m3_vl.MiniMaxM3VLDecoderLayer",
+        block_model_type="minimax_m3_vl_text",
+        zero_embed_at_pos0=True,
+        # the conversion's MoE and indexer renames are anchored on a leading '.', which block-relative names lack
+        block_renames=(("block_sparse_moe.e_score_correction_bias", "mlp.gate.e_score_correction_bias"),
+                       ("block_sparse_moe.", "mlp."), ("self_attn.index_", "self_attn.indexer.")),
+        # vLLM builds the MTP layer with force_sparse_attn and force_moe, whatever the trunk's last layer is
+        mtp_layer_types={"layer_types": "minimax_m3_sparse", "mlp_layer_types": "sparse"},
+        block_conversions="minimax_m3_vl",
+        notes="enorm/hnorm/final_layernorm zero-centred (1+w); the block is sparse (MSA indexer) attention + MoE; "
+              "whether the public MiniMax-M3 weights ship these modules is disputed (rtp-llm loads module 0, a "
+              "deployment note finds none in the NVFP4 export)",
+    ),
+    # Inkling (transformers' inkling_mm_model): trunk `model.llm.*` (embed, embed_norm, layers, norm, unembed), MTP
+    # module k at `model.mtp.layers.{k}.` with the decoder block nested under `transformer_block.`; the count and
+    # the optional shared chain norm are in config.json's top-level `mtp_config`.
+    Family(
+        name="inkling",
+        title="Thinking Machines Inkling",
+        model_types=("inkling_mm_model", "inkling_text"),
+        architectures=("InklingForConditionalGeneration", "InklingForCausalLM"),
+        roles={
+            "embed_norm": ("model.mtp.layers.{k}.embed_norm.weight",),
+            "hidden_norm": ("model.mtp.layers.{k}.hidden_norm.weight",),
+            "proj": ("model.mtp.layers.{k}.input_proj.weight",),
+            "final_norm": ("model.mtp.chain_norm.weight",),  # only with mtp_config.chain_hidden_post_norm
+        },
+        block=("model.mtp.layers.{k}.transformer_block.",),
+        trunk={"head": ("model.llm.unembed.weight",), "embed": ("model.llm.embed.weight",), "final_norm": ()},
+        concat_order="he",
+        depth_keys=("num_mtp_layers", "mtp_config.num_nextn_predict_layers"),
+        expert_keys=("n_routed_experts",),
+        block_shapes={"attn_norm.weight": ("H",), "mlp_norm.weight": ("H",)},
+        block_class="transformers.models.inkling.modeling_inkling.InklingDecoderLayer",
+        block_model_type="inkling_text",
+        chained_state="post_norm",  # transformers' MtpModel, vLLM, SGLang: the chain norm's output (or the raw block's)
+        block_renames=(("attn.q_norm.", "self_attn.q_norm."), ("attn.k_norm.", "self_attn.k_norm."),
+                       ("attn.k_sconv.", "self_attn.k_sconv.conv1d."), ("attn.v_sconv.", "self_attn.v_sconv.conv1d."),
+                       ("attn.rel_logits_proj.", "self_attn.rel_logits_proj.")),
+        # transformers' mtp_layer_types / mtp_mlp_layer_types without mtp_config.local_layer_ids: full attention with
+        # its short convolutions ("hybrid", whose cache layer holds conv states), a dense MLP
+        mtp_layer_types={"layer_types": "hybrid", "mlp_layer_types": "dense"},
+        # with them the text config's own mtp_layer_types marks mtp_config.local_layer_ids "hybrid_sliding"
+        block_config_keys={"num_mtp_layers": "mtp_config.num_nextn_predict_layers",
+                           "mtp_local_layer_ids": "mtp_config.local_layer_ids"},
+        block_conversions="inkling_mm_model",
+        logit_divisor_key="logits_mup_width_multiplier",
+        logit_rows_key="unpadded_vocab_size",
+        embed_trunk_norm=("model.llm.embed_norm.weight",),
+        notes="hidden state first; the head is the trunk's unembed on h / logits_mup_width_multiplier, sliced to "
+              "unpadded_vocab_size; the embedding passes the trunk's embed_norm first, as vLLM and SGLang run it "
+              "(transformers' MtpModel drops it); no final norm unless mtp_config.chain_hidden_post_norm",
+    ),
+    # -- step3p7, mellum (step_mellum) --
+    # Step-3.5-Flash (text-only, step3p5) and Step-3.7-Flash (step3p7: that text model under text_config, plus a
+    # vision tower): DeepSeek's NextN wrapper at model.layers.{L+k} with the module's own head
+    # (modeling_step3p7.py, vLLM step3p5_mtp.py).
+    Family(
+        name="step3p7",
+        title="StepFun Step-3.5-Flash / Step-3.7-Flash",
+        model_types=("step3p7", "step3p5"),
+        architectures=("Step3p7ForConditionalGeneration", "Step3p5ForCausalLM"),
+        roles={
+            "embed_norm": ("model.layers.{layer}.enorm.weight",),
+            "hidden_norm": ("model.layers.{layer}.hnorm.weight",),
+            "proj": ("model.layers.{layer}.eh_proj.weight",),
+            # released under `transformer.`; vLLM's loader also takes them without it
+            "final_norm": ("model.layers.{layer}.transformer.shared_head.norm.weight",
+                           "model.layers.{layer}.shared_head.norm.weight"),
+            "head": ("model.layers.{layer}.transformer.shared_head.output.weight",
+                     "model.layers.{layer}.shared_head.output.weight"),
+        },
+        block=("model.layers.{layer}.",),
+        trunk={"head": ("lm_head.weight",), "embed": ("model.embed_tokens.weight",)},
+        stores_copies=("head",),
+        norm="1+w",  # Step3p7RMSNorm: (1 + w)·x̂, as vLLM's GemmaRMSNorm
+        depth_keys=("num_nextn_predict_layers", "num_mtp_layers"),
+        default_depth=3,  # the releases store 3 modules (layers 45-47)
+        block_shapes={"input_layernorm.weight": ("H",), "post_attention_layernorm.weight": ("H",)},
+        block_class="transformers.models.step3p7.modeling_step3p7.Step3p7DecoderLayer",
+        # vLLM's Step3p5MTP (and NeMo's trainer): the block's output goes on to the next module before the module's
+        # own shared_head.norm, and position 0 keeps its embedding; transformers' MtpModel chains the normed state
+        # and reads the trunk's lm_head instead (it also misses the `transformer.` names): recycle follows the engine
+        chained_state="pre_norm",
+        config_counts_mtp=True,
+        notes="3 separately trained modules; each block is a dense sliding-window (or full) Step layer (gated GQA, "
+              "q/k norms; moe_layers_enum lists trunk layers only) with the release's per-layer config entries for "
+              "its index; its own head transformer.shared_head.output (released as a copy of lm_head; after the trunk "
+              "moves, the module's own is what the engine reads). llama.cpp's step35 MTP graph: not written yet",
+    ),
+    # Mellum2: Qwen3-Next's mtp.* names over Mellum's sliding-window MoE layer, with plain `w` norms where Qwen3-Next's
+    # are zero-centred: the names alone cannot tell the two apart (config.json's model_type does)
+    dataclasses.replace(
+        QWEN3_NEXT,
+        name="mellum",
+        title="JetBrains Mellum2",
+        model_types=("mellum",),
+        architectures=("MellumForCausalLM",),
+        norm="w",  # MellumRMSNorm: w·x̂
+        depth_keys=("num_nextn_predict_layers", "num_mtp_layers"),
+        block_shapes=COMMON_BLOCK_SHAPES,
+        block_class="transformers.models.mellum.modeling_mellum.MellumDecoderLayer",
+        gguf=None,  # llama.cpp runs Mellum2 without its MTP layer
+        mtp_layer_types={"layer_types": "sliding_attention", "mlp_layer_types": "sparse"},  # MellumConfig's defaults
+        notes="one sliding-window MoE MTP layer; fc and the pre-fc/final norms as Qwen3-Next's, norms plain (w)",
+    ),
 )
 
 BY_NAME = {f.name: f for f in FAMILIES}
 
-# Targets whose multi-token predictor ships as a separate model: what to pass instead.
+# Releases (by model_type) that store no MTP module: what each offers instead (a separate drafter model, an
+# in-checkpoint drafter of another kind, or nothing), said in one line when one is given to recycle.
 _GEMMA4 = ("Gemma 4 ships its MTP drafter as a separate assistant model (model_type gemma4_assistant, e.g. "
            "google/gemma-4-E2B-it-assistant): pass that directory")
-DRAFTER_ELSEWHERE = {"gemma4": _GEMMA4, "gemma4_text": _GEMMA4}
+NO_MTP = {"gemma4": _GEMMA4, "gemma4_text": _GEMMA4}
+# -- m3_inkling: releases that store no MTP --
+_GEMMA4_UNIFIED = ("Gemma 4 unified ships its MTP drafter as a separate assistant model (model_type "
+                   "gemma4_unified_assistant): pass that directory")
+_KIMI = ("Kimi K2 / K2.5 / K2.6 store no MTP module (their DeepSeek-V3 text model declares num_nextn_predict_layers "
+         "0) and ship no drafter: there is nothing to convert")
+_HUNYUAN = ("Hunyuan-A13B stores no MTP module and ships no drafter: there is nothing to convert (Tencent's "
+            "releases with MTP layers are Hy3/Hy4, model_type hy_v3/hy_v4, another layout)")
+_INKLING2 = ("Inkling 2 stores no MTP module (unlike Inkling, its config has no mtp_config) and ships no drafter: "
+             "there is nothing to convert")
+NO_MTP |= {"gemma4_unified": _GEMMA4_UNIFIED, "gemma4_unified_text": _GEMMA4_UNIFIED,
+           "kimi_k25": _KIMI, "kimi_k2": _KIMI, "hunyuan_v1_moe": _HUNYUAN,
+           "inkling2": _INKLING2, "inkling2_text": _INKLING2}
 
 
 @dataclass
@@ -395,7 +696,7 @@ class MTPModule:
 
     def tensor(self, role: str) -> str | None:
         """The weight (not scale) tensor that fills a single-tensor role, stored or shared."""
-        own = [n for n in self.roles.get(role, []) if not n.endswith(SCALE_SUFFIX)]
+        own = [n for n in self.roles.get(role, []) if not n.endswith((SCALE_SUFFIX, NATIVE_SCALE_SUFFIX))]
         return own[0] if own else self.shared.get(role)
 
     def block_names(self) -> dict[str, str]:
@@ -425,6 +726,9 @@ class MTPMatch:
     declared: int
     modules: list[MTPModule]
     config_match: bool
+    # one line when the tensors match this row while config.json's model_type/architectures name another row or
+    # none (`match(..., strict=True)` raises it; inspect reports it as an error)
+    conflict: str | None = None
 
     @property
     def mtp_names(self) -> list[str]:
@@ -434,10 +738,11 @@ class MTPMatch:
         return list(seen)
 
     def dims(self) -> dict[str, int]:
-        """Symbols the shape specs use: H, V, E, Hb (those the config gives)."""
+        """Symbols the shape specs use: H, V, E, Hb and the row's `dim_keys` (those the config gives)."""
         fam, cfg = self.family, self.config
         out = {}
-        for sym, keys in (("H", fam.hidden_keys), ("V", fam.vocab_keys), ("E", fam.expert_keys), ("Hb", fam.backbone_keys)):
+        for sym, keys in (("H", fam.hidden_keys), ("V", fam.vocab_keys), ("E", fam.expert_keys), ("Hb", fam.backbone_keys),
+                          *fam.dim_keys.items()):
             v = first_value(cfg, keys)
             if isinstance(v, int) and not isinstance(v, bool):
                 out[sym] = v
@@ -445,9 +750,13 @@ class MTPMatch:
 
 
 def first_value(cfg: Mapping, keys: tuple[str, ...]):
+    """The value of the first key present; a dotted key reads a nested block (Inkling's `mtp_config.*`)."""
     for k in keys:
-        if cfg.get(k) is not None:
-            return cfg[k]
+        v: object = cfg
+        for part in k.split("."):
+            v = v.get(part) if isinstance(v, Mapping) else None
+        if v is not None:
+            return v
     return None
 
 
@@ -459,15 +768,17 @@ def merged_config(config: Mapping) -> dict:
 
 
 def eval_shape(spec: tuple[str, ...], dims: Mapping[str, int]) -> tuple[int, ...] | None:
-    """("H", "2H") → (H, 2H); None when a symbol is unknown for this config."""
+    """("H", "2H", "C*H") → (H, 2H, C·H); None when a symbol is unknown for this config."""
     out = []
     for term in spec:
-        m = re.fullmatch(r"(\d*)([A-Za-z]*)", term)
-        mult = int(m.group(1)) if m.group(1) else 1
-        sym = m.group(2)
-        if sym and sym not in dims:
-            return None
-        out.append(mult * (dims[sym] if sym else 1))
+        size = 1
+        for factor in term.split("*"):
+            m = re.fullmatch(r"(\d*)([A-Za-z]*)", factor)
+            sym = m.group(2)
+            if sym and sym not in dims:
+                return None
+            size *= (int(m.group(1)) if m.group(1) else 1) * (dims[sym] if sym else 1)
+        out.append(size)
     return tuple(out)
 
 
@@ -520,7 +831,7 @@ def _modules(names: NameIndex, family: Family, outer: str, cfg: Mapping, limit: 
             for t in templates:
                 name = outer + t.format(**ctx)
                 if name in names:
-                    roles[role] = [name] + ([name + SCALE_SUFFIX] if name + SCALE_SUFFIX in names else [])
+                    roles[role] = [name] + [s for s in scale_names(name) if s in names][:1]
                     break
         prefixes = [outer + t.format(s=s, **ctx) for t in family.block for s in range(k * p, k * p + p)]
         prefixes = list(dict.fromkeys(prefixes))
@@ -544,19 +855,36 @@ def _modules(names: NameIndex, family: Family, outer: str, cfg: Mapping, limit: 
     return modules
 
 
-def match(ckpt: Checkpoint, family: str | None = None) -> MTPMatch:
+def config_rows(model_type: str, archs: set[str]) -> list[Family]:
+    """The rows that list this config's model_type or one of its architectures."""
+    return [f for f in FAMILIES if model_type in f.model_types or archs & set(f.architectures)]
+
+
+def _conflict(ckpt: Checkpoint, fam: Family, model_type: str, archs: set[str]) -> str:
+    said = ", ".join([f"model_type '{model_type}'"] * bool(model_type) + [f"architectures {sorted(archs)}"] * bool(archs))
+    others = [f.name for f in config_rows(model_type, archs)]
+    whose = f"which is the {'/'.join(others)} row's" if others else "which no row of recycle's family table lists"
+    return (f"{ckpt.path}: its MTP tensor names match the {fam.name} row ({fam.title}) but config.json says "
+            f"{said or 'nothing (no model_type, no architectures)'}, {whose}: a wrong row makes a silently wrong "
+            f"drafter; pass --family {fam.name} if the tensors are right (or --family NAME of the right row)")
+
+
+def match(ckpt: Checkpoint, family: str | None = None, *, strict: bool = True) -> MTPMatch:
     """Find the family whose layout the checkpoint holds, and its MTP modules.
 
     Detection is by the tensors present (a module exists when its anchor tensor is stored); the
-    config's `model_type`/`architectures` only break ties and name the family when no module is
-    stored. Raises RecycleError when nothing in the table fits.
+    config's `model_type`/`architectures` break ties and name the family when no module is stored.
+    Raises RecycleError when nothing in the table fits, or a release is known to store no MTP, and (with
+    `strict`, unless `family` names the row) when the tensors match a row the config does not name: the
+    conflict is in the result's `conflict` either way.
     """
+    family = family or ckpt.family
     cfg = merged_config(ckpt.config)
     model_type = str(cfg.get("model_type", ckpt.config.get("model_type", "")))
     archs = set(ckpt.config.get("architectures") or [])
-    candidates = [BY_NAME[family]] if family else list(FAMILIES)
     if family and family not in BY_NAME:
-        raise RecycleError(f"unknown family '{family}' (known: {', '.join(BY_NAME)})")
+        raise RecycleError(f"--family {family}: unknown family '{family}' (known: {', '.join(BY_NAME)})")
+    candidates = [BY_NAME[family]] if family else list(FAMILIES)
     best: MTPMatch | None = None
     names = NameIndex(ckpt.tensors)
     for fam in candidates:
@@ -574,9 +902,13 @@ def match(ckpt: Checkpoint, family: str | None = None) -> MTPMatch:
                 break
     if best is None:
         what = model_type or ",".join(sorted(archs)) or "no model_type"
-        if model_type in DRAFTER_ELSEWHERE:
-            raise RecycleError(f"{ckpt.path}: {model_type} stores no MTP modules; {DRAFTER_ELSEWHERE[model_type]}")
+        if model_type in NO_MTP:
+            raise RecycleError(f"{ckpt.path}: {model_type} stores no MTP modules; {NO_MTP[model_type]}")
         raise RecycleError(
             f"{ckpt.path}: unknown layout ({what}): no MTP family in the table fits its config or tensor names"
         )
+    if family is None and best.modules and not best.config_match:
+        best.conflict = _conflict(ckpt, best.family, model_type, archs)
+        if strict:
+            raise RecycleError(best.conflict)
     return best

@@ -13,7 +13,7 @@ from typing import Annotated
 
 import typer
 
-from recycle.options import CHECKPOINT, FIELD_DEFAULT, THREADS, Flag, flag
+from recycle.options import CHECKPOINT, FAMILY, FIELD_DEFAULT, THREADS, Flag, flag
 
 REQUIRED = ...  # a flag's default where the command requires it (Typer's spelling)
 DEPRECATED: list[str] = []  # notes the CLI prints once the command has succeeded (a refusal stays one line)
@@ -114,6 +114,7 @@ Threads = param(THREADS, None)  # bench, plan (distill: its option)
 CkptArg = param(CHECKPOINT)  # inspect (convert: its option)
 Stats = param(flag("--stats", help="Also read the MTP tensors: finite, all-zero, RMS, norms."), False)
 ShowAll = param(flag("--all", help="With --stats: one row per tensor."), False)
+Family = param(FAMILY, None)  # inspect (convert: its option)
 Strict = param(flag("--strict", help="Exit 1 when a finding is an error (for CI); bad input stays exit 2."), False)
 Quick = param(flag("--quick", help="The first 4 prompts, 64 new tokens: a look in about a minute."), False)
 MemoryPlan = param(flag("--plan", help="Print the per-rank memory by part (weights, grads, optimizer, teacher, "

@@ -54,7 +54,7 @@ def target(path: str | os.PathLike, flag: str = "--target") -> dict:
                            f"{flag}")
     ckpt = Checkpoint(p)
     try:
-        mtp = set(match(ckpt).mtp_names)
+        mtp = set(match(ckpt, strict=False).mtp_names)
     except RecycleError:  # a family recycle has no MTP row for: all of it is trunk
         mtp = set()
     trunk = [n for n, info in ckpt.tensors.items() if n not in mtp and not info.is_scale]

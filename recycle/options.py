@@ -113,6 +113,9 @@ CHAT_TEMPLATE = flag("--chat-template", help="A Jinja chat template file, used i
                      "own (needed for conversations when it has none).")
 SEED = flag("--seed", help="Seed for the data order (and initialisation, sampling).")
 DEVICE = flag("--device", help="Default: cuda when available.", choices=("cpu", "cuda"))
+FAMILY = flag("--family", help="The family-table row to read the checkpoint as (`recycle inspect --json` names the "
+              "detected one), when its tensor names match one row and config.json names another.", metavar="NAME",
+              cli_default=None)
 THREADS = flag("--threads", help="torch CPU threads (default: torch's choice).", type=int, cli_default=None)
 
 
@@ -175,6 +178,7 @@ class ConvertOptions:
                                    "SGLang, SpecForge; the default) or speculators (layers.0.*: vLLM, speculators).",
                                    metavar="[official|speculators]", default=None)  # the format's spellings
     max_shard_size: int | str | None = cli(MAX_SHARD_SIZE, DEFAULT_SHARD_SIZE)  # bytes (or "5GB"); None: whole files
+    family: str | None = cli(FAMILY, None)
 
     def inputs(self) -> tuple[str | None, ...]:
         """Every path convert reads: -o may be none of them, inside one or around one."""

@@ -156,6 +156,110 @@ EXPECT: dict[str, Expect] = {
     "deepseek_v3_bad_shape": DEEPSEEK,
     "deepseek_v3_fp8_bad_scale": DEEPSEEK_FP8,
     "deepseek_v3_stray": DEEPSEEK,
+    # deepseek_v4 (v4): DeepSeek's own names; block = 2 norms + 6 hyper-connection tensors + 8 attention (wq_a,
+    # q_norm, wq_b, wkv, kv_norm, wo_a, wo_b, attn_sink; no compressor: the MTP layer's ratio is 0) + router
+    # weight and bias + 4 experts x 3 + 3 shared = 33. Embed and head are the trunk's.
+    "deepseek_v4": Expect("deepseek_v4", 1, 1, {
+        "embed_norm": ["mtp.0.enorm.weight"],
+        "hidden_norm": ["mtp.0.hnorm.weight"],
+        "e_proj": ["mtp.0.e_proj.weight"],
+        "h_proj": ["mtp.0.h_proj.weight"],
+        "hc_head_fn": ["mtp.0.hc_head_fn"],
+        "hc_head_base": ["mtp.0.hc_head_base"],
+        "hc_head_scale": ["mtp.0.hc_head_scale"],
+        "final_norm": ["mtp.0.norm.weight"],
+    }, {"head": "head.weight", "embed": "embed.weight"}, 33, "mtp.0.",
+        ("embed.weight", "head.weight", "norm.weight", "hc_head_fn", "layers.0.attn.indexer.compressor.ape",
+         "layers.0.ffn.gate.tid2eid", "layers.1.attn.compressor.wgate.weight", "layers.1.ffn.gate.bias"),
+        dims={"H": 64, "V": 256, "E": 4, "C": 4}),
+    # glm_moe_dsa (GLM-5/5.1/5.2): V3.2's block (31 = 26 + the indexer's 5), no embed/head copies in the module.
+    "glm5": Expect("glm_moe_dsa", 1, 1, nextn("model.layers.2.", copies=False), LLAMA_SHARED, 31, "model.layers.2.",
+                   DS_TRUNK + ("model.layers.1.self_attn.indexer.wk.weight",), dims={"H": 64, "V": 256, "E": 4}),
+    # GLM-5.2: trunk layer 1 is "shared" (no indexer of its own); the MTP layer keeps a full one.
+    "glm5_2": Expect("glm_moe_dsa", 1, 1, nextn("model.layers.2.", copies=False), LLAMA_SHARED, 31,
+                     "model.layers.2.", DS_TRUNK + ("model.layers.0.self_attn.indexer.wk.weight",)),
+    # glm5_next (GLM-5.3-Flash): 2 norms + 7 MLA + 7 k-pool indexer (5 + compress ape and gate) + router 2 +
+    # 12 experts + 3 shared = 33, under the VL wrapper's model.language_model.; no hyper-connection tensors.
+    "glm5_next": Expect("glm5_next", 1, 1, nextn("model.language_model.layers.2.", copies=False),
+                        {"head": "lm_head.weight", "embed": "model.language_model.embed_tokens.weight"}, 33,
+                        "model.language_model.layers.2.",
+                        ("model.language_model.embed_tokens.weight", "lm_head.weight", "model.language_model.norm.weight",
+                         "model.language_model.layers.0.hc_attn_fn", "model.language_model.layers.0.self_attn.q_conv1d.weight",
+                         "model.language_model.layers.1.self_attn.indexer.index_kpool_compress_gate",
+                         "model.visual.patch_embed.proj.weight"), dims={"H": 64, "V": 256, "E": 4}),
+    # mimo_v2_flash (mimo_ling): 3 modules, no count key. Block: input_layernorm + q/k/v/o + attention_sink_bias +
+    # pre_mlp_layernorm + dense gate/up/down = 10; embedding and head are the trunk's.
+    "mimo_v2_flash": Expect("mimo_v2_flash", 3, 3, {
+        "embed_norm": ["model.mtp.layers.0.enorm.weight"],
+        "hidden_norm": ["model.mtp.layers.0.hnorm.weight"],
+        "proj": ["model.mtp.layers.0.eh_proj.weight"],
+        "final_norm": ["model.mtp.layers.0.final_layernorm.weight"],
+    }, LLAMA_SHARED, 10, "model.mtp.layers.0.",
+        ("lm_head.weight", "model.layers.1.self_attn.attention_sink_bias", "model.layers.1.mlp.experts.3.down_proj.weight"),
+        dims={"H": 64, "V": 256, "E": 4}),
+    # bailing_hybrid (Ling, mimo_ling): 2 norms + gated MLA 6 (q_proj, kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj,
+    # dense, g_proj) + router weight and expert_bias + 4 experts x 3 + 3 shared = 25; final_layernorm is the role.
+    "bailing_hybrid": Expect("bailing_hybrid", 1, 1, {
+        "embed_norm": ["model.layers.2.enorm.weight"],
+        "hidden_norm": ["model.layers.2.hnorm.weight"],
+        "proj": ["model.layers.2.eh_proj.weight"],
+        "final_norm": ["model.layers.2.final_layernorm.weight"],
+    }, {"head": "lm_head.weight", "embed": "model.word_embeddings.weight"}, 25, "model.layers.2.",
+        ("model.word_embeddings.weight", "model.norm.weight", "model.layers.0.attention.q_conv1d.weight",
+         "model.layers.1.mlp.gate.expert_bias"), dims={"H": 64, "V": 256, "E": 4}),
+    # step3p7 (step_mellum): Step-3.7-Flash, 3 modules, each with its own head (transformer.shared_head.output); the
+    # embedding is the trunk's. Block: 2 norms + q/k/v/o + g_proj + q/k norms + dense gate/up/down = 12.
+    "step3p7": Expect("step3p7", 3, 3, {
+        "embed_norm": ["model.layers.2.enorm.weight"],
+        "hidden_norm": ["model.layers.2.hnorm.weight"],
+        "proj": ["model.layers.2.eh_proj.weight"],
+        "final_norm": ["model.layers.2.transformer.shared_head.norm.weight"],
+        "head": ["model.layers.2.transformer.shared_head.output.weight"],
+    }, {"embed": "model.embed_tokens.weight"}, 12, "model.layers.2.",
+        ("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight", "model.layers.0.mlp.gate_proj.weight",
+         "model.layers.1.moe.gate_proj.weight", "model.layers.1.moe.router_bias",
+         "model.layers.1.share_expert.down_proj.weight", "model.layers.4.transformer.shared_head.output.weight",
+         "vision_model.transformer.resblocks.0.attn.in_proj_weight", "vit_large_projector.weight"),
+        norm="1+w", dims={"H": 64, "V": 256, "E": 4}),
+    # step3p5 (step_mellum): Step-3.5-Flash, the same layout with a flat text-only config.
+    "step3p5": Expect("step3p7", 3, 3, {
+        "embed_norm": ["model.layers.2.enorm.weight"],
+        "hidden_norm": ["model.layers.2.hnorm.weight"],
+        "proj": ["model.layers.2.eh_proj.weight"],
+        "final_norm": ["model.layers.2.transformer.shared_head.norm.weight"],
+        "head": ["model.layers.2.transformer.shared_head.output.weight"],
+    }, {"embed": "model.embed_tokens.weight"}, 12, "model.layers.2.",
+        ("model.embed_tokens.weight", "lm_head.weight", "model.layers.1.moe.up_proj.weight"),
+        norm="1+w", dims={"H": 64, "V": 256, "E": 4}),
+    # mellum (step_mellum): Qwen3-Next's mtp.* names with plain norms. Block: 2 norms + q/k/v/o + q/k norms + router +
+    # 4 experts x 3 = 21 (no shared expert).
+    "mellum": Expect("mellum", 1, 1, QWEN_ROLES, LLAMA_SHARED, 21, "mtp.layers.0.",
+                     ("model.embed_tokens.weight", "lm_head.weight", "model.layers.1.mlp.experts.3.down_proj.weight"),
+                     dims={"H": 64, "V": 256, "E": 4}),
+    # minimax_m3 (m3_inkling): MiniMax-M3 under `language_model.`; the block is `transformer_layer.`: 2 norms + q/k/v/o
+    # + per-head q/k norms + 4 MSA indexer tensors + router weight and bias + 4 experts x 3 (w1/w2/w3) + 3 shared = 29.
+    "minimax_m3": Expect("minimax_m3", 1, 1, {
+        "embed_norm": ["language_model.model.mtp.layers.0.enorm.weight"],
+        "hidden_norm": ["language_model.model.mtp.layers.0.hnorm.weight"],
+        "proj": ["language_model.model.mtp.layers.0.eh_proj.weight"],
+        "final_norm": ["language_model.model.mtp.layers.0.final_layernorm.weight"],
+    }, {"head": "language_model.lm_head.weight", "embed": "language_model.model.embed_tokens.weight"}, 29,
+        "language_model.model.mtp.layers.0.transformer_layer.",
+        ("language_model.model.embed_tokens.weight", "language_model.lm_head.weight",
+         "language_model.model.layers.0.mlp.gate_proj.weight", "language_model.model.layers.1.self_attn.index_q_proj.weight",
+         "language_model.model.layers.1.block_sparse_moe.experts.3.w2.weight"),
+        outer="language_model.", norm="1+w", dims={"H": 64, "V": 256, "E": 4}),
+    # inkling (m3_inkling): 2 modules, hidden first, no final norm (no chain norm); the block is `transformer_block.`:
+    # 2 norms + wq/wk/wv/wr/wo + q/k norms + k/v sconv + rel_logits_proj + attn/mlp sconv + w13_dn, w2_md, global_scale.
+    "inkling": Expect("inkling", 2, 2, {
+        "embed_norm": ["model.mtp.layers.0.embed_norm.weight"],
+        "hidden_norm": ["model.mtp.layers.0.hidden_norm.weight"],
+        "proj": ["model.mtp.layers.0.input_proj.weight"],
+    }, {"final_norm": None, "head": "model.llm.unembed.weight", "embed": "model.llm.embed.weight"}, 17,
+        "model.mtp.layers.0.transformer_block.",
+        ("model.llm.embed_norm.weight", "model.llm.unembed.weight", "model.llm.layers.0.attn.wr_du.weight",
+         "model.llm.layers.1.mlp.experts.w13_weight", "model.llm.layers.1.mlp.shared_experts.shared_w2_weight"),
+        concat="he", dims={"H": 64, "V": 256, "E": 4}),
 }
 
 # Module 1's prefix when two MTP modules are generated.
@@ -171,6 +275,11 @@ SECOND_MODULE = {
     "ernie4_5": "model.mtp_block.1.",
     "longcat_flash": "model.mtp.layers.1.",
     "nemotron_h": "mtp.layers.2.",
+    "deepseek_v4": "mtp.1.",
+    "bailing_hybrid": "model.layers.3.",  # mimo_ling
+    "step3p7": "model.layers.3.",  # step_mellum
+    "minimax_m3": "language_model.model.mtp.layers.1.transformer_layer.",  # m3_inkling
+    "inkling": "model.mtp.layers.1.transformer_block.",  # m3_inkling
 }
 
 FP8 = ["deepseek_v3_fp8", "deepseek_v3_fp8_bad_scale"]

@@ -10,6 +10,7 @@ import inspect
 import pytest
 
 from recycle.errors import RecycleError
+from recycle.families import FAMILIES
 from recycle.formats import FORMATS, DrafterFormat
 from recycle.formats.record import HOOKS
 
@@ -76,3 +77,32 @@ def test_a_format_without_a_hook_gets_one_line(name: str, hook: str) -> None:
 def test_a_record_names_only_known_hooks() -> None:
     with pytest.raises(ValueError, match="unknown hooks"):
         DrafterFormat(name="x", title="X", summary="x", hooks=frozenset({"build", "engnie"}))
+
+
+# -- family rows: their code hooks (the MTP runtime a row names, and its decoder-layer class) ---------------------
+
+
+@pytest.mark.parametrize("family", [f.name for f in FAMILIES])
+def test_every_family_row_resolves(family: str) -> None:
+    from torch import nn
+
+    from recycle.families import BY_NAME
+    from recycle.imports import import_object
+    from recycle.mtp import MTP, RUNTIMES
+
+    fam = BY_NAME[family]
+    if fam.runtime is not None:
+        runtime = RUNTIMES.get(fam.runtime, fam.title)
+        assert inspect.isclass(runtime) and issubclass(runtime, MTP) and runtime is not MTP, runtime
+    if fam.block_class is not None:
+        block = import_object(fam.block_class)
+        assert inspect.isclass(block) and issubclass(block, nn.Module), fam.block_class
+
+
+def test_every_runtime_belongs_to_a_row_naming_it() -> None:
+    from recycle.mtp import RUNTIMES
+
+    named = {f.runtime for f in FAMILIES if f.runtime is not None}
+    assert set(RUNTIMES.names()) == named
+    with pytest.raises(RecycleError, match="recycle has no MTP runtime for it"):
+        RUNTIMES.get("nope")

@@ -208,7 +208,7 @@ def mtp_modules(ckpt: Checkpoint, source: str | Path, target: str | Path, model,
 
 
 @torch.no_grad()
-def collect(source: str | Path, target: str | Path, heads: int, tokens: int, data: str | None = None,
+def collect(source: str | Path | Checkpoint, target: str | Path, heads: int, tokens: int, data: str | None = None,
             seq_len: int = 256, batch: int = 8, progress: Callable | None = None) -> Features:
     """Run `target` on calibration text and the source's heads beside it; return what `fit` needs.
 
@@ -223,11 +223,11 @@ def collect(source: str | Path, target: str | Path, heads: int, tokens: int, dat
     from recycle.encode import load_tokenizer
     from recycle.families import match
 
-    ckpt = Checkpoint(source)
+    ckpt = source if isinstance(source, Checkpoint) else Checkpoint(source)  # a convert's: with its --family
     family = match(ckpt).family
     model = load_target(target, dtype=torch.float32)
     tok = load_tokenizer(target)
-    src = HEAD_SOURCES.get(family.kind, family.title)(ckpt, source, target, model, heads, seq_len)
+    src = HEAD_SOURCES.get(family.kind, family.title)(ckpt, ckpt.path, target, model, heads, seq_len)
     depth = src.depth
     wins = windows(tok, data, tokens, seq_len + depth + 1)
     hs, ys = [], [[] for _ in range(depth)]
@@ -256,7 +256,7 @@ def calibrate_medusa(plan, w, opts, progress: Callable | None = None) -> dict:
 
     heads = opts.heads or DEFAULT_HEADS
     target = opts.target or w.ckpt.path
-    feats = collect(w.ckpt.path, target, heads, opts.calibrate, opts.data, progress=progress)
+    feats = collect(w.ckpt, target, heads, opts.calibrate, opts.data, progress=progress)
     steps = opts.calibrate_steps or DEFAULT_STEPS
     fitted = fit(feats, steps=steps, progress=progress)
     names = faster_decoding_names(heads, LAYERS)

@@ -11,6 +11,12 @@ absorbed every verified token, rejected ones included, and transformers cannot c
 `LinearAttentionLayer.is_croppable` is False once a recurrent state exists). So a hybrid target's
 linear-attention states are snapshotted before each verification (`snapshot`, a few KB per layer) and,
 when drafts were rejected, put back (`restore`) for the loop to run the accepted tokens again.
+
+Some layers keep per-token state beside their keys and values: the sparse-attention (DSA) indexer's keys of
+DeepSeek-V3.2 / GLM-5 (transformers' `DynamicIndexedLayer`). `crop` and `keep` cut those
+along with the keys, by attribute (`TOKEN_STATE`); a layer holding anything else they do not know how to cut (a
+compressor's running entries, a prefill kept apart, a sliding window that already evicted, MiniMax-M3's index keys:
+see `TOKEN_STATE`) is refused in one line rather than left stale.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from collections.abc import Sequence
 
 import torch
 from transformers import Cache
-from transformers.cache_utils import LinearAttentionCacheLayerMixin
+from transformers.cache_utils import DynamicSlidingWindowLayer, LinearAttentionCacheLayerMixin, LinearAttentionLayer
 
 from recycle.errors import RecycleError
 
@@ -31,6 +37,52 @@ def _layers(cache: Cache) -> list:
     return [lyr for lyr in layers if getattr(lyr, "keys", None) is not None and lyr.keys.numel() > 0]
 
 
+# per-token state a cache layer keeps beside its keys and values, by attribute → the dimension its tokens run along
+# (transformers' DynamicIndexedLayer, DeepSeek-V3.2's and GLM-5's DSA: indexer_keys [B, T, D], indexer_position_ids
+# [P, B, T]; their indexer scores every key under the attention mask given, so a tree's rows select as plain decoding
+# does). MiniMax-M3's `idx_keys` is not listed: its indexer takes a key's cache column for its position and pools keys
+# in column blocks, which a tree's layout (columns ≠ positions, siblings side by side) breaks; refused.
+TOKEN_STATE = {"indexer_keys": 1, "indexer_position_ids": -1}
+# what else a layer may hold that is no per-token state: a plain or sliding layer's flags and counters, and the
+# recurrent states of a hybrid layer (put back by snapshot/restore, never cut)
+_KNOWN = (frozenset(vars(DynamicSlidingWindowLayer(sliding_window=2))) | frozenset(vars(LinearAttentionLayer()))
+          | {"dtype", "device"} | TOKEN_STATE.keys())
+_SCALAR = (bool, int, float, str, torch.dtype, torch.device)
+_PLANS: dict[type, tuple[tuple[str, int], ...]] = {}
+
+
+def token_state(lyr: object) -> tuple[tuple[str, int], ...]:
+    """(attribute, token dimension) of a layer's per-token state beyond keys and values; refuses (one line) a
+    layer that holds state `crop`/`keep` cannot cut consistently with its keys."""
+    plan = _PLANS.get(type(lyr))
+    if plan is None:
+        found = vars(lyr)
+        other = sorted(k for k, v in found.items() if k not in _KNOWN and not isinstance(v, _SCALAR))
+        if other:
+            raise RecycleError(f"{type(lyr).__name__} keeps {', '.join(other)} beside its keys and values, which "
+                               "recycle's tree decoder cannot cut back to the accepted tokens")
+        plan = _PLANS[type(lyr)] = tuple((k, d) for k, d in TOKEN_STATE.items() if k in found)
+    return plan
+
+
+def _cut(lyr: object, length: int, src: torch.Tensor | None = None, prefix: int = 0) -> None:
+    """Keep a layer's first `length` tokens in keys, values and its per-token state; with `src`, first write the
+    tokens at `src` (along each tensor's token dimension) just after `prefix`."""
+    window = getattr(lyr, "cumulative_length", None)
+    if isinstance(window, int) and window != lyr.keys.shape[-2]:
+        raise RecycleError(f"{type(lyr).__name__}: its sliding window already evicted tokens ({window} seen, "
+                           f"{lyr.keys.shape[-2]} kept); recycle's tree decoder cannot cut it back")
+    for name, dim in (("keys", -2), ("values", -2), *token_state(lyr)):
+        t = getattr(lyr, name)
+        if t is None or t.shape[dim] <= length:
+            continue
+        if src is not None:
+            t.narrow(dim, prefix, src.numel()).copy_(t.index_select(dim, src))
+        setattr(lyr, name, t.narrow(dim, 0, length))
+    if isinstance(window, int):
+        lyr.cumulative_length = lyr.keys.shape[-2]
+
+
 def seq_length(cache: Cache) -> int:
     layers = _layers(cache)
     return layers[0].keys.shape[-2] if layers else 0
@@ -39,9 +91,7 @@ def seq_length(cache: Cache) -> int:
 def crop(cache: Cache, length: int) -> None:
     """Keep the first `length` entries of every layer."""
     for lyr in _layers(cache):
-        if lyr.keys.shape[-2] > length:
-            lyr.keys = lyr.keys[..., :length, :]
-            lyr.values = lyr.values[..., :length, :]
+        _cut(lyr, length)
 
 
 def keep(cache: Cache, prefix: int, nodes: Sequence[int], index: torch.Tensor | None = None) -> None:
@@ -60,10 +110,7 @@ def keep(cache: Cache, prefix: int, nodes: Sequence[int], index: torch.Tensor | 
     idx = index if index is not None else torch.tensor(list(nodes), device=layers[0].keys.device)
     src = idx + prefix
     for lyr in layers:
-        for name in ("keys", "values"):
-            t = getattr(lyr, name)
-            t[..., prefix : prefix + n, :] = t.index_select(-2, src)
-            setattr(lyr, name, t[..., : prefix + n, :])
+        _cut(lyr, prefix + n, src, prefix)
 
 
 def recurrent_layers(cache: Cache) -> list:

@@ -28,7 +28,7 @@ from torch import nn
 from recycle.drafters.registry import BUILDERS
 from recycle.families import BY_NAME, Family
 from recycle.formats.eagle import source_model_type
-from recycle.mtp import MTP, block_config, to_runtime_layout
+from recycle.mtp import MTP, family_config, to_runtime_layout
 
 CANONICAL = {"norm": "w", "concat_order": "eh"}
 
@@ -99,7 +99,7 @@ def build_eagle(config_dict: Mapping, state: Mapping[str, torch.Tensor], dtype: 
     # not know), or the top level's in directories written before the two were split.
     cfg = {k: v for k, v in config_dict.items() if k != "recycle"} | {"model_type": source_model_type(config_dict)}
     fam = canonical_family(rc["family"], rc.get("chained_state"), rc.get("zero_embed_at_pos0"))
-    config = block_config(cfg, attn_implementation, fam.block_model_type)
+    config = family_config(cfg, fam, attn_implementation)
     depth = int(rc["depth"])
     own_heads = tuple(k for k in range(depth) if f"layers.{k}.head.weight" in state)
     own_embeds = tuple(k for k in range(depth) if f"layers.{k}.embed.weight" in state)
@@ -114,7 +114,8 @@ def build_eagle(config_dict: Mapping, state: Mapping[str, torch.Tensor], dtype: 
         else:
             runtime[name] = t
     for k, block in blocks.items():
-        runtime.update({f"layers.{k}.block.{n}": v for n, v in to_runtime_layout(block, config).items()})
+        runtime.update({f"layers.{k}.block.{n}": v for n, v in to_runtime_layout(block, config, fam.block_renames,
+                                                                                       fam.block_conversions).items()})
     model.load_state_dict(runtime, strict=True)
     return model.to(dtype or torch.float32).eval()
 

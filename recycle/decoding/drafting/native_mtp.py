@@ -3,15 +3,25 @@
 
 from __future__ import annotations
 
+import copy
+import inspect
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 from transformers import DynamicCache
+from transformers.cache_utils import (
+    DYNAMIC_LAYER_TYPE_MAPPING,
+    DynamicLayer,
+    DynamicSlidingWindowLayer,
+    LinearAttentionCacheLayerMixin,
+    get_layer_types_and_kwargs,
+)
 
-from recycle.decoding.cache import crop
+from recycle.decoding.cache import crop, token_state
 from recycle.decoding.drafting.base import ENGINES, Drafter, EngineRequest
 from recycle.decoding.tree import Expander, MaskCache, Shape, Tree, parse_shape
+from recycle.errors import RecycleError
 from recycle.mtp import MTP
 
 
@@ -25,6 +35,16 @@ def _rows_mask(n_true: int, anc: torch.Tensor, prefix: int, masks: MaskCache) ->
     allow[n_true:, n_true:] = anc
     allow = torch.cat([torch.ones(n_true + m, prefix, dtype=torch.bool), allow], dim=1).to(masks.device)
     return torch.zeros(allow.shape, dtype=masks.dtype, device=masks.device).masked_fill_(~allow, masks.neg)[None, None]
+
+
+def _windowed(mask: torch.Tensor, positions: list[int], prefix: int, window: int) -> torch.Tensor:
+    """A sliding-window layer's mask: rows at `positions` also blocked from keys `window` or more positions back
+    (transformers' `sliding_window_overlay`: key k visible from query q iff k > q - window); the keys are the cache's
+    positions 0..prefix-1, then the rows' own."""
+    dev = mask.device
+    rows = torch.tensor(positions, device=dev)
+    cols = torch.cat([torch.arange(prefix, device=dev), rows])
+    return mask.masked_fill(cols[None, :] <= rows[:, None] - window, torch.finfo(mask.dtype).min)
 
 
 @dataclass
@@ -79,16 +99,59 @@ class MTPStack(Drafter):
         self.pre_norm = fam.chained_state == "pre_norm"
         self.zero_pos0 = bool(fam.zero_embed_at_pos0)
         pick = self.REUSE[reuse or "last"]
-        self.layers = [mtp.layers[pick(j, mtp.depth)] for j in range(self.steps)]
+        picked = [pick(j, mtp.depth) for j in range(self.steps)]
+        self.layers = [mtp.layers[i] for i in picked]
         self.roles = [{r: mtp.role(lyr, r) for r in ("embed", "head", "final_norm")} for lyr in self.layers]
+        rotary = mtp.rotary
+        self.typed_rope = rotary is not None and "layer_type" in inspect.signature(rotary.forward).parameters
+        # each step's cache: the cache layer transformers gives the block's layer index (the config's `layer_types`
+        # reach the MTP layers), cropped and tree-extended in place by recycle's crop
+        base = int(getattr(mtp.config, "num_hidden_layers", 0) or 0)
+        config = copy.copy(mtp.config)
+        config.num_hidden_layers = base + mtp.depth
+        types_, kwargs = get_layer_types_and_kwargs(config)  # what DynamicCache(config=...) builds, per layer
+        self.slots = [base + i for i in picked]
+        self.kinds = [(DYNAMIC_LAYER_TYPE_MAPPING[types_[slot]], kwargs[slot]) for slot in self.slots]
+        self.windows: list[int | None] = []
+        for layer, (kind, kw) in zip(self.layers, self.kinds):
+            template = kind(**kw)
+            if issubclass(kind, LinearAttentionCacheLayerMixin):
+                raise RecycleError(
+                    f"{fam.title}: its MTP block keeps {kind.__name__} state ({layer.layer_type} layers), a recurrent "
+                    "state recycle's tree drafting cannot crop: it cannot draft with this block (inspect, convert "
+                    "and distill work)")
+            window = None
+            if issubclass(kind, DynamicSlidingWindowLayer):
+                if kind is not DynamicSlidingWindowLayer or layer.layer_type != "sliding_attention":
+                    raise RecycleError(
+                        f"{fam.title}: its MTP block's {layer.layer_type} layers ({kind.__name__}) need a mask "
+                        "recycle's tree drafting cannot build: it cannot draft with this block (inspect, convert "
+                        "and distill work)")
+                window = template.sliding_window  # the whole cache kept, the window applied in the mask
+            else:
+                try:
+                    token_state(template)  # a layer holding state crop cannot cut
+                except RecycleError as e:
+                    raise RecycleError(f"{fam.title}: its MTP block's cache: {e}: it cannot draft with this block "
+                                       "(inspect, convert and distill work)") from None
+            self.windows.append(window)
 
     def start(self, ids: list[int], feats: dict[str, torch.Tensor]) -> None:
         self.ids = list(ids)
         self.pending = [feats["last"]]
-        self.caches = [DynamicCache() for _ in range(self.steps)]
+        self.caches = [self._cache(j) for j in range(self.steps)]
         self.done = [0] * self.steps
         empty = feats["last"][:0]
         self.carry = [_Span(empty, 0) for _ in range(self.steps)]
+
+    def _cache(self, j: int) -> DynamicCache:
+        """Step j's cache: empty plain layers below the block's index, then the block's own kind (a sliding-window
+        block a plain layer: `_windowed` masks its window)."""
+        kind, kw = self.kinds[j]
+        cache = DynamicCache()
+        cache.layers[:] = [DynamicLayer() for _ in range(self.slots[j])]
+        cache.layers.append(DynamicLayer() if self.windows[j] is not None else kind(**kw))
+        return cache
 
     def commit(self, tokens: list[int], feats: dict[str, torch.Tensor]) -> None:
         self.ids.extend(tokens[1:])
@@ -107,8 +170,12 @@ class MTPStack(Drafter):
         e, h = layer.embed_norm(e), layer.hidden_norm(hidden)
         x = layer.proj(torch.cat([e, h] if self.eh else [h, e], dim=-1))[None]
         pos = pos[None]
+        if self.windows[j] is not None:
+            mask = _windowed(mask, positions, self.done[j], self.windows[j])
+        rotary = self.mtp.rotary
+        rope = None if rotary is None else rotary(x, pos, layer.layer_type) if self.typed_rope else rotary(x, pos)
         y = layer.block(x, attention_mask=mask, position_ids=pos, past_key_values=self.caches[j], use_cache=True,
-                        position_embeddings=self.mtp.rotary(x, pos))
+                        position_embeddings=rope)
         y = (y[0] if isinstance(y, tuple) else y)[0]
         norm = roles["final_norm"]
         normed = (norm(y[draft_rows]) if norm is not None else y[draft_rows]) if self.pre_norm else None

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import inspect
 import os
 import types
 from collections.abc import Collection, Mapping
@@ -29,16 +30,42 @@ from torch import nn
 from transformers import AutoConfig, PretrainedConfig
 from transformers.conversion_mapping import get_checkpoint_conversion_mapping
 from transformers.core_model_loading import revert_weight_conversion
-from transformers.masking_utils import create_causal_mask
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
 from recycle.checkpoint import STORAGE_KEYS, Checkpoint
 from recycle.errors import RecycleError
-from recycle.families import BY_NAME, Family, MTPMatch, match
+from recycle.families import BY_NAME, Family, MTPMatch, declared_depth, first_value, match
 from recycle.imports import import_object
 from recycle.quant import SCALE_SUFFIX
+from recycle.registry import Registry
 
 LEAF_ROLES = ("embed_norm", "hidden_norm", "proj", "final_norm", "head", "embed")
 REQUIRED_ROLES = ("embed_norm", "hidden_norm", "proj", "head", "embed")
+
+# MTP subclasses for layouts the common forward below cannot run, by the name a family row gives in `runtime`
+RUNTIMES = Registry("MTP runtime")
+# the mask each attention layer type reads (any other type: the causal one)
+MASKS = {"sliding_attention": create_sliding_window_causal_mask}
+
+
+def mtp_layer_types(config: PretrainedConfig, family: Family, base: int, depth: int) -> None:
+    """Extend the config's per-layer lists (`layer_types`, `mlp_layer_types`, ...) over the MTP layers base..base+depth-1.
+
+    The config's own `mtp_<key>` list wins (Step-3.7, Mellum); then the row's `mtp_layer_types`; else attention is
+    full and other kinds repeat the last trunk layer's (DeepSeek-V3.2's MTP block is MoE like the late layers).
+    """
+    for key, value in list(vars(config).items()):
+        # per-layer lists: `*layer_types`, and any the row names (GLM-5.2's `indexer_types`: the MTP layer runs its own)
+        listed = key.endswith("layer_types") or key in family.mtp_layer_types
+        if not listed or key.startswith("mtp_") or not isinstance(value, list) or not value:
+            continue
+        own = getattr(config, f"mtp_{key}", None)
+        if isinstance(own, list) and own:  # the release says what its MTP layers are
+            value = (value + [value[-1]] * base)[:base]
+            setattr(config, key, value + [own[min(k, len(own) - 1)] for k in range(depth)])
+        elif len(value) < base + depth:
+            fill = family.mtp_layer_types.get(key, "full_attention" if key == "layer_types" else value[-1])
+            setattr(config, key, value + [fill] * (base + depth - len(value)))
 
 
 def block_rotary(block_class: str, config: PretrainedConfig) -> nn.Module | None:
@@ -79,29 +106,66 @@ def block_config(config: Mapping, attn_implementation: str = "sdpa", model_type:
     return out
 
 
-def _conversions(config: PretrainedConfig) -> list:
-    return get_checkpoint_conversion_mapping(config.model_type) or []
+def family_config(config: Mapping, family: Family, attn_implementation: str = "sdpa") -> PretrainedConfig:
+    """`block_config` for a family's block: its model type, and the attention implementation its row forces.
+
+    With the row's `config_counts_mtp` (per-layer lists that run over the MTP layers), the config class lays out the
+    MTP layers' entries itself: built with them counted as layers and no MTP count, then given the trunk's count back.
+    """
+    config = {**{key: first_value(config, (src,)) for key, src in family.block_config_keys.items()
+                 if first_value(config, (src,)) is not None}, **config}  # the config's own keys win
+    attn, trunk = family.attn_implementation or attn_implementation, int(config.get("num_hidden_layers") or 0)
+    n = declared_depth(family, config)
+    lists = [v for k, v in config.items() if k.endswith("layer_types") and isinstance(v, list)]
+    if not family.config_counts_mtp or not n or any(len(v) != trunk + n for v in lists):
+        return block_config(config, attn, family.block_model_type)
+    counts = {k: config[k] for k in family.depth_keys if k in config}
+    out = block_config({**config, "num_hidden_layers": trunk + n, **dict.fromkeys(counts, 0)}, attn,
+                       family.block_model_type)
+    out.num_hidden_layers = trunk
+    for key, value in counts.items():
+        setattr(out, key, value)
+    return out
 
 
-def to_runtime_layout(state: Mapping[str, torch.Tensor], config: PretrainedConfig) -> dict[str, torch.Tensor]:
-    """Checkpoint-layout block tensors → the layer's parameters (e.g. per-expert → fused experts).
+def _conversions(config: PretrainedConfig, key: str | None = None) -> list:
+    """transformers' conversion mapping under `key` (a row's `block_conversions`), else the config's model type."""
+    return get_checkpoint_conversion_mapping(key or config.model_type) or []
+
+
+def _renamed(state: Mapping[str, torch.Tensor], pairs: tuple[tuple[str, str], ...]) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, t in state.items():
+        for old, new in pairs:
+            name = name.replace(old, new)
+        out[name] = t
+    return out
+
+
+def to_runtime_layout(state: Mapping[str, torch.Tensor], config: PretrainedConfig,
+                      renames: tuple[tuple[str, str], ...] = (), conversions: str | None = None) -> dict[str, torch.Tensor]:
+    """Checkpoint-layout block tensors → the layer's parameters (e.g. per-expert → fused experts), after the row's
+    `block_renames` (a release's names for what the decoder-layer class calls otherwise).
 
     Uses transformers' registered conversion for the model type: reverting the reversed transforms
     applies them forwards, so checkpoint and runtime cannot drift from what from_pretrained does.
     """
-    conv = _conversions(config)
+    state = _renamed(state, renames)
+    conv = _conversions(config, conversions)
     if not conv:
-        return dict(state)
+        return state
     forward = [c.reverse_transform() for c in conv][::-1]
-    return revert_weight_conversion(types.SimpleNamespace(config=config, _weight_conversions=forward), dict(state))
+    return revert_weight_conversion(types.SimpleNamespace(config=config, _weight_conversions=forward), state)
 
 
-def to_checkpoint_layout(state: Mapping[str, torch.Tensor], config: PretrainedConfig) -> dict[str, torch.Tensor]:
-    """The inverse of `to_runtime_layout` (what save_pretrained writes)."""
-    conv = _conversions(config)
-    if not conv:
-        return dict(state)
-    return revert_weight_conversion(types.SimpleNamespace(config=config, _weight_conversions=conv), dict(state))
+def to_checkpoint_layout(state: Mapping[str, torch.Tensor], config: PretrainedConfig,
+                         renames: tuple[tuple[str, str], ...] = (), conversions: str | None = None
+                         ) -> dict[str, torch.Tensor]:
+    """The inverse of `to_runtime_layout` (what save_pretrained writes, under the release's names)."""
+    conv = _conversions(config, conversions)
+    if conv:
+        state = revert_weight_conversion(types.SimpleNamespace(config=config, _weight_conversions=conv), dict(state))
+    return _renamed(state, tuple((new, old) for old, new in renames))
 
 
 class Norm(nn.Module):
@@ -127,6 +191,28 @@ class Norm(nn.Module):
         return self.weight * xf.to(dtype)
 
 
+def _fold_trunk_semantics(state: dict[str, torch.Tensor], m: MTPMatch, ckpt: Checkpoint, config: PretrainedConfig) -> None:
+    """Fold what the engines apply around a borrowed embedding or head into the module's own copies, so that every
+    reader of `embed`/`head` (the forward, the drafting engines, distill, the converters) computes it: a trunk norm the
+    embedding passes first (`embed_trunk_norm`), a divisor of the head's input (`logit_divisor_key`, muP) and the
+    head's real rows (`logit_rows_key`, a padded unembedding)."""
+    fam = m.family
+    norm = next((m.outer_prefix + n for n in fam.embed_trunk_norm if m.outer_prefix + n in ckpt.tensors), None)
+    if norm is not None and "embed.weight" in state:
+        trunk_norm = Norm(config.hidden_size, float(getattr(config, "rms_norm_eps", 1e-6)), fam.norm)
+        trunk_norm.weight.data = ckpt.get(norm, torch.float32)
+        with torch.no_grad():
+            state["embed.weight"] = trunk_norm(state["embed.weight"].float())
+    if "head.weight" not in state:
+        return
+    divisor = first_value(m.config, (fam.logit_divisor_key,)) if fam.logit_divisor_key else None
+    if divisor is not None:
+        state["head.weight"] = state["head.weight"].float() / float(divisor)
+    rows = first_value(m.config, (fam.logit_rows_key,)) if fam.logit_rows_key else None
+    if isinstance(rows, int) and 0 < rows < state["head.weight"].shape[0]:
+        state["head.weight"] = state["head.weight"][:rows]
+
+
 class MTPDepth(nn.Module):
     """One MTP module: the norms, the 2H→H projection, one decoder block, and optionally its own
     final norm / head / embedding (roles it does not hold are borrowed at forward time)."""
@@ -139,8 +225,12 @@ class MTPDepth(nn.Module):
         self.hidden_norm = Norm(h, eps, family.norm)
         self.proj = nn.Linear(2 * h, h, bias=False)
         self.block = import_object(family.block_class)(config, layer_idx)
+        types_ = getattr(config, "layer_types", None) or []
+        self.layer_type = types_[layer_idx] if layer_idx < len(types_) else "full_attention"  # its mask and rotary
         self.final_norm = Norm(h, eps, family.norm) if "final_norm" in roles else None
-        self.head = nn.Linear(h, v, bias=False) if "head" in roles else None
+        rows = getattr(config, family.logit_rows_key, None) if family.logit_rows_key else None
+        rows = rows if isinstance(rows, int) and 0 < rows < v else v  # a padded unembedding: its real tokens only
+        self.head = nn.Linear(h, rows, bias=False) if "head" in roles else None
         self.embed = nn.Embedding(v, h) if "embed" in roles else None
 
 
@@ -176,14 +266,12 @@ class MTP(nn.Module):
         config = copy.copy(config)
         self.config, self.family = config, family
         base = int(getattr(config, "num_hidden_layers", 0) or 0)
-        # MTP blocks sit after the trunk's layers: per-layer lists in the config must reach them.
-        # Attention is always full (Qwen3-Next's MTP too); other kinds repeat the last trunk layer's
-        # (DeepSeek-V3.2's `mlp_layer_types`: the MTP block is MoE like the trunk's late layers).
-        for key, value in list(vars(config).items()):
-            if key.endswith("layer_types") and isinstance(value, list) and value and len(value) < base + depth:
-                fill = "full_attention" if key == "layer_types" else value[-1]
-                setattr(config, key, value + [fill] * (base + depth - len(value)))
-        self.layers = nn.ModuleList(MTPDepth(config, family, base + k, roles) for k in range(depth))
+        mtp_layer_types(config, family, base, depth)  # MTP blocks sit after the trunk's layers: the lists must reach them
+        layers = config
+        if family.config_counts_mtp:  # the layers' per-layer config views (config.per_layer_config[i]) reach them too
+            layers = copy.copy(config)
+            layers.num_hidden_layers = base + depth
+        self.layers = nn.ModuleList(MTPDepth(layers, family, base + k, roles) for k in range(depth))
         # Borrowed trunk modules live outside the module tree: they belong to (and are trained,
         # moved and saved with) the trunk, not here.
         self._shared: dict[str, nn.Module] = dict(shared or {})
@@ -236,15 +324,26 @@ class MTP(nn.Module):
             raise ValueError(f"input_ids must hold at least T+1 = {t + 1} tokens, got {input_ids.shape[1]}")
         if position_ids is None:
             position_ids = torch.arange(t, device=hidden.device).unsqueeze(0).expand(b, t)
-        cfg = self.config
-        mask = create_causal_mask(
-            config=cfg, inputs_embeds=hidden, attention_mask=attention_mask, past_key_values=None, position_ids=position_ids
-        )
-        rope = self.rotary(hidden, position_ids) if self.rotary is not None else None
+        context: dict[str, tuple] = {}  # per attention layer type: (mask, rotary embedding)
+
+        def for_type(layer_type: str) -> tuple:
+            if layer_type not in context:
+                # blocks that index the mask (DeepSeek-V3.2's sparse-attention indexer) get one, never None
+                mask = MASKS.get(layer_type, create_causal_mask)(
+                    config=self.config, inputs_embeds=hidden, attention_mask=attention_mask, past_key_values=None,
+                    position_ids=position_ids, allow_is_causal_skip=not self.family.mask_required)
+                rope = None
+                if self.rotary is not None:
+                    typed = "layer_type" in inspect.signature(self.rotary.forward).parameters
+                    rope = self.rotary(hidden, position_ids, layer_type) if typed else self.rotary(hidden, position_ids)
+                context[layer_type] = mask, rope
+            return context[layer_type]
+
         at_start = (position_ids == 0).unsqueeze(-1)
         state, logits, states, normeds = hidden, [], [], []
         for k in range(n):
             layer = self.layer_for(k)
+            mask, rope = for_type(layer.layer_type)
             embed, head, final_norm = (self.role(layer, r) for r in ("embed", "head", "final_norm"))
             e = embed(input_ids[:, k + 1 : k + 1 + t])
             if self.family.zero_embed_at_pos0:
@@ -282,8 +381,11 @@ class MTP(nn.Module):
         m: MTPMatch = match(ckpt, family)
         if not m.modules:
             raise RecycleError(f"{ckpt.path}: stores no MTP module ({m.family.title} layout)")
+        if m.family.runtime is not None and cls is MTP:  # a layout the forward above cannot run: its own runtime
+            return RUNTIMES.get(m.family.runtime, m.family.title).from_checkpoint(
+                ckpt, depth=depth, dtype=dtype, family=m.family.name, attn_implementation=attn_implementation)
         modules = m.modules[: depth or None]
-        config = block_config(m.config, attn_implementation, m.family.block_model_type)
+        config = family_config(m.config, m.family, attn_implementation)
         roles = set(LEAF_ROLES)
         for mod in modules:
             missing = [r for r in REQUIRED_ROLES if mod.tensor(r) is None]
@@ -293,14 +395,16 @@ class MTP(nn.Module):
                 roles.discard("final_norm")
         try:
             model = cls(config, m.family, len(modules), roles)
-        except (IndexError, KeyError, TypeError, ValueError, AttributeError) as e:
+        except (IndexError, KeyError, TypeError, ValueError, AttributeError, RuntimeError) as e:
             raise RecycleError(
                 f"{ckpt.path}: cannot build {m.family.block_class} from this config ({type(e).__name__}: {e})"
             ) from None
         for mod, layer in zip(modules, model.layers):
             state = {f"{r}.weight": ckpt.get(mod.tensor(r)) for r in LEAF_ROLES if r in roles}
             block = {rel: ckpt.get(full) for rel, full in mod.block_names().items() if not rel.endswith(SCALE_SUFFIX)}
-            state.update({f"block.{k}": v for k, v in to_runtime_layout(block, config).items()})
+            state.update({f"block.{k}": v for k, v in to_runtime_layout(
+                block, config, m.family.block_renames, m.family.block_conversions).items()})
+            _fold_trunk_semantics(state, m, ckpt, config)
             own = layer.state_dict()
             unknown, absent = sorted(set(state) - set(own)), sorted(set(own) - set(state))
             if unknown or absent:
@@ -341,6 +445,6 @@ class MTP(nn.Module):
                 out[fam.roles[role][0].format(**ctx)] = w
             prefix = fam.block[0].format(s=k, **ctx)
             state = {n: t.detach().clone() for n, t in layer.block.state_dict().items()}
-            for rel, t in to_checkpoint_layout(state, self.config).items():
+            for rel, t in to_checkpoint_layout(state, self.config, fam.block_renames, fam.block_conversions).items():
                 out[prefix + rel] = t.contiguous()
         return out

@@ -1,0 +1,67 @@
+"""Every command on every 2026 row (issue 47), on each generator's exact layout: inspect names the row with no
+error, `convert --to eagle` writes a drafter that computes what the source's MTP modules compute (every depth), the
+other formats write or refuse in one line, and `--to gguf` refuses where recycle writes no llama.cpp MTP graph."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from recycle.drafters import load_drafter
+from recycle.mtp import MTP
+
+from tests.cli_helpers import assert_bad_input, run_cli
+
+# variant -> (row, modules, what convert --to eagle does: None writes, else the refusal's words)
+ROWS = {
+    "glm5": ("glm_moe_dsa", 1, None),
+    "glm5_2": ("glm_moe_dsa", 1, None),
+    "glm5_next": ("glm5_next", 1, None),
+    "mimo_v2_flash": ("mimo_v2_flash", 3, None),
+    "bailing_hybrid": ("bailing_hybrid", 1, None),
+    "step3p7": ("step3p7", 3, None),
+    "mellum": ("mellum", 1, None),
+    "minimax_m3": ("minimax_m3", 1, None),
+    "inkling": ("inkling", 2, "no drafter format carries the real row count"),  # its head is padded
+    "deepseek_v4": ("deepseek_v4", 1, "no drafter format recycle writes carries it yet"),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(ROWS))
+def test_inspect_names_the_row(family_dir, variant):
+    row, modules, _ = ROWS[variant]
+    res = run_cli("inspect", str(family_dir(variant)), "--json")
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.stdout)
+    assert (data["family"], data["mtp"]["declared"], data["mtp"]["found"]) == (row, modules, modules)
+    assert data["worst"] != "error", data["findings"]
+
+
+@pytest.mark.parametrize("variant", sorted(ROWS))
+def test_eagle_drafter_computes_the_source_modules(family_dir, tmp_path, variant):
+    row, modules, refusal = ROWS[variant]
+    src, out = family_dir(variant), tmp_path / "eagle"
+    res = run_cli("convert", str(src), "--to", "eagle", "--dtype", "fp32", "-o", str(out))
+    if refusal is not None:
+        assert_bad_input(res, refusal)
+        assert not out.exists()
+        return
+    assert res.exit_code == 0, res.output
+    native = MTP.from_checkpoint(src)
+    drafter = load_drafter(out, dtype=torch.float32)
+    g = torch.Generator().manual_seed(0)
+    t = 6
+    hidden = torch.randn(1, t, native.config.hidden_size, generator=g)
+    ids = torch.randint(0, native.config.vocab_size, (1, t + modules), generator=g)
+    with torch.no_grad():
+        want, got = native(hidden, ids).logits, drafter(hidden, ids).logits
+    assert len(want) == modules
+    for k in range(modules):
+        torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("variant", sorted(ROWS))
+def test_gguf_refuses_in_one_line(family_dir, tmp_path, variant):
+    assert_bad_input(run_cli("convert", str(family_dir(variant)), "--to", "gguf", "-o", str(tmp_path / "g")), "")

@@ -1,0 +1,237 @@
+"""MiMo-V2-Flash (`mimo_v2_flash`) and Ling (`bailing_hybrid`): detection on their own layouts, and recycle's MTP
+forward against transformers' own decoder layers, every depth chained.
+
+The referees load the MTP blocks as ordinary decoder layers of a widened model through transformers' `from_pretrained`
+(its own conversion: MiMo's `attention_sink_bias` → `sinks`; Ling's `attention.*`, `dense`, `gate.expert_bias`, the
+per-expert tensors fused), and assemble the rest by hand from raw tensors: the [e; h] concat, the post-norm chaining
+and the trunk's head that vLLM's MiMoV2MTP and BailingMoeV3MTP compute, with hand-built masks (a 4-token sliding window
+for MiMo's MTP layers, which are sliding-window attention with a dense MLP).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+
+from recycle.checkpoint import Checkpoint
+from recycle.errors import RecycleError
+from recycle.families import match
+from recycle.mtp import MTP
+
+T = 10  # positions: longer than MiMo's 4-token window
+
+
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def _mask(b: int, window: int | None = None) -> torch.Tensor:
+    i, j = torch.arange(T)[:, None], torch.arange(T)[None, :]
+    ok = (j <= i) & ((i - j < window) if window else True)
+    return torch.zeros(T, T).masked_fill(~ok, float("-inf"))[None, None].expand(b, 1, T, T)
+
+
+def _inputs(depth: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(2, T, 64, generator=g)
+    ids = torch.randint(0, 256, (2, T + depth), generator=g)
+    return h, ids, torch.arange(T).unsqueeze(0).expand(2, T)
+
+
+def _reference(wide, ck: Checkpoint, names, h, ids, pos, mask, rope, embed: str, eps: float) -> list[torch.Tensor]:
+    """Depths 1..n: e = Embed(t_{i+k}) (not zeroed), x = eh_proj(cat[enorm(e), hnorm(state)]), y = the widened model's
+    layer L+k, logits = lm_head(final_layernorm(y)), and the next depth reads final_layernorm(y)."""
+    raw = lambda n: ck.get(n, torch.float32)
+    L = ck.config["num_hidden_layers"]
+    state, want = h, []
+    for k, p in enumerate(names):
+        e = F.embedding(ids[:, k + 1 : k + 1 + T], raw(embed))
+        x = torch.cat([_rms(e, raw(p + "enorm.weight"), eps), _rms(state, raw(p + "hnorm.weight"), eps)], -1)
+        x = F.linear(x, raw(p + "eh_proj.weight"))
+        y = wide.model.layers[L + k](x, attention_mask=mask, position_ids=pos, position_embeddings=rope)
+        state = _rms(y, raw(p + "final_layernorm.weight"), eps)
+        want.append(F.linear(state, raw("lm_head.weight")))
+    return want
+
+
+# -- detection ------------------------------------------------------------------------------------------------
+
+
+def test_detected_on_their_own_layouts(family_dir):
+    mimo, ling = Checkpoint(family_dir("mimo_v2_flash")), Checkpoint(family_dir("bailing_hybrid"))
+    m = match(mimo)
+    assert (m.family.name, m.declared, len(m.modules), m.conflict) == ("mimo_v2_flash", 3, 3, None)
+    assert m.modules[2].tensor("final_norm") == "model.mtp.layers.2.final_layernorm.weight"
+    m = match(ling)
+    assert (m.family.name, m.declared, len(m.modules), m.conflict) == ("bailing_hybrid", 1, 1, None)
+    assert m.modules[0].shared == {"head": "lm_head.weight", "embed": "model.word_embeddings.weight"}
+    # by tensors alone, neither row claims the layout it used to be mistaken for, nor the other way round
+    for ckpt, other in ((mimo, "longcat_flash"), (Checkpoint(family_dir("longcat_flash")), "mimo_v2_flash"),
+                        (Checkpoint(family_dir("deepseek_v3")), "bailing_hybrid")):
+        with pytest.raises(RecycleError, match="unknown layout"):
+            match(ckpt, other)
+    assert match(Checkpoint(family_dir("longcat_flash"))).family.name == "longcat_flash"
+
+
+# -- MiMo-V2-Flash --------------------------------------------------------------------------------------------
+
+
+def _mimo_wide(src: Path, out: Path, depth: int):
+    """The fixture with MTP block k renamed into decoder layer L+k (its `pre_mlp_layernorm` is the layer's
+    `post_attention_layernorm`), loaded by MiMoV2FlashForCausalLM.from_pretrained."""
+    from transformers import MiMoV2FlashForCausalLM
+
+    ck = Checkpoint(src)
+    cfg = dict(ck.config)
+    L = cfg["num_hidden_layers"]
+    cfg.update(num_hidden_layers=L + depth, layer_types=cfg["layer_types"] + ["sliding_attention"] * depth,
+               mlp_layer_types=cfg["mlp_layer_types"] + ["dense"] * depth)
+    tensors = {}
+    for name in ck.tensors:
+        if not name.startswith("model.mtp.layers."):
+            tensors[name] = ck.raw(name)
+            continue
+        k, rel = name.removeprefix("model.mtp.layers.").split(".", 1)
+        if not rel.startswith(("enorm.", "hnorm.", "eh_proj.", "final_layernorm.")):
+            tensors[f"model.layers.{L + int(k)}.{rel.replace('pre_mlp_layernorm.', 'post_attention_layernorm.')}"] = ck.raw(name)
+    out.mkdir()
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(cfg))
+    wide, info = MiMoV2FlashForCausalLM.from_pretrained(out, dtype=torch.float32, attn_implementation="eager",
+                                                        output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    return wide.eval()
+
+
+def test_mimo_v2_flash_matches_transformers_layers(family_dir, tmp_path):
+    src = family_dir("mimo_v2_flash")
+    ck = Checkpoint(src)
+    mtp = MTP.from_checkpoint(src)
+    assert mtp.depth == 3 and [layer.layer_type for layer in mtp.layers] == ["sliding_attention"] * 3
+    assert all(type(layer.block.mlp).__name__ == "MiMoV2FlashMLP" for layer in mtp.layers)  # dense, not the MoE
+    assert mtp.layers[0].block.self_attn.sinks is not None
+    wide = _mimo_wide(src, tmp_path / "wide", 3)
+    h, ids, pos = _inputs(3)
+    with torch.no_grad():
+        rope = wide.model.rotary_emb(h, pos, "sliding_attention")
+        names = [f"model.mtp.layers.{k}." for k in range(3)]
+        window = ck.config["sliding_window"]
+        want = _reference(wide, ck, names, h, ids, pos, _mask(2, window), rope, "model.embed_tokens.weight", 1e-5)
+        got = mtp(h, ids).logits
+    assert len(got) == 3
+    for k in range(3):
+        torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-4)
+
+
+# -- Ling (bailing_hybrid) ------------------------------------------------------------------------------------
+
+
+def test_bailing_hybrid_matches_transformers_layers(family_dir):
+    """Two modules (the releases store one) so that the chaining is exercised; the MTP layers are MLA + MoE."""
+    from transformers import AutoConfig, BailingHybridForCausalLM
+
+    src = family_dir("bailing_hybrid", mtp=2)
+    ck = Checkpoint(src)
+    L = ck.config["num_hidden_layers"]
+    mtp = MTP.from_checkpoint(src)
+    assert mtp.depth == 2 and [layer.layer_type for layer in mtp.layers] == ["full_attention"] * 2
+    assert all(type(layer.block.mlp).__name__ == "BailingHybridMoE" for layer in mtp.layers)
+    cfg = AutoConfig.from_pretrained(src)
+    cfg.num_hidden_layers = L + 2
+    cfg.layer_types = cfg.layer_types[:L] + ["full_attention"] * 2
+    cfg.mlp_layer_types = cfg.mlp_layer_types[:L] + ["sparse"] * 2
+    wide, info = BailingHybridForCausalLM.from_pretrained(src, config=cfg, dtype=torch.float32, output_loading_info=True)
+    assert not info["missing_keys"], info  # the MTP blocks sit in ordinary layer slots L, L+1
+    wide.eval()
+    h, ids, pos = _inputs(2)
+    with torch.no_grad():
+        rope = wide.model.rotary_emb(h, pos)
+        names = [f"model.layers.{L + k}." for k in range(2)]
+        want = _reference(wide, ck, names, h, ids, pos, _mask(2), rope, "model.word_embeddings.weight", 1e-6)
+        got = mtp(h, ids).logits
+    for k in range(2):
+        torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-4)
+
+
+def test_bailing_hybrid_round_trips_to_ling_names(family_dir):
+    """Runtime → Ling's names (`attention.dense`, `gate.expert_bias`, per-expert) → the bytes the fixture stores."""
+    src = family_dir("bailing_hybrid")
+    ck = Checkpoint(src)
+    out = MTP.from_checkpoint(src).checkpoint_tensors()
+    assert set(out) == {n for n in ck.tensors if n.startswith("model.layers.2.")}
+    assert "model.layers.2.attention.dense.weight" in out and "model.layers.2.mlp.gate.expert_bias" in out
+    for name, t in out.items():
+        assert torch.equal(t.to(ck.raw(name).dtype), ck.raw(name)), name
+
+
+def _copy(src: Path, out: Path, config: dict, drop: str = "") -> Path:
+    """The fixture with config.json keys replaced and one tensor left out (one shard file, no index)."""
+    ck = Checkpoint(src)
+    out.mkdir()
+    save_file({n: ck.raw(n) for n in ck.tensors if n != drop}, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(dict(ck.config) | config))
+    return out
+
+
+def test_releases_transformers_cannot_run_are_refused_in_one_line(family_dir, tmp_path):
+    """MiMo-V2.5/Pro (model_type mimo_v2) have no transformers config class; Ling-2.6's MLA has no output gate, which
+    transformers' BailingHybridAttention (Ling-3.0's) applies. Both are detected, neither is run."""
+    v25 = _copy(family_dir("mimo_v2_flash"), tmp_path / "v25", {"model_type": "mimo_v2",
+                                                                "architectures": ["MiMoV2ForCausalLM"]})
+    ling26 = _copy(family_dir("bailing_hybrid"), tmp_path / "ling26", {"architectures": ["BailingMoeV2_5ForCausalLM"]},
+                   drop="model.layers.2.attention.g_proj.weight")
+    assert match(Checkpoint(v25)).family.name == "mimo_v2_flash"
+    assert match(Checkpoint(ling26)).family.name == "bailing_hybrid"
+    for path, why in ((v25, "cannot build a 'mimo_v2' config"), (ling26, "missing: block.self_attn.g_proj.weight")):
+        with pytest.raises(RecycleError, match=why) as e:
+            MTP.from_checkpoint(path)
+        assert "\n" not in str(e.value)
+
+
+# -- EAGLE-3 ----------------------------------------------------------------------------------------------------
+
+
+def _mapping(d: Path) -> dict[str, dict]:
+    return {m["tensor"]: m for m in json.loads((d / "recycle.json").read_text())["mapping"]}
+
+
+def test_eagle3_folds_both_under_their_layers_names(family_dir, converted):
+    """The fold reads the blocks through the rows' renames (MiMo's pre_mlp_layernorm, Ling's attention.*), pads
+    MiMo's narrower value heads to the query/key head size (values rescaled by attention_value_scale), and the
+    MLA variant leaves out Ling's output gate, which vLLM's DeepseekV2 attention has no place for."""
+    from safetensors.torch import load_file
+
+    from recycle.drafters import load_drafter
+
+    src = family_dir("mimo_v2_flash")
+    ck = Checkpoint(src)
+    d = converted("eagle3", source=src)
+    cfg, got, how = json.loads((d / "config.json").read_text()), load_file(str(d / "model.safetensors")), _mapping(d)
+    heads, kv, hd, vd, h = 4, 2, 48, 16, 64
+    assert (cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]) == (heads, kv, hd)
+    p = "model.mtp.layers.0."
+    assert how["midlayer.post_attention_layernorm.weight"]["from"] == [p + "pre_mlp_layernorm.weight"]
+    assert torch.equal(got["midlayer.post_attention_layernorm.weight"], ck.raw(p + "pre_mlp_layernorm.weight"))
+    v = got["midlayer.self_attn.v_proj.weight"].float().view(kv, hd, 2 * h)
+    assert not v[:, vd:].any()
+    want = 0.707 * ck.get(p + "self_attn.v_proj.weight", torch.float32).view(kv, vd, h)
+    torch.testing.assert_close(v[:, :vd, h:], want, rtol=1e-2, atol=1e-3)  # bf16 storage
+    o = got["midlayer.self_attn.o_proj.weight"].view(h, heads, hd)
+    assert not o[:, :, vd:].any() and torch.equal(o[:, :, :vd].reshape(h, -1), ck.raw(p + "self_attn.o_proj.weight"))
+    assert "attention sinks" in how["midlayer.self_attn.q_proj.weight"]["note"]
+    assert type(load_drafter(d)).__name__ == "Eagle3Drafter"  # every shape fits the config it wrote
+
+    src = family_dir("bailing_hybrid")
+    how = _mapping(converted("eagle3", source=src))
+    q = how["midlayer.self_attn.q_proj.weight"]
+    assert q["kind"] == "approx" and "model.layers.2.attention.kv_b_proj.weight" in q["from"]  # MLA folded, not fresh
+    assert how["midlayer.self_attn.o_proj.weight"]["from"] == ["model.layers.2.attention.dense.weight"]
+    d = converted("eagle3", source=src, eagle3_attention="mla")
+    names = set(load_file(str(d / "model.safetensors")))
+    assert "midlayer.self_attn.kv_b_proj.weight" in names and "midlayer.self_attn.g_proj.weight" not in names
+    assert any("g_proj" in n for n in json.loads((d / "recycle.json").read_text())["notes"])

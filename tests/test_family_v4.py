@@ -1,0 +1,185 @@
+"""DeepSeek-V4 (`deepseek_v4` row, recycle.mtp.deepseek_v4): detection under DeepSeek's own names and scales, inspect, and the
+stream-state MTP runtime against an independent computation.
+
+The referee: transformers' DeepseekV4ForCausalLM for the trunk (its last layer's hyper-connection streams), the MTP
+modules' blocks loaded by transformers' own loader as ordinary layers L, L+1 of a wider model, and vLLM's
+DeepSeekV4MTP formula (e/h projections per stream, zeroed position-0 embedding, the module's hc_head, its norm, the
+trunk's head) written out here with raw tensors.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+from recycle.audit import inspect_checkpoint
+from recycle.checkpoint import Checkpoint
+from recycle.errors import RecycleError
+from recycle.families import match
+from recycle.mtp import MTP
+from recycle.mtp.deepseek_v4 import DeepseekV4MTP
+
+L = 2  # trunk layers of the generator
+
+
+@pytest.fixture(scope="module")
+def two(family_dir):
+    return family_dir("deepseek_v4", mtp=2)
+
+
+@pytest.fixture(scope="module")
+def loaded(two):
+    """transformers' own V4 model of the generator's trunk, and its loading report."""
+    from transformers import DeepseekV4ForCausalLM
+
+    model, info = DeepseekV4ForCausalLM.from_pretrained(two, dtype=torch.float32, attn_implementation="eager",
+                                                        output_loading_info=True)
+    return model.eval(), info
+
+
+@pytest.fixture(scope="module")
+def ours(two):
+    return MTP.from_checkpoint(two)
+
+
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def _hc_head(s: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, eps: float = 1e-6):
+    """vLLM's hc_head: a sigmoid mix of the streams, from the RMS-normalised flattened streams."""
+    flat = s.flatten(2)
+    flat = flat * torch.rsqrt(flat.pow(2).mean(-1, keepdim=True) + eps)
+    pre = torch.sigmoid(F.linear(flat, fn) * scale + base) + eps
+    return (pre.unsqueeze(-1) * s).sum(2)
+
+
+def test_inspect_is_clean(family_dir):
+    rep = inspect_checkpoint(family_dir("deepseek_v4"))
+    assert (rep.family, rep.declared, len(rep.modules)) == ("deepseek_v4", 1, 1)
+    assert rep.worst != "error", [f.message for f in rep.findings]
+
+
+def test_native_scales_pair_and_fp4_experts_refuse(family_dir, tmp_path):
+    """The release's layout: FP8 e_proj with an e8m0 `.scale`, FP4 experts packed in I8 with `.scale` per 32.
+    Scales join their weight's role (not the block), inspect finds no error, and the runtime refuses in one line."""
+    src = family_dir("deepseek_v4")
+    tensors = load_file(str(src / "model.safetensors"))
+    w = tensors["mtp.0.e_proj.weight"]
+    tensors["mtp.0.e_proj.weight"] = w.float().to(torch.float8_e4m3fn)
+    tensors["mtp.0.e_proj.scale"] = torch.ones(1, 1).to(torch.float8_e8m0fnu)
+    for name in [n for n in tensors if ".experts." in n]:
+        rows, cols = tensors[name].shape
+        tensors[name] = torch.zeros(rows, cols // 2, dtype=torch.int8)
+        tensors[name.removesuffix(".weight") + ".scale"] = torch.ones(rows, cols // 32).to(torch.float8_e8m0fnu)
+    out = tmp_path / "v4_fp"
+    out.mkdir()
+    save_file(tensors, str(out / "model.safetensors"))
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                  "scale_fmt": "ue8m0", "weight_block_size": [128, 128]}
+    cfg["expert_dtype"] = "fp4"
+    (out / "config.json").write_text(json.dumps(cfg))
+    ckpt = Checkpoint(out)
+    m = match(ckpt)
+    mod = m.modules[0]
+    assert mod.roles["e_proj"] == ["mtp.0.e_proj.weight", "mtp.0.e_proj.scale"]
+    assert mod.tensor("e_proj") == "mtp.0.e_proj.weight"
+    assert ckpt.scale_for("mtp.0.e_proj.weight").dtype == "F8_E8M0"
+    assert "mtp.0.ffn.experts.3.w2.scale" in mod.roles["block"]
+    rep = inspect_checkpoint(out)
+    assert rep.worst != "error", [f.message for f in rep.findings]
+    with pytest.raises(RecycleError, match=r"FP4 \(MXFP4") as e:
+        MTP.from_checkpoint(out)
+    assert "\n" not in str(e.value)
+
+
+def test_matches_trunk_streams_and_vllm_formula(two, loaded, ours, tmp_path):
+    """Both depths: recycle's runtime on the trunk's streams equals the formula with transformers' own layers."""
+    from transformers import DeepseekV4ForCausalLM
+
+    # The MTP blocks as ordinary trunk layers L, L+1: renamed to layers.{L+k}. and loaded by transformers, whose config
+    # reads the release's compress_ratios (0: sliding window) for them.
+    wide_dir = tmp_path / "wide"
+    wide_dir.mkdir()
+    raw = load_file(str(two / "model.safetensors"))
+    leaves = ("enorm.", "hnorm.", "e_proj.", "h_proj.", "hc_head_", "norm.weight")
+    renamed = {}
+    for name, t in raw.items():
+        if name.startswith("mtp."):
+            k, rel = name.split(".", 2)[1:]
+            if rel.startswith(leaves):
+                continue
+            name = f"layers.{L + int(k)}.{rel}"
+        renamed[name] = t
+    save_file(renamed, str(wide_dir / "model.safetensors"))
+    cfg = json.loads((two / "config.json").read_text())
+    cfg["num_hidden_layers"] = L + 2
+    (wide_dir / "config.json").write_text(json.dumps(cfg))
+    wide = DeepseekV4ForCausalLM.from_pretrained(wide_dir, dtype=torch.float32, attn_implementation="eager").eval()
+    assert wide.config.layer_types[L:] == ["sliding_attention"] * 2
+    assert wide.config.mlp_layer_types[L:] == ["moe"] * 2
+
+    trunk = loaded[0]
+    assert isinstance(ours, DeepseekV4MTP) and ours.depth == 2
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(2, 256, (2, 14), generator=g)
+    t = ids.shape[1] - 2  # 12 > the sliding window (8): the window and both compressors are exercised
+    r = {n: v.float() for n, v in raw.items()}
+    captured = {}
+    hook = trunk.model.layers[-1].register_forward_hook(lambda mod, args, out: captured.update(s=out))
+    with torch.no_grad():
+        final = trunk.model(input_ids=ids[:, :t]).last_hidden_state
+        hook.remove()
+        streams = captured["s"]
+        assert streams.shape == (2, t, 4, 64)
+        # the hook holds what the trunk's own hc_head and norm read
+        torch.testing.assert_close(_rms(_hc_head(streams, r["hc_head_fn"], r["hc_head_base"], r["hc_head_scale"]),
+                                        r["norm.weight"]), final, rtol=1e-5, atol=1e-5)
+        pos = torch.arange(t).unsqueeze(0).expand(2, t)
+        rope = {kind: wide.model.rotary_emb(final, position_ids=pos, layer_type=kind) for kind in ("main", "compress")}
+        i, j = torch.arange(t)[:, None], torch.arange(t)[None, :]
+        mask = torch.zeros(t, t).masked_fill((j > i) | (i - j >= cfg["sliding_window"]), float("-inf"))
+        mask = mask[None, None].expand(2, 1, t, t)
+        state, want = streams, []
+        for k in range(2):
+            p = f"mtp.{k}."
+            e = F.embedding(ids[:, k + 1 : k + 1 + t], r["embed.weight"])
+            e[:, 0] = 0.0  # vLLM: inputs_embeds zeroed where positions == 0
+            x = F.linear(_rms(state, r[p + "hnorm.weight"]), r[p + "h_proj.weight"]) + F.linear(
+                _rms(e, r[p + "enorm.weight"]), r[p + "e_proj.weight"]).unsqueeze(-2)
+            y = wide.model.layers[L + k](x, input_ids=None, position_embeddings=rope, position_ids=pos,
+                                         attention_mask=mask)
+            h = _hc_head(y, r[p + "hc_head_fn"], r[p + "hc_head_base"], r[p + "hc_head_scale"])
+            want.append(F.linear(_rms(h, r[p + "norm.weight"]), r["head.weight"]))
+            state = y  # chained: the streams, before the module's hc_head
+        got = ours(streams, ids)
+    assert len(got.logits) == 2 and got.states[0].shape == (2, t, 4, 64)
+    for k in range(2):
+        torch.testing.assert_close(got.logits[k], want[k], rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(want[0], want[1], atol=1e-2)  # the depths differ: the test sees a wrong chain
+
+
+def test_refuses_a_final_normed_state(ours):
+    with pytest.raises(RecycleError, match="hyper-connection streams"):
+        ours(torch.zeros(1, 4, 64), torch.zeros(1, 5, dtype=torch.long))
+
+
+def test_checkpoint_tensors_round_trip(two, ours):
+    """Runtime → DeepSeek's names → bytes identical to what the fixture stores (per-expert w1/w2/w3, kv_norm)."""
+    ck = Checkpoint(two)
+    out = ours.checkpoint_tensors()
+    assert set(out) == {n for n in ck.tensors if n.startswith("mtp.")}
+    assert "mtp.1.attn.kv_norm.weight" in out and "mtp.0.ffn.experts.3.w2.weight" in out
+    for name, t in out.items():
+        assert torch.equal(t.to(ck.raw(name).dtype), ck.raw(name)), name
+
+
+def test_fixture_loads_in_transformers_without_missing_tensors(loaded):
+    """The generator's trunk names are exactly what transformers' V4 conversion reads: nothing missing."""
+    info = loaded[1]
+    assert not info["missing_keys"] and not info["mismatched_keys"] and not info["unexpected_keys"]
