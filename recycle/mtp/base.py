@@ -213,6 +213,15 @@ def _fold_trunk_semantics(state: dict[str, torch.Tensor], m: MTPMatch, ckpt: Che
         state["head.weight"] = state["head.weight"][:rows]
 
 
+def stored_modules(source: str | os.PathLike | Checkpoint, family: str | None = None) -> tuple[Checkpoint, MTPMatch]:
+    """The checkpoint and its match, refusing one that stores no MTP module (what every runtime loads from)."""
+    ckpt = source if isinstance(source, Checkpoint) else Checkpoint(source)
+    m = match(ckpt, family)
+    if not m.modules:
+        raise RecycleError(f"{ckpt.path}: stores no MTP module ({m.family.title} layout)")
+    return ckpt, m
+
+
 class MTPDepth(nn.Module):
     """One MTP module: the norms, the 2H→H projection, one decoder block, and optionally its own
     final norm / head / embedding (roles it does not hold are borrowed at forward time)."""
@@ -377,10 +386,7 @@ class MTP(nn.Module):
         attn_implementation: str = "sdpa",
     ) -> MTP:
         """Build from a checkpoint's stored MTP tensors (FP8 dequantized; borrowed roles from the trunk)."""
-        ckpt = source if isinstance(source, Checkpoint) else Checkpoint(source)
-        m: MTPMatch = match(ckpt, family)
-        if not m.modules:
-            raise RecycleError(f"{ckpt.path}: stores no MTP module ({m.family.title} layout)")
+        ckpt, m = stored_modules(source, family)
         if m.family.runtime is not None and cls is MTP:  # a layout the forward above cannot run: its own runtime
             return RUNTIMES.get(m.family.runtime, m.family.title).from_checkpoint(
                 ckpt, depth=depth, dtype=dtype, family=m.family.name, attn_implementation=attn_implementation)

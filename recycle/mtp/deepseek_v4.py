@@ -27,7 +27,7 @@ from transformers.models.deepseek_v4 import modeling_deepseek_v4 as v4
 
 from recycle.checkpoint import Checkpoint
 from recycle.errors import RecycleError
-from recycle.families import Family, MTPMatch, match
+from recycle.families import Family, MTPMatch
 from recycle.imports import import_object
 from recycle.mtp.base import (
     MTP,
@@ -35,6 +35,7 @@ from recycle.mtp.base import (
     MTPOutput,
     family_config,
     mtp_layer_types,
+    stored_modules,
     to_checkpoint_layout,
     to_runtime_layout,
 )
@@ -205,10 +206,7 @@ class DeepseekV4MTP(MTP):
         attn_implementation: str = "eager",
     ) -> DeepseekV4MTP:
         """Build from a DeepSeek-V4 checkpoint's `mtp.{k}.*` tensors, the embedding and head from the trunk's."""
-        ckpt = source if isinstance(source, Checkpoint) else Checkpoint(source)
-        m = match(ckpt, family)
-        if not m.modules:
-            raise RecycleError(f"{ckpt.path}: stores no MTP module ({m.family.title} layout)")
+        ckpt, m = stored_modules(source, family)
         modules = m.modules[: depth or None]
         refuse_unreadable(ckpt, m, modules)
         config = family_config(m.config, m.family, attn_implementation)
