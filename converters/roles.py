@@ -221,7 +221,38 @@ def gather(ckpt: Checkpoint, family: str | None = None) -> RoleWeights:
         if not block:
             raise RecycleError(f"{ckpt.path}: MTP module {mod.index} stores no decoder block under {mod.prefix}")
         modules.append(ModuleWeights(mod.index, mod.prefix, leaves, block, mod, plain))
+    _check_blocks(ckpt, m, modules)
     return RoleWeights(ckpt, m, modules, h, v, eps)
+
+
+def _check_blocks(ckpt: Checkpoint, m: MTPMatch, modules: list[ModuleWeights]) -> None:
+    """Each module's block tensors are exactly its decoder layer's parameters, names and shapes, as the runtime loads
+    them (built on the meta device: no memory): a layout read under the wrong row (a config naming a row whose
+    templates its tensors also fit) is refused here, in one line, instead of becoming a drafter no engine runs right."""
+    fam = m.family
+    if fam.kind != "mtp" or fam.block_class is None or fam.runtime is not None:
+        return
+    from recycle.mtp import MTP, family_config, to_runtime_layout
+
+    try:
+        config = family_config(m.config, fam)
+        with torch.device("meta"):
+            model = MTP(config, fam, len(modules))
+    except (IndexError, KeyError, TypeError, ValueError, AttributeError, RuntimeError) as e:
+        raise RecycleError(f"{ckpt.path}: cannot build {fam.block_class} from this config "
+                           f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+    for mw, layer in zip(modules, model.layers):
+        stored_ = {rel: torch.empty(lazy.shape, device="meta") for rel, lazy in mw.block.items()}
+        got = to_runtime_layout(stored_, model.config, fam.block_renames, fam.block_conversions)
+        own = layer.block.state_dict()
+        unknown, absent = sorted(set(got) - set(own)), sorted(set(own) - set(got))
+        wrong = [n for n in sorted(set(got) & set(own)) if tuple(got[n].shape) != tuple(own[n].shape)]
+        if unknown or absent or wrong:
+            raise RecycleError(
+                f"{ckpt.path}: MTP module {mw.index}'s block does not fit {fam.block_class} (the {fam.name} row)"
+                + (f"; unexpected: {', '.join(unknown[:3])}" if unknown else "")
+                + (f"; missing: {', '.join(absent[:3])}" if absent else "")
+                + (f"; shape differs: {', '.join(wrong[:3])}" if wrong else ""))
 
 
 @dataclass

@@ -79,3 +79,32 @@ def test_convert_refuses_until_the_family_is_named(mislabelled, tmp_path):
 def test_an_unknown_family_name_is_one_line(mislabelled, tmp_path):
     res = run_cli("convert", str(mislabelled["no_row"]), "--to", "eagle", "-o", str(tmp_path / "x"), "--family", "nope")
     assert_bad_input(res, "unknown family 'nope'")
+
+
+def test_tensors_that_fit_the_named_rows_templates_but_not_its_block_are_refused(family_dir, tmp_path):
+    """Step-3.7's tensors under a config that says DeepSeek-V3: DeepSeek's templates find enorm/hnorm/eh_proj, so the
+    config and the tensors seem to agree; the block (Step's, with `transformer.shared_head.*` left in it) does not
+    fit DeepSeek's decoder layer, and convert refuses before writing."""
+    src = _renamed(family_dir("step3p7"), tmp_path / "step_as_ds", model_type="deepseek_v3",
+                   architectures=["DeepseekV3ForCausalLM"])
+    assert match(Checkpoint(src)).family.name == "deepseek_v3"  # what the names and the config alone say
+    out = tmp_path / "e3"
+    res = run_cli("convert", str(src), "--to", "eagle3", "-o", str(out))
+    assert_bad_input(res, "")
+    assert "deepseek_v3" in res.stderr and not out.exists()
+
+
+def test_a_block_missing_a_parameter_is_refused_before_writing(family_dir, tmp_path):
+    from safetensors.torch import save_file
+
+    src = tmp_path / "short"
+    shutil.copytree(family_dir("deepseek_v3"), src)
+    ck = Checkpoint(src)
+    gone = next(n for n in ck.tensors if n.startswith("model.layers.2.self_attn.q_a_layernorm"))
+    kept = {n: ck.raw(n) for n in ck.tensors if n != gone}
+    for f in src.glob("*.safetensors*"):
+        f.unlink()
+    save_file(kept, str(src / "model.safetensors"))
+    out = tmp_path / "e"
+    assert_bad_input(run_cli("convert", str(src), "--to", "eagle", "-o", str(out)), "missing: self_attn.q_a_layernorm")
+    assert not out.exists()

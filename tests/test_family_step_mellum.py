@@ -88,7 +88,7 @@ def test_step_detected_with_its_own_head(step):
     forced = match(ck, "deepseek_v3")
     assert forced.modules[0].shared["head"] == "lm_head.weight"
     assert "model.layers.2.transformer.shared_head.output.weight" in forced.modules[0].roles["block"]
-    with pytest.raises(RecycleError, match="cannot build .*DeepseekV3DecoderLayer"):
+    with pytest.raises(RecycleError, match="cannot build"):
         MTP.from_checkpoint(step, family="deepseek_v3")
 
 

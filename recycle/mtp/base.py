@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.utils.checkpoint
+from huggingface_hub.errors import StrictDataclassClassValidationError
 from torch import nn
 from transformers import AutoConfig, PretrainedConfig
 from transformers.conversion_mapping import get_checkpoint_conversion_mapping
@@ -97,8 +98,8 @@ def block_config(config: Mapping, attn_implementation: str = "sdpa", model_type:
         raise RecycleError("config.json has no model_type; cannot pick the transformers config class")
     try:
         out = AutoConfig.for_model(model_type, **cfg)
-    except (ValueError, TypeError, KeyError) as e:
-        why = str(e).split(". Should contain")[0][:200]
+    except (ValueError, TypeError, KeyError, StrictDataclassClassValidationError) as e:  # the last: a config class's
+        why = " ".join(str(e).split(". Should contain")[0].split())[:200]  # validator (layer_types vs layers)
         raise RecycleError(f"transformers cannot build a '{model_type}' config from config.json ({why})") from None
     out._attn_implementation = attn_implementation
     if hasattr(out, "_experts_implementation"):
@@ -114,6 +115,9 @@ def family_config(config: Mapping, family: Family, attn_implementation: str = "s
     """
     config = {**{key: first_value(config, (src,)) for key, src in family.block_config_keys.items()
                  if first_value(config, (src,)) is not None}, **config}  # the config's own keys win
+    if family.model_types and config.get("model_type") not in family.model_types and not family.block_model_type:
+        # read as this row (`--family`) under another name: the row's own config class builds its block
+        config = {**config, "model_type": family.model_types[0]}
     attn, trunk = family.attn_implementation or attn_implementation, int(config.get("num_hidden_layers") or 0)
     n = declared_depth(family, config)
     lists = [v for k, v in config.items() if k.endswith("layer_types") and isinstance(v, list)]
