@@ -77,6 +77,7 @@ from recycle.converters.roles import (
 from recycle.errors import RecycleError, did_you_mean
 from recycle.formats.eagle3 import fold_aux_layers
 from recycle.io.writer import Lazy
+from recycle.mtp import renamed
 
 ATTENTION = ("llama", "mla")
 DEEPSEEK_MLA = frozenset(f"{n}.weight" for n in ("q_a_proj", "q_a_layernorm", "q_b_proj", "q_proj", "kv_a_proj_with_mqa",
@@ -90,17 +91,6 @@ def _get(block: dict[str, Lazy], *names: str) -> Lazy | None:
         if n in block:
             return block[n]
     return None
-
-
-def _layer_names(block: dict[str, Lazy], renames: tuple[tuple[str, str], ...]) -> dict[str, Lazy]:
-    """The block under its decoder layer's names (the row's `block_renames`: MiMo-V2's `pre_mlp_layernorm`, Ling's
-    `attention.*`); the tensors keep their checkpoint names as sources."""
-    out = {}
-    for name, lazy in block.items():
-        for old, new in renames:
-            name = name.replace(old, new)
-        out[name] = lazy
-    return out
 
 
 def _attention(w: RoleWeights, block: dict[str, Lazy]) -> tuple[dict, dict[str, Lazy]]:
@@ -259,7 +249,8 @@ def fold(w: RoleWeights, *, draft_ids: torch.Tensor | None = None, dtype_name: s
                            f"{did_you_mean(attention, ATTENTION)}")
     m0 = w.modules[0]
     h, vocab = w.hidden_size, w.vocab_size
-    leaves, block = m0.leaves, _layer_names(m0.block, w.family.block_renames)
+    # the block under its decoder layer's names (MiMo-V2's `pre_mlp_layernorm`, Ling's `attention.*`)
+    leaves, block = m0.leaves, renamed(m0.block, w.family.block_renames)
     mla = _mla_attention(block) if attention == "mla" else None
     if attention == "mla" and mla is None:
         raise RecycleError(f"--eagle3-attention mla needs an MLA source ({w.family.name}'s MTP block has no "

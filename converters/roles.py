@@ -232,7 +232,7 @@ def _check_blocks(ckpt: Checkpoint, m: MTPMatch, modules: list[ModuleWeights]) -
     fam = m.family
     if fam.kind != "mtp" or fam.block_class is None or fam.runtime is not None:
         return
-    from recycle.mtp import MTP, family_config, to_runtime_layout
+    from recycle.mtp import MTP, family_config, misfit, to_runtime_layout
 
     try:
         config = family_config(m.config, fam)
@@ -243,16 +243,11 @@ def _check_blocks(ckpt: Checkpoint, m: MTPMatch, modules: list[ModuleWeights]) -
                            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
     for mw, layer in zip(modules, model.layers):
         stored_ = {rel: torch.empty(lazy.shape, device="meta") for rel, lazy in mw.block.items()}
-        got = to_runtime_layout(stored_, model.config, fam.block_renames, fam.block_conversions)
-        own = layer.block.state_dict()
-        unknown, absent = sorted(set(got) - set(own)), sorted(set(own) - set(got))
-        wrong = [n for n in sorted(set(got) & set(own)) if tuple(got[n].shape) != tuple(own[n].shape)]
-        if unknown or absent or wrong:
-            raise RecycleError(
-                f"{ckpt.path}: MTP module {mw.index}'s block does not fit {fam.block_class} (the {fam.name} row)"
-                + (f"; unexpected: {', '.join(unknown[:3])}" if unknown else "")
-                + (f"; missing: {', '.join(absent[:3])}" if absent else "")
-                + (f"; shape differs: {', '.join(wrong[:3])}" if wrong else ""))
+        why = misfit(to_runtime_layout(stored_, model.config, fam.block_renames, fam.block_conversions),
+                     layer.block.state_dict())
+        if why is not None:
+            raise RecycleError(f"{ckpt.path}: MTP module {mw.index}'s block does not fit {fam.block_class} (the "
+                               f"{fam.name} row): {why}")
 
 
 @dataclass

@@ -19,11 +19,13 @@ from recycle.mtp.base import (
     block_config,
     block_rotary,
     family_config,
+    misfit,
     mtp_layer_types,
+    renamed,
     to_checkpoint_layout,
     to_runtime_layout,
 )
 
 __all__ = ["LEAF_ROLES", "MASKS", "MTP", "REQUIRED_ROLES", "RUNTIMES", "MTPDepth", "MTPOutput", "Norm", "block_config",
-           "block_rotary", "deepseek_v4", "family_config", "mtp_layer_types", "to_checkpoint_layout",
+           "block_rotary", "deepseek_v4", "family_config", "misfit", "mtp_layer_types", "renamed", "to_checkpoint_layout",
            "to_runtime_layout"]

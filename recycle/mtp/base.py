@@ -23,6 +23,7 @@ import os
 import types
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.utils.checkpoint
@@ -40,6 +41,7 @@ from recycle.imports import import_object
 from recycle.quant import SCALE_SUFFIX
 from recycle.registry import Registry
 
+T = TypeVar("T")
 LEAF_ROLES = ("embed_norm", "hidden_norm", "proj", "final_norm", "head", "embed")
 REQUIRED_ROLES = ("embed_norm", "hidden_norm", "proj", "head", "embed")
 
@@ -137,13 +139,26 @@ def _conversions(config: PretrainedConfig, key: str | None = None) -> list:
     return get_checkpoint_conversion_mapping(key or config.model_type) or []
 
 
-def _renamed(state: Mapping[str, torch.Tensor], pairs: tuple[tuple[str, str], ...]) -> dict[str, torch.Tensor]:
+def renamed(state: Mapping[str, T], pairs: tuple[tuple[str, str], ...]) -> dict[str, T]:
+    """`state` with each (old, new) substring pair replaced in its names, in order (a row's `block_renames`)."""
     out = {}
     for name, t in state.items():
         for old, new in pairs:
             name = name.replace(old, new)
         out[name] = t
     return out
+
+
+def misfit(state: Mapping[str, torch.Tensor], own: Mapping[str, torch.Tensor]) -> str | None:
+    """Why `state` does not load into a module whose state dict is `own` (names first, then shapes); None: it fits."""
+    unknown, absent = sorted(set(state) - set(own)), sorted(set(own) - set(state))
+    if unknown or absent:
+        return "; ".join([f"unexpected: {', '.join(unknown[:5])}"] * bool(unknown)
+                         + [f"missing: {', '.join(absent[:5])}"] * bool(absent))
+    wrong = next((n for n in state if tuple(state[n].shape) != tuple(own[n].shape)), None)
+    if wrong is not None:
+        return f"the tensor for {wrong} has shape {list(state[wrong].shape)}, the block expects {list(own[wrong].shape)}"
+    return None
 
 
 def to_runtime_layout(state: Mapping[str, torch.Tensor], config: PretrainedConfig,
@@ -154,7 +169,7 @@ def to_runtime_layout(state: Mapping[str, torch.Tensor], config: PretrainedConfi
     Uses transformers' registered conversion for the model type: reverting the reversed transforms
     applies them forwards, so checkpoint and runtime cannot drift from what from_pretrained does.
     """
-    state = _renamed(state, renames)
+    state = renamed(state, renames)
     conv = _conversions(config, conversions)
     if not conv:
         return state
@@ -169,7 +184,7 @@ def to_checkpoint_layout(state: Mapping[str, torch.Tensor], config: PretrainedCo
     conv = _conversions(config, conversions)
     if conv:
         state = revert_weight_conversion(types.SimpleNamespace(config=config, _weight_conversions=conv), dict(state))
-    return _renamed(state, tuple((new, old) for old, new in renames))
+    return renamed(state, tuple((new, old) for old, new in renames))
 
 
 class Norm(nn.Module):
@@ -415,20 +430,9 @@ class MTP(nn.Module):
             state.update({f"block.{k}": v for k, v in to_runtime_layout(
                 block, config, m.family.block_renames, m.family.block_conversions).items()})
             _fold_trunk_semantics(state, m, ckpt, config)
-            own = layer.state_dict()
-            unknown, absent = sorted(set(state) - set(own)), sorted(set(own) - set(state))
-            if unknown or absent:
-                raise RecycleError(
-                    f"{ckpt.path}: MTP module {mod.index} does not fit {m.family.block_class}"
-                    + (f"; unexpected: {', '.join(unknown[:5])}" if unknown else "")
-                    + (f"; missing: {', '.join(absent[:5])}" if absent else "")
-                )
-            for name, value in state.items():
-                if tuple(value.shape) != tuple(own[name].shape):
-                    raise RecycleError(
-                        f"{ckpt.path}: MTP module {mod.index} tensor for {name} has shape {list(value.shape)},"
-                        f" the block expects {list(own[name].shape)}"
-                    )
+            why = misfit(state, layer.state_dict())
+            if why is not None:
+                raise RecycleError(f"{ckpt.path}: MTP module {mod.index} does not fit {m.family.block_class}: {why}")
             layer.load_state_dict(state, strict=True)
         return model.to(dtype).eval()
 
