@@ -307,6 +307,14 @@ class MTP(nn.Module):
         if unfilled:
             raise ValueError(f"MTP roles {unfilled} are neither held nor shared")
         self.rotary = block_rotary(family.block_class, config)
+        # rotary classes of models with several attention types take the layer's type (MiMo-V2, Step-3.7, Mellum)
+        self._typed_rope = self.rotary is not None and "layer_type" in inspect.signature(self.rotary.forward).parameters
+
+    def rope(self, x: torch.Tensor, position_ids: torch.Tensor, layer_type: str) -> tuple | None:
+        """The position embeddings a block of `layer_type` reads at `position_ids` (None: the block makes its own)."""
+        if self.rotary is None:
+            return None
+        return self.rotary(x, position_ids, layer_type) if self._typed_rope else self.rotary(x, position_ids)
 
     @property
     def depth(self) -> int:
@@ -360,11 +368,7 @@ class MTP(nn.Module):
                 mask = MASKS.get(layer_type, create_causal_mask)(
                     config=self.config, inputs_embeds=hidden, attention_mask=attention_mask, past_key_values=None,
                     position_ids=position_ids, allow_is_causal_skip=not self.family.mask_required)
-                rope = None
-                if self.rotary is not None:
-                    typed = "layer_type" in inspect.signature(self.rotary.forward).parameters
-                    rope = self.rotary(hidden, position_ids, layer_type) if typed else self.rotary(hidden, position_ids)
-                context[layer_type] = mask, rope
+                context[layer_type] = mask, self.rope(hidden, position_ids, layer_type)
             return context[layer_type]
 
         at_start = (position_ids == 0).unsqueeze(-1)

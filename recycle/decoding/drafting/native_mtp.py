@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import copy
-import inspect
 from dataclasses import dataclass
 
 import torch
@@ -102,8 +101,6 @@ class MTPStack(Drafter):
         picked = [pick(j, mtp.depth) for j in range(self.steps)]
         self.layers = [mtp.layers[i] for i in picked]
         self.roles = [{r: mtp.role(lyr, r) for r in ("embed", "head", "final_norm")} for lyr in self.layers]
-        rotary = mtp.rotary
-        self.typed_rope = rotary is not None and "layer_type" in inspect.signature(rotary.forward).parameters
         # each step's cache: the cache layer transformers gives the block's layer index (the config's `layer_types`
         # reach the MTP layers), cropped and tree-extended in place by recycle's crop
         base = int(getattr(mtp.config, "num_hidden_layers", 0) or 0)
@@ -172,10 +169,8 @@ class MTPStack(Drafter):
         pos = pos[None]
         if self.windows[j] is not None:
             mask = _windowed(mask, positions, self.done[j], self.windows[j])
-        rotary = self.mtp.rotary
-        rope = None if rotary is None else rotary(x, pos, layer.layer_type) if self.typed_rope else rotary(x, pos)
         y = layer.block(x, attention_mask=mask, position_ids=pos, past_key_values=self.caches[j], use_cache=True,
-                        position_embeddings=rope)
+                        position_embeddings=self.mtp.rope(x, pos, layer.layer_type))
         y = (y[0] if isinstance(y, tuple) else y)[0]
         norm = roles["final_norm"]
         normed = (norm(y[draft_rows]) if norm is not None else y[draft_rows]) if self.pre_norm else None
