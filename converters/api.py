@@ -60,6 +60,7 @@ def provenance(w: RoleWeights, fmt: DrafterFormat, dtype_name: str, options: dic
             "declared": m.declared,
             "module_prefixes": [mod.prefix for mod in w.modules],
             "fp8": any(w.ckpt.tensors[n].is_fp8 for n in m.mtp_names),
+            "packed": sorted({w.ckpt.tensors[n].dtype for n in m.mtp_names if n in w.ckpt.packed}),  # codec tags
         },
         "target": {"format": fmt.name, "dtype": dtype_name, "options": options,
                    "layouts": {k: v.what for k, v in fmt.layouts.items()  # the ones written

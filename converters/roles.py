@@ -68,8 +68,13 @@ def stored(ckpt: Checkpoint, name: str, kind: str = EXACT, note: str = "") -> La
 
 
 def raw(ckpt: Checkpoint, name: str) -> Lazy:
-    """A checkpoint tensor byte for byte in its stored dtype (FP8 stays FP8, scales included)."""
-    info = ckpt.tensors[name]
+    """A stored tensor byte for byte in its stored dtype (FP8 stays FP8, scales included; a stored name, so a
+    packed weight's parts are copied one by one)."""
+    info = ckpt.stored.get(name)
+    if info is None:
+        raise RecycleError(f"{ckpt.path}: {name} is packed in {len(ckpt.packed[name].parts)} stored tensors "
+                           f"({ckpt.packed[name].codec}), not one whose bytes can be copied" if name in ckpt.packed
+                           else f"{ckpt.path}: no tensor named {name}")
     dtype = DTYPES[info.dtype][1]
     if dtype is None:
         raise RecycleError(f"{ckpt.path}: tensor {name} has dtype {info.dtype}, which torch cannot read")

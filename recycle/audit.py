@@ -3,7 +3,8 @@
 Everything but `--stats` works on safetensors headers alone (plus a 64-row sample of each stored
 embedding/head copy and its trunk original), so auditing a 690 GB checkpoint reads a few megabytes. Findings carry a severity and a stable code that scripts can match on:
 
-  mtp_declared_missing  config declares MTP modules that are not stored (MiniMax-M2, merged fine-tunes)
+  mtp_declared_missing  config declares MTP modules that are not stored (MiniMax-M2, merged fine-tunes; in a
+                        quantized build, its quantizer dropped them: the message says so, and what vLLM does)
   mtp_undeclared        MTP modules are stored but the config does not declare them
   role_missing          a module lacks a tensor its family requires
   shared_copy_absent    the module stores no embedding/head copy (it must come from the trunk, or is missing)
@@ -21,9 +22,22 @@ embedding/head copy and its trunk original), so auditing a 690 GB checkpoint rea
                         no ignore entry (`ignored_layers`/`modules_to_not_convert`) keeps BF16: the engine casts
                         it to e4m3 without a scale (silently wrong drafts, or worse in the trunk)
   fp8_orphan_scale      a `weight_scale_inv` with no weight, or beside a weight that is not FP8
-  mtp_quant_differs     the MTP layer is stored in another scheme than the trunk (BF16 under an FP8 trunk: info
-                        when the ignore list says so; FP8 tensors without an FP8 config: an error)
-  quant_unsupported     a quantization method recycle reads but cannot write MTP tensors into (info)
+  mtp_quant_differs     the MTP layer is stored in another scheme than the config claims: BF16 (or another
+                        codec, vllm#54126's FP8-block MTP under NVFP4) where the engine's ignore rule builds the
+                        layer quantized (error; info where the ignore entries keep it BF16, as the config says);
+                        quantized tensors with no quantization config to read them by (error)
+  mtp_quant_unexpected  an MTP weight stored quantized where the engine builds its module unquantized (an ignore
+                        entry, the scheme's always-unquantized modules, or an MTP model's plain `eh_proj`/`fc`)
+  quant_scale_shape     a packed weight (any codec but block FP8, which has `fp8_scale_shape`) whose parts its
+                        codec refuses when decoding (wrong shape, dtype, byte length), or quantized codes stored
+                        without the scale a codec needs to read them
+  quant_orphan_scale    a packed weight's part (scale, zero point, global scale, `_scales`) beside no weight a
+                        codec reads (the weight went, or was rewritten unquantized)
+  mtp_quant_stats       a quantized MTP weight that decodes to NaN/inf (error), or whose RMS is over 4x from the
+                        trunk's last layer's same-named weight (warning), on the first rows of each (run when the
+                        MTP is quantized under a scheme recycle reads other than block FP8, or with --stats)
+  quant_unsupported     a quantization scheme recycle names but does not read (or does not know): the scheme
+                        record's own line says what cannot be checked (info)
 
 `recycle inspect --strict` exits 1 when a finding is an error (`Report.worst`), so CI can gate on it.
 """
@@ -31,9 +45,10 @@ embedding/head copy and its trunk original), so auditing a 690 GB checkpoint rea
 from __future__ import annotations
 
 import math
+import os
 import re
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -244,7 +259,7 @@ def _check_modules(ckpt: Checkpoint, m: MTPMatch, rep: Report) -> None:
                 + (" ..." if len(stray) > 3 else ""), stray[0])
 
 
-def _check_quantization(ckpt: Checkpoint, m: MTPMatch, rep: Report) -> None:
+def _check_block_fp8(ckpt: Checkpoint, m: MTPMatch, rep: Report) -> None:
     """The layouts that load silently wrong in an FP8 engine (recycle.quant says what an engine builds as FP8)."""
     from recycle.quant import engine_fp8, ignore_entries, scheme
 
@@ -279,6 +294,353 @@ def _check_quantization(ckpt: Checkpoint, m: MTPMatch, rep: Report) -> None:
     if kept:
         rep.add("info", "mtp_quant_differs", f"the MTP layer's {len(kept)} linear weights are BF16 under the FP8 trunk, "
                 "named in the ignore list", kept[0])
+
+
+# -- quantized builds: the MTP against the scheme its config declares (recycle.quant.schemes' records) -------------
+
+BLOCK_FP8_SCHEMES = ("fp8_block", "deepseek_v4")  # read by `_check_block_fp8`, as before the scheme records
+FLOAT_DTYPES = ("BF16", "F16", "F32", "F64")
+# stored dtypes of packed codes (int or u8 words, FP4), and the names a quantized weight's codes go by
+CODE_DTYPES = frozenset({"U8", "I8", "I16", "I32", "U32", "F4"})
+CODE_NAMES = (".weight", ".qweight", ".weight_packed", "_blocks")
+EXPERT_INDEX = re.compile(r"experts\.\d+\.")
+# `mtp_quant_stats`: how many MTP weights (one per name, experts collapsed), how many decoded elements of each (its
+# first rows), the most elements read whole where a codec's parts cannot be cut by rows, and the RMS ratio flagged
+QUANT_STATS_WEIGHTS = 12
+QUANT_STATS_ELEMENTS = 1 << 16
+QUANT_STATS_WHOLE = 1 << 24
+RMS_RATIO = 4.0
+# transformers loads a release into a class without MTP modules and drops their tensors on load (5.23:
+# DeepseekV3ForCausalLM `_keys_to_ignore_on_load_unexpected = [r"model\.layers\.61.*"]`, modeling_deepseek_v3.py:551;
+# Glm4Moe 460, Qwen3-Next/Qwen3.5 `^mtp.*`); a quantizer that loads through it (llm-compressor, ModelOpt's HF
+# export) saves the state dict it has, without them
+DROPPED = ("this {title} build's quantizer dropped them (llm-compressor and ModelOpt load the release through "
+           "transformers, whose model class drops the MTP tensors on load: `_keys_to_ignore_on_load_unexpected`, e.g. "
+           "modeling_deepseek_v3.py:551, so the quantized save has none); vLLM 0.32: {missing}")
+
+
+def _check_quantization(ckpt: Checkpoint, m: MTPMatch, rep: Report) -> None:
+    """The MTP against the scheme the config declares (`recycle.quant.schemes.detect`): block FP8 as it always was
+    (`_check_block_fp8`); every other scheme by its record: what vLLM builds quantized (the scheme's ignore rule,
+    its always-unquantized modules, the MTP model's plain projection) against how each MTP weight is stored, each
+    mismatch with the engine behaviour the record cites. Headers only."""
+    from recycle.quant.schemes import BY_NAME, detect
+
+    sch = detect(ckpt.config, ckpt.path)
+    if sch is None or (sch.known and sch.codecs):  # under a scheme recycle does not read, no codec claims anything
+        _check_parts(ckpt, rep)
+    if sch is not None:
+        missing = sch.engine_behaviour.get("missing")
+        for f in rep.findings:
+            if f.code == "mtp_declared_missing" and f.severity == "error" and missing:
+                f.message += "; " + DROPPED.format(title=sch.title, missing=missing)
+    if sch is None or sch.name in BLOCK_FP8_SCHEMES:
+        _check_block_fp8(ckpt, m, rep)
+        if sch is None:
+            packed = [n for n in m.mtp_names if n in ckpt.packed]
+            if packed:
+                rep.add("error", "mtp_quant_differs", f"{len(packed)} MTP weight(s) stored "
+                        f"{ckpt.packed[packed[0]].tag} ({ckpt.packed[packed[0]].codec}) with no quantization config "
+                        f"to read them by (first: {packed[0]}): engines load the packed codes as plain weights, or "
+                        "refuse their scales", packed[0])
+        return
+    if not sch.known or not sch.codecs:
+        engine = "" if sch.name in BY_NAME else f"; vLLM 0.32: {sch.engine_behaviour.get('missing', '')}"
+        rep.add("info", "quant_unsupported", f"quantized with {sch.title}: {sch.why}{engine}")
+        return
+    _check_scheme(ckpt, m, rep, sch)
+
+
+def _storage(ckpt: Checkpoint, name: str) -> str | None:
+    """How a weight is stored: its codec's name, "fp8_block" (an FP8 weight with its block scale), "fp8" (FP8
+    with a scale no codec reads), "codes" (packed codes no codec reads), None (float: unquantized)."""
+    p = ckpt.packed.get(name)
+    if p is not None:
+        return p.codec
+    info = ckpt.tensors[name]
+    if info.is_fp8:
+        return "fp8_block" if ckpt.scale_for(name) is not None else "fp8"
+    return None if info.dtype in FLOAT_DTYPES else "codes"
+
+
+def _expected_codecs(sch, config: Mapping) -> tuple[str, ...]:
+    """The storages vLLM creates a quantized layer of this scheme in: the record's codecs; ModelOpt by its
+    quant_algo (NVFP4 → nvfp4, FP8 → FP8 weights; MIXED_PRECISION: per layer, any of the record's)."""
+    from recycle.quant.schemes import vllm_quant_name
+
+    if sch.name == "modelopt":
+        name = vllm_quant_name(sch, config)
+        if name == "modelopt_fp4":
+            return ("nvfp4",)
+        if name == "modelopt":
+            return ("fp8_block", "fp8")
+        return (*sch.codecs, "fp8")
+    return tuple(sch.codecs)
+
+
+def _module_codecs(sch, config: Mapping, module: str, info, expected: tuple[str, ...]) -> tuple[str, ...]:
+    """A compressed-tensors module's own storage: the codec of its config group's format (`ctensors.config_group`,
+    as the codecs resolve it); every other scheme's, `expected`."""
+    if sch.name != "compressed_tensors" or not sch.formats:
+        return expected
+    from recycle.quant.ctensors import config_group
+
+    g = config_group(module, config, len(info.shape) == 2)
+    return (sch.formats[g.format],) if g is not None and g.format in sch.formats else expected
+
+
+def _check_scheme(ckpt: Checkpoint, m: MTPMatch, rep: Report, sch) -> None:
+    """Each MTP linear weight (`proj` and the block's) against what vLLM builds for its module under `sch`."""
+    from recycle.quant import module_of
+    from recycle.quant.schemes import MTP_PLAIN_ROLES, engine_ignores, scheme_config, vllm_quant_name
+
+    config = scheme_config(ckpt.config, ckpt.path)
+    plain_roles = MTP_PLAIN_ROLES.get(m.family.name, {})
+    plain_roles = set(plain_roles.get("*", ())) | set(plain_roles.get(vllm_quant_name(sch, config), ()))
+    expected = _expected_codecs(sch, config)
+    keys = "/".join(sch.ignore_keys) or "no ignore key"
+    # awq: with modules_to_not_convert empty vLLM builds unquantized whatever is stored unquantized
+    # (auto_awq.py:370-388, the record's bf16_where_quantized line)
+    by_dtype = sch.name == "awq" and not config.get("modules_to_not_convert")
+    groups: dict[tuple[str, str], list[str]] = {}
+    why_plain: dict[str, str] = {}
+    for mod in m.modules:
+        for role in ("proj", "block"):
+            for name in mod.roles.get(role, []):
+                info = ckpt.tensors[name]
+                if name not in ckpt.packed and (len(info.shape) < 2 or not name.endswith(".weight") or info.is_scale):
+                    continue
+                stored = _storage(ckpt, name)
+                if stored == "codes":
+                    continue  # no codec reads it: `_check_parts` says so
+                module = module_of(name)
+                try:
+                    if role in plain_roles:
+                        why = (f"vLLM's {m.family.name} MTP model builds its {role} as a plain Linear without the "
+                               "quant config")
+                    elif any(f".{u}." in f".{module}." for u in sch.unquantized):
+                        why = f"the {sch.title} scheme builds it unquantized"
+                    elif engine_ignores(sch, module, config):
+                        why = f"named by the ignore rule ({keys})"
+                    else:
+                        why = None
+                except RecycleError as e:
+                    rep.add("error", "mtp_quant_differs", f"{name}: {e}", name)
+                    continue
+                want = expected if why is not None or stored is None else _module_codecs(sch, config, module, info,
+                                                                                         expected)
+                if why is None and stored is None and not by_dtype:
+                    kind = "bf16"
+                elif why is None and stored is not None and stored not in want:
+                    kind = f"other:{stored}:{'/'.join(want)}"
+                elif why is not None and stored is not None:
+                    kind = "unexpected:" + stored
+                    why_plain.setdefault(kind, why)
+                elif why is not None and stored is None and role == "block" and why.startswith("named"):
+                    kind = "ignored"
+                else:
+                    continue
+                groups.setdefault((kind, role), []).append(name)
+    behaviour = sch.engine_behaviour
+    for (kind, role), names in groups.items():
+        first = names[0]
+        what = f"{len(names)} MTP {role} weight(s)"
+        if kind == "bf16":
+            rep.add("error", "mtp_quant_differs", f"{what} stored {ckpt.tensors[first].dtype} under the {sch.title} "
+                    f"config, not excluded by its ignore rule ({keys}) (first: {first}): in vLLM 0.32, "
+                    f"{behaviour.get('bf16_where_quantized', 'creates the layer quantized')}; drafts from such a "
+                    "layer are garbage (acceptance near 0)", first)
+        elif kind.startswith("other:"):
+            p = ckpt.packed.get(first)
+            tag = p.tag if p else ckpt.tensors[first].dtype
+            _, stored, want = kind.split(":")
+            rep.add("error", "mtp_quant_differs", f"{what} stored as {stored} ({tag}) under the {sch.title} config, "
+                    f"whose layers vLLM creates as {want} (first: {first}): vLLM 0.32 creates the layer "
+                    "in the config's scheme and the stored parts do not fit it (vllm#54126: FP8-block MTP experts "
+                    f"under an NVFP4 config fail to load); {behaviour.get('bf16_where_quantized', '')}", first)
+        elif kind.startswith("unexpected:"):
+            rep.add("error", "mtp_quant_unexpected", f"{what} stored as {kind[11:]} where vLLM builds the module "
+                    f"unquantized ({why_plain[kind]}) (first: {first}): in vLLM 0.32, "
+                    f"{behaviour.get('quantized_where_unquantized', 'creates it in the model dtype')}", first)
+        else:
+            rep.add("info", "mtp_quant_differs", f"{what} kept {ckpt.tensors[first].dtype} under the {sch.title} "
+                    f"config, named by its ignore entries ({keys}): engines build them unquantized", first)
+
+
+def _check_parts(ckpt: Checkpoint, rep: Report) -> None:
+    """A packed weight's parts without their weight, and quantized codes without the scale a codec needs: what no
+    codec claimed stays in `Checkpoint.tensors` under its stored name. The parts' names are learnt from the packed
+    weights this checkpoint has (`qzeros`, `weight_scale_2`, `_scales`, ...). One pass over the names."""
+    suffixes: set[str] = set()
+    for i, (logical, p) in enumerate(ckpt.packed.items()):
+        if i >= 256:
+            break
+        base = logical[: -len(".weight")] if logical.endswith(".weight") else logical
+        suffixes.update(part[len(base):] for role, part in p.parts.items()
+                        if role != "codes" and part.startswith(base) and part[len(base):len(base) + 1] in (".", "_"))
+    ends = tuple(sorted(suffixes))
+    orphans: list[str] = []
+    unread: list[str] = []
+    for name, info in ckpt.tensors.items():
+        if ends and name.endswith(ends):
+            end = next(e for e in ends if name.endswith(e))
+            base = name[: -len(end)]
+            owners = (base + ".weight", base)
+            if not any(o in ckpt.packed or (o in ckpt.tensors and ckpt.tensors[o].is_fp8) for o in owners):
+                orphans.append(name)
+                continue
+        if info.dtype in CODE_DTYPES and len(info.shape) >= 2 and name.endswith(CODE_NAMES) and name not in ckpt.packed:
+            unread.append(name)
+    for name in orphans[:3]:
+        info = ckpt.tensors[name]
+        rep.add("error", "quant_orphan_scale", f"{name}: a packed weight's part ({info.dtype} {list(info.shape)}) "
+                "beside no weight a codec reads: its weight went, or was rewritten unquantized (a stale part)", name)
+    if len(orphans) > 3:
+        rep.add("error", "quant_orphan_scale", f"... and {len(orphans) - 3} more such parts", orphans[3])
+    for name in unread[:3]:
+        info = ckpt.tensors[name]
+        rep.add("error", "quant_scale_shape", f"{name}: {info.dtype} {list(info.shape)} codes that no codec reads: "
+                "a quantized weight without its scale (or in a storage recycle does not know); engines cannot "
+                "dequantize it", name)
+    if len(unread) > 3:
+        rep.add("error", "quant_scale_shape", f"... and {len(unread) - 3} more such weights", unread[3])
+
+
+def _check_quant_stats(ckpt: Checkpoint, m: MTPMatch, rep: Report, stats: bool) -> None:
+    """`mtp_quant_stats`: the MTP's quantized weights decoded (their first rows) against the same-named weights of
+    the trunk's last layer: NaN/inf, or an RMS over RMS_RATIO apart, says the bytes do not decode to sane weights (a
+    wrong scale convention, mislabelled codes). A codec that refuses the parts is a `quant_scale_shape` finding.
+    Runs with --stats, or when the MTP holds quantized weights under a scheme recycle reads other than block FP8."""
+    quantized = {n for n in m.mtp_names if ckpt.tensors[n].quantized and not ckpt.tensors[n].is_scale}
+    if not quantized:
+        return
+    if not stats:
+        from recycle.quant.schemes import detect
+
+        sch = detect(ckpt.config, ckpt.path)
+        if sch is None or sch.name in BLOCK_FP8_SCHEMES or not sch.known:
+            return  # unquantized configs and block FP8 stay on headers, as they always were
+    picks: dict[str, tuple[str, str]] = {}
+    for mod in m.modules:
+        for rel, name in mod.block_names().items():
+            if name in quantized:
+                picks.setdefault(EXPERT_INDEX.sub("experts.*.", rel), (rel, name))
+    chosen = list(picks.values())[:QUANT_STATS_WEIGHTS]
+    twins = _trunk_twins(ckpt, m, [rel for rel, _ in chosen])
+    failed = {f.tensor for f in rep.findings if f.code in ("quant_scale_shape", "fp8_scale_shape")}
+    for rel, name in chosen:
+        twin = twins.get(rel)
+        if name in failed or twin is None or ckpt.tensors[twin].shape != ckpt.tensors[name].shape:
+            continue
+        got = []
+        for n in (name, twin):
+            try:
+                got.append(_head_values(ckpt, n))
+            except RecycleError as e:
+                rep.add("error", "quant_scale_shape", f"{n}: its stored parts do not decode: {e}", n)
+                break
+        if len(got) < 2 or got[0] is None or got[1] is None:
+            continue
+        (ra, fa), (rb, fb) = got
+        if not fa:
+            rep.add("error", "mtp_quant_stats", f"{name}: decodes to NaN or inf values (its first rows): corrupt "
+                    "codes or scales; the engine drafts garbage from it", name)
+        elif max(ra, rb) > RMS_RATIO * max(min(ra, rb), 1e-30) and max(ra, rb) > 0:
+            rep.add("warning", "mtp_quant_stats", f"{name}: RMS {ra:.3g} against {rb:.3g} for the trunk's {twin} "
+                    f"(over {RMS_RATIO:g}x apart, on the first rows of each): its bytes may not decode to the weights "
+                    "they were (a wrong scale or codec)", name)
+
+
+def _trunk_twins(ckpt: Checkpoint, m: MTPMatch, rels: list[str]) -> dict[str, str]:
+    """rel → the trunk's last decoder layer's tensor of that name (`model.layers.{L-1}.` + rel, `layers.{L-1}.`
+    + rel, ...): the highest-numbered non-MTP layer that stores it. One pass over the names."""
+    if not rels:
+        return {}
+    mtp = set(m.mtp_names)
+    ends = tuple("." + r for r in rels)
+    best: dict[str, tuple[int, str]] = {}
+    for name in ckpt.tensors:
+        if not name.endswith(ends) or name in mtp:
+            continue
+        rel = next(r for r in rels if name.endswith("." + r))
+        head = name[: -len(rel)]
+        idx = re.search(r"(\d+)\.$", head)
+        if idx and int(idx.group(1)) >= best.get(rel, (-1, ""))[0]:
+            best[rel] = (int(idx.group(1)), name)
+    return {rel: name for rel, (_, name) in best.items()}
+
+
+def _head_values(ckpt: Checkpoint, name: str) -> tuple[float, bool] | None:
+    """(RMS of the finite values, all finite) of a weight's first rows (about QUANT_STATS_ELEMENTS values),
+    decoded; None where that would mean reading more than QUANT_STATS_WHOLE values whole. RecycleError when the
+    codec refuses the stored parts (a corrupt or mislabelled packed tensor)."""
+    try:
+        t = _head(ckpt, name)
+    except (ValueError, RuntimeError, IndexError) as e:
+        raise RecycleError(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+    if t is None:
+        return None
+    a = np.asarray(t.detach().contiguous().numpy(), dtype=np.float64)  # numpy: torch's small ops wait on threads
+    ok = np.isfinite(a)
+    vals = a[ok]
+    return (float(np.sqrt(np.mean(vals * vals))) if vals.size else 0.0), bool(ok.all())
+
+
+def _head(ckpt: Checkpoint, name: str):
+    """A weight's first rows as float32: a row chunk of a float or FP8 weight; for a packed weight, the first rows
+    of each part that is cut by the weight's rows (its scalars whole), decoded by its codec; whole where the parts
+    are not cut by rows (AWQ/GPTQ's transposed words), or where the cut parts do not decode (then the whole tells)."""
+    import torch  # made here: headers alone need no torch
+
+    from recycle.quant import CODECS
+
+    p = ckpt.packed.get(name)
+    if p is None:
+        return next(iter(ckpt.iter_chunks(name, QUANT_STATS_ELEMENTS)))
+    lead = p.shape[0]
+    rows = max(1, min(lead, QUANT_STATS_ELEMENTS // max(1, math.prod(p.shape[1:]))))
+    infos = {role: ckpt.stored[part] for role, part in p.parts.items()}
+    cut = len(p.shape) >= 2 and rows < lead and all(
+        (i.shape and i.shape[0] == lead) or math.prod(i.shape) <= 1 for i in infos.values())
+    codec = CODECS.get(p.codec)
+    if cut:
+        parts = {role: _read_rows(ckpt, i, rows if i.shape and i.shape[0] == lead else None)
+                 for role, i in infos.items()}
+        try:
+            return codec.dequantize(parts, p._replace(shape=(rows, *p.shape[1:])), ckpt.quant_config, torch.float32)
+        except (RecycleError, ValueError, RuntimeError, IndexError):
+            pass  # decided on the whole weight below
+    if math.prod(p.shape) > QUANT_STATS_WHOLE:
+        return None
+    return ckpt.get(name, torch.float32)
+
+
+def _read_rows(ckpt: Checkpoint, info, rows: int | None):
+    """A stored tensor's first `rows` rows (all of it for None) as torch, read at its header offsets. e8m0 scales
+    come as their bytes (uint8), FP4 as bytes of two codes, as the codecs take them."""
+    import torch  # made here: headers alone need no torch
+
+    from recycle.checkpoint import ST_DTYPES
+
+    width, tname = ST_DTYPES[info.dtype]
+    shape = list(info.shape)
+    if rows is not None:
+        shape[0] = rows
+    if info.dtype == "F4":
+        tname, width = "uint8", 1
+        shape[-1] //= 2
+    elif info.dtype == "F8_E8M0":
+        tname = "uint8"
+    if tname is None:
+        raise RecycleError(f"{info.name}: recycle reads no {info.dtype} tensor")
+    span = ckpt.span(info.name)
+    size = int(math.prod(shape) * width)
+    with open(span.path, "rb", buffering=0) as f:
+        raw = os.pread(f.fileno(), size, span.start)
+    if len(raw) != size or size > span.nbytes:
+        raise RecycleError(f"{span.path}: ends inside {info.name} (truncated shard)")
+    return torch.frombuffer(bytearray(raw), dtype=getattr(torch, tname)).reshape(shape) if size else \
+        torch.empty(shape, dtype=getattr(torch, tname))
 
 
 STALE_TOLERANCE = 1e-3  # relative difference of sampled rows above which a copy is not the trunk's tensor
@@ -365,6 +727,7 @@ def inspect_checkpoint(
     if m.conflict:  # the tensors say one row, config.json another (or none): not taken without --family
         rep.add("error", "family_conflict", m.conflict.split(": ", 1)[1])
     _check_modules(ckpt, m, rep)
+    _check_quant_stats(ckpt, m, rep, stats)
     if stats:
         rep.stats = []
         todo = [(mod, n) for mod in m.modules for n in mod.names if not ckpt.tensors[n].is_scale]
@@ -375,7 +738,11 @@ def inspect_checkpoint(
         todo = [(mod, n) for mod, n in todo if n not in bad_scales and n + "_scale_inv" not in bad_scales]
         for i, (mod, name) in enumerate(todo):
             role = _role_of(mod, name)
-            st = _tensor_stats(ckpt, name, role, m.family.norm)
+            try:
+                st = _tensor_stats(ckpt, name, role, m.family.norm)
+            except (ValueError, RuntimeError, IndexError) as e:  # a codec's arithmetic on corrupt parts: one line
+                raise RecycleError(f"{name}: its stored parts do not decode ({type(e).__name__}: "
+                                   f"{str(e).splitlines()[0] if str(e) else ''})") from None
             rep.stats.append(st)
             if not st.finite:
                 rep.add("error", "nan_or_inf", f"{name} holds NaN or inf values", name)

@@ -5,6 +5,13 @@ library), never tensor data; tensors are read one at a time on demand. FP8 block
 (DeepSeek's convention: `W` float8_e4m3fn and `W_scale_inv` float32 of shape
 [ceil(M/b0), ceil(N/b1)], a *multiplier*) are dequantized on request (`recycle.quant`'s codec), wherever the
 scale is stored.
+
+Two views of the names: `stored` is every tensor as the files hold it; `tensors` is the model's weights, where a
+weight a quantized release packs into several tensors (NVFP4 codes + scales, AWQ `qweight`/`qzeros`/`scales`,
+gpt-oss `_blocks`/`_scales`, ...) is one entry under its logical name (`...q_proj.weight`, its logical shape,
+dtype the codec's tag, `is_packed`), found by the codecs registered in `recycle.quant.CODECS` from headers alone.
+`get` dequantizes it through its codec; `packed[name]` says which stored tensors it is made of. Block-FP8
+weights stay as stored in both views (the weight and its `_scale_inv`), as every caller has always read them.
 `span` gives a tensor's byte range in its shard, so stored bytes can be copied without a tensor.
 
 A checkpoint is untrusted input (a Hub download): every file it reads must lie inside its directory. A shard
@@ -16,6 +23,7 @@ exception is huggingface_hub's own cache, whose `snapshots/REV/` files link into
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import math
 import os
@@ -29,7 +37,7 @@ from safetensors import SafetensorError, safe_open
 
 from recycle.errors import RecycleError
 from recycle.preflight import checkpoint_dir, load_json
-from recycle.quant import SCALE_SUFFIX, dequantize_fp8, expected_scale_shape, scale_names
+from recycle.quant import CODECS, SCALE_SUFFIX, Packed, dequantize_fp8, expected_scale_shape, scale_names
 
 if TYPE_CHECKING:
     import torch
@@ -52,8 +60,8 @@ ST_DTYPES: dict[str, tuple[float, str | None]] = {
     "U16": (2, None),
     "U32": (4, None),
     "U64": (8, None),
-    "F8_E8M0": (1, None),
-    "F4": (0.5, None),
+    "F8_E8M0": (1, "float8_e8m0fnu"),  # MX block scales (DeepSeek-V4, gpt-oss): 2^(e-127)
+    "F4": (0.5, "float4_e2m1fn_x2"),  # e2m1 pairs; the header counts values, torch makes [.., n/2] pairs
     "F6_E2M3": (0.75, None),
     "F6_E3M2": (0.75, None),
     "F8_E4M3FNUZ": (1, "float8_e4m3fnuz"),
@@ -61,9 +69,16 @@ ST_DTYPES: dict[str, tuple[float, str | None]] = {
     "C64": (8, "complex64"),
 }
 FP8_DTYPES = frozenset({"F8_E4M3", "F8_E5M2"})
+# Every packed storage but compressed-tensors' FP8 (found by its config) has a part in one of these (int or u8
+# codes, FP4): a checkpoint with neither such a part nor a quantization config skips the codecs.
+PACKED_STORAGE = frozenset({"I32", "U8", "I8", "F4", "I16", "U32"})
 # The names users give (--dtype, --precision) → torch's (config.json's torch_dtype).
 TORCH_NAMES: dict[str, str] = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 INDEX_FILE = "model.safetensors.index.json"
+QUANT_CONFIG_FILE = "hf_quant_config.json"  # NVIDIA ModelOpt's exports declare their scheme here ("quantization")
+# Stored bits per element of a packed weight's codes, by codec tag (`TensorInfo.nbytes` of a folded weight:
+# its codes alone; `Checkpoint.nbytes` counts every stored part). Filled by `Checkpoint` from the codecs.
+PACKED_BITS: dict[str, float] = {}
 # Config keys that describe storage, not the computation (the runtime holds dequantized weights);
 # here, not in recycle.mtp, so converters need not import transformers.
 STORAGE_KEYS = ("quantization_config", "architectures", "auto_map", "torch_dtype", "dtype", "transformers_version")
@@ -102,11 +117,23 @@ class TensorInfo(NamedTuple):
 
     @property
     def nbytes(self) -> int:
+        if self.dtype in PACKED_BITS:
+            return math.ceil(self.numel * PACKED_BITS[self.dtype] / 8)
         return math.ceil(self.numel * ST_DTYPES[self.dtype][0])
 
     @property
     def is_fp8(self) -> bool:
         return self.dtype in FP8_DTYPES
+
+    @property
+    def is_packed(self) -> bool:
+        """A weight a quantized release stores as several tensors (`Checkpoint.packed`), read through its codec."""
+        return self.dtype in PACKED_BITS
+
+    @property
+    def quantized(self) -> bool:
+        """Stored values that need decoding (block FP8 or packed) before they mean anything."""
+        return self.dtype in FP8_DTYPES or self.dtype in PACKED_BITS
 
     @property
     def is_scale(self) -> bool:
@@ -189,7 +216,7 @@ class Checkpoint:
         self.family = family  # the family-table row the user named (`--family`); None: detected
         self.config: dict = checkpoint_dir(self.path)
         self.index: dict | None = None
-        self.tensors: dict[str, TensorInfo] = {}
+        self.stored: dict[str, TensorInfo] = {}  # every tensor as the files hold it
         self._handles: dict[str, object] = {}
         self._offsets: dict[str, dict[str, tuple[int, int]]] = {}  # file -> name -> (first byte, end), absolute
         self.files = self._shard_files()
@@ -197,6 +224,9 @@ class Checkpoint:
             self._read_header(file)
         if self.index is not None:
             self._check_index()
+        self.quant_config: dict = self._quant_config()
+        self.packed: dict[str, Packed] = {}  # logical weight -> its stored parts, for packed storages
+        self.tensors: dict[str, TensorInfo] = self._fold()  # the model's weights (see the module docstring)
 
     # -- layout -------------------------------------------------------------------------------
 
@@ -238,12 +268,54 @@ class Checkpoint:
                 self._handles[file] = handle
         return handle
 
+    def _quant_config(self) -> dict:
+        """The release's quantization config: config.json's `quantization_config` (or its text_config's), else
+        ModelOpt's `hf_quant_config.json` "quantization" section; {} when unquantized."""
+        q = self.config.get("quantization_config") or (self.config.get("text_config") or {}).get("quantization_config")
+        if not q and (self.path / QUANT_CONFIG_FILE).is_file():
+            q = load_json(self.path / QUANT_CONFIG_FILE, "ModelOpt quantization config").get("quantization")
+        if q is not None and not isinstance(q, dict):
+            raise RecycleError(f"{self.path}: quantization_config is {type(q).__name__}, not an object")
+        return dict(q or {})
+
+    def _fold(self) -> dict[str, TensorInfo]:
+        """`tensors`: the stored names with each codec's packed weights folded into one logical entry each."""
+        if not self.quant_config and not any(i.dtype in PACKED_STORAGE for i in self.stored.values()):
+            return self.stored  # unquantized: no codec can find a packed weight (each has an int, u8 or f4 part)
+        claimed: dict[str, str] = {}
+        collecting = gc.isenabled()
+        gc.disable()  # the codecs make one small record per packed weight (71k in DeepSeek-V4-Pro): a third of it is GC
+        try:
+            found = [(CODECS.get(n), CODECS.get(n).group(self.stored, self.quant_config)) for n in CODECS
+                     if getattr(CODECS.get(n), "fold", True)]
+        finally:
+            if collecting:
+                gc.enable()
+        for codec, packed in found:
+            for logical, p in packed.items():
+                for part in p.parts.values():
+                    if part in claimed:
+                        raise RecycleError(f"{self.path}: tensor {part} reads as part of both {claimed[part]} and "
+                                           f"{logical} ({p.codec}): an ambiguous quantized layout")
+                    claimed[part] = logical
+                PACKED_BITS.setdefault(p.tag, codec.bits_of(p.tag))
+                self.packed[logical] = p
+        if not self.packed:
+            return self.stored
+        out = {n: i for n, i in self.stored.items() if n not in claimed}
+        for logical, p in self.packed.items():
+            if logical in out:
+                raise RecycleError(f"{self.path}: {logical} is stored both as a tensor and packed ({p.codec})")
+            first = self.stored[next(iter(p.parts.values()))]
+            out[logical] = TensorInfo(logical, first.file, p.tag, tuple(p.shape))
+        return dict(sorted(out.items()))
+
     def _read_header(self, file: str) -> None:
         # safetensors parses and validates the header (truncated files, overlapping or bad offsets, unknown dtypes);
         # its parse gives names, dtypes and shapes, which costs less than parsing the JSON again here (DeepSeek-V4-Pro:
         # 145,109 tensors, 0.53 s against 0.85 s). Byte offsets are read when first asked for (`span`).
         handle = self._open(file, "numpy")
-        tensors = self.tensors
+        tensors = self.stored
         for name in handle.keys():  # sorted
             part = handle.get_slice(name)
             dtype = part.get_dtype()
@@ -256,7 +328,7 @@ class Checkpoint:
     def _check_index(self) -> None:
         weight_map: dict = self.index["weight_map"]  # type: ignore[index]
         for name, file in weight_map.items():
-            info = self.tensors.get(name)
+            info = self.stored.get(name)
             if info is None:
                 raise RecycleError(f"{self.path / INDEX_FILE}: maps {name} to {file}, which does not hold it")
             if info.file != file:
@@ -270,17 +342,20 @@ class Checkpoint:
         return sum((self.path / f).stat().st_size for f in self.files)
 
     def params(self, names: Iterable[str] | None = None) -> int:
-        """Parameter count (scale tensors excluded)."""
+        """Parameter count (scale tensors excluded; a packed weight counts its logical elements)."""
         infos = self.tensors.values() if names is None else (self.tensors[n] for n in names)
         return sum(i.numel for i in infos if not i.is_scale)
 
     def nbytes(self, names: Iterable[str] | None = None) -> int:
-        infos = self.tensors.values() if names is None else (self.tensors[n] for n in names)
-        return sum(i.nbytes for i in infos)
+        """Stored bytes of these weights (all by default), a packed weight's parts all counted."""
+        if names is None:
+            return sum(i.nbytes for i in self.stored.values())
+        return sum(sum(self.stored[p].nbytes for p in self.packed[n].parts.values()) if n in self.packed
+                   else self.tensors[n].nbytes for n in names)
 
     def scale_for(self, name: str) -> TensorInfo | None:
         """The block scale of an FP8 weight, whichever shard holds it (`W_scale_inv`, or DeepSeek's native `P.scale`)."""
-        return next((self.tensors[s] for s in scale_names(name) if s in self.tensors), None)
+        return next((self.stored[s] for s in scale_names(name) if s in self.stored), None)
 
     def block_size(self) -> tuple[int, int]:
         q = self.config.get("quantization_config") or {}
@@ -290,8 +365,8 @@ class Checkpoint:
     # -- data ---------------------------------------------------------------------------------
 
     def raw(self, name: str) -> torch.Tensor:
-        """The tensor exactly as stored."""
-        info = self.tensors.get(name)
+        """The tensor exactly as stored (a stored name: `stored`, not a packed weight's logical name)."""
+        info = self.stored.get(name)
         if info is None:
             raise RecycleError(f"{self.path}: no tensor named {name}")
         if ST_DTYPES[info.dtype][1] is None:
@@ -303,7 +378,7 @@ class Checkpoint:
 
     def span(self, name: str) -> Span:
         """The byte range of a tensor's stored data in its shard (header offsets, no tensor made)."""
-        info = self.tensors.get(name)
+        info = self.stored.get(name)
         if info is None:
             raise RecycleError(f"{self.path}: no tensor named {name}")
         if info.file not in self._offsets:
@@ -312,18 +387,24 @@ class Checkpoint:
         return Span(self.path / info.file, start, end - start)
 
     def spans(self, name: str) -> tuple[Span, ...]:
-        """Every byte range `get(name)` reads: the tensor's, and its scale's when FP8."""
+        """Every byte range `get(name)` reads: the tensor's, and its scale's when FP8; a packed weight's parts."""
+        if name in self.packed:
+            return tuple(self.span(p) for p in self.packed[name].parts.values())
         scale = self.scale_for(name) if self.tensors[name].is_fp8 else None
         return (self.span(name),) + ((self.span(scale.name),) if scale is not None else ())
 
     def get(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """The tensor's values: FP8 weights dequantized block-wise with their `_scale_inv` (to `dtype`,
-        bfloat16 by default)."""
+        """The tensor's values: FP8 weights dequantized block-wise with their `_scale_inv`, packed weights through
+        their codec (to `dtype`, bfloat16 by default)."""
         import torch  # made here: headers alone need no torch
 
         info = self.tensors.get(name)
         if info is None:
             raise RecycleError(f"{self.path}: no tensor named {name}")
+        if name in self.packed:
+            p = self.packed[name]
+            parts = {role: self.raw(stored) for role, stored in p.parts.items()}
+            return CODECS.get(p.codec).dequantize(parts, p, self.quant_config, dtype or torch.bfloat16)
         t = self.raw(name)
         if info.is_fp8:
             scale = self.scale_for(name)
@@ -336,7 +417,7 @@ class Checkpoint:
         """`n` evenly spaced rows of a 2-D tensor as float32 (None for FP8: their values need the scale's blocks):
         enough to tell two copies of an embedding apart without reading either. Read as bytes at the header's
         offsets and widened with numpy (BF16 is the top half of a float32), so no torch is imported."""
-        info = self.tensors.get(name)
+        info = self.stored.get(name)
         if info is None or info.is_fp8 or len(info.shape) != 2 or info.dtype not in ("F32", "F16", "BF16"):
             return None
         span = self.span(name)
@@ -363,6 +444,9 @@ class Checkpoint:
         if len(info.shape) < 2 or info.numel <= max_elements:
             yield self.get(name, torch.float32)
             return
+        if name in self.packed:  # one leading slice (an expert of a fused [E, out, in] weight) at a time
+            yield from self._packed_chunks(self.packed[name])
+            return
         rows = info.shape[0]
         step = max(1, max_elements // max(1, info.numel // rows))
         scale = None
@@ -384,6 +468,20 @@ class Checkpoint:
                 yield dequantize_fp8(chunk, s, block)
             else:
                 yield chunk.float()
+
+
+    def _packed_chunks(self, p: Packed) -> Iterable[torch.Tensor]:
+        import torch  # made here: headers alone need no torch
+
+        codec = CODECS.get(p.codec)
+        parts = {role: self.raw(stored) for role, stored in p.parts.items()}
+        lead = p.shape[0]
+        if len(p.shape) < 3 or any(t.dim() == 0 or t.shape[0] != lead for t in parts.values()):
+            yield codec.dequantize(parts, p, self.quant_config, torch.float32)
+            return
+        one = p._replace(shape=tuple(p.shape[1:]))
+        for i in range(lead):
+            yield codec.dequantize({r: t[i] for r, t in parts.items()}, one, self.quant_config, torch.float32)
 
 
 def read_header(path: Path) -> tuple[dict, int]:

@@ -396,9 +396,12 @@ class StitchOptions:
     target: str = cli(TARGET, old=Old(None, OLD_TARGET.format("a second argument")))
     out: str = cli(OUTPUT)
     overwrite: bool = cli(OVERWRITE, False)
-    mtp_dtype: str = opt("--mtp-dtype", help="Into a quantized target: auto writes the MTP weights in its scheme "
-                         "(block FP8: re-quantized, fresh scales); bf16 keeps them BF16 and adds them to its ignore "
-                         "list.", choices=("auto", "bf16"), default="auto")
+    mtp_dtype: str = opt("--mtp-dtype", help="Into a quantized target: auto writes the MTP weights as the engines "
+                         "expect for its scheme (the target's own MTP storage where it has one; block FP8 re-quantized "
+                         "with fresh scales; NVFP4/MXFP4/compressed-tensors through their codecs; else BF16 with the "
+                         "scheme's ignore entry); bf16 keeps them BF16 and adds them to the scheme's ignore list "
+                         "(ignore, exclude_modules, ignored_layers, modules_to_not_convert, GPTQ dynamic).",
+                         choices=("auto", "bf16"), default="auto")
     max_shard_size: int | str | None = cli(MAX_SHARD_SIZE, DEFAULT_SHARD_SIZE)  # the stitched MTP file's shards
 
     def inputs(self) -> tuple[str | None, ...]:

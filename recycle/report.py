@@ -373,12 +373,14 @@ def render_inspect(data: dict, show_all: bool = False) -> None:
 
 def render_findings(findings: list[dict]) -> None:
     if findings:
+        from rich.markup import escape  # messages quote shapes ("[out, in/2]"), which rich would take for markup
+
         f = table("findings")
         for col in ("severity", "code", "message"):
             f.add_column(col, overflow="fold")
         for fd in findings:
             style = SEVERITY_STYLE.get(fd["severity"], "")
-            f.add_row(f"[{style}]{fd['severity']}[/{style}]", fd["code"], fd["message"])
+            f.add_row(f"[{style}]{fd['severity']}[/{style}]", fd["code"], escape(fd["message"]))
         out.print(f)
     else:
         out.print("[green]no findings[/green]")
@@ -660,9 +662,11 @@ def render_stitch(data: dict) -> None:
                   f"({', '.join(sorted(set(data['copies_from_target'].values())))})[/dim]")
     q = data.get("quantization")
     if q:  # the target is quantized: say what the MTP weights were written as, and what that cost
-        how = (f"{q['requantized']} weights re-quantized into its blocks (max relative error {q['max_rel_error']:.1%})"
-               if q.get("requantized") else "the MTP weights kept as stored")
-        ignored = f"; {len(q['ignored_added'])} ignore entries added" if q.get("ignored_added") else ""
+        how = (f"{q['requantized']} weights re-quantized in its scheme (max relative error {q['max_rel_error']:.1%})"
+               if q.get("requantized") else "no weight re-quantized")
+        keys = ", ".join(q.get("ignore_keys") or {})  # where the entries went (every scheme but block FP8 says)
+        ignored = (f"; {len(q['ignored_added'])} ignore entries added" + (f" ({keys})" if keys else "")
+                   if q.get("ignored_added") else "")
         out.print(f"target quantization {q['target']}, --mtp-dtype {q['mtp_dtype']}: {how}{ignored}")
 
 

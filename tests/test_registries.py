@@ -13,6 +13,8 @@ from recycle.errors import RecycleError
 from recycle.families import FAMILIES
 from recycle.formats import FORMATS, DrafterFormat
 from recycle.formats.record import HOOKS
+from recycle.quant.schemes import HOOKS as SCHEME_HOOKS
+from recycle.quant.schemes import SCHEMES
 
 # hook → (owning module, its registry, the hook's signature there: a Protocol, or the base class of a class hook)
 OWNERS = {
@@ -106,3 +108,41 @@ def test_every_runtime_belongs_to_a_row_naming_it() -> None:
     assert set(RUNTIMES.names()) == named
     with pytest.raises(RecycleError, match="recycle has no MTP runtime for it"):
         RUNTIMES.get("nope")
+
+
+# -- scheme records (recycle/quant/schemes.py): the engine ignore rule each names, the storage codecs it uses -------
+
+SCHEME_OWNERS = {"ignore_rule": ("recycle.quant.schemes", "IGNORE_RULES", "IgnoreRule")}
+SCHEME_DECLARED = [(s.name, hook) for s in SCHEMES for hook in sorted(s.hooks)]
+SCHEME_CODECS = [(s.name, codec) for s in SCHEMES for codec in s.codecs]
+
+
+def test_every_scheme_hook_has_an_owner() -> None:
+    assert set(SCHEME_OWNERS) == set(SCHEME_HOOKS)
+
+
+@pytest.mark.parametrize(("name", "hook"), SCHEME_DECLARED, ids=[f"{n}-{h}" for n, h in SCHEME_DECLARED])
+def test_every_scheme_hook_resolves(name: str, hook: str) -> None:
+    module, registry, signature = SCHEME_OWNERS[hook]
+    mod = importlib.import_module(module)
+    obj = getattr(mod, registry).get(name)
+    assert callable(obj), obj
+    params = list(inspect.signature(getattr(mod, signature).__call__).parameters.values())[1:]  # without self
+    inspect.signature(obj).bind(*[object()] * len(params))
+
+
+@pytest.mark.parametrize("hook", SCHEME_HOOKS)
+def test_every_scheme_rule_belongs_to_a_record_declaring_it(hook: str) -> None:
+    module, registry, _ = SCHEME_OWNERS[hook]
+    by_name = {s.name: s for s in SCHEMES}
+    for name in getattr(importlib.import_module(module), registry).names():
+        assert name in by_name and hook in by_name[name].hooks, f"{registry} has '{name}', whose record lacks {hook}"
+
+
+@pytest.mark.parametrize(("name", "codec"), SCHEME_CODECS, ids=[f"{n}-{c}" for n, c in SCHEME_CODECS])
+def test_every_scheme_codec_is_registered(name: str, codec: str) -> None:
+    import recycle.quant  # importing the package registers every codec
+    from recycle.quant.codec import Codec
+
+    obj = recycle.quant.CODECS.get(codec, name)
+    assert isinstance(obj, Codec) and obj.name == codec, obj

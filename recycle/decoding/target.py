@@ -51,7 +51,7 @@ def load_target(
 
                 ckpt = Checkpoint(path)
                 model = load_causal_lm(ckpt, match(ckpt, layout), dtype, attn)
-            elif _block_fp8(path):
+            elif _quantized(path):
                 model = _load_dequantized(path, dtype, attn)
             else:
                 model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn)
@@ -63,24 +63,35 @@ def load_target(
     return model.to(device).eval()
 
 
-def _block_fp8(path: Path) -> bool:
+def _quantized(path: Path) -> bool:
+    """Whether the release declares a quantization (config.json, or ModelOpt's hf_quant_config.json)."""
+    from recycle.checkpoint import QUANT_CONFIG_FILE
     from recycle.preflight import load_json
-    from recycle.quant import scheme
 
-    return scheme(load_json(path / "config.json", "config.json"), str(path)) is not None
+    config = load_json(path / "config.json", "config.json")
+    return bool(config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config")
+                or (path / QUANT_CONFIG_FILE).is_file())
 
 
 def _load_dequantized(path: Path, dtype: torch.dtype, attn: str) -> nn.Module:
-    """A block-FP8 target (DeepSeek-V3's release layout) with its weights dequantized by recycle's reader: the
-    values an FP8 engine computes with, at `dtype`. transformers' own FP8 path needs a GPU (on a CPU it dequantizes
-    too, but refuses a weight whose rows are not a whole number of blocks, such as DeepSeek's 576-row kv_a_proj);
-    the checkpoint's names reach the model through transformers' own conversion mapping (per-expert → fused)."""
+    """A quantized target (block FP8 as DeepSeek-V3 ships; NVFP4, MXFP4, compressed-tensors, AWQ, GPTQ through their
+    codecs) with its weights dequantized by recycle's reader: the weights a quantized engine computes with, at
+    `dtype` (activations are not quantized here: for W4A4/W8A8 schemes that is the one difference). transformers'
+    own quantized paths need a GPU or a kernel package (its FP8 path on a CPU also refuses a weight whose rows are
+    not a whole number of blocks, such as DeepSeek's 576-row kv_a_proj); the checkpoint's names reach the model
+    through transformers' own conversion mapping (per-expert → fused). A stored integer or packed tensor that no
+    codec reads is refused in one line: loading it as a float would be a silently wrong teacher."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from recycle.checkpoint import Checkpoint
     from recycle.mtp import to_runtime_layout
 
     ckpt = Checkpoint(path)
+    odd = next((n for n, i in ckpt.tensors.items() if not i.quantized and i.dtype not in ("F32", "F16", "BF16")
+                and not i.is_scale), None)
+    if odd is not None:
+        raise RecycleError(f"{path}: {odd} is stored as {ckpt.tensors[odd].dtype}, which no codec recycle knows reads "
+                           f"(quantization {ckpt.quant_config.get('quant_method') or ckpt.quant_config.get('quant_algo')!r})")
     cfg = {k: v for k, v in ckpt.config.items() if k != "quantization_config"}
     config = AutoConfig.for_model(**cfg)
     config._attn_implementation = attn
@@ -91,7 +102,8 @@ def _load_dequantized(path: Path, dtype: torch.dtype, attn: str) -> nn.Module:
     missing, _ = model.load_state_dict({k: v for k, v in state.items() if k in want}, strict=False)
     missing = [k for k in missing if k not in (getattr(model, "_tied_weights_keys", None) or ())]
     if missing:
-        raise RecycleError(f"{path}: the FP8 checkpoint does not fill {type(model).__name__} (missing {missing[:3]})")
+        raise RecycleError(f"{path}: the quantized checkpoint does not fill {type(model).__name__} "
+                           f"(missing {missing[:3]})")
     return model.to(dtype)
 
 

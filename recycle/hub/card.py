@@ -357,7 +357,8 @@ def build_card(drafter: Drafter, repo: str, base_model: str | None = None, licen
     if kind != "drafter":
         unit = "prediction heads" if kind == "parallel_heads" else "MTP modules"
         body.append(f"| {unit} | {src.get('modules', '?')} stored / {src.get('declared', '?')} declared"
-                    f"{', FP8 (dequantized)' if src.get('fp8') else ''} |")
+                    f"{', FP8 (dequantized)' if src.get('fp8') else ''}"
+                    f"{''.join(f', {tag} (dequantized)' for tag in src.get('packed') or ())} |")
     body += [f"| made with | recycle {rec.get('recycle_version', '?')}, {rec.get('created', '?')} |", ""]
     body += _getting_it(drafter, repo)
     if drafter.bench:

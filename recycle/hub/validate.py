@@ -91,7 +91,7 @@ def _check_mapping(d: Path, record: dict, ckpts: dict[str, Checkpoint], st_files
         if f not in planned:
             raise RecycleError(f"{d / f}: not in recycle.json's mapping table; remove it or re-run recycle convert")
         sub, name = str(PurePosixPath(f).parent), PurePosixPath(f).name
-        stored = {i.name: (i.shape, i.dtype) for i in ckpts[sub].tensors.values() if i.file == name}
+        stored = {i.name: (i.shape, i.dtype) for i in ckpts[sub].stored.values() if i.file == name}
         want = planned[f]
         missing, extra = sorted(set(want) - set(stored)), sorted(set(stored) - set(want))
         if missing:

@@ -86,23 +86,17 @@ def mtp_types_from_ratios(config: PretrainedConfig, raw: Mapping, base: int) -> 
 
 
 def refuse_unreadable(ckpt: Checkpoint, m: MTPMatch, modules: list) -> None:
-    """One line for what recycle cannot dequantize in these modules (DeepSeek-V4 releases: FP4 routed experts,
-    FP8 with e8m0 block scales): the runtime must not run on bytes it would misread."""
+    """One line for FP4 codes in these modules that no storage codec reads: DeepSeek-V4's routed experts are read
+    (`Checkpoint.get` through `recycle.quant.fp4`'s `mxfp4_native`: I8 pairs with an e8m0 `.scale` per 32 inputs),
+    and so are its FP8 weights with e8m0 block scales (`dequantize_fp8`); FP4 codes left unfolded (no `.scale`
+    beside them) would be read as integers, so the runtime must not run on them."""
     for mod in modules:
         for name in mod.names:
             info = ckpt.tensors[name]
             if info.dtype in FP4_STORAGE:
-                raise RecycleError(f"{ckpt.path}: MTP module {mod.index} stores its routed experts in FP4 (MXFP4: e2m1 "
-                                   f"pairs in {info.dtype} with e8m0 scales, e.g. {name}), which recycle cannot "
-                                   "dequantize yet; run it from a BF16 copy of the release")
-    for mod in modules:
-        for name in mod.names:
-            info = ckpt.tensors[name]
-            scale = ckpt.scale_for(name) if info.is_fp8 else None
-            if scale is not None and scale.dtype == "F8_E8M0":
-                raise RecycleError(f"{ckpt.path}: MTP module {mod.index} stores FP8 weights with e8m0 block scales "
-                                   f"({scale.name}), which recycle cannot dequantize yet; run it from a BF16 copy "
-                                   "of the release")
+                raise RecycleError(f"{ckpt.path}: MTP module {mod.index} stores {name} as {info.dtype} with no e8m0 "
+                                   "scale beside it (FP4 experts need `.scale` F8_E8M0 per 32 inputs), which recycle "
+                                   "cannot dequantize; run it from a BF16 copy of the release")
 
 
 @RUNTIMES.register("deepseek_v4")

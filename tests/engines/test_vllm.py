@@ -81,3 +81,202 @@ def test_a_stitched_fp8_target_runs_in_vllm_or_is_refused_for_its_cpu(tmp_path):
         assert FP8_NO_AMX in res["plain"]["error"], res["plain"]["error"]
         return
     assert eagle["out"] and res["mtp"]["tokens"] == res["plain"]["tokens"]
+
+
+# Issue 48: the quantized builds made by the real tools (fixtures/quant, docs/fixtures.md), on vLLM 0.32's CPU build.
+QUANT = ROOT / "fixtures" / "quant"
+
+# vLLM 0.32's Qwen3.5 module imports qwen3_vl.py, which imports transformers' Qwen2-VL image processor, which imports
+# torchvision at module level; the CPU venv has none (docs/engines.md, "Qwen3.5"). An import-only stand-in on
+# PYTHONPATH gets the text model past that import; anything that calls into it raises.
+TORCHVISION_STAND_IN = '''
+"""Import-only stand-in for torchvision: recycle's Qwen3.5 checks import vLLM's qwen3_5.py; nothing here runs."""
+__version__ = "0.0.0"
+
+
+class _Absent:
+    def __getattr__(self, name):
+        return _Absent()
+
+    def __call__(self, *args, **kwargs):
+        raise RuntimeError("torchvision is not installed (import-only stand-in)")
+
+
+def __getattr__(name):
+    if name.startswith("__"):
+        raise AttributeError(name)
+    return _Absent()
+'''
+
+
+def torchvision_stand_in(root):
+    for sub in ("", "transforms", "transforms/v2", "io"):
+        (root / "torchvision" / sub).mkdir(parents=True, exist_ok=True)
+        (root / "torchvision" / sub / "__init__.py").write_text(TORCHVISION_STAND_IN, encoding="utf-8")
+    for module in ("transforms/functional.py", "transforms/v2/functional.py"):
+        (root / "torchvision" / module).write_text(TORCHVISION_STAND_IN, encoding="utf-8")
+    return {"PYTHONPATH": str(root)}
+
+
+# vLLM 0.32's CPU Gated DeltaNet kernels (`torch.ops._C.chunk_gated_delta_rule_cpu`, called from
+# `model_executor/layers/mamba/ops/cpu/gdn_attention.py:339-351`) take linear-attention head dims 64 and 128 only;
+# the Qwen3.5 fixture's `linear_key_head_dim` is 32. Its GDN path also asserts bf16 (`gdn_attention.py:158`).
+GDN_HEAD_DIM = "RuntimeError: Unexpected head dim size, 32"
+
+# Loads the target with method mtp in vLLM's venv (engine core in-process), stops once the model runner has loaded
+# the target and the drafter (before the first forward), and prints what vLLM built for each Linear: its quant
+# method, scheme, weight dtype and the range of its `weight_scale`.
+LOAD_PROBE = '''
+import json, sys
+from vllm import LLM
+from vllm.v1.worker import cpu_model_runner
+
+held = {}
+load = cpu_model_runner.CPUModelRunner.load_model
+
+
+def load_then_stop(self, *args, **kwargs):
+    load(self, *args, **kwargs)
+    held["runner"] = self
+    raise RuntimeError("loaded; stopping before the first forward")
+
+
+cpu_model_runner.CPUModelRunner.load_model = load_then_stop
+try:
+    LLM(model=sys.argv[1], skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16", max_model_len=256, seed=0,
+        gpu_memory_utilization=0.3, compilation_config={"custom_ops": ["all", "-rotary_embedding"]},
+        speculative_config={"method": "mtp", "num_speculative_tokens": 1})
+    error = None
+except Exception as e:
+    error = type(e).__name__ + ": " + " ".join(str(e).split())[:600]
+out = {"error": None if "runner" in held else error, "target": {}, "mtp": {}}
+if "runner" in held:
+    for part, model in (("target", held["runner"].model), ("mtp", held["runner"].drafter.model)):
+        for name, mod in model.named_modules():
+            if getattr(mod, "quant_method", None) is None or not hasattr(mod, "weight"):
+                continue
+            scale = getattr(mod, "weight_scale", None)
+            out[part][name] = {"method": type(mod.quant_method).__name__,
+                               "scheme": type(getattr(mod, "scheme", None)).__name__,
+                               "dtype": str(mod.weight.dtype),
+                               "scale": None if scale is None else [float(scale.min()), float(scale.max())]}
+print("LOADED " + json.dumps(out))
+'''
+
+
+def vllm_built(target, stand_in_root) -> dict:
+    """What vLLM 0.32 creates for each Linear of `target` served with method mtp (the loader, no forward)."""
+    import json
+    import os
+
+    from recycle.engines.vllm_env import vllm_python
+
+    from tests.helpers import run
+
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "WARNING",
+           **torchvision_stand_in(stand_in_root)}
+    res = run([str(vllm_python()), "-c", LOAD_PROBE, str(target)], timeout=400, capture_output=True, text=True,
+              env=env)
+    lines = [ln for ln in res.stdout.splitlines() if ln.startswith("LOADED ")]
+    assert lines, (res.stdout + res.stderr)[-3000:]
+    return json.loads(lines[-1][len("LOADED "):])
+
+
+def test_qwen3_5_fp8_build_with_mtp_in_vllm_or_its_cpu_refusal(tmp_path):
+    """llm-compressor's FP8-dynamic Qwen3.5 build (MTP BF16 under `re:^mtp.*`), method mtp, bf16: lossless and its
+    k=1 acceptance as `recycle bench --tree chain:1 --native` on the same target (within 2%, the interop rows'
+    tolerance), or, on vLLM 0.32's CPU build, its Gated DeltaNet kernel's refusal of the fixture's head dim 32."""
+    from transformers import AutoTokenizer
+
+    from recycle.engines.vllm_env import run_job
+    from recycle.prompts import prompt_set
+
+    from tests.engines.interop import _recycle_chain1
+
+    target = QUANT / "qwen3_5_fp8_dynamic_llmc"
+    ps = prompt_set("stdlib", 3)
+    tok = AutoTokenizer.from_pretrained(target)
+    ids = [tok(p, add_special_tokens=False)["input_ids"] for _, p in ps]
+    res = run_job({"target": str(target), "prompt_ids": ids, "max_new_tokens": 24, "dtype": "bfloat16",
+                   "runs": [{"name": "plain"}, {"name": "mtp", "speculative_config": {"method": "mtp",
+                                                                                     "num_speculative_tokens": 1}}]},
+                  env=torchvision_stand_in(tmp_path / "stand_in"))
+    if "error" in res["plain"]:
+        assert res["plain"]["error"].startswith(GDN_HEAD_DIM), res["plain"]["error"]
+        return
+    assert res["mtp"]["tokens"] == res["plain"]["tokens"], res["mtp"]
+    accepted, drafts = sum(res["mtp"]["accepted_per_pos"]), res["mtp"]["drafts"]
+    ours, tried = _recycle_chain1(target, None, ps, 24)
+    assert (accepted, drafts) == (ours, tried) or abs(accepted / drafts - ours / tried) <= 0.02 * ours / tried, \
+        (accepted, drafts, ours, tried)
+
+
+def test_vllm_builds_the_qwen3_5_fp8_mtp_as_recycles_audit_predicts(tmp_path):
+    """vLLM 0.32's loader on the FP8-dynamic build and on its `mtp_bf16_no_ignore` copy: as built, the trunk's Linears
+    are FP8 per-channel (`CompressedTensorsW8A8Fp8`, positive scales) and the MTP's unquantized (the `re:^mtp.*`
+    ignore entry); without the ignore entry vLLM loads with no error, builds every MTP Linear FP8, and its
+    `weight_scale` keeps the fill `create_fp8_scale_parameter` gives it (float32 min, `quantization/utils/
+    fp8_utils.py:1434-1435`): the checkpoint has no scale for it, and the loader's missing-weight check is off for
+    quantized models (`model_loader/default_loader.py:505-518`). That is what `recycle inspect` says of the copy."""
+    import torch
+
+    from recycle.audit import inspect_checkpoint
+
+    from fixtures.quant_broken import make
+
+    fp8_min = torch.finfo(torch.float32).min
+    built = vllm_built(QUANT / "qwen3_5_fp8_dynamic_llmc", tmp_path / "stand_in")
+    assert built["error"] is None, built["error"]
+    trunk = {k: v for k, v in built["target"].items() if ".layers." in k and not k.endswith("conv1d")}
+    assert trunk and all(v["scheme"] == "CompressedTensorsW8A8Fp8" and v["dtype"] == "torch.float8_e4m3fn"
+                         and 0 < v["scale"][0] <= v["scale"][1] < 1 for v in trunk.values()), trunk
+    assert len(built["mtp"]) == 5 and all(v["method"] == "UnquantizedLinearMethod" and v["dtype"] == "torch.bfloat16"
+                                          for v in built["mtp"].values()), built["mtp"]
+
+    broken = make("qwen3_5_fp8_dynamic_llmc", "mtp_bf16_no_ignore", tmp_path / "no_ignore")
+    built = vllm_built(broken, tmp_path / "stand_in")
+    assert built["error"] is None, built["error"]
+    assert len(built["mtp"]) == 5 and all(v["scheme"] == "CompressedTensorsW8A8Fp8"
+                                          and v["dtype"] == "torch.float8_e4m3fn" and v["scale"] == [fp8_min, fp8_min]
+                                          for v in built["mtp"].values()), built["mtp"]
+    said = [f for f in inspect_checkpoint(broken).findings if f.code == "mtp_quant_differs"]
+    assert said and all(f.severity == "error" for f in said)
+    assert {f.tensor for f in said} >= {"mtp.fc.weight"} and any("without its scale" in f.message for f in said), said
+
+
+# What vLLM 0.32's CPU build says to each DeepSeek-V3 build made by the real tools, in bf16 (the first Linear it cannot
+# create, before any MoE or MTP question): (the sentence, the reason that decides it).
+DS_REFUSALS = {
+    # CPUWNA16 needs output sizes in multiples of 32; the fixture's dense MLP gate_up is 2 x 344 = 688
+    "ds_v3_w4a16_llmc": ("ValueError: Failed to find a kernel that can implement the WNA16 linear layer.",
+                         "Output size (688) not supported by CPUWNA16, supported sizes are multiples of 32"),
+    "ds_v3_nvfp4a16_llmc": ("ValueError: Forced NVFP4 kernel MarlinNvFp4LinearKernel is not supported:",
+                            "Marlin FP4 not available"),
+    "ds_v3_nvfp4_modelopt": ("ValueError: Failed to find a kernel that can implement the NVFP4 linear layer.",
+                             "Reasons:"),
+}
+
+
+@pytest.mark.parametrize("build", sorted(DS_REFUSALS))
+def test_deepseek_quantized_builds_run_in_vllm_or_are_refused_for_its_cpu(build):
+    """Each DeepSeek-V3 build (MTP dropped by the tool) with method mtp, bf16: lossless if vLLM loads it, else exactly
+    the refusal docs/engines.md records for it."""
+    from transformers import AutoTokenizer
+
+    from recycle.engines.vllm_env import run_job
+    from recycle.prompts import prompt_set
+
+    target = QUANT / build
+    ps = prompt_set("stdlib", 2)
+    tok = AutoTokenizer.from_pretrained(target)
+    ids = [tok(p, add_special_tokens=False)["input_ids"] for _, p in ps]
+    res = run_job({"target": str(target), "prompt_ids": ids, "max_new_tokens": 16, "dtype": "bfloat16",
+                   "runs": [{"name": "plain"}, {"name": "mtp", "speculative_config": {"method": "mtp",
+                                                                                     "num_speculative_tokens": 1}}]})
+    if "error" in res["plain"]:
+        sentence, reason = DS_REFUSALS[build]
+        error = res["plain"]["error"]
+        assert error.startswith(sentence) and reason in error, error
+        assert sentence in (ROOT / "docs" / "engines.md").read_text(encoding="utf-8"), sentence
+        return
+    assert "error" not in res["mtp"] and res["mtp"]["tokens"] == res["plain"]["tokens"], res["mtp"]

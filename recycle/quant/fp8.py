@@ -32,11 +32,12 @@ import math
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from recycle.errors import RecycleError
+from recycle.quant.codec import CODECS, Codec, Packed
 
 if TYPE_CHECKING:
     import torch
@@ -169,9 +170,39 @@ def fp8_table(dtype: torch.dtype) -> np.ndarray:
     return _FP8_TABLES[dtype]
 
 
+# e8m0 (OCP MX's shared exponent; DeepSeek-V4's `scale_fmt: ue8m0` block scales): code s is 2^(s - 127), 255 is NaN
+E8M0_TABLE = np.append(np.ldexp(np.ones(255), np.arange(255) - 127), np.nan).astype(np.float32)
+E8M0_NAN = 255
+
+
+def e8m0_bytes(scale: torch.Tensor) -> np.ndarray | None:
+    """The codes of an e8m0 scale (torch's float8_e8m0fnu, as safetensors gives `F8_E8M0`, or its raw bytes as
+    uint8) as a uint8 array; None for a scale of another dtype. A NaN code is a corrupt scale: one line."""
+    import torch  # made here: headers alone need no torch
+
+    if scale.dtype not in (torch.uint8, torch.float8_e8m0fnu):
+        return None
+    raw = scale.contiguous().view(torch.uint8).numpy()
+    if raw.size and int(raw.max()) == E8M0_NAN:
+        at = np.unravel_index(int(np.argmax(raw == E8M0_NAN)), raw.shape)
+        raise RecycleError(f"e8m0 scale {list(scale.shape)} holds the NaN code 255 at {[int(i) for i in at]} "
+                           "(a corrupt scale)")
+    return raw
+
+
+def scale_values(scale: torch.Tensor) -> torch.Tensor:
+    """A block scale as float32 multipliers: a float scale as stored, an e8m0 one (`e8m0_bytes`) as 2^(s - 127)."""
+    import torch  # made here: headers alone need no torch
+
+    raw = e8m0_bytes(scale)
+    return scale.float() if raw is None else torch.from_numpy(E8M0_TABLE[raw])
+
+
 def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = (128, 128),
                    dtype: torch.dtype | None = None) -> torch.Tensor:
     """`W[i, j] * S[i // b0, j // b1]` in float32, rounded once to `dtype` (the scale multiplies, despite its name).
+    The scale is float32 (`weight_scale_inv`) or e8m0 (DeepSeek-V4's `.scale`, `F8_E8M0`: float8_e8m0fnu or its
+    bytes as uint8), whose multiplier is 2^(s - 127), exact in float32.
 
     Goes a few rows at a time: codes → float32 by a 256-entry table lookup (np.take, ~5× faster
     than torch's FP8 cast), times the rows' scale row, cast into the output. No float32 copy of
@@ -188,7 +219,7 @@ def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[i
         raise RecycleError(f"FP8 scale has shape {list(scale_inv.shape)}, expected {[bm, bn]} for weight {[m, n]}")
     table = fp8_table(weight.dtype)
     codes = weight.contiguous().view(torch.uint8).numpy()
-    scale_cols = scale_inv.float().repeat_interleave(block[1], dim=1)[:, :n]  # [bm, n]: one scale row per row block
+    scale_cols = scale_values(scale_inv).repeat_interleave(block[1], dim=1)[:, :n]  # [bm, n]: a scale row per row block
     out = torch.empty((m, n), dtype=dtype)
     rows = _chunk_rows(n, block[0])
     buf = None if dtype == torch.float32 else np.empty((min(rows, m), n), np.float32)
@@ -238,3 +269,36 @@ def quantize_fp8(weight: torch.Tensor, block: tuple[int, int] = (128, 128)) -> t
     scale = amax / torch.finfo(torch.float8_e4m3fn).max
     q = (tiles / scale[:, None, :, None]).view(bm * block[0], bn * block[1])[:m, :n]
     return q.to(torch.float8_e4m3fn), scale.float()
+
+
+class BlockFP8Codec(Codec):
+    """DeepSeek's block FP8 as a storage codec: `W` e4m3 with `W_scale_inv` (or native `P.scale`) per block. The
+    reader keeps these weights as stored (`fold = False`: every caller reads `W` and its scale by name); the
+    codec is what the audit and the writers ask about them."""
+
+    name, tag, bits, fold = "fp8_block", "F8_E4M3", 8.0, False
+
+    def group(self, stored: Mapping[str, Any], config: Mapping) -> dict[str, Packed]:
+        out = {}
+        for name, info in stored.items():
+            if info.dtype in ("F8_E4M3", "F8_E5M2") and len(info.shape) == 2:
+                scale = next((s for s in scale_names(name) if s in stored), None)
+                if scale is not None:
+                    out[name] = Packed(name, self.name, info.dtype, tuple(info.shape), {"codes": name, "scale": scale})
+        return out
+
+    def dequantize(self, parts: Mapping[str, torch.Tensor], packed: Packed, config: Mapping,
+                   dtype: torch.dtype) -> torch.Tensor:
+        return dequantize_fp8(parts["codes"], parts["scale"], _block(config), dtype)
+
+    def quantize(self, weight: torch.Tensor, name: str, config: Mapping) -> dict[str, torch.Tensor]:
+        q, scale = quantize_fp8(weight, _block(config))
+        return {name: q, scale_name(name): scale}
+
+
+def _block(config: Mapping) -> tuple[int, int]:
+    b = config.get("weight_block_size") or (128, 128)
+    return int(b[0]), int(b[1])
+
+
+CODECS.add(BlockFP8Codec.name, BlockFP8Codec())
