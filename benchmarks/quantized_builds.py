@@ -159,12 +159,12 @@ def with_mtp(build_dir: Path, source: Path, out: Path, mode: str) -> tuple[Path,
     qcfg = scheme_config(build.config, build_dir)
     quantized, ignored = [], []
     for n in names:
-        w = src.get(n)
+        w = src.get(n) if src.tensors[n].quantized else src.raw(n)  # the source's own dtype (F32 router bias)
         twin = _trunk_twin(n, layers)
         engine_quantizes = (engine_fp8(n, src.tensors[n].shape) and not n.endswith(MTP_UNQUANTIZED)
                             and not engine_ignores(scheme, module_of(n), qcfg))
         if not engine_quantizes or mode == "bf16":
-            tensors[n] = w.to(torch.bfloat16)
+            tensors[n] = w
             if engine_quantizes:
                 ignored.append(n)
             continue

@@ -26,7 +26,7 @@ from tests.trained import FIXTURE
 ROOT = FIXTURE.parents[1]
 POST = FIXTURE.parent / "deepseek_v3_mtp_posttrained"
 NAME_KEYS = ("ignore", "exclude_modules", "ignored_layers", "modules_to_not_convert")
-BOUND = {"NVFP4": 0.25, "F8_E4M3": 1 / 16}  # max |ŵ − w| / max|w| of its row (its block for FP8)
+BOUND = {"NVFP4": 0.25, "MXFP4": 0.25, "F8_E4M3": 0.065, "INT4": 0.075}  # max |ŵ − w| / max|w| of its row (its block for FP8)
 MTP_LAYERS = (10, 11)  # the DeepSeek fixture's MTP modules (num_hidden_layers 10, 2 modules)
 
 
@@ -225,6 +225,62 @@ def test_auto_keeps_the_storage_the_target_used_for_its_mtp(stale: str, stale_mo
                    "fp8_scale_shape; for the audit (issue 48 part 2)")
 def test_inspect_reads_the_modelopt_block_fp8_mtp_stitch_writes(stale_modelopt) -> None:
     assert not (errors := _audit_errors(Path(stale_modelopt["fp8"][2]["out"]))), errors
+
+
+@pytest.mark.slow  # compressed-tensors' import alone takes ~4 s here
+def test_auto_requantizes_a_compressed_tensors_mtp_through_its_compressor(overlays, tmp_path: Path) -> None:
+    """llm-compressor's W4A16 build with a stale MTP attention kept quantized (pack-quantized, made by
+    compressed-tensors' own compressor through the `ct_pack` codec): auto writes the re-aligned attention the same
+    way, error recorded; the rest of the MTP goes BF16 with `ignore` entries."""
+    target = tmp_path / "t"
+    shutil.copytree(QUANT / "ds_v3_w4a16_llmc", target)
+    q = json.loads((target / "config.json").read_text())["quantization_config"]
+    state = load_file(str(target / "model.safetensors"))
+    for n, t in load_file(str(POST / "model.safetensors")).items():
+        if n.startswith("model.layers.10.self_attn.") and engine_fp8(n, tuple(t.shape)):
+            state.update(CODECS.get("ct_pack").quantize(t, n, q))
+    save_file(state, str(target / "model.safetensors"), metadata={"format": "pt"})
+    overlay = _overlay(overlays, QUANT / "ds_v3_w4a16_llmc")
+    summary = _stitch(overlay, target, tmp_path / "st", "auto")
+    st = _check(target, overlay, tmp_path / "st", summary)
+    q_a = "model.layers.10.self_attn.q_a_proj.weight"
+    assert st.packed[q_a].codec == "ct_pack" and summary["quantization"]["requantized"] == 5
+    assert "model.layers.10.self_attn.q_a_proj" not in summary["quantization"]["ignored_added"]
+    assert "model.layers.10.mlp.experts.0.gate_proj" in summary["quantization"]["ignored_added"]
+
+
+@pytest.mark.slow  # ~60 FP4/FP8 quantizations: 0.2-1 s, kept out of the default suite's budget
+def test_deepseek_v4_layout_gets_mxfp4_experts_and_power_of_two_fp8(overlays, tmp_path: Path) -> None:
+    """DeepSeek-V4's storage (routed experts MXFP4 through `mxfp4_native`, I8 pairs + e8m0 `.scale`; the other
+    Linears block FP8 with `scale_fmt: ue8m0`), here on the post-trained fixture's last trunk layer: auto writes
+    the MTP the same way, its FP8 scales powers of two (vLLM builds them e8m0: fp8.py `is_scale_e8m0`)."""
+    target = tmp_path / "v4"
+    target.mkdir()
+    for p in POST.iterdir():
+        if p.suffix != ".safetensors" and p.is_file():
+            shutil.copy(p, target / p.name)
+    state = {}
+    for n, t in load_file(str(POST / "model.safetensors")).items():
+        if n.startswith(("model.layers.10.", "model.layers.11.")):
+            continue
+        if n.startswith("model.layers.9.") and ".experts." in n and engine_fp8(n, tuple(t.shape)):
+            state.update(CODECS.get("mxfp4_native").quantize(t.float(), n, {}))
+        elif n.startswith("model.layers.9.") and engine_fp8(n, tuple(t.shape)):
+            state[n], state[n + "_scale_inv"] = quantize_fp8(t, (128, 128))
+        else:
+            state[n] = t
+    save_file(state, str(target / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((target / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "deepseek_v4_fp8", "fmt": "e4m3", "scale_fmt": "ue8m0",
+                                  "weight_block_size": [128, 128], "activation_scheme": "dynamic"}
+    (target / "config.json").write_text(json.dumps(cfg))
+    overlay = overlays["fixtures/deepseek_v3_mtp"]
+    summary = _stitch(overlay, target, tmp_path / "st", "auto")
+    st = _check(target, overlay, tmp_path / "st", summary, audit=False)  # inspect reads no V4 config yet
+    assert st.packed["model.layers.11.mlp.experts.5.down_proj.weight"].codec == "mxfp4_native"
+    scale = st.raw("model.layers.11.self_attn.kv_b_proj.weight_scale_inv")
+    assert st.tensors["model.layers.11.self_attn.kv_b_proj.weight"].dtype == "F8_E4M3"
+    assert torch.equal(scale, torch.exp2(torch.round(torch.log2(scale)))) and summary["quantization"]["ignored_added"] == []
 
 
 def _int_target(tmp_path: Path, method: str) -> Path:

@@ -112,8 +112,11 @@ def ignore_entries(weights: Iterable[str]) -> list[str]:
 
 
 def with_ignored(config: Mapping, modules: Iterable[str]) -> dict:
-    """config.json with `modules` added to its quantization config's ignore list, under both keys engines read."""
+    """config.json with `modules` added to its quantization config's ignore list, under both keys engines read (the
+    config where it is: top level, or a multimodal release's `text_config`)."""
     config = dict(config)
+    if "quantization_config" not in config and "quantization_config" in (config.get("text_config") or {}):
+        return {**config, "text_config": with_ignored(config["text_config"], modules)}
     q = dict(config["quantization_config"])
     names = sorted(set(BlockFP8((1, 1), q).ignored) | set(modules))
     for key in IGNORE_KEYS:
@@ -122,21 +125,19 @@ def with_ignored(config: Mapping, modules: Iterable[str]) -> dict:
     return config
 
 
-def requantize(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """A weight re-quantized to block FP8 with fresh scales, and what that cost: the max and mean relative error of
-    the dequantized result per element (|ŵ − w| / max|w| of its block), for the record."""
-    import torch  # here: the scheme's checks (inspect's) need no torch
-
+def requantize(weight: torch.Tensor, block: tuple[int, int], pow2: bool = False) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                          dict]:
+    """A weight re-quantized to block FP8 with fresh scales (`pow2`: see `quantize_fp8`), and what that cost: the max
+    and mean relative error of the dequantized result per element (|ŵ − w| / max|w| of its block), for the record."""
     m, n = weight.shape
     if m < 1 or n < 1:
         raise RecycleError("cannot quantize an empty weight")
-    q, scale = quantize_fp8(weight, block)
+    q, scale = quantize_fp8(weight, block, pow2)
     w = weight.float()
     back = dequantize_fp8(q, scale, block)
     bm, bn = expected_scale_shape(weight.shape, block)
-    amax = scale.repeat_interleave(block[0], 0)[:m].repeat_interleave(block[1], 1)[:, :n] * torch.finfo(
-        torch.float8_e4m3fn).max
-    rel = (back - w).abs() / amax.clamp(min=1e-12)
+    amax = _block_amax(w, block).clamp(min=1e-12)
+    rel = (back - w).abs() / amax.repeat_interleave(block[0], 0)[:m].repeat_interleave(block[1], 1)[:, :n]
     return q, scale, {"max_rel_error": round(float(rel.max()), 6), "mean_rel_error": round(float(rel.mean()), 7),
                       "blocks": bm * bn}
 
@@ -255,8 +256,12 @@ def _scale_rows(chunk: torch.Tensor, scale_cols: torch.Tensor, start: int, b0: i
         chunk[full:].mul_(scale_cols[i + full // b0])
 
 
-def quantize_fp8(weight: torch.Tensor, block: tuple[int, int] = (128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
-    """Block-wise e4m3 quantization in DeepSeek's convention: returns (fp8 weight, float32 scale_inv)."""
+def quantize_fp8(weight: torch.Tensor, block: tuple[int, int] = (128, 128),
+                 pow2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block-wise e4m3 quantization in DeepSeek's convention: returns (fp8 weight, float32 scale_inv). `pow2`: each
+    scale rounded up to a power of two, 2^ceil(log2(amax / 448)), so nothing clips: what an engine holding the scale
+    as e8m0 keeps exactly (`scale_fmt: ue8m0`; vllm 0.32 fp8.py builds `scale_dtype=float8_e8m0fnu` when
+    `is_scale_e8m0`: DeepSeek-V4's linears, models/deepseek_v4/quant_config.py)."""
     import torch  # made here: headers alone need no torch
 
     w = weight.float()
@@ -265,10 +270,21 @@ def quantize_fp8(weight: torch.Tensor, block: tuple[int, int] = (128, 128)) -> t
     padded = torch.zeros(bm * block[0], bn * block[1])
     padded[:m, :n] = w
     tiles = padded.view(bm, block[0], bn, block[1])
-    amax = tiles.abs().amax(dim=(1, 3)).clamp(min=1e-12)
-    scale = amax / torch.finfo(torch.float8_e4m3fn).max
+    scale = _block_amax(w, block).clamp(min=1e-12) / torch.finfo(torch.float8_e4m3fn).max
+    if pow2:
+        scale = torch.exp2(torch.ceil(torch.log2(scale)))
     q = (tiles / scale[:, None, :, None]).view(bm * block[0], bn * block[1])[:m, :n]
     return q.to(torch.float8_e4m3fn), scale.float()
+
+
+def _block_amax(w: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """max|w| over each block of a 2-D float32 weight: [ceil(M/b0), ceil(N/b1)] (zero padding past the edges)."""
+    import torch  # made here: headers alone need no torch
+
+    m, n = w.shape
+    bm, bn = expected_scale_shape(w.shape, block)
+    tiles = torch.nn.functional.pad(w, (0, bn * block[1] - n, 0, bm * block[0] - m)).view(bm, block[0], bn, block[1])
+    return tiles.abs().amax(dim=(1, 3))
 
 
 class BlockFP8Codec(Codec):
