@@ -267,14 +267,15 @@ def _fp8_scale(t: Checkpoint, name: str) -> str | None:
 
 
 def _storage(t: Checkpoint, name: str) -> tuple[str, str | None] | None:
-    """How a checkpoint stores a weight: ("codec", NAME), ("fp8_block", its scale's local name), ("float", None),
-    ("other", what) for FP8 scaled in a way recycle does not write, or None when it holds no such weight."""
+    """How a checkpoint stores a weight: ("codec", NAME), ("fp8_block", its scale's local name: DeepSeek's, or a
+    `modelopt_fp8` weight's block `weight_scale`), ("float", None), ("other", what) for FP8 scaled in a way recycle
+    does not write (ModelOpt's per-tensor and per-channel FP8), or None when it holds no such weight."""
     info = t.tensors.get(name)
     if info is None:
         return None
-    if name in t.packed:
+    if name in t.packed and t.packed[name].codec != "modelopt_fp8":
         return "codec", t.packed[name].codec
-    if info.is_fp8:
+    if info.is_fp8 or name in t.packed:  # ModelOpt's FP8 (folded): with a block scale, the FP8 blocks stitch writes
         local = _fp8_scale(t, name)
         return ("fp8_block", local) if local is not None else ("other", "FP8 without a block scale")
     if info.quantized or info.dtype not in ("BF16", "F16", "F32"):

@@ -365,7 +365,8 @@ def _storage(ckpt: Checkpoint, name: str) -> str | None:
 
 def _expected_codecs(sch, config: Mapping) -> tuple[str, ...]:
     """The storages vLLM creates a quantized layer of this scheme in: the record's codecs; ModelOpt by its
-    quant_algo (NVFP4 → nvfp4, FP8 → FP8 weights; MIXED_PRECISION: per layer, any of the record's)."""
+    quant_algo (NVFP4 → nvfp4, FP8 → FP8 weights, ModelOpt's `modelopt_fp8` among them; MIXED_PRECISION: per
+    layer, any of the record's)."""
     from recycle.quant.schemes import vllm_quant_name
 
     if sch.name == "modelopt":
@@ -373,7 +374,7 @@ def _expected_codecs(sch, config: Mapping) -> tuple[str, ...]:
         if name == "modelopt_fp4":
             return ("nvfp4",)
         if name == "modelopt":
-            return ("fp8_block", "fp8")
+            return ("modelopt_fp8", "fp8_block", "fp8")
         return (*sch.codecs, "fp8")
     return tuple(sch.codecs)
 

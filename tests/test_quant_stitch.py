@@ -26,7 +26,7 @@ from tests.trained import FIXTURE
 ROOT = FIXTURE.parents[1]
 POST = FIXTURE.parent / "deepseek_v3_mtp_posttrained"
 NAME_KEYS = ("ignore", "exclude_modules", "ignored_layers", "modules_to_not_convert")
-BOUND = {"NVFP4": 0.25, "MXFP4": 0.25, "F8_E4M3": 0.065, "INT4": 0.075}  # max |ŵ − w| / max|w| of its row (its block for FP8)
+BOUND = {"NVFP4": 0.25, "MXFP4": 0.25, "F8_E4M3": 0.065, "FP8": 0.065, "INT4": 0.075}  # max |ŵ − w| / max|w| of its row (its block for FP8)
 MTP_LAYERS = (10, 11)  # the DeepSeek fixture's MTP modules (num_hidden_layers 10, 2 modules)
 
 
@@ -92,8 +92,9 @@ def _check(target: Path, overlay: Path, out: Path, summary: dict, audit: bool = 
             continue
         info = st.tensors[n]
         want = ov.get(n, torch.float32)
+        blocks = info.is_fp8 or (n in st.packed and st.packed[n].codec == "modelopt_fp8")  # ModelOpt's, folded
         scale = next((f"{module_of(n)}.{s}" for s in ("weight_scale_inv", "scale", "weight_scale")
-                      if info.is_fp8 and f"{module_of(n)}.{s}" in st.stored), None)
+                      if blocks and f"{module_of(n)}.{s}" in st.stored), None)
         if scale is not None:  # block FP8 by either name (ModelOpt's FP8_PB_WO `weight_scale` is [ob, 1, ib, 1] or 2-D)
             s_ = st.raw(scale)
             got = dequantize_fp8(st.raw(n), s_.reshape(s_.shape[0], -1), (128, 128), torch.float32)
@@ -205,7 +206,7 @@ def test_auto_keeps_the_storage_the_target_used_for_its_mtp(stale: str, stale_mo
     target, overlay, summary = stale_modelopt[stale]
     st = _check(target, overlay, Path(summary["out"]), summary, audit=stale == "nvfp4")  # fp8: see the test below
     q_a = "model.layers.10.self_attn.q_a_proj"
-    want = {"nvfp4": "NVFP4", "fp8": "F8_E4M3"}[stale]
+    want = {"nvfp4": "NVFP4", "fp8": "FP8"}[stale]  # ModelOpt's FP8 is read through its codec (modelopt_fp8)
     assert st.tensors[q_a + ".weight"].dtype == want and summary["quantization"]["requantized"] > 0
     if stale == "nvfp4":  # the activations' calibration is the target's: a weight gives none
         assert torch.equal(st.raw(q_a + ".input_scale"), Checkpoint(target).raw(q_a + ".input_scale"))
@@ -220,9 +221,6 @@ def test_auto_keeps_the_storage_the_target_used_for_its_mtp(stale: str, stale_mo
     _check(target, overlay, tmp_path / "bf16", bf16)
 
 
-@pytest.mark.xfail(strict=True, reason="inspect knows block-FP8 scales by DeepSeek's names (weight_scale_inv, "
-                   ".scale) only: ModelOpt's FP8_PB_WO `weight_scale` (vllm 0.32 modelopt.py:2220-2270) reads as "
-                   "fp8_scale_shape; for the audit (issue 48 part 2)")
 def test_inspect_reads_the_modelopt_block_fp8_mtp_stitch_writes(stale_modelopt) -> None:
     assert not (errors := _audit_errors(Path(stale_modelopt["fp8"][2]["out"]))), errors
 

@@ -23,7 +23,8 @@ or heads (built as plain `nn.Linear`/embedding layers by the engines' MTP module
 be a silently wrong checkpoint.
 
 The block-FP8 codec lives here too (`dequantize_fp8`, `quantize_fp8`, the scale's shape and name), below the reader
-(`recycle.checkpoint` dequantizes through it); torch is imported only when a tensor is (de)quantized.
+(`recycle.checkpoint` dequantizes through it), and ModelOpt's FP8 (`modelopt_fp8`: `weight` + `weight_scale` per
+tensor, channel or block, folded by the reader); torch is imported only when a tensor is (de)quantized.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from recycle.errors import RecycleError
-from recycle.quant.codec import CODECS, Codec, Packed
+from recycle.quant.codec import CODECS, Codec, Packed, check_shape
 
 if TYPE_CHECKING:
     import torch
@@ -317,4 +318,139 @@ def _block(config: Mapping) -> tuple[int, int]:
     return int(b[0]), int(b[1])
 
 
+# -- NVIDIA ModelOpt's FP8: `X.weight` e4m3 + `X.weight_scale` (+ `X.input_scale`) ------------------------------------
+
+MODELOPT_BLOCK_ALGOS = ("FP8_PB_WO", "FP8_BLOCK_SCALES")  # vllm 0.32 modelopt.py:125-128 (the second an alias)
+_SCALE_FLOATS = ("F32", "BF16", "F16")
+
+
+def _modelopt_section(config: Mapping) -> Mapping:
+    section = config.get("quantization")
+    return section if isinstance(section, Mapping) else config
+
+
+def is_modelopt(config: Mapping) -> bool:
+    """A ModelOpt quantization config (config.json's `quant_method: modelopt*`, or hf_quant_config.json's section
+    with a `quant_algo`); compressed-tensors' (ct_float's storage) and DeepSeek's `fp8` are not."""
+    method = str(config.get("quant_method", "")).lower()
+    return method.startswith("modelopt") or (not method and bool(_modelopt_section(config).get("quant_algo")))
+
+
+def modelopt_block(config: Mapping) -> tuple[int, int]:
+    """The FP8 block of a ModelOpt build: the config's `weight_block_size`, else the one `group_size` its
+    MIXED_PRECISION block-FP8 layers share (vllm 0.32 modelopt.py:1584-1598), else 128×128 (KFp8Block128,
+    modelopt.py:2214-2255)."""
+    section = _modelopt_section(config)
+    b = section.get("weight_block_size") or config.get("weight_block_size")
+    if isinstance(b, list | tuple) and len(b) == 2:
+        return int(b[0]), int(b[1])
+    layers = section.get("quantized_layers")
+    sizes = {int(v.get("group_size", 128)) for v in (layers.values() if isinstance(layers, Mapping) else ())
+             if isinstance(v, Mapping) and str(v.get("quant_algo", "")).upper() in MODELOPT_BLOCK_ALGOS}
+    size = sizes.pop() if len(sizes) == 1 else 128
+    return size, size
+
+
+def modelopt_fp8_form(shape: tuple[int, ...], scale: tuple[int, ...], block: tuple[int, int]) -> str | None:
+    """Which ModelOpt FP8 a weight [M, N] is by its `weight_scale`'s shape: "block" ([ceil(M/b0), ceil(N/b1)], or
+    ModelOpt's export form [ob, 1, ib, 1]), "channel" ([M] or [M, 1]: FP8_PER_CHANNEL_PER_TOKEN), "tensor" ([] or
+    [1]: FP8); None for any other shape."""
+    m, n = shape
+    bm, bn = expected_scale_shape(shape, block)
+    scale = tuple(scale)
+    if scale in ((bm, bn), (bm, 1, bn, 1)):
+        return "block"
+    if scale in ((m,), (m, 1)):
+        return "channel"
+    return "tensor" if scale in ((), (1,)) else None
+
+
+class ModelOptFP8(Codec):
+    """NVIDIA ModelOpt's FP8 weights (vllm 0.32 modelopt.py: KFp8StaticTensor 2104-2172, KFp8StaticChannel
+    2174-2212, KFp8Block128 2214-2269): `X.weight` F8_E4M3 [M, N] with a float `X.weight_scale` (a multiplier)
+    per tensor ([] or [1], quant_algo FP8), per output channel ([M] or [M, 1], FP8_PER_CHANNEL_PER_TOKEN) or per
+    block (FP8_PB_WO: [ceil(M/128), 1, ceil(N/128), 1] as ModelOpt exports it, or 2-D), and `X.input_scale` where
+    the activations are static. Grouped under a ModelOpt config only (compressed-tensors' own FP8 is `ct_float`'s,
+    DeepSeek's `weight_scale_inv` is `fp8_block`'s), and never where a `weight_scale_inv` sits beside it. A scale
+    of any other shape is still grouped, so reading it is one line naming its shape (`dequantize`)."""
+
+    name, tag, bits = "modelopt_fp8", "FP8", 8.0
+
+    def group(self, stored: Mapping[str, Any], config: Mapping) -> dict[str, Packed]:
+        if not is_modelopt(config):
+            return {}
+        out: dict[str, Packed] = {}
+        for name, info in stored.items():
+            if info.dtype != "F8_E4M3" or len(info.shape) != 2 or not name.endswith(".weight"):
+                continue
+            scale = stored.get(name + "_scale")
+            if scale is None or scale.dtype not in _SCALE_FLOATS or name + SCALE_SUFFIX in stored:
+                continue
+            parts = {"codes": name, "scale": name + "_scale"}
+            if name[: -len("weight")] + "input_scale" in stored:
+                parts["input_scale"] = name[: -len("weight")] + "input_scale"
+            out[name] = Packed(name, self.name, self.tag, tuple(info.shape), parts)
+        return out
+
+    def dequantize(self, parts: Mapping[str, torch.Tensor], packed: Packed, config: Mapping,
+                   dtype: torch.dtype) -> torch.Tensor:
+        """codes × scale in float32, rounded once to `dtype` (vLLM's dequantization of each form)."""
+        import torch  # made here: headers alone need no torch
+
+        codes, scale = parts["codes"], parts["scale"]
+        if codes.dtype != torch.float8_e4m3fn:
+            raise RecycleError(f"{packed.parts['codes']}: dtype {codes.dtype}, but a ModelOpt FP8 weight is "
+                               "float8_e4m3fn (corrupt or mislabelled modelopt_fp8 tensor)")
+        check_shape(packed, "codes", tuple(codes.shape), tuple(packed.shape))
+        block = modelopt_block(config)
+        form = modelopt_fp8_form(packed.shape, tuple(scale.shape), block)
+        m, n = packed.shape
+        if form is None:
+            bm, bn = expected_scale_shape(packed.shape, block)
+            raise RecycleError(f"{packed.parts['scale']}: shape {list(scale.shape)}, but a ModelOpt FP8 {[m, n]} "
+                               f"weight's scale is [] or [1] (per tensor), [{m}] or [{m}, 1] (per channel), or "
+                               f"[{bm}, {bn}] / [{bm}, 1, {bn}, 1] ({block[0]}x{block[1]} blocks) (corrupt scale)")
+        s = scale.detach().float()
+        if not bool(torch.isfinite(s).all()) or bool((s < 0).any()):
+            raise RecycleError(f"{packed.parts['scale']}: holds NaN, infinite or negative values (corrupt scale)")
+        if form == "block":
+            return dequantize_fp8(codes, s.reshape(expected_scale_shape(packed.shape, block)), block, dtype)
+        rows = s.reshape(-1).expand(m) if form == "tensor" else s.reshape(m)
+        return _scaled_rows(codes, rows.contiguous().numpy(), dtype)
+
+    def quantize(self, weight: torch.Tensor, name: str, config: Mapping) -> dict[str, torch.Tensor]:
+        """FP8_PB_WO as ModelOpt exports it: 128×128 (the config's block) e4m3 codes with a float32 `weight_scale`
+        [ob, 1, ib, 1] = block amax / 448 (ModelOpt torch/export/quant_utils.py:536-547, 874-877; its block
+        quantizer keeps the amax's [ob, 1, ib, 1] shape, quantization/nn/modules/tensor_quantizer.py:1018-1029,
+        1087-1117). vLLM needs `in` divisible by 128 (modelopt.py:2231-2232): anything else is refused."""
+        block = modelopt_block(config)
+        if weight.dim() != 2 or not name.endswith(".weight") or weight.shape[1] % block[1]:
+            raise RecycleError(f"{name}: ModelOpt's FP8_PB_WO stores `.weight` [out, in] with `in` a multiple of "
+                               f"{block[1]}, not {list(weight.shape)}")
+        q, scale = quantize_fp8(weight, block)
+        bm, bn = scale.shape
+        return {name: q, name + "_scale": scale.reshape(bm, 1, bn, 1).contiguous()}
+
+
+def _scaled_rows(codes: torch.Tensor, rows: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    """`codes[i, j] * rows[i]` in float32 (codes by fp8_table lookup), cast once to `dtype`, a few rows at a time."""
+    import torch  # made here: headers alone need no torch
+
+    m, n = codes.shape
+    table = fp8_table(codes.dtype)
+    raw = codes.contiguous().view(torch.uint8).numpy()
+    out = torch.empty((m, n), dtype=dtype)
+    step = max(1, DEQUANT_CHUNK // max(1, n))
+    buf = None if dtype == torch.float32 else np.empty((min(step, m), n), np.float32)
+    for start in range(0, m, step):
+        stop = min(m, start + step)
+        f32 = out.numpy()[start:stop] if buf is None else buf[: stop - start]
+        np.take(table, raw[start:stop], out=f32, mode="clip")
+        f32 *= rows[start:stop, None]
+        if buf is not None:
+            out[start:stop].copy_(torch.from_numpy(f32))
+    return out
+
+
 CODECS.add(BlockFP8Codec.name, BlockFP8Codec())
+CODECS.add(ModelOptFP8.name, ModelOptFP8())

@@ -420,9 +420,9 @@ SCHEMES: tuple[Scheme, ...] = (
                  "fp8_pb_wo", "fp8_block_scales", "mixed_precision"),
         config_files=("hf_quant_config.json: quantization.quant_algo, .exclude_modules, .quantized_layers",
                       "config.json: quantization_config {quant_method: modelopt, quant_algo, ignore, quantized_layers}"),
-        codecs=("nvfp4",),
-        cannot_check="ModelOpt's FP8 weights (FP8, FP8_PER_CHANNEL_PER_TOKEN, FP8_PB_WO: `weight` e4m3 with "
-                     "`weight_scale`) and MXFP8: no codec reads them",
+        codecs=("nvfp4", "modelopt_fp8"),
+        cannot_check="ModelOpt's MXFP8 (e4m3 weights with an e8m0 scale per 32) and FP8 stored 3-D (fused "
+                     "experts): no codec reads them",
         ignore_keys={
             "exclude_modules": "vLLM (hf_quant_config.json `quantization`): exact with fused shards, then substring, "
                                "then fnmatch; `path*` also matches `path` (modelopt.py:187-221, 263-281)",
@@ -440,6 +440,7 @@ SCHEMES: tuple[Scheme, ...] = (
                                            "uint8 [out, in/2] fails the same shape assert",
             "missing": MISSING_MTP},
         cites=(V + "parameter.py:91-151", Q + "modelopt.py:130-156", Q + "modelopt.py:171-406", Q + "modelopt.py:1543-1883",
+               Q + "modelopt.py:2104-2269",
                M + "qwen3_5_mtp.py:89-105", M + "qwen3_next_mtp.py:74-86"),
         writes=(BF16_IGNORE,),
         why="BF16 MTP with exclude_modules (and config.json ignore) entries, as Nemotron 3's and Step's NVFP4 recipes "
