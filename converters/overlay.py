@@ -34,10 +34,10 @@ from pathlib import Path
 
 import torch
 
-from recycle.checkpoint import DTYPES, INDEX_FILE, QUANT_CONFIG_FILE, ST_NAMES, Checkpoint
+from recycle.checkpoint import DTYPES, INDEX_FILE, QUANT_CONFIG_FILE, Checkpoint
 from recycle.converters.eagle import OVERLAY_INDEX
 from recycle.converters.roles import EXACT, raw
-from recycle.converters.scheme_plan import Requant, plan_scheme, refuse_scheme, trunk_dtype
+from recycle.converters.scheme_plan import Requant, as_float, plan_scheme, refuse_scheme, trunk_dtype
 from recycle.errors import RecycleError
 from recycle.families import MTPMatch, match
 from recycle.io.writer import Lazy, OutputDir, Progress, nbytes, split_plan
@@ -141,13 +141,7 @@ def plan_tensors(ov: Checkpoint, tgt: Checkpoint, names: list[str], copies: dict
             want = floats if fp8 is not None and engine_fp8(n, info.shape) else trunk_dtype(tgt, n, floats)
             if fp8 is not None and engine_fp8(n, info.shape):
                 ignored.append(n)
-            if not info.quantized and DTYPES[info.dtype][1] == want:
-                out[n] = raw(ov, n)
-                record[n] = {"stored": info.dtype, "how": "stored bytes"}
-            else:
-                out[n] = Lazy(info.shape, lambda n=n, want=want: ov.get(n).to(want), (n,), EXACT,
-                              "dequantized" if info.quantized else "cast", dtype=want)
-                record[n] = {"stored": ST_NAMES[want], "how": "dequantized" if info.quantized else "cast"}
+            out[n], record[n] = as_float(ov, n, want)
     return out, record, ignore_entries(ignored)
 
 

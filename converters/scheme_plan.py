@@ -27,6 +27,17 @@ from recycle.quant import CODECS, expected_scale_shape, module_of, requantize
 from recycle.quant.schemes import BF16_IGNORE, Scheme, engine_ignores, vllm_prefix
 
 
+def as_float(ov: Checkpoint, n: str, want: torch.dtype) -> tuple[Lazy, dict]:
+    """Overlay tensor `n` written in float dtype `want`: its stored bytes where they already are that, else
+    dequantized or cast; and its record entry."""
+    info = ov.tensors[n]
+    if not info.quantized and DTYPES[info.dtype][1] == want:
+        return raw(ov, n), {"stored": info.dtype, "how": "stored bytes"}
+    how = "dequantized" if info.quantized else "cast"
+    return Lazy(info.shape, lambda: ov.get(n).to(want), (n,), EXACT, how, dtype=want), {"stored": ST_NAMES[want],
+                                                                                         "how": how}
+
+
 def trunk_dtype(tgt: Checkpoint, name: str, fallback: torch.dtype) -> torch.dtype:
     """The float dtype the target stores for the trunk's tensor of the same kind as MTP tensor `name` (the same
     name after its layer index: norms, router weights, biases), else `fallback` (the target's embedding dtype)."""
@@ -473,13 +484,7 @@ def plan_scheme(ov: Checkpoint, tgt: Checkpoint, om: MTPMatch, tm: MTPMatch, rec
             want = floats if quantized else trunk_dtype(tgt, n, floats)
             if quantized:
                 bf16.append(module_of(n))
-            if not info.quantized and DTYPES[info.dtype][1] == want:
-                out[n] = raw(ov, n)
-                record[n] = {"stored": info.dtype, "how": "stored bytes"}
-            else:
-                out[n] = Lazy(info.shape, lambda n=n, want=want: ov.get(n).to(want), (n,), EXACT,
-                              "dequantized" if info.quantized else "cast", dtype=want)
-                record[n] = {"stored": ST_NAMES[want], "how": "dequantized" if info.quantized else "cast"}
+            out[n], record[n] = as_float(ov, n, want)
             if quantized:
                 record[n]["how"] += f", ignore entry ({why})"
     cfg = _Configs(rec, tgt)

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import re
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from recycle.errors import RecycleError
@@ -104,6 +104,18 @@ def _grouped(q: torch.Tensor, z: torch.Tensor, s: torch.Tensor, g_idx: torch.Ten
     return q.float().sub_(zt[:, idx]).mul_(st[:, idx]).to(dtype)
 
 
+
+def _qweights(stored: Mapping[str, Any]) -> Iterator[tuple[str, Any, Any, Any]]:
+    """(module prefix with its dot, qweight, qzeros, scales) of every complete 2-D `qweight` triple (AWQ and GPTQ
+    both store these three); an incomplete one, or not a Linear, stays visible under its own stored names."""
+    for name, info in stored.items():
+        if not name.endswith(".qweight"):
+            continue
+        base = name[: -len("qweight")]
+        zeros, scales = stored.get(base + "qzeros"), stored.get(base + "scales")
+        if zeros is not None and scales is not None and len(info.shape) == 2 and len(scales.shape) == 2:
+            yield base, info, zeros, scales
+
 class AWQ(Codec):
     """AutoAWQ GEMM: `X.qweight` [in, out/8] + `X.qzeros` [in/g, out/8] + `X.scales` [in/g, out] → `X.weight`
     [out, in]."""
@@ -132,17 +144,11 @@ class AWQ(Codec):
             return {}
         _, group = self._args(config)
         out: dict[str, Packed] = {}
-        for name, info in stored.items():
-            if not name.endswith(".qweight"):
-                continue
-            base = name[: -len("qweight")]
-            zeros, scales = stored.get(base + "qzeros"), stored.get(base + "scales")
-            if zeros is None or scales is None or len(info.shape) != 2 or len(scales.shape) != 2:
-                continue  # incomplete or not a Linear: its stored tensors stay visible under their own names
+        for base, info, zeros, scales in _qweights(stored):
             rows, cols = info.shape[0], scales.shape[1]
             n_groups = 1 if group == -1 else _divides(rows, group)
             p = Packed(base + "weight", self.name, self.tag, (cols, rows),
-                       {"codes": name, "zeros": base + "qzeros", "scale": base + "scales"})
+                       {"codes": base + "qweight", "zeros": base + "qzeros", "scale": base + "scales"})
             if cols % 8:
                 raise RecycleError(f"{base}scales: {cols} output columns, but AWQ packs eight per int32 word "
                                    "(corrupt or mislabelled AWQ tensor)")
@@ -207,13 +213,7 @@ class GPTQ(Codec):
         if _method(config) != "gptq":
             return {}
         out: dict[str, Packed] = {}
-        for name, info in stored.items():
-            if not name.endswith(".qweight"):
-                continue
-            base = name[: -len("qweight")]
-            zeros, scales = stored.get(base + "qzeros"), stored.get(base + "scales")
-            if zeros is None or scales is None or len(info.shape) != 2 or len(scales.shape) != 2:
-                continue
+        for base, info, zeros, scales in _qweights(stored):
             args = self._args(config, base[:-1])
             if args is None:
                 continue
@@ -222,7 +222,7 @@ class GPTQ(Codec):
             rows, cols = info.shape[0] * per, scales.shape[1]
             g_idx = stored.get(base + "g_idx")
             n_groups = 1 if group == -1 else _divides(rows, group)
-            parts = {"codes": name, "zeros": base + "qzeros", "scale": base + "scales"}
+            parts = {"codes": base + "qweight", "zeros": base + "qzeros", "scale": base + "scales"}
             if g_idx is not None:
                 parts["g_idx"] = base + "g_idx"
             p = Packed(base + "weight", self.name, f"INT{bits}", (cols, rows), parts)
