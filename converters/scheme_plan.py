@@ -24,7 +24,14 @@ from recycle.errors import RecycleError
 from recycle.families import MTPMatch
 from recycle.io.writer import Lazy
 from recycle.quant import CODECS, expected_scale_shape, module_of, requantize
-from recycle.quant.schemes import BF16_IGNORE, Scheme, engine_ignores, vllm_prefix
+from recycle.quant.schemes import (
+    BF16_IGNORE,
+    MODELOPT_ALGOS,
+    Scheme,
+    engine_ignores,
+    modelopt_layer_algo,
+    vllm_prefix,
+)
 
 
 def as_float(ov: Checkpoint, n: str, want: torch.dtype) -> tuple[Lazy, dict]:
@@ -69,9 +76,6 @@ class Requant:
 # `quantized_layers`, `modules_in_block_to_quantize`, say what is quantized and are never widened by stitch).
 NAME_KEYS = ("ignore", "exclude_modules", "ignored_layers", "modules_to_not_convert")
 DYNAMIC = "dynamic"  # GPTQ's per-module overrides: a `-:REGEX` key builds the matching layers unquantized
-# ModelOpt's per-layer quant_algo (MIXED_PRECISION `quantized_layers`) → the codec that stores it
-MODELOPT_ALGOS = {"NVFP4": "nvfp4", "W4A16_NVFP4": "nvfp4", "FP8_PB_WO": "fp8_block", "FP8_BLOCK_SCALES": "fp8_block",
-                  "FP8": "modelopt FP8 per-tensor", "FP8_PER_CHANNEL_PER_TOKEN": "modelopt FP8 per-channel"}
 HEADS = ("embed_tokens", "embed", "head", "lm_head")  # vocabulary matrices: the target's own (`_target_copies`)
 
 
@@ -248,13 +252,7 @@ def _declared(rec: Scheme, module: str, q: Mapping) -> str | None:
         g = config_group(module, q)
         return rec.formats.get(g.format) if g is not None else None
     if rec.name == "modelopt":
-        sec = q.get("quantization") if isinstance(q.get("quantization"), Mapping) else q
-        algo = str(sec.get("quant_algo", "")).upper()
-        if algo == "MIXED_PRECISION":
-            layers = sec.get("quantized_layers") or {}
-            entry = layers.get(module) or layers.get(vllm_prefix(module)) or {}
-            algo = str(entry.get("quant_algo", "")).upper() if isinstance(entry, Mapping) else ""
-        return MODELOPT_ALGOS.get(algo)
+        return MODELOPT_ALGOS.get(modelopt_layer_algo(module, q))
     return rec.codecs[0] if len(rec.codecs) == 1 else None
 
 

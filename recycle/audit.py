@@ -381,7 +381,16 @@ def _expected_codecs(sch, config: Mapping) -> tuple[str, ...]:
 
 def _module_codecs(sch, config: Mapping, module: str, info, expected: tuple[str, ...]) -> tuple[str, ...]:
     """A compressed-tensors module's own storage: the codec of its config group's format (`ctensors.config_group`,
-    as the codecs resolve it); every other scheme's, `expected`."""
+    as the codecs resolve it); a ModelOpt MIXED_PRECISION layer's, by its `quantized_layers` algo (its FP8 forms
+    all read as `modelopt_fp8`); every other scheme's, `expected`."""
+    if sch.name == "modelopt":
+        from recycle.quant.schemes import MODELOPT_ALGOS, modelopt_layer_algo
+
+        algo = modelopt_layer_algo(module, config)
+        codec = MODELOPT_ALGOS.get(algo)
+        if codec == "nvfp4":
+            return ("nvfp4",)
+        return ("modelopt_fp8", "fp8_block", "fp8") if algo.startswith("FP8") else expected
     if sch.name != "compressed_tensors" or not sch.formats:
         return expected
     from recycle.quant.ctensors import config_group

@@ -153,3 +153,19 @@ def test_fp8_block_mtp_declared_fp8_pb_wo_under_mixed_precision_is_clean(tmp_pat
     errors = _errors(d)
     assert [(c, t) for c, t, _ in errors] == [("quant_scale_shape", scale[: -len("_scale")])], errors
     assert "shape [1, 2]" in errors[0][2], errors
+
+
+def test_a_mixed_precision_layer_declared_nvfp4_but_stored_fp8_is_an_error(tmp_path: Path) -> None:
+    """MIXED_PRECISION is per layer: where `quantized_layers` says NVFP4 for an MTP module, vLLM builds that layer
+    NVFP4 (modelopt.py:1813-1883), so FP8 blocks stored for it do not fit, whatever the other layers say."""
+    d = make(MODELOPT, "mtp_fp8_modelopt_mixed", tmp_path / "mixed")
+    relabelled = "model.layers.10.self_attn.o_proj"
+    for file in ("hf_quant_config.json", "config.json"):
+        cfg = json.loads((d / file).read_text())
+        section = cfg["quantization"] if file == "hf_quant_config.json" else cfg.get("quantization_config", {})
+        if relabelled in section.get("quantized_layers", {}):
+            section["quantized_layers"][relabelled] = {"quant_algo": "NVFP4", "group_size": 16}
+            (d / file).write_text(json.dumps(cfg))
+    errors = _errors(d)
+    assert [c for c, _, _ in errors] == ["mtp_quant_differs"], errors
+    assert relabelled in errors[0][2] and "nvfp4" in errors[0][2], errors

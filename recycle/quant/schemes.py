@@ -643,3 +643,27 @@ def vllm_quant_name(scheme: Scheme, config: Mapping) -> str:
         algo = str(_modelopt_section(config).get("quant_algo", "")).upper()
         return "modelopt_fp4" if "FP4" in algo else "modelopt_mixed" if algo == "MIXED_PRECISION" else "modelopt"
     return scheme.name
+
+
+# ModelOpt's quant_algo (the whole model's, or a MIXED_PRECISION layer's in `quantized_layers`) → the storage it
+# writes that layer in: the codec stitch writes ("fp8_block": FP8 weights in 128×128 blocks under ModelOpt's scale
+# name, `weight_scale`), or a description where recycle writes none (vllm 0.32 modelopt.py:139-156 LINEAR_ALGOS,
+# 1813-1883 the MIXED_PRECISION layer lookup; 2104-2269 the FP8 parameters per algo).
+MODELOPT_ALGOS: Mapping[str, str] = {
+    "NVFP4": "nvfp4", "W4A16_NVFP4": "nvfp4", "FP8_PB_WO": "fp8_block", "FP8_BLOCK_SCALES": "fp8_block",
+    "FP8": "modelopt FP8 per-tensor", "FP8_PER_CHANNEL_PER_TOKEN": "modelopt FP8 per-channel",
+}
+
+
+def modelopt_layer_algo(module: str, config: Mapping) -> str:
+    """The quant_algo ModelOpt gives one checkpoint module: the config's own, or under MIXED_PRECISION the layer's
+    `quantized_layers` entry (by its name, else its vLLM layer's: a shard's fused layer, an expert's container);
+    "" where the config names none for it."""
+    section = _modelopt_section(config)
+    algo = str(section.get("quant_algo", "")).upper()
+    if algo == "MIXED_PRECISION":
+        layers = section.get("quantized_layers") or {}
+        entry = layers.get(module) or layers.get(vllm_prefix(module)) or {}
+        algo = str(entry.get("quant_algo", "")).upper() if isinstance(entry, Mapping) else ""
+    return algo
+
