@@ -282,33 +282,49 @@ class Checkpoint:
         """`tensors`: the stored names with each codec's packed weights folded into one logical entry each."""
         if not self.quant_config and not any(i.dtype in PACKED_STORAGE for i in self.stored.values()):
             return self.stored  # unquantized: no codec can find a packed weight (each has an int, u8 or f4 part)
-        claimed: dict[str, str] = {}
         collecting = gc.isenabled()
-        gc.disable()  # the codecs make one small record per packed weight (71k in DeepSeek-V4-Pro): a third of it is GC
+        gc.disable()  # one small record per packed weight (71k in DeepSeek-V4-Pro): GC passes would be a third of it
         try:
-            found = [(CODECS.get(n), CODECS.get(n).group(self.stored, self.quant_config)) for n in CODECS
-                     if getattr(CODECS.get(n), "fold", True)]
+            return self._fold_codecs()
         finally:
             if collecting:
                 gc.enable()
-        for codec, packed in found:
-            for logical, p in packed.items():
-                for part in p.parts.values():
-                    if part in claimed:
-                        raise RecycleError(f"{self.path}: tensor {part} reads as part of both {claimed[part]} and "
-                                           f"{logical} ({p.codec}): an ambiguous quantized layout")
-                    claimed[part] = logical
+
+    def _fold_codecs(self) -> dict[str, TensorInfo]:
+        parts: list[str] = []
+        first: dict[str, Packed] = {}  # the stored name whose place a packed weight takes in `tensors` → it
+        for name in CODECS:
+            codec = CODECS.get(name)
+            if not getattr(codec, "fold", True):
+                continue
+            for logical, p in codec.group(self.stored, self.quant_config).items():
+                names = list(p.parts.values())
+                parts += names
+                first[names[0]] = p
                 PACKED_BITS.setdefault(p.tag, codec.bits_of(p.tag))
                 self.packed[logical] = p
         if not self.packed:
             return self.stored
-        out = {n: i for n, i in self.stored.items() if n not in claimed}
-        for logical, p in self.packed.items():
-            if logical in out:
-                raise RecycleError(f"{self.path}: {logical} is stored both as a tensor and packed ({p.codec})")
-            first = self.stored[next(iter(p.parts.values()))]
-            out[logical] = TensorInfo(logical, first.file, p.tag, tuple(p.shape))
-        return dict(sorted(out.items()))
+        claimed = set(parts)
+        if len(claimed) != len(parts):  # a stored tensor two weights (or two codecs) read
+            seen: dict[str, str] = {}
+            for logical, p in self.packed.items():
+                for part in p.parts.values():
+                    if part in seen:
+                        raise RecycleError(f"{self.path}: tensor {part} reads as part of both {seen[part]} and "
+                                           f"{logical} ({p.codec}): an ambiguous quantized layout")
+                    seen[part] = logical
+        out: dict[str, TensorInfo] = {}
+        for n, info in self.stored.items():  # the stored order, each packed weight where its first part is
+            p = first.get(n)
+            if p is not None:
+                out[p.name] = TensorInfo(p.name, info.file, p.tag, tuple(p.shape))
+            elif n not in claimed:
+                if n in out or n in self.packed:
+                    raise RecycleError(f"{self.path}: {n} is stored both as a tensor and packed "
+                                       f"({self.packed[n].codec})")
+                out[n] = info
+        return out
 
     def _read_header(self, file: str) -> None:
         # safetensors parses and validates the header (truncated files, overlapping or bad offsets, unknown dtypes);
