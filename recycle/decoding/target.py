@@ -87,8 +87,9 @@ def _load_dequantized(path: Path, dtype: torch.dtype, attn: str) -> nn.Module:
     from recycle.mtp import to_runtime_layout
 
     ckpt = Checkpoint(path)
+    scales = {s.name for n, i in ckpt.tensors.items() if i.is_fp8 and (s := ckpt.scale_for(n)) is not None}
     odd = next((n for n, i in ckpt.tensors.items() if not i.quantized and i.dtype not in ("F32", "F16", "BF16")
-                and not i.is_scale), None)
+                and not i.is_scale and n not in scales), None)  # an FP8 weight's native `.scale` (e8m0) is read
     if odd is not None:
         raise RecycleError(f"{path}: {odd} is stored as {ckpt.tensors[odd].dtype}, which no codec recycle knows reads "
                            f"(quantization {ckpt.quant_config.get('quant_method') or ckpt.quant_config.get('quant_algo')!r})")
@@ -97,8 +98,8 @@ def _load_dequantized(path: Path, dtype: torch.dtype, attn: str) -> nn.Module:
     config._attn_implementation = attn
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn)
     want = set(model.state_dict())
-    state = to_runtime_layout({n: ckpt.get(n, torch.float32) for n, i in ckpt.tensors.items() if not i.is_scale},
-                              config)
+    state = to_runtime_layout({n: ckpt.get(n, torch.float32) for n, i in ckpt.tensors.items()
+                               if not i.is_scale and n not in scales}, config)
     missing, _ = model.load_state_dict({k: v for k, v in state.items() if k in want}, strict=False)
     missing = [k for k in missing if k not in (getattr(model, "_tied_weights_keys", None) or ())]
     if missing:
