@@ -17,9 +17,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from recycle.checkpoint import Checkpoint
+from recycle.decoding.target import load_target
 from recycle.errors import RecycleError
-from recycle.quant import CODECS, dequantize_fp8
+from recycle.quant import CODECS, dequantize_fp8, quantize_fp8
 from recycle.quant.fp4 import MX_BLOCK, NV_BLOCK, MXFP4Native
+
+from fixtures.fp8 import make_fp8
+from tests.helpers import ROOT
 
 Info = namedtuple("Info", "dtype shape")
 ST = {torch.uint8: "U8", torch.int8: "I8", torch.float8_e4m3fn: "F8_E4M3", torch.float32: "F32",
@@ -362,3 +366,33 @@ def test_deepseek_v4_mtp_runs_from_fp4_experts(family_dir, tmp_path):
     with pytest.raises(RecycleError, match="no e8m0 scale") as e:
         MTP.from_checkpoint(tmp_path / "bare")
     assert bare in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_target_with_native_e8m0_fp8_scales_loads_as_its_float32_twin(tmp_path):
+    """DeepSeek-V4's FP8 linears keep a power-of-two e8m0 `.scale` beside `.weight`: the target loader (bench's and
+    distill's teacher) reads it as the same weights as float32 `weight_scale_inv` holding those values."""
+    twin = make_fp8(ROOT / "fixtures" / "deepseek_v3_mtp", tmp_path / "f32")
+    src = Checkpoint(twin)
+    state, native = {}, {}
+    for name in src.stored:
+        if name.endswith("_scale_inv"):
+            continue
+        if name + "_scale_inv" in src.stored:  # re-quantized with power-of-two scales, which e8m0 holds exactly
+            q, scale = quantize_fp8(src.get(name, torch.float32), (128, 128), pow2=True)
+            state[name] = native[name] = q
+            state[name + "_scale_inv"] = scale
+            native[name.removesuffix(".weight") + ".scale"] = scale.to(torch.float8_e8m0fnu)
+        else:
+            state[name] = native[name] = src.raw(name)
+    save_file(state, str(twin / "model.safetensors"), metadata={"format": "pt"})
+    e8 = tmp_path / "e8m0"
+    e8.mkdir()
+    for f in twin.iterdir():
+        if f.suffix != ".safetensors":
+            (e8 / f.name).write_bytes(f.read_bytes())
+    save_file(native, str(e8 / "model.safetensors"), metadata={"format": "pt"})
+    assert Checkpoint(e8).stored["model.layers.3.self_attn.o_proj.scale"].dtype == "F8_E8M0"
+    ids = torch.tensor([[1, 5, 9, 2, 7]])
+    with torch.no_grad():
+        a, b = load_target(twin)(ids).logits, load_target(e8)(ids).logits
+    assert torch.equal(a, b)
