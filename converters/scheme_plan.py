@@ -24,6 +24,7 @@ from recycle.errors import RecycleError
 from recycle.families import MTPMatch
 from recycle.io.writer import Lazy
 from recycle.quant import CODECS, expected_scale_shape, module_of, requantize
+from recycle.quant.fp8 import modelopt_section
 from recycle.quant.schemes import (
     BF16_IGNORE,
     MODELOPT_ALGOS,
@@ -82,8 +83,7 @@ HEADS = ("embed_tokens", "embed", "head", "lm_head")  # vocabulary matrices: the
 def _method(tgt: Checkpoint) -> str:
     """The method name a release's config gives, for messages ('awq', 'modelopt', ...)."""
     q = tgt.quant_config
-    sec = q.get("quantization") if isinstance(q.get("quantization"), Mapping) else q
-    return str(q.get("quant_method") or sec.get("quant_algo") or "?")
+    return str(q.get("quant_method") or modelopt_section(q).get("quant_algo") or "?")
 
 
 def refuse_scheme(rec: Scheme, tgt: Checkpoint, tm: MTPMatch, mode: str, where: str) -> None:
@@ -95,9 +95,7 @@ def refuse_scheme(rec: Scheme, tgt: Checkpoint, tm: MTPMatch, mode: str, where: 
         raise RecycleError(f"{where}: quantized with {method!r} ({rec.title}): {rec.why}; nothing written (never BF16 "
                            "where the engine may quantize). Stitch into the unquantized (BF16) release instead")
     if rec.name == "modelopt":
-        sec = tgt.quant_config.get("quantization") if isinstance(tgt.quant_config.get("quantization"), Mapping) \
-            else tgt.quant_config
-        if not sec.get("quant_algo"):
+        if not modelopt_section(tgt.quant_config).get("quant_algo"):
             raise RecycleError(f"{where}: quantized with {method!r} but its ModelOpt config names no quant_algo (vLLM "
                                "refuses it: \"Missing 'quant_algo' in quantization config\", modelopt.py); nothing "
                                "written")

@@ -17,6 +17,7 @@ is the codec's `tag` (`TensorInfo.is_packed`), and `Checkpoint.get` dequantizes 
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -38,7 +39,7 @@ class Packed(NamedTuple):
     parts: Mapping[str, str]
 
 
-class Codec:
+class Codec(ABC):
     """One storage of quantized weights. Subclasses set `name`, `tag`, `bits` (stored bits per weight element,
     codes only) and implement `group` and `dequantize`; `quantize` where recycle writes the codec."""
 
@@ -51,15 +52,15 @@ class Codec:
         widths, INT4 and INT8, says per tag)."""
         return self.bits
 
+    @abstractmethod
     def group(self, stored: Mapping[str, Any], config: Mapping) -> dict[str, Packed]:
         """The weights this codec stores among `stored` (stored name → TensorInfo: `.dtype`, `.shape`), by logical
         name. `config` is the release's quantization config ({} where it has none)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def dequantize(self, parts: Mapping[str, torch.Tensor], packed: Packed, config: Mapping,
                    dtype: torch.dtype) -> torch.Tensor:
         """The logical weight (`packed.shape`, `dtype`) from its parts' stored tensors (role → tensor)."""
-        raise NotImplementedError
 
     def quantize(self, weight: torch.Tensor, name: str, config: Mapping) -> dict[str, torch.Tensor]:
         """The stored tensors (stored name → tensor) of logical weight `name` with values `weight`."""

@@ -32,6 +32,7 @@ whose group is another format, is not this codec's storage; `group()` returns no
 from __future__ import annotations
 
 import re
+from abc import abstractmethod
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -204,8 +205,10 @@ class CompressedTensors(Codec):
                 out[p.name] = p
         return out
 
+    @abstractmethod
     def _packed(self, module: str, g: Group, stored: Mapping[str, Any]) -> Packed | None:
-        raise NotImplementedError
+        """The Packed weight of `module` in config group `g`, from its stored parts; None where they are not this
+        format's (the format's own subclass says)."""
 
     def _scale_shape(self, g: Group, out: int, cols: int) -> tuple[int, ...]:
         """The `weight_scale` shape compressed-tensors makes for a [out, cols] weight (lifecycle/initialize.py

@@ -324,7 +324,8 @@ MODELOPT_BLOCK_ALGOS = ("FP8_PB_WO", "FP8_BLOCK_SCALES")  # vllm 0.32 modelopt.p
 _SCALE_FLOATS = ("F32", "BF16", "F16")
 
 
-def _modelopt_section(config: Mapping) -> Mapping:
+def modelopt_section(config: Mapping) -> Mapping:
+    """hf_quant_config.json keeps ModelOpt's settings under `quantization`; config.json's form has them at the top."""
     section = config.get("quantization")
     return section if isinstance(section, Mapping) else config
 
@@ -333,14 +334,14 @@ def is_modelopt(config: Mapping) -> bool:
     """A ModelOpt quantization config (config.json's `quant_method: modelopt*`, or hf_quant_config.json's section
     with a `quant_algo`); compressed-tensors' (ct_float's storage) and DeepSeek's `fp8` are not."""
     method = str(config.get("quant_method", "")).lower()
-    return method.startswith("modelopt") or (not method and bool(_modelopt_section(config).get("quant_algo")))
+    return method.startswith("modelopt") or (not method and bool(modelopt_section(config).get("quant_algo")))
 
 
 def modelopt_block(config: Mapping) -> tuple[int, int]:
     """The FP8 block of a ModelOpt build: the config's `weight_block_size`, else the one `group_size` its
     MIXED_PRECISION block-FP8 layers share (vllm 0.32 modelopt.py:1584-1598), else 128×128 (KFp8Block128,
     modelopt.py:2214-2255)."""
-    section = _modelopt_section(config)
+    section = modelopt_section(config)
     b = section.get("weight_block_size") or config.get("weight_block_size")
     if isinstance(b, list | tuple) and len(b) == 2:
         return int(b[0]), int(b[1])

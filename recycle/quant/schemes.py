@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Protocol
 
 from recycle.errors import RecycleError
+from recycle.quant.fp8 import modelopt_section
 from recycle.registry import Registry
 
 V = "vllm 0.32 model_executor/"  # every cite below is a file of vLLM 0.32's installed CPU build
@@ -166,12 +167,6 @@ def fp8_ignores(module: str, config: Mapping) -> bool:
     return layer_skipped(vllm_prefix(module), _fp8_ignored(config))
 
 
-def _modelopt_section(config: Mapping) -> Mapping:
-    """hf_quant_config.json keeps its settings under `quantization`; config.json's form has them at the top."""
-    section = config.get("quantization")
-    return section if isinstance(section, Mapping) else config
-
-
 def _modelopt_excludes(config: Mapping) -> list[str]:
     """ModelOptQuantConfigBase.from_config (modelopt.py:320-356: `quantization.exclude_modules` in
     hf_quant_config.json, else config.json's `ignore`), then apply_vllm_mapper's rewrite (modelopt.py:263-281):
@@ -240,7 +235,7 @@ def modelopt_ignores(module: str, config: Mapping) -> bool:
         return True
     if any(tower in prefix for tower in ("vision_tower", "vision_model", "vit_large_projector")):
         return True
-    section = _modelopt_section(config)
+    section = modelopt_section(config)
     if str(section.get("quant_algo", "")).upper() == "MIXED_PRECISION":
         return _modelopt_algo(prefix, section.get("quantized_layers") or {}) is None
     return False
@@ -640,7 +635,7 @@ def vllm_quant_name(scheme: Scheme, config: Mapping) -> str:
     """(added for the audit) The name vLLM 0.32 gives the quant config (`get_name()`), where the MTP models branch
     on it: ModelOpt with a quant_algo holding "FP4" is `modelopt_fp4` (modelopt.py:775-777); else the record's."""
     if scheme.name == "modelopt":
-        algo = str(_modelopt_section(config).get("quant_algo", "")).upper()
+        algo = str(modelopt_section(config).get("quant_algo", "")).upper()
         return "modelopt_fp4" if "FP4" in algo else "modelopt_mixed" if algo == "MIXED_PRECISION" else "modelopt"
     return scheme.name
 
@@ -659,7 +654,7 @@ def modelopt_layer_algo(module: str, config: Mapping) -> str:
     """The quant_algo ModelOpt gives one checkpoint module: the config's own, or under MIXED_PRECISION the layer's
     `quantized_layers` entry (by its name, else its vLLM layer's: a shard's fused layer, an expert's container);
     "" where the config names none for it."""
-    section = _modelopt_section(config)
+    section = modelopt_section(config)
     algo = str(section.get("quant_algo", "")).upper()
     if algo == "MIXED_PRECISION":
         layers = section.get("quantized_layers") or {}
