@@ -45,7 +45,6 @@ embedding/head copy and its trunk original), so auditing a 690 GB checkpoint rea
 from __future__ import annotations
 
 import math
-import os
 import re
 from collections import Counter
 from collections.abc import Callable, Mapping
@@ -614,7 +613,7 @@ def _head(ckpt: Checkpoint, name: str):
         (i.shape and i.shape[0] == lead) or math.prod(i.shape) <= 1 for i in infos.values())
     codec = CODECS.get(p.codec)
     if cut:
-        parts = {role: _read_rows(ckpt, i, rows if i.shape and i.shape[0] == lead else None)
+        parts = {role: ckpt.head(i.name, rows) if i.shape and i.shape[0] == lead else ckpt.raw(i.name)
                  for role, i in infos.items()}
         try:
             return codec.dequantize(parts, p._replace(shape=(rows, *p.shape[1:])), ckpt.quant_config, torch.float32)
@@ -623,34 +622,6 @@ def _head(ckpt: Checkpoint, name: str):
     if math.prod(p.shape) > QUANT_STATS_WHOLE:
         return None
     return ckpt.get(name, torch.float32)
-
-
-def _read_rows(ckpt: Checkpoint, info, rows: int | None):
-    """A stored tensor's first `rows` rows (all of it for None) as torch, read at its header offsets. e8m0 scales
-    come as their bytes (uint8), FP4 as bytes of two codes, as the codecs take them."""
-    import torch  # made here: headers alone need no torch
-
-    from recycle.checkpoint import ST_DTYPES
-
-    width, tname = ST_DTYPES[info.dtype]
-    shape = list(info.shape)
-    if rows is not None:
-        shape[0] = rows
-    if info.dtype == "F4":
-        tname, width = "uint8", 1
-        shape[-1] //= 2
-    elif info.dtype == "F8_E8M0":
-        tname = "uint8"
-    if tname is None:
-        raise RecycleError(f"{info.name}: recycle reads no {info.dtype} tensor")
-    span = ckpt.span(info.name)
-    size = int(math.prod(shape) * width)
-    with open(span.path, "rb", buffering=0) as f:
-        raw = os.pread(f.fileno(), size, span.start)
-    if len(raw) != size or size > span.nbytes:
-        raise RecycleError(f"{span.path}: ends inside {info.name} (truncated shard)")
-    return torch.frombuffer(bytearray(raw), dtype=getattr(torch, tname)).reshape(shape) if size else \
-        torch.empty(shape, dtype=getattr(torch, tname))
 
 
 STALE_TOLERANCE = 1e-3  # relative difference of sampled rows above which a copy is not the trunk's tensor

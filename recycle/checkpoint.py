@@ -447,6 +447,24 @@ class Checkpoint:
             return (np.frombuffer(raw, "<u2").astype(np.uint32) << 16).view(np.float32).reshape(len(rows), -1)
         return np.frombuffer(raw, "<f4" if info.dtype == "F32" else "<f2").astype(np.float32).reshape(len(rows), -1)
 
+    def head(self, name: str, rows: int) -> torch.Tensor:
+        """A stored tensor's first `rows` rows exactly as stored, through safetensors' slice; FP4, which that slice
+        cannot cut (its header counts values, torch's dtype holds pairs), read at the header's offsets."""
+        import torch  # made here: headers alone need no torch
+
+        info = self.stored.get(name)
+        if info is None:
+            raise RecycleError(f"{self.path}: no tensor named {name}")
+        if info.dtype != "F4":
+            return self._open(info.file).get_slice(name)[:rows]
+        shape = (min(rows, info.shape[0]), *info.shape[1:-1], info.shape[-1] // 2)
+        span, size = self.span(name), math.prod(shape)
+        with open(span.path, "rb", buffering=0) as f:
+            raw = os.pread(f.fileno(), size, span.start)
+        if len(raw) != size:
+            raise RecycleError(f"{span.path}: ends inside {name} (truncated shard)")
+        return torch.frombuffer(bytearray(raw), dtype=torch.uint8).reshape(shape).view(torch.float4_e2m1fn_x2)
+
     def iter_chunks(self, name: str, max_elements: int = 1 << 24) -> Iterable[torch.Tensor]:
         """The tensor's float32 values in row chunks, so statistics over a 129k×7k embedding stay small.
 
