@@ -12,6 +12,7 @@ ModelOpt's hf_quant_config.json) with their new entries. The block-FP8 pieces bo
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 from collections.abc import Mapping
@@ -141,7 +142,7 @@ class _Configs:
 
     def __init__(self, rec: Scheme, tgt: Checkpoint) -> None:
         self.rec = rec
-        self.config: dict = json.loads(json.dumps(tgt.config))
+        self.config: dict = copy.deepcopy(tgt.config)
         path = tgt.path / QUANT_CONFIG_FILE
         self.hf: dict | None = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
         if self.hf is not None and not isinstance(self.hf.get("quantization"), dict):
@@ -192,10 +193,10 @@ class _Configs:
                 self.added.setdefault(f"{label}: {key}", []).extend(new)
 
     def snapshot(self) -> tuple:
-        return json.dumps(self.config), json.dumps(self.hf), json.dumps(self.added)
+        return copy.deepcopy((self.config, self.hf, self.added))
 
     def restore(self, snap: tuple) -> None:
-        self.config, self.hf, self.added = (json.loads(s) for s in snap)
+        self.config, self.hf, self.added = snap
 
 
 def _all_ignored(cfg: _Configs, modules: list[str]) -> bool:
