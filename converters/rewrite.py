@@ -9,6 +9,7 @@ goes through the one atomic writer; `recycle.json` gets the run's record appende
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from recycle.errors import RecycleError
 from recycle.formats import BENCH_REPORT
 from recycle.io.weights import meta_state, weight_files
 from recycle.io.writer import Lazy
+from recycle.mtp import to_checkpoint_layout
 from recycle.preflight import load_json
 
 WEIGHTS = "model.safetensors"
@@ -57,22 +59,268 @@ def write_drafter(src_dir: str | os.PathLike, writer, fmt, main: dict[str, torch
                                f"(missing {missing[:3]}, unexpected {unknown[:3]})")
         tensors[rel] = {k: Lazy(shp, (lambda t=state[k], d=dt: t.detach().to("cpu", d).contiguous()), (k,), EXACT,
                                 dtype=dt) for k, (shp, dt) in head.items()}
+    with writer as d:
+        d.write_safetensors(tensors, torch.float32, metadata={"recycle_format": fmt.name, "recycle_distilled": "1",
+                                                               **(metadata or {})})
+        return _finish(src, d, set(tensors), dropped, notes, record)
+
+
+def _finish(src: Path, d, written: set[str], dropped: list[str], notes: list[str], record: dict) -> dict[str, int]:
+    """The rest of the input copied as it is (the weight files written aside), recycle.json with the run's record and
+    the written files' digests. Call inside the writer's `with`."""
     prov_path = src / "recycle.json"
     prov = load_json(prov_path, "recycle.json") if prov_path.is_file() else {}
     rec = dict(record)
     if notes:
         rec["notes"] = notes
     prov.setdefault("distillation", []).append(rec)
-    with writer as d:
-        d.write_safetensors(tensors, torch.float32, metadata={"recycle_format": fmt.name, "recycle_distilled": "1",
-                                                               **(metadata or {})})
-        for p in sorted(src.rglob("*")):
-            rel = p.relative_to(src).as_posix()
-            # bench.json measured the input's weights, not these: the card would publish it as the output's figures
-            skip = rel in tensors or rel in ("recycle.json", BENCH_REPORT) or rel.split("/")[0] in dropped
-            if skip or not p.is_file():
+    for p in sorted(src.rglob("*")):
+        rel = p.relative_to(src).as_posix()
+        # bench.json measured the input's weights, not these: the card would publish it as the output's figures
+        skip = rel in written or rel in ("recycle.json", BENCH_REPORT) or rel.split("/")[0] in dropped
+        if skip or not p.is_file():
+            continue
+        d.copy_file(p, rel)
+    prov["sha256"] = d.sha256()  # the files as this run wrote them (the input's digests no longer hold)
+    d.write_json("recycle.json", prov)
+    return dict(d.files)
+
+
+# -- written from the shards: every rank its part ------------------------------------------------------------------
+
+def _block_split(name: str) -> tuple[str, str] | None:
+    if ".block." not in name:
+        return None
+    head, rel = name.split(".block.", 1)
+    return f"{head}.block.", rel
+
+
+def _pieces(model: torch.nn.Module, name: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A runtime tensor (whole, or this rank's rows of one: experts renumbered from its first row) under the
+    names model.safetensors stores, as `Unroller.file_state` writes them (the block in its checkpoint layout)."""
+    split = _block_split(name)
+    if split is None:
+        return {name: t}
+    prefix, rel = split
+    return {prefix + k: v for k, v in to_checkpoint_layout({rel: t}, model.config, model.family.block_renames).items()}
+
+
+def _renumbered(pieces: dict[str, torch.Tensor], first: int) -> dict[str, torch.Tensor] | None:
+    """Per-expert pieces of rows [first, ...) under their global expert numbers; None when they are not per row."""
+    import re
+
+    expert = re.compile(r"experts\.(\d+)\.")
+    if not pieces or not all(expert.search(n) for n in pieces):
+        return None
+    return {expert.sub(lambda m: f"experts.{int(m[1]) + first}.", n): v for n, v in pieces.items()}
+
+
+def _gather_to(t, owner: int, rank: int, world: int) -> torch.Tensor | None:
+    """A DTensor sharded on its first dimension, gathered whole onto `owner`'s host only (the others send their rows,
+    padded to the largest; None on them)."""
+    import torch.distributed as dist
+
+    from recycle.drafters.sharded import local_rows
+
+    local = t.to_local().detach()
+    rows = local_rows(t)
+    spans = [None] * world
+    dist.all_gather_object(spans, rows)
+    most = max(b - a for a, b in spans)
+    pad = local.new_zeros((most, *local.shape[1:]))
+    pad[:local.shape[0]] = local
+    bins = [torch.empty_like(pad) for _ in range(world)] if rank == owner else None
+    dist.gather(pad, bins, dst=owner)
+    if rank != owner:
+        return None
+    return torch.cat([b[:e - s] for b, (s, e) in zip(bins, spans)]).cpu()
+
+
+def write_drafter_sharded(src_dir: str | os.PathLike, writer, fmt, model: torch.nn.Module, record: dict,
+                          rank: int, world: int, metadata: dict[str, str] | None = None) -> dict[str, int] | None:
+    """`write_drafter` from a sharded drafter (FSDP2, split experts), a collective: no whole drafter on any host and
+    no whole tensor on any device. The files are the one-process writer's, header and order alike: rank 0 writes
+    every file's header and sizes the file, then each rank writes its own tensors at their offsets. A rank's own
+    tensors: the per-expert tensors of its experts (no gather), and those assigned to it by bytes among the rest,
+    each gathered onto its host alone (`dist.gather`); the `nextn/` and `mtp_overlay/` copies of a weight are
+    written by the rank that holds it. Rank 0's `writer` holds the output; returns its files (rank 0) or None."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from recycle.drafters.sharded import local_rows
+
+    src = Path(src_dir)
+    layouts = {p.relative_to(src).as_posix(): stored_layout(p) for p in weight_files(src, WEIGHTS)}
+    head = {k: v for layout in layouts.values() for k, v in layout.items()}
+    spelling = fmt.spelling(set(head))
+    if callable(getattr(model, "reshard", None)):  # FSDP2's root unit stays gathered after a forward: its shards
+        model.reshard()
+    state = model.state_dict()
+    # what this rank writes: its experts' pieces, plain tensors and gathered ones assigned to it by bytes
+    load = [0] * world
+    mine: dict[str, torch.Tensor] = {}
+    gathered: list[tuple[str, torch.Tensor, int]] = []
+    for name, t in state.items():
+        if isinstance(t, DTensor):
+            start, _ = local_rows(t)
+            probe = torch.empty((1, *t.shape[1:]), device="meta")
+            if _renumbered(_pieces(model, name, probe), 0) is not None:  # per-expert: each rank its own experts
+                local = _renumbered(_pieces(model, name, t.to_local().detach()), start) or {}
+                mine.update(local)
+                sizes = [0] * world
+                dist.all_gather_object(sizes, sum(v.numel() * v.element_size() for v in local.values()))
+                load = [a + b for a, b in zip(load, sizes)]
                 continue
-            d.copy_file(p, rel)
-        prov["sha256"] = d.sha256()  # the files as this run wrote them (the input's digests no longer hold)
-        d.write_json("recycle.json", prov)
-        return dict(d.files)
+        owner = min(range(world), key=lambda r: (load[r], r))
+        load[owner] += t.numel() * t.element_size()
+        gathered.append((name, t, owner))
+    for name, t, owner in gathered:  # the same order on every rank: the gathers match
+        whole = _gather_to(t, owner, rank, world) if isinstance(t, DTensor) else (t.detach() if rank == owner else None)
+        if whole is not None:
+            mine.update(_pieces(model, name, whole))
+    mine = fmt.disk_names(mine, spelling)
+    names = [None] * world
+    dist.all_gather_object(names, sorted(mine))
+    every = [n for part in names for n in part]
+    if sorted(every) != sorted(head):  # every rank sees the same lists: all refuse together
+        missing, unknown = sorted(set(head) - set(every)), sorted(set(every) - set(head))
+        raise RecycleError(f"{src / WEIGHTS}: trained weights do not match the stored key set "
+                           f"(missing {missing[:3]}, unexpected {unknown[:3]})")
+    plans = {rel: [(k, shp, dt) for k, (shp, dt) in layout.items()] for rel, layout in layouts.items()}
+    makers = {(rel, k): (k, None) for rel, layout in layouts.items() for k in layout}
+    extra, extra_makers, dropped, notes = _extra_layouts(src, model, fmt, spelling)
+    plans.update(extra)
+    makers.update(extra_makers)
+    meta = {"recycle_format": fmt.name, "recycle_distilled": "1", **(metadata or {})}
+    with writer if rank == 0 else contextlib.nullcontext():
+        box = [str(writer.tmp) if rank == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        if rank != 0:  # the other ranks write into rank 0's temporary directory (its lock holds the output)
+            writer.tmp, writer.files = Path(box[0]), {}
+        else:
+            for rel, plan in plans.items():
+                writer.create_safetensors(rel, plan, meta)
+        dist.barrier()  # every file is there, at its full size
+        for rel, plan in plans.items():
+            own = {}
+            for k, shp, dt in plan:
+                stored, how = makers[(rel, k)]
+                if stored in mine:
+                    own[k] = Lazy(shp, (lambda t=mine[stored], f=how: (f(t) if f else t).detach().to("cpu")), (k,),
+                                  EXACT, dtype=dt)
+            writer.write_safetensors_part(rel, plan, own, meta)
+        mine.clear()
+        dist.barrier()  # every rank's tensors are written
+        if rank != 0:
+            return None
+        return _finish(src, writer, set(plans), dropped, notes, record)
+
+
+def _overlay_sources(model: torch.nn.Module, base: int) -> dict[str, tuple[str, bool]] | None:
+    """The names `MTP.checkpoint_tensors(num_hidden_layers=base)` gives each weight (what an EAGLE drafter's `nextn/`
+    and `mtp_overlay/` store), each with the module name of the weight it copies and whether it is stored
+    zero-centred (`w - 1`); None where the block's names there differ from model.safetensors' (a family's own
+    conversions): that layout is then dropped, as the one-process rewriter drops what it cannot rebuild."""
+    from recycle.families import BY_NAME
+    from recycle.mtp.base import LEAF_ROLES, Norm
+
+    fam = model.family
+    stored_norm = BY_NAME[fam.name].norm if fam.name in BY_NAME else fam.norm
+    out: dict[str, tuple[str, bool]] = {}
+    for k, layer in enumerate(model.layers):
+        ctx = {"k": k, "layer": base + k, "first": k, "last": k}
+        for role in LEAF_ROLES:
+            module, name = getattr(layer, role), f"layers.{k}.{role}.weight"
+            if module is None and role in fam.stores_copies:
+                module, name = model._shared.get(role), f"{role}.weight"
+            if module is None or role not in fam.roles:
+                continue
+            out[fam.roles[role][0].format(**ctx)] = (name, isinstance(module, Norm) and module.style == "w"
+                                                     and stored_norm == "1+w")
+        prefix = fam.block[0].format(s=k, **ctx)
+        for n, t in layer.block.state_dict().items():
+            probe = {n: torch.empty(tuple(t.shape), device="meta")}
+            there = to_checkpoint_layout(probe, model.config, fam.block_renames, fam.block_conversions)
+            if set(there) != set(to_checkpoint_layout(probe, model.config, fam.block_renames)):
+                return None
+            out.update({prefix + rel: (f"layers.{k}.block.{rel}", False) for rel in there})
+    return out
+
+
+def _extra_layouts(src: Path, model: torch.nn.Module, fmt, spelling: str | None
+                   ) -> tuple[dict[str, list], dict[tuple[str, str], tuple[str, object]], list[str], list[str]]:
+    """An EAGLE drafter's `nextn/` and `mtp_overlay/` as the one-process rewriter writes them (`converters/eagle.py`):
+    per file, its tensors' (name, shape, dtype) in the stored order, and per tensor the model.safetensors name of the
+    weight it is made from with how (None: as it is; zero-centred; FP8 requantized in the stored blocks, weight or
+    scale); the layouts dropped, with their notes, where the rewriter would drop them."""
+    from recycle.families import BY_NAME
+    from recycle.quant import SCALE_SUFFIX, requantize, scheme
+
+    if "rewrite" not in fmt.hooks or fmt.name != "eagle":
+        return {}, {}, [], []
+    rc = load_json(src / "config.json", "drafter config.json").get("recycle", {})
+    fam = BY_NAME.get(rc.get("family", ""))
+    canonical = fam is not None and fam.concat_order == "eh"
+    plans: dict[str, list] = {}
+    makers: dict[tuple[str, str], tuple[str, object]] = {}
+    dropped, notes = [], []
+
+    def disk(module_name: str) -> str:
+        return next(iter(fmt.disk_names({module_name: None}, spelling)))
+
+    def minus(t: torch.Tensor) -> torch.Tensor:
+        return t.float() - 1.0
+
+    for sub, base in (("nextn", 0), ("mtp_overlay", int(rc.get("source_num_hidden_layers", 0)))):
+        parts = {p.name: stored_layout(p) for p in sorted((src / sub).glob("*.safetensors"))} \
+            if (src / sub).is_dir() else {}
+        if not parts:
+            continue
+        head = {k: v for part in parts.values() for k, v in part.items()}
+        sources = (_overlay_sources(model, base) or {}) if canonical else {}
+        try:
+            fp8 = scheme(load_json(src / sub / "config.json", f"{sub}/config.json"), f"{src / sub}")
+        except RecycleError:
+            fp8 = None
+        out, why = {}, None
+        for k, (shp, dt) in head.items():
+            weight = k[: -len(SCALE_SUFFIX)] if k.endswith(SCALE_SUFFIX) else None
+            if weight is not None and weight in head and head[weight][1].itemsize == 1:
+                continue  # made with its weight
+            source = sources.get(k)
+            if source is None or tuple(shp) != tuple(_source_shape(model, source[0])) \
+                    or not dt.is_floating_point:
+                why = "non-canonical concat" if not canonical else f"{k} is not a trained weight"
+            elif dt.itemsize == 1:
+                if fp8 is None or k + SCALE_SUFFIX not in head:
+                    why = "FP8 without a block-FP8 config"
+                    continue
+                first = minus if source[1] else None
+                out[k] = (disk(source[0]), lambda t, b=fp8.block, f=first: requantize(f(t) if f else t, b)[0])
+                out[k + SCALE_SUFFIX] = (disk(source[0]),
+                                         lambda t, b=fp8.block, f=first: requantize(f(t) if f else t, b)[1])
+            else:
+                out[k] = (disk(source[0]), minus if source[1] else None)
+        if why is None:
+            for name, part in parts.items():
+                rel = f"{sub}/{name}"
+                plans[rel] = [(k, shp, dt) for k, (shp, dt) in part.items()]
+                makers.update({(rel, k): out[k] for k in part})
+        else:
+            dropped.append(sub)
+            notes.append(f"{sub}/ dropped: its tensors cannot be rebuilt exactly from the trained weights ({why})")
+    return plans, makers, dropped, notes
+
+
+def _source_shape(model: torch.nn.Module, module_name: str) -> tuple[int, ...]:
+    """The shape model.safetensors stores `module_name` in (a block tensor in its checkpoint layout)."""
+    split = _block_split(module_name)
+    if split is None:
+        return tuple(model.get_parameter(module_name).shape)
+    prefix, rel = split
+    for n, t in model.get_submodule(prefix[:-1]).state_dict().items():
+        probe = torch.empty(tuple(t.shape), device="meta")
+        got = to_checkpoint_layout({n: probe}, model.config, model.family.block_renames)
+        if rel in got:
+            return tuple(got[rel].shape)
+    return ()

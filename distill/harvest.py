@@ -9,6 +9,8 @@ stream, seed, batch, sequence length and token budget), plus distill's held-out 
 greedy continuations written by vLLM first, as distill's own teacher writes them). `distill --cache-hidden
 CACHE` then reads every step's features from the cache and never builds the target (only its embedding
 and head); `manifest.json` says what the cache holds, and distill refuses a cache made for other options.
+`harvest` streams the windows to one engine in chunks, can run as N shards (`--shard i/N`, any nodes, one shared
+directory) and resumes after a kill (`CACHE/.harvest/`: the plan and each finished shard; the manifest comes last).
 
 vLLM's layer ids: k < L is the residual stream entering layer k (transformers' `hidden_states[k]`); L is
 the last layer's output *before* the final norm, so the target's final norm (read alone through the lazy
@@ -24,6 +26,8 @@ import os
 import shutil
 import threading
 import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 
@@ -37,14 +41,14 @@ from recycle.distill.teacher import store_features
 from recycle.encode import load_tokenizer, source_renderer
 from recycle.errors import RecycleError
 from recycle.families import match
-from recycle.io.writer import OutputDir
-from recycle.options import DataOptions, HarvestOptions
-from recycle.preflight import load_json
+from recycle.options import HARVEST_STATE, DataOptions, HarvestOptions
+from recycle.preflight import OutputLock, load_json
 from recycle.texts import data_source
 
 MANIFEST = "manifest.json"
 REGENERATED = "regenerated.jsonl"  # --self-distill on conversations: what the target wrote, reusable as --data
 FORMAT = "recycle-hidden-cache/1"
+CHUNK_WINDOWS = 256  # windows per engine call of an offline harvest: bounded whatever the budget
 
 
 def fingerprint(target: str | os.PathLike) -> dict:
@@ -73,18 +77,15 @@ def manifest_for(opts: HarvestOptions, keys: list[str], fp: dict | None = None) 
 
 def vllm_generate(target: str, parallel: dict | None = None, gpu_memory_utilization: float | None = None) -> Generate:
     """`Generate` in vLLM: one engine run per call (all of a round's prompts at once), rows stopping at the stop ids;
-    in this machine's build and dtype (`vllm_env.PLATFORMS`)."""
-    from recycle.engines.vllm_env import platform, run_job
-
-    row = platform()
+    in this machine's build and dtype (`vllm_env.PLATFORMS`), with the harvest's parallel options and memory share."""
+    from recycle.engines.vllm_env import job_engine, run_job
 
     def generate(prompts: list[list[int]], max_new: int, temperature: float, seed: int, stops: list[int]
                  ) -> list[list[int]]:
         if not prompts:
             return []
         res = run_job({"target": target, "prompt_ids": prompts, "max_new_tokens": max_new, "temperature": temperature,
-                       "seed": seed, "stop_token_ids": stops, "parallel": parallel or {}, "dtype": row["dtype"],
-                       "gpu_memory_utilization": gpu_memory_utilization or row["gpu_memory_utilization"],
+                       "seed": seed, "stop_token_ids": stops, **job_engine(parallel, gpu_memory_utilization),
                        "max_model_len": max(len(p) for p in prompts) + max_new + 8,
                        "runs": [{"name": "turns", "speculative_config": None}]})["turns"]
         if "error" in res:
@@ -214,6 +215,9 @@ class _Job:
         self.tokenizer = load_tokenizer(opts.target)
         self.target = str(Path(opts.target).resolve())
         self.chat = source_renderer(opts, self.tokenizer) is not None
+        if self.chat and opts.self_distill and opts.shards()[1] > 1:  # each shard would write every conversation
+            raise RecycleError("--shard with --self-distill on conversations: every shard would regenerate every "
+                               "conversation; harvest them in one job (its engine takes the parallel options)")
         gen = vllm_generate(self.target, opts.parallel, opts.gpu_memory_utilization) \
             if self.chat and opts.self_distill else None
         self.batches, self.regenerated = plan(opts, self.tokenizer, gen)
@@ -229,36 +233,51 @@ class _Job:
             return
         ev, p = self.eval, self.prompt
         gen = run_job({"target": self.target, "prompt_ids": ev[:, :p].tolist(), "max_new_tokens": ev.shape[1] - p,
-                       "max_model_len": ev.shape[1] + 8, "runs": [{"name": "eval", "speculative_config": None}]})["eval"]
+                       "max_model_len": ev.shape[1] + 8, "runs": [{"name": "eval", "speculative_config": None}],
+                       **self.engine()})["eval"]
         if "error" in gen:
             raise RecycleError(f"vLLM: {gen['error']}")
         self.eval = torch.cat([ev[:, :p], torch.tensor(gen["tokens"], dtype=ev.dtype)], dim=1)
 
-    def regenerate_windows(self) -> None:
-        """--self-distill: every window keeps its first prompt_len tokens and the target in vLLM writes the
-        rest (as distill's in-process teacher does with transformers; sampled windows are the same law,
-        not the same draws)."""
+    def engine(self) -> dict:
+        """The engine arguments every vLLM job of this harvest carries (`vllm_env.engine_args`: parallel options,
+        dtype, memory share), as a job holds them."""
+        from recycle.engines.vllm_env import job_engine
+
+        return job_engine(self.opts.parallel, self.opts.gpu_memory_utilization)
+
+    def regenerate_windows(self, items: list[Window]) -> list[Window]:
+        """--self-distill: every window of `items` keeps its first prompt_len tokens and the target in vLLM writes
+        the rest (as distill's in-process teacher does with transformers; sampled windows are the same law, not
+        the same draws). Row r of the whole plan samples with seed + r whichever shard or resumed run writes it."""
         from recycle.engines.vllm_env import run_job
 
         if not self.opts.self_distill or self.chat:  # conversations: their turns were regenerated by `plan`
-            return
+            return items
         p = self.opts.prompt_len
         if not 1 <= p < self.opts.seq_len:
             raise RecycleError(f"--prompt-len must be in [1, {self.opts.seq_len - 1}], got {p}")
         # distill continues whole rows and then cuts the budget's last ones: a cut row is a prefix of that
         # (no shorter than the prompt: then it is the data's own text)
-        todo = [row for _, ids, _ in self.batches for row in ids if len(row) > p]
-        gen = run_job({"target": self.target, "prompt_ids": [r[:p].tolist() for r in todo],
-                       "max_new_tokens_each": [len(r) - p for r in todo], "temperature": self.opts.sd_temperature,
-                       "seed": self.opts.seed, "max_model_len": self.opts.seq_len + 8,
-                       "runs": [{"name": "windows", "speculative_config": None}]})["windows"]
+        first, n = {}, 0
+        for key, ids, _ in self.batches:
+            first[key], n = n, n + (ids.shape[0] if ids.shape[1] > p else 0)
+        todo = [(first[key] + r, row) for key, ids, _ in items if key in first and ids.shape[1] > p
+                for r, row in enumerate(ids)]
+        if not todo:
+            return items
+        gen = run_job({"target": self.target, "prompt_ids": [row[:p].tolist() for _, row in todo],
+                       "max_new_tokens_each": [len(row) - p for _, row in todo], "temperature": self.opts.sd_temperature,
+                       "seed": self.opts.seed, "seed_each": [self.opts.seed + r for r, _ in todo],
+                       "max_model_len": self.opts.seq_len + 8, "runs": [{"name": "windows", "speculative_config": None}],
+                       **self.engine()})["windows"]
         if "error" in gen:
             raise RecycleError(f"vLLM: {gen['error']}")
         it = iter(gen["tokens"])
-        self.batches = [(key, ids if ids.shape[1] <= p else
-                         torch.cat([ids[:, :p], torch.tensor([next(it) for _ in range(ids.shape[0])], dtype=ids.dtype)],
-                                   dim=1), mask)
-                        for key, ids, mask in self.batches]
+        return [(key, ids if key not in first or ids.shape[1] <= p else
+                 torch.cat([ids[:, :p], torch.tensor([next(it) for _ in range(ids.shape[0])], dtype=ids.dtype)],
+                           dim=1), mask)
+                for key, ids, mask in items]
 
     def manifest(self, extra: dict | None = None) -> dict:
         m = manifest_for(self.opts, [k for k, _, _ in self.batches], self.fp)
@@ -283,12 +302,10 @@ class _Job:
     def job(self, raw: Path, **how) -> dict:
         """vLLM's harvest job, in this machine's build and dtype (`vllm_env.PLATFORMS`: bf16 on GPUs) with
         --gpu-memory-utilization or the machine's default share."""
-        from recycle.engines.vllm_env import platform
+        from recycle.engines.vllm_env import job_engine
 
-        row = platform()
         return {"mode": "harvest", "target": self.target, "layers": self.layers, "out_dir": str(raw.resolve()),
-                "parallel": self.opts.parallel or {}, "dtype": row["dtype"],
-                "gpu_memory_utilization": self.opts.gpu_memory_utilization or row["gpu_memory_utilization"], **how}
+                **job_engine(self.opts.parallel, self.opts.gpu_memory_utilization), **how}
 
     def store(self, dest: Path, ids: torch.Tensor, files: list[str], mask: torch.Tensor | None = None) -> None:
         """One key's cache file from vLLM's per-window files (which are then removed)."""
@@ -304,42 +321,205 @@ class _Job:
             Path(f).unlink(missing_ok=True)
 
 
+def _atomic_json(path: Path, obj: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(obj, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+def shard_of(items: list, index: int, count: int) -> list:
+    """Shard `index` of `count`: every count-th key of distill's order (the held-out rows last), so the shards
+    differ by at most one key and every key is in exactly one."""
+    return items[index::count]
+
+
+def chunks(items: list[Window], size: int) -> list[list[Window]]:
+    """Consecutive whole keys, at most `size` windows a chunk (a key of more windows alone): one engine call each."""
+    out: list[list[Window]] = []
+    n = size
+    for item in items:
+        if n + item[1].shape[0] > size:
+            out.append([])
+            n = 0
+        out[-1].append(item)
+        n += item[1].shape[0]
+    return out
+
+
+def _stored_ids(path: Path, ids: torch.Tensor, prefix: int) -> bool:
+    """Whether the finished cache file at `path` holds these windows (its first `prefix` tokens of each row)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        got = f.get_tensor("input_ids")
+    return got.shape == ids.shape and torch.equal(got[:, :prefix], ids[:, :prefix])
+
+
 def harvest(opts: HarvestOptions, progress=None) -> dict:
-    """Run the target in vLLM over distill's windows and write the cache directory (atomically)."""
+    """Run the target in vLLM over distill's windows (shard i/N of them with --shard) and write the cache directory.
+
+    Streamed: one engine stays up and is fed CHUNK_WINDOWS windows at a time; each key's vLLM files become its cache
+    file as they arrive, on `--convert-workers` threads. Resumable: every key's cache file is written whole (temp +
+    rename) and kept; the same options again (any shard, any node) skip the keys already there, after checking they
+    hold the planned windows. The manifest is written last, by the run that finishes the last shard: until then
+    distill refuses the directory (no manifest.json)."""
+    started = time.perf_counter()
+    index, count = opts.shards()
+    job = _Job(opts)  # every check and the plan before anything is written
+    out = Path(opts.out).expanduser().resolve()
+    state = out / HARVEST_STATE
+    want = {"manifest": job.manifest(), "shards": count}
+    if opts.overwrite and out.exists():  # a finished cache, or an unfinished harvest, started again
+        lock = OutputLock(out).acquire()
+        try:
+            shutil.rmtree(out)
+        finally:
+            lock.release()
+    lock = OutputLock(state / f"shard-{index}").acquire()  # CACHE/.harvest/.shard-i.recycle-lock: one run per shard
+    try:
+        plan_file = state / "plan.json"
+        if plan_file.is_file():
+            had = load_json(plan_file, "harvest plan")
+            if had != want:
+                old = had.get("manifest") or {}
+                diff = ", ".join(k for k in sorted(set(old) | set(want["manifest"]))
+                                 if old.get(k) != want["manifest"].get(k)) or f"in {had.get('shards')} shards"
+                raise RecycleError(f"{out}: an unfinished harvest for other options ({diff}); run it with those, "
+                                   "or --overwrite to start again")
+        else:
+            _atomic_json(plan_file, want)
+        items = shard_of([*job.batches, (EVAL_KEY, job.eval, job.eval_mask)], index, count)
+        todo = []
+        for key, ids, mask in items:
+            path = out / f"{key}.safetensors"
+            for stale in out.glob(f".{key}.safetensors.tmp-*"):  # a killed run's partial write of this key
+                stale.unlink(missing_ok=True)
+            # what the plan fixes before vLLM writes: a held-out row's prompt, a self-distilled window's prompt
+            fixed = (job.prompt or ids.shape[1]) if key == EVAL_KEY else \
+                opts.prompt_len if opts.self_distill and not job.chat else ids.shape[1]
+            if not path.is_file():
+                todo.append((key, ids, mask))
+            elif not _stored_ids(path, ids, fixed):
+                raise RecycleError(f"{path}: holds other windows than this harvest plans (an earlier run's "
+                                   "regenerated text?); --overwrite to start again")
+        if any(key == EVAL_KEY for key, _, _ in todo):
+            job.regenerate_eval()
+            todo = [(k, job.eval, m) if k == EVAL_KEY else (k, ids, m) for k, ids, m in todo]
+        todo = job.regenerate_windows(todo)
+        engine = _extract(job, out, state / f"feed-{index}", todo, progress)
+        seconds = float(engine.get("seconds", 0.0))
+        tokens = sum(int(ids.numel()) for key, ids, _ in items if key != EVAL_KEY)
+        fed = sum(int(ids.numel()) for _, ids, _ in todo)
+        _atomic_json(state / f"shard-{index}.json", {"keys": [k for k, _, _ in items]})
+        complete = all((state / f"shard-{j}.json").is_file() for j in range(count))
+        if complete:
+            _finalize(job, out, state)
+    finally:
+        lock.release()
+    files = [p for p in out.glob("*") if p.is_file()]
+    size = sum(p.stat().st_size for p in files)
+    return {"out": str(out), "files": len(files), "bytes": size, "tokens": tokens, "shard": f"{index}/{count}",
+            "keys": len(items), "keys_resumed": len(items) - len(todo), "complete": complete,
+            "vllm_seconds": round(seconds, 3), "vllm_tokens_per_s": round(fed / seconds) if seconds else 0,
+            "vllm_connector": engine.get("connector"),
+            "seconds": round(time.perf_counter() - started, 3),
+            "options": asdict(opts) | {"aux_layers": list(opts.aux_layers)},
+            "bytes_per_token": round(size / max(1, tokens))}
+
+
+def _finalize(job: _Job, out: Path, state: Path) -> None:
+    """Every shard done: check every key's file is there, write the regenerated set and the manifest (last), and
+    remove the harvest's state. Two shards finishing together both may: they write the same bytes."""
+    missing = [k for k in [*(k for k, _, _ in job.batches), EVAL_KEY] if not (out / f"{k}.safetensors").is_file()]
+    if missing:
+        raise RecycleError(f"{out}: every shard says it is done but {len(missing)} keys are missing ({missing[0]} ...): "
+                           "run the shards again (they redo only what is missing)")
+    if job.regenerated is not None:
+        tmp = out / f".{REGENERATED}.tmp-{os.getpid()}"
+        job.save_regenerated(tmp)
+        os.replace(tmp, out / REGENERATED)
+    _atomic_json(out / MANIFEST, job.manifest())
+    shutil.rmtree(state, ignore_errors=True)
+
+
+def _extract(job: _Job, out: Path, feed: Path, todo: list[Window], progress=None) -> dict:
+    """`todo`'s windows through one vLLM engine that stays up (`vllm_job.py`'s feed protocol), CHUNK_WINDOWS at a
+    time, the next chunk posted while the engine runs one; each key converted on a thread pool as its files arrive.
+    Returns the engine job's result (its busy seconds; how it found the connector). On any failure the engine is told to end and only the partial files go
+    (the feed directory: chunks and vLLM's raw files); finished keys stay."""
     from recycle.engines.vllm_env import run_job
 
-    started = time.perf_counter()
-    writer = OutputDir(opts.out, overwrite=opts.overwrite, protect=opts.inputs())  # a bad OUT: refused before vLLM
-    writer.acquire()  # OUT is this run's until it ends: a second harvest into it refuses
+    if not todo:
+        return {}
+    shutil.rmtree(feed, ignore_errors=True)  # a killed run's chunks and raw files
+    (feed / "raw").mkdir(parents=True)
+    parts = chunks(todo, CHUNK_WINDOWS)
+    result: dict = {}
+    errors: list[BaseException] = []
+
+    def engine() -> None:
+        try:
+            result.update(run_job(job.job(feed / "raw", feed_dir=str(feed.resolve()),
+                                          max_window=max(int(ids.shape[1]) for _, ids, _ in todo)),
+                                  env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}))
+        except BaseException as e:  # raised in the caller's thread
+            errors.append(e)
+
+    workers = job.opts.convert_workers or min(8, os.cpu_count() or 1)
+    thread = threading.Thread(target=engine, name="recycle-harvest-vllm", daemon=True)
+    thread.start()
+    pending: deque = deque()
     try:
-        job = _Job(opts)
-        with writer as d:  # written beside OUT, moved into place whole (an earlier cache swapped out only then)
-            work = d.tmp
-            (work / "raw").mkdir()
-            job.regenerate_eval()
-            job.regenerate_windows()
-            batches = [*job.batches, (EVAL_KEY, job.eval, job.eval_mask)]
-            windows = [row.tolist() for _, ids, _ in batches for row in ids]
-            res = run_job(job.job(work / "raw", windows=windows), env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
-            files = iter(res["files"])
-            for key, ids, mask in batches:
-                job.store(work / f"{key}.safetensors", ids, [next(files) for _ in range(ids.shape[0])], mask)
-                if progress is not None:
-                    progress(key)
-            shutil.rmtree(work / "raw")
-            job.save_regenerated(work / REGENERATED)
-            tokens = sum(int(ids.numel()) for _, ids, _ in job.batches)
-            manifest = job.manifest({"engine": {"seconds": round(res["seconds"], 3),
-                                                "tokens_per_s": round(tokens / res["seconds"])}})
-            (work / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+        with ThreadPoolExecutor(workers, thread_name_prefix="recycle-harvest-convert") as pool:
+            try:
+                _post(feed, 0, parts[0])
+                for n, part in enumerate(parts):
+                    if n + 1 < len(parts):
+                        _post(feed, n + 1, parts[n + 1])
+                    files = iter(_answer(feed, n, thread, errors))
+                    for key, ids, mask in part:
+                        mine = [next(files) for _ in range(ids.shape[0])]
+                        pending.append((key, pool.submit(job.store, out / f"{key}.safetensors", ids, mine, mask)))
+                    while pending and (len(pending) > 2 * workers or pending[0][1].done()):
+                        _finish(pending.popleft(), progress)
+                while pending:
+                    _finish(pending.popleft(), progress)
+            except BaseException:  # the keys whose files came back are still converted and kept
+                for item in pending:
+                    with contextlib.suppress(Exception):
+                        _finish(item, progress)
+                raise
     finally:
-        writer.release()
-    out = writer.out
-    size = sum(p.stat().st_size for p in out.iterdir())
-    return {"out": str(out), "files": len(batches) + 1, "bytes": size, "tokens": tokens,
-            "vllm_seconds": manifest["engine"]["seconds"], "vllm_tokens_per_s": manifest["engine"]["tokens_per_s"],
-            "seconds": round(time.perf_counter() - started, 3), "options": asdict(opts) | {"aux_layers": list(opts.aux_layers)},
-            "bytes_per_token": round(size / max(1, tokens))}
+        (feed / "end").touch()
+        thread.join()
+        shutil.rmtree(feed, ignore_errors=True)
+    if errors:
+        raise errors[0]
+    return result
+
+
+def _post(feed: Path, n: int, part: list[Window]) -> None:
+    tmp = feed / f".{n:06d}.tmp"
+    tmp.write_text(json.dumps({"windows": [row.tolist() for _, ids, _ in part for row in ids]}))
+    tmp.rename(feed / f"{n:06d}.json")
+
+
+def _answer(feed: Path, n: int, engine: threading.Thread, errors: list) -> list[str]:
+    done = feed / f"{n:06d}.done.json"
+    while not done.exists():
+        if errors:
+            raise errors[0]
+        if not engine.is_alive():
+            raise RecycleError(f"vLLM's harvest job ended before chunk {n}")
+        time.sleep(OnlineHarvest.POLL_S)
+    return json.loads(done.read_text())["files"]
+
+
+def _finish(item: tuple, progress) -> None:
+    key, fut = item
+    fut.result()
+    if progress is not None:
+        progress(key)
 
 
 class OnlineHarvest:

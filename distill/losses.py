@@ -72,7 +72,44 @@ def feature_loss(draft_features: torch.Tensor, target_features: torch.Tensor) ->
     return F.smooth_l1_loss(draft_features.float(), target_features.detach().float())
 
 
-CHUNK_ROWS = 2048  # rows per loss chunk: one chunk's [rows, V] float32 logits (drafter and target) is the peak
+LOSS_CHUNK_ROWS = 2048  # the most rows of [rows, V] float32 logits the loss holds at once (drafter and target)
+CHUNK_ROWS = LOSS_CHUNK_ROWS  # the former name
+
+
+class TargetLogits:
+    """The target's log-probabilities at the positions the draft steps score, one chunk of positions at a time, each
+    computed once for every step that scores it.
+
+    Step k at anchor i is scored against the target at position i+k+1, so the K steps of an unroll score the same
+    positions shifted by one: K·T rows of logits name only T+K−1 positions per sequence. The head matmul and the
+    log-softmax run once per position (and once more in backward, where the loss recomputes its chunks), instead of
+    once per step and position. `states` are the target's final-normed states at every position [P, D] and `head`
+    turns a chunk of them into logits (None: `states` are logits already). The kept chunk is one [≤ LOSS_CHUNK_ROWS,
+    V] float32 tensor (DeepSeek-V3: 2048 × 129,280 × 4 B = 1.06 GB) plus its argmax; asking for another chunk
+    drops it first."""
+
+    def __init__(self, states: torch.Tensor, head: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        self.states, self.head = states, head
+        self._kept: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self.rows_computed = 0  # positions run through the head so far (the tests count them)
+
+    def chunk(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log P_target [n, V] float32, the target's argmax [n]) at `positions` (indices into `states`)."""
+        kept = self._kept
+        if kept is None or kept[0].shape != positions.shape or not torch.equal(kept[0], positions):
+            self._kept = None
+            with torch.no_grad():
+                lo, n = int(positions[0]), positions.numel()
+                contiguous = int(positions[-1]) - lo + 1 == n
+                x = self.states[lo:lo + n] if contiguous else self.states.index_select(0, positions.to(
+                    self.states.device))
+                t = (x if self.head is None else self.head(x)).detach().float()
+                self._kept = (positions, F.log_softmax(t, dim=-1), t.argmax(-1))
+            self.rows_computed += positions.numel()
+        return self._kept[1], self._kept[2]
+
+    def release(self) -> None:
+        self._kept = None
 
 
 @dataclass
@@ -83,6 +120,10 @@ class StepOutput:
     of them into logits over the same vocabulary, so no [N, V] tensor exists for the whole batch: at DeepSeek-V3's
     129,280-word vocabulary and 8 × 2048 rows that is 8.5 GB per tensor and per step. With no heads, `draft` and
     `target` are logits already (small vocabularies, tests).
+
+    `shared` and `positions` (set together by the unrollers): the steps of one unroll score rows of one
+    `TargetLogits`, row r of this step against its position `positions[r]` (strictly increasing), so the loss computes
+    each position's teacher logits once for all steps. Without them the step's `target` rows are its own.
     """
 
     draft: torch.Tensor  # [N, d]: draft head input (or draft logits [N, V'], V' = the draft vocabulary)
@@ -93,6 +134,8 @@ class StepOutput:
     head: Callable[[torch.Tensor], torch.Tensor] | None = None
     target_head: Callable[[torch.Tensor], torch.Tensor] | None = None
     mask: torch.Tensor | None = None  # [N] bool: rows that count (None: all)
+    shared: TargetLogits | None = None
+    positions: torch.Tensor | None = None  # [N] long: row r's position in `shared.states`
 
     def logits(self, rows: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
         """Draft and target logits of `rows` (the target's detached, float32)."""
@@ -105,43 +148,100 @@ class StepOutput:
     def rows(self) -> int:
         return self.draft.shape[0]
 
+    def scored(self) -> tuple[TargetLogits, torch.Tensor]:
+        """The target this step is scored against and the position of each row in it (its own rows, unshared)."""
+        if self.shared is not None and self.positions is not None:
+            return self.shared, self.positions
+        return TargetLogits(self.target, self.target_head), torch.arange(self.rows, device=self.target.device)
 
-def _chunk(step: StepOutput, rows: slice) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(Σ KL, Σ CE over labelled rows, Σ agreement) over one chunk of rows."""
-    d, t = step.logits(rows)
+
+def _piece(step: StepOutput, rows: slice, target: TargetLogits, positions: torch.Tensor, local
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(Σ KL, Σ CE over labelled rows, Σ agreement) over `rows` of a step, whose target rows are `local` of the
+    chunk of `positions`."""
+    d = step.draft[rows] if step.head is None else step.head(step.draft[rows])
+    logp, top = target.chunk(positions)
+    logp, top = logp[local], top[local]
     keep = torch.ones(d.shape[0], dtype=torch.bool, device=d.device) if step.mask is None else step.mask[rows]
-    kl = (kl_rows(d, t) * keep).sum()
+    kl = ((logp.exp() * (logp - F.log_softmax(d.float(), dim=-1))).sum(-1) * keep).sum()
     ce = (ce_rows(d, step.labels[rows]) * keep).sum()
-    agree = ((d.argmax(-1) == t.argmax(-1)) & keep).sum().float()
+    agree = ((d.argmax(-1) == top) & keep).sum().float()
     return kl, ce, agree
 
 
-def step_terms(step: StepOutput, chunk: int = CHUNK_ROWS, grad: bool = True) -> dict[str, torch.Tensor]:
-    """KL (mean over counted rows), CE (mean over labelled counted rows) and top-1 agreement of one step, a chunk
-    of rows at a time; with more than one chunk and gradients, each chunk's logits are recomputed in the backward
-    pass (activation checkpointing) instead of kept."""
-    n = step.rows
-    kl = ce = agree = step.draft.new_zeros((), dtype=torch.float32)
-    for start in range(0, n, chunk):
-        rows = slice(start, min(n, start + chunk))
-        if grad and n > chunk and torch.is_grad_enabled():
-            parts = checkpoint(lambda r=rows: _chunk(step, r), use_reentrant=False)
-        else:
-            parts = _chunk(step, rows)
-        kl, ce, agree = kl + parts[0], ce + parts[1], agree + parts[2]
-    keep = step.mask if step.mask is not None else torch.ones(n, dtype=torch.bool, device=step.labels.device)
-    counted = keep.sum().clamp(min=1)
-    labelled = ((step.labels >= 0) & keep).sum().clamp(min=1)
-    return {"kl": kl / counted, "ce": ce / labelled, "agree": agree / counted}
+def _release_after_backward(target: TargetLogits, drafts: list[torch.Tensor]) -> None:
+    """Drop the chunk the backward's recomputation keeps once every step's rows have their gradient (no piece is
+    left to recompute), instead of when the steps are dropped: the next micro-batch never sees it."""
+    waiting = [d for d in drafts if d.requires_grad]
+    left = [len(waiting)]
+
+    def done(grad: torch.Tensor) -> None:
+        left[0] -= 1
+        if left[0] == 0:
+            target.release()
+
+    for d in waiting:
+        d.register_hook(done)
 
 
-def distill_loss(steps: list[StepOutput], cfg: LossConfig, chunk: int = CHUNK_ROWS) -> tuple[torch.Tensor, dict]:
+def distill_terms(steps: list[StepOutput], chunk: int = LOSS_CHUNK_ROWS, grad: bool = True
+                  ) -> list[dict[str, torch.Tensor]]:
+    """Per step: KL (mean over counted rows), CE (mean over labelled counted rows) and top-1 agreement.
+
+    The steps that share a `TargetLogits` are scored an outer chunk of ≤ `chunk` positions at a time, each of those
+    steps an inner piece (its rows whose positions fall in the chunk, ≤ `chunk` rows: positions are distinct within a
+    step), so the teacher's logits of a chunk are computed once for all steps. When the rows of all pieces together
+    exceed `chunk` and gradients flow, each piece is checkpointed (its logits recomputed in backward, the teacher's
+    once per chunk: backward visits the pieces in reverse, a chunk's steps together), so at most one chunk of rows
+    is live at any micro-batch size; otherwise nothing is recomputed."""
+    sums = [[steps[0].draft.new_zeros((), dtype=torch.float32)] * 3 for _ in steps]
+    groups: dict[int, tuple[TargetLogits, list[tuple[int, torch.Tensor]]]] = {}
+    for j, s in enumerate(steps):
+        target, pos = s.scored()
+        groups.setdefault(id(target), (target, []))[1].append((j, pos))
+    for target, members in groups.values():
+        where = [(j, pos, pos.cpu()) for j, pos in members]
+        union = torch.unique(torch.cat([c for _, _, c in where]))  # sorted
+        total = sum(c.numel() for _, _, c in where)
+        recompute = grad and torch.is_grad_enabled() and total > chunk
+        for lo in range(0, union.numel(), chunk):
+            part = union[lo:lo + chunk]
+            chunk_pos = part.to(target.states.device)
+            for j, _, cpu in where:
+                a = int(torch.searchsorted(cpu, part[0]))
+                b = int(torch.searchsorted(cpu, part[-1], right=True))
+                if a == b:
+                    continue
+                local = torch.searchsorted(part, cpu[a:b])
+                first = int(local[0])
+                local = slice(first, first + b - a) if int(local[-1]) - first + 1 == b - a else local.to(
+                    target.states.device)
+                args = (steps[j], slice(a, b), target, chunk_pos, local)
+                parts = checkpoint(_piece, *args, use_reentrant=False) if recompute else _piece(*args)
+                sums[j] = [x + y for x, y in zip(sums[j], parts)]
+        target.release()
+        if recompute:
+            _release_after_backward(target, [steps[j].draft for j, _, _ in where])
+    out = []
+    for s, (kl, ce, agree) in zip(steps, sums):
+        keep = s.mask if s.mask is not None else torch.ones(s.rows, dtype=torch.bool, device=s.labels.device)
+        counted = keep.sum().clamp(min=1)
+        labelled = ((s.labels >= 0) & keep).sum().clamp(min=1)
+        out.append({"kl": kl / counted, "ce": ce / labelled, "agree": agree / counted})
+    return out
+
+
+def step_terms(step: StepOutput, chunk: int = LOSS_CHUNK_ROWS, grad: bool = True) -> dict[str, torch.Tensor]:
+    """`distill_terms` of one step."""
+    return distill_terms([step], chunk, grad)[0]
+
+
+def distill_loss(steps: list[StepOutput], cfg: LossConfig, chunk: int = LOSS_CHUNK_ROWS) -> tuple[torch.Tensor, dict]:
     """Σ_k λ_k L_k (module docstring); also per-step CE, KL and top-1 agreement with the target."""
     weights = step_weights(len(steps), cfg.decay)
     total = steps[0].draft.new_zeros((), dtype=torch.float32)
     info: dict = {"ce": [], "kl": [], "agree": []}
-    for w, s in zip(weights, steps):
-        terms = step_terms(s, chunk)
+    for w, s, terms in zip(weights, steps, distill_terms(steps, chunk)):
         loss = cfg.ce_weight * terms["ce"] + cfg.kl_weight * terms["kl"]
         if cfg.feature_weight and s.features is not None and s.target_features is not None:
             loss = loss + cfg.feature_weight * feature_loss(s.features, s.target_features)

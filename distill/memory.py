@@ -19,12 +19,18 @@ the bytes follow the code as it is written today:
   one module at the block's real widths with its experts cut to top-k and a small vocabulary, one forward over a
   few positions under the run's autocast, every saved storage counted once) and scaled to the rows; under bf16
   autocast, the per-expert loop's bf16 copy of every expert per draft step and autocast's one copy of each other
-  weight (none when FSDP2 gathers bf16 weights); and the loss's vocabulary-wide tensors: one chunk of `CHUNK_ROWS`
-  rows at a time once rows exceed a chunk (recomputed in backward), else every step's logits.
+  weight (none when FSDP2 gathers bf16 weights); and the loss's vocabulary-wide tensors: one chunk of at most
+  `LOSS_CHUNK_ROWS` rows at a time (recomputed in backward), the heads being the teacher's own tensors (no copy of them
+  on a GPU under bf16: they are bf16 already);
+- what the allocator and the runtime hold beyond the tensors (issue 49): FSDP2's fp32 reduce-scatter buffer and its
+  root unit, the held-out rows' features, the busiest expert rank's extra rows, the CUDA context, NCCL's buffers and
+  the allocator's fragmentation (with `expandable_segments`), each with its formula in `DERIVATION`; and `check`
+  keeps `MARGIN` of the device free besides.
 
 Weights, gradients, optimizer and teacher bytes are exact (tested against a run's state); the layers' activations
 are measured on the proxy, not estimated from a formula (an element-count formula was 2× low on a GPU run), and
-tested against a real distill step's saved tensors; the loss term is the chunk's arithmetic.
+tested against a real distill step's saved tensors; the loss term is the chunk's arithmetic; the runtime terms
+(context, NCCL, fragmentation, imbalance) are stated constants, not measured here (no GPU).
 """
 
 from __future__ import annotations
@@ -33,20 +39,41 @@ import contextlib
 import functools
 import json
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from recycle.distill.experts import expert_modules, expert_params, shardable
+from recycle.distill.experts import EXCHANGE, EXCHANGE_ENV, expert_modules, expert_params, shardable
 from recycle.distill.freeze import freeze
-from recycle.distill.losses import CHUNK_ROWS
+from recycle.distill.losses import LOSS_CHUNK_ROWS
 from recycle.errors import RecycleError
 from recycle.preflight import load_json
 
 GB = 1e9
 GIB = 1 << 30
+# The share of the device `check` keeps free beyond every planned part: the plan was 0.89-1.03 of the allocator's
+# peak on five H200 bf16 runs (BENCHMARKS.md, "The plan's activations against an H200"), so 3% over at worst, and 2%
+# more for what no run has measured yet (the NCCL and imbalance terms at 8 ranks).
+MARGIN = 0.05
+# The CUDA context and the kernels' modules loaded, outside torch's allocator: issue 49's ≈ 0.6 GB for an H100 under
+# CUDA 12 (not measured here: this machine has no GPU).
+CUDA_CONTEXT = 600_000_000
+# NCCL's buffers per communicator, an upper count from its defaults: NCCL_BUFFSIZE (4 MiB, the SIMPLE protocol's
+# buffer) for each of its 3 protocols (SIMPLE, LL, LL128: LL's is smaller, LL128's about as large), for the send and
+# the receive side, on each of NCCL_MAX_NCHANNELS (32) channels; distill's collectives (FSDP2's, the experts', DCP's
+# object collectives) run on the default process group's one communicator.
+NCCL_BUFFSIZE, NCCL_PROTOCOLS, NCCL_CHANNELS, NCCL_COMMUNICATORS = 4 << 20, 3, 32, 1
+# The caching allocator's fragmentation with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (distill sets it,
+# issue 49): segments grow in place, so what is lost is the rounding of blocks and the free tail of the last
+# segments; a stated 5% of the allocator's bytes (issue 49 counted 3-9 GB, 5-13%, without expandable segments).
+FRAGMENTATION = 0.05
+# The busiest expert rank's rows over the mean (split experts, `distill.experts`): a stated 1.10. Uniform routing
+# gives 1 + 3σ = 1.02 at 8 ranks and 16k positions × top-8 (σ = sqrt(n p (1-p)) of the rank's rows); real routers
+# are less even, and the extra rows' bytes are bounded by the layers' activations and the exchange, which it scales.
+EXPERT_IMBALANCE = 1.10
 
 
 @dataclass
@@ -60,18 +87,26 @@ class MemoryPlan:
     options: dict = field(default_factory=dict)
     budget: int | None = None  # the device's bytes, when a GPU was named
     device: str | None = None
+    derivation: dict[str, str] = field(default_factory=dict)  # part -> how it was counted (a formula)
+    counts: dict = field(default_factory=dict)  # the parameter counts and widths the parts came from
 
     @property
     def per_rank_bytes(self) -> int:
         return sum(self.parts.values())
 
     @property
+    def usable(self) -> int | None:
+        """The device's bytes less the `MARGIN` kept free."""
+        return None if self.budget is None else int(self.budget * (1 - MARGIN))
+
+    @property
     def fits(self) -> bool | None:
-        return None if self.budget is None else self.per_rank_bytes <= self.budget
+        return None if self.budget is None else self.per_rank_bytes <= self.usable
 
     def as_dict(self) -> dict:
         return {"per_rank_bytes": self.per_rank_bytes, "parts": dict(self.parts), "fits": self.fits,
-                "device": self.device, "device_bytes": self.budget, "params": self.params,
+                "device": self.device, "device_bytes": self.budget, "margin": MARGIN, "usable_bytes": self.usable,
+                "derivation": dict(self.derivation), "params": self.params,
                 "trainable_params": self.trainable, "target_params": self.target_params,
                 "sharded": self.options.get("world_size", 1) > 1, "options": self.options}
 
@@ -112,8 +147,21 @@ def _meta_drafter(path: Path):
         return EagleDrafter(config, fam, depth), config, body, family
 
 
-def _target_params(path: Path) -> tuple[int, int]:
-    """(trunk parameters, embedding + head parameters) of the target, built on meta from its config."""
+@dataclass(frozen=True)
+class TargetCounts:
+    """The target's parameters by kind, from its config on meta: what the teacher's memory, weight bytes and FLOPs
+    per token follow."""
+
+    trunk: int  # every parameter the causal LM holds (its MTP modules are not built)
+    io: int  # embedding + LM head
+    routed: int  # the routed experts' (names with `.experts.`, not `shared_experts`)
+    matrices: int  # parameters of 2-D weights other than the embedding and head (what a quantized release packs)
+    config: dict  # the text config, as a dict
+
+
+@functools.lru_cache(maxsize=8)
+def target_counts(path: str) -> TargetCounts:
+    """`TargetCounts` of the target at `path`, built on meta from its config (no weights read)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from recycle.encode import quiet_transformers
@@ -124,7 +172,20 @@ def _target_params(path: Path) -> tuple[int, int]:
         io = text.vocab_size * text.hidden_size * (1 if getattr(text, "tie_word_embeddings", False) else 2)
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(cfg)
-    return sum(p.numel() for p in model.parameters()), io
+    trunk = routed = matrices = 0
+    for name, p in model.named_parameters():
+        trunk += p.numel()
+        if ".experts." in name and "shared_experts" not in name:
+            routed += p.numel()
+        if p.dim() >= 2 and p.shape[0] != text.vocab_size:
+            matrices += p.numel()
+    return TargetCounts(trunk, io, routed, matrices, text.to_dict())
+
+
+def _target_params(path: Path) -> tuple[int, int]:
+    """(trunk parameters, embedding + head parameters) of the target, built on meta from its config."""
+    t = target_counts(str(path))
+    return t.trunk, t.io
 
 
 def fsdp_units(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -316,10 +377,30 @@ def _activation_bytes(body: dict, family: str, steps: int, precision: str, rows:
             "weight_copies": weights * modules}
 
 
+
+def exchange_visits(config: dict, ranks: int, exchange: str | None = None) -> int:
+    """The most ranks one row visits in the experts' exchange (distill.experts: the routed experts split over the
+    ranks in contiguous blocks). All-gather: every rank sees every row (W). All-to-all: a row goes only to the ranks
+    holding its top-k experts (≤ k, ≤ W); with group-limited routing (DeepSeek-V3: n_group contiguous groups, the
+    top `topk_group` chosen; transformers' modeling_deepseek_v3.py:138-152) to the ranks its chosen groups span:
+    whole groups per rank when the ranks divide the groups, `W / n_group` ranks per group when the groups divide the
+    ranks (DeepSeek-V3: 4 at 8 ranks, 8 at 16)."""
+    if (exchange or os.environ.get(EXCHANGE_ENV, EXCHANGE)) == "all_gather":
+        return ranks
+    visits = min(ranks, int(config.get("num_experts_per_tok") or ranks))
+    groups, top = int(config.get("n_group") or 1), int(config.get("topk_group") or 0)
+    if groups > 1 and top:
+        if groups % ranks == 0:
+            visits = min(visits, top)
+        elif ranks % groups == 0:
+            visits = min(visits, top * (ranks // groups))
+    return visits
+
+
 def plan(drafter: str | Path, target: str | Path, *, batch: int, seq_len: int, draft_steps: int | None,
          world: int = 1, precision: str = "fp32", cached_teacher: bool = False, groups: tuple[str, ...] = (),
          gpu: str | None = None, device_bytes: int | None = None, micro_batch: int | None = None,
-         fsdp: bool = False, activation_checkpointing: bool = False) -> MemoryPlan:
+         fsdp: bool = False, activation_checkpointing: bool = False, eval_rows: int = 16) -> MemoryPlan:
     """The per-rank memory of `recycle distill` with these options (see the module's docstring). `gpu` names a
     device of `recycle.hardware`'s table to fit (its memory); `device_bytes` gives the memory directly. `fsdp`:
     sharded with one rank too (torchrun with one process), which gathers each unit as several ranks do."""
@@ -346,56 +427,113 @@ def plan(drafter: str | Path, target: str | Path, *, batch: int, seq_len: int, d
     acts = _activation_bytes(body, family, steps, precision, anchors, min(model.depth, steps),
                              activation_checkpointing)
     bf16_units = (world > 1 or fsdp) and precision == "bf16"  # FSDP2 gathers bf16 weights: autocast copies nothing
-    if rows > CHUNK_ROWS:  # one chunk of drafter + teacher logits, softmaxes and the logits' grad at a time (six
-        # [chunk, vocab] fp32 tensors at the backward's recomputation, measured on an H200: five in the forward)
-        loss = 6 * CHUNK_ROWS * vocab * 4
-        head_copies = 2  # the drafter's and the teacher's heads, cast for the chunk being recomputed
-    else:  # every step's drafter logits and log-softmax kept, the teacher's probabilities beside them
-        loss = steps * 3 * rows * vocab * 4 + 2 * rows * vocab * 4
-        head_copies = steps + 1  # each step's and the teacher's, kept for backward
-    if precision == "bf16":  # autocast's bf16 copies of the fp32 heads (frozen: not cached, one per call)
-        loss += head_copies * vocab * hidden * 2
+    # the loss: every step's rows scored a chunk of at most LOSS_CHUNK_ROWS positions at a time, the teacher's logits
+    # of a chunk computed once for all steps and each piece recomputed in backward (losses.distill_terms): six
+    # [chunk, vocab] fp32 tensors at the backward's recomputation (drafter and teacher logits, softmaxes, the logits'
+    # grad; measured on an H200: five in the forward), at any micro-batch. The heads are the teacher's own tensors
+    # (unroll.EagleUnroller.adopt_target_io makes the drafter's modules hold them; teacher.py loads them bf16 on a GPU
+    # under bf16): autocast copies them only where they are fp32 under bf16 autocast, the drafter's and the
+    # teacher's call, for the chunk being recomputed (frozen: autocast caches no copy of them)
+    on_gpu = bool(gpu or device_bytes)
+    chunk = min(rows, LOSS_CHUNK_ROWS)
+    loss = 6 * chunk * vocab * 4
+    teacher_bytes = 2 if on_gpu and precision == "bf16" else 4  # distill.teacher: bf16 weights on a bf16 GPU run
+    head_copies = 2 if precision == "bf16" and teacher_bytes == 4 else 0
+    loss += head_copies * vocab * hidden * 2
     # several ranks: fused routed experts split by expert (distill.experts), outside FSDP2's units
     split = {id(p): p for m in expert_modules(model) for _, p in expert_params(m)} if shardable(model, world) else {}
     split_frozen = sum(p.numel() for p in split.values() if not p.requires_grad)
+    in_units = {id(p) for m in fsdp_units(model) for p in m.parameters()}
     unit = max((sum(p.numel() for p in m.parameters() if p.requires_grad and id(p) not in split)
                 for m in fsdp_units(model)), default=trainable)
+    # FSDP2's root unit: what trains outside every decoder layer (the projection, norms), gathered whole from the
+    # forward to the end of the backward
+    root = sum(p.numel() for p in model.parameters() if p.requires_grad and id(p) not in in_units
+               and id(p) not in split)
+    sharded = world > 1 or fsdp
     shards = max(1, world)
-    on_gpu = bool(gpu or device_bytes)
-    teacher_bytes = 2 if on_gpu and precision == "bf16" else 4  # distill.teacher: bf16 weights on a bf16 GPU run
+    act_bytes = 2 if on_gpu and precision == "bf16" else 4  # the teacher's features, as it returns them
     gathered = 4 if precision == "bf16" else 8  # a unit's weights and grads while it runs: bf16 under bf16 compute
     parts = {
         "weights": (params - trainable - io_params - split_frozen + math.ceil(split_frozen / shards)) * frozen_bytes
         + math.ceil(trainable / shards) * 4,
         "grads": math.ceil(trainable / shards) * 4,
         "optimizer": math.ceil(trainable / shards) * 8,
-        "fsdp_gathered_unit": unit * gathered if world > 1 or fsdp else 0,
+        "fsdp_gathered_unit": unit * gathered if sharded else 0,
+        "fsdp_reduce_scatter": unit * 4 if sharded else 0,
+        "fsdp_root_unit": root * gathered if sharded else 0,
         "teacher": (io if cached_teacher else trunk) * teacher_bytes,  # with a cache: its embedding and head alone
         "activations_features": rows * hidden * 4 * 2,
+        "heldout_features": eval_rows * seq_len * hidden * act_bytes,
         "activations_blocks": acts["blocks"],
         # none when the experts are bf16 already: gathered so by FSDP2, or frozen and held in bf16; split over the
         # ranks, each casts its own experts once per call
         "activations_expert_copies": 0 if "experts" in groups and frozen_bytes == 2
         else acts["expert_copies"] // shards if split else 0 if bf16_units else acts["expert_copies"],
-        # split experts: every rank's rows gathered in, the outputs' sum scattered back (fp32 at most), while one
-        # block runs
-        "activations_expert_exchange": 2 * shards * anchors * hidden * 4 if split else 0,
+        # split experts: every rank's rows gathered in, the outputs' sum scattered back, while one block runs; the
+        # rows are bf16 under FSDP2's bf16 gather (sharding.py's param_dtype: the norm before the experts returns its
+        # weight's dtype, transformers' DeepseekV3RMSNorm), else fp32
+        "activations_expert_exchange": 2 * exchange_visits(body, shards) * anchors * hidden * (2 if bf16_units else 4)
+        if split else 0,
         "activations_weight_copies": 0 if bf16_units else acts["weight_copies"],
         "activations_loss": loss,
         # backward: the gradients of the residual stream (fp32, a few [rows, hidden] at once) beside what is saved
         "activations_backward": BACKWARD_STATES * rows * hidden * 4,
         "runtime": CUDA_WORKSPACE if on_gpu else 0,
     }
+    parts["expert_imbalance"] = math.ceil((EXPERT_IMBALANCE - 1) * (parts["activations_blocks"]
+                                          + parts["activations_expert_exchange"])) if split else 0
+    allocated = sum(parts.values())  # what goes through torch's caching allocator
+    parts["fragmentation"] = math.ceil(FRAGMENTATION * allocated) if on_gpu else 0
+    parts["cuda_context"] = CUDA_CONTEXT if on_gpu else 0
+    parts["nccl_buffers"] = (NCCL_COMMUNICATORS * NCCL_CHANNELS * 2 * NCCL_PROTOCOLS * NCCL_BUFFSIZE
+                             if on_gpu and world > 1 else 0)
     budget, device = device_bytes, ("this device" if device_bytes else None)
     if gpu:
         g = find_gpu(gpu)
         budget, device = int(g.memory_gb * GB), g.key
+    counts = {"io_params": io_params, "split_frozen": split_frozen,
+              "split_trainable": sum(p.numel() for p in split.values() if p.requires_grad),
+              "frozen_bytes": frozen_bytes, "unit": unit, "root": root, "vocab": vocab, "hidden": hidden,
+              "rows": rows, "anchors": anchors, "loss_chunk_rows": chunk, "head_copies": head_copies,
+              "teacher_bytes": teacher_bytes, "io": io}
     return MemoryPlan(parts, params, trainable, trunk, {
         "batch": batch, "seq_len": seq_len, "draft_steps": steps, "world_size": world, "precision": precision,
-        "teacher": "harvested cache" if cached_teacher else "in process", "freeze": list(groups),
-        "micro_batch": micro_batch, "fsdp": world > 1 or fsdp, "activation_checkpointing": activation_checkpointing,
-        "expert_parallel": bool(split)},
-        budget, device)
+        "teacher": "harvested cache or server" if cached_teacher else "in process", "freeze": list(groups),
+        "micro_batch": micro_batch, "fsdp": sharded, "activation_checkpointing": activation_checkpointing,
+        "expert_parallel": bool(split), "eval_rows": eval_rows, "expandable_segments": on_gpu},
+        budget, device, dict(DERIVATION), counts)
+
+
+# How each part is counted (the --json's `derivation`): P trainable params, W ranks, U the largest decoder-layer
+# unit's trainable params, R the root's, g = 2 under bf16 compute (else 4), rows = micro-batch × seq-len,
+# anchors = the positions the draft steps run over, V × H the vocabulary and hidden width.
+DERIVATION = {
+    "weights": "frozen params × their bytes (experts split by expert: /W) + P/W × 4 (fp32 master)",
+    "grads": "P/W × 4",
+    "optimizer": "P/W × 8 (AdamW's two fp32 moments)",
+    "fsdp_gathered_unit": "U × 2g (the running unit's weights and grads, gathered: bf16 under bf16)",
+    "fsdp_reduce_scatter": "U × 4 (FSDP2 reduce_dtype fp32: the unit's unsharded gradients cast for the "
+                           "reduce-scatter: torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py:597-599)",
+    "fsdp_root_unit": "R × 2g (the root unit's weights and grads, gathered from the forward to the backward's end)",
+    "teacher": "trunk params (or embedding + head with a cache) × 2 on a GPU under bf16, else × 4",
+    "activations_features": "rows × H × 4 × 2 (the teacher's features and their fp32 copy)",
+    "heldout_features": "eval_rows × seq-len × H × g (the held-out rows' features, kept on the device)",
+    "activations_blocks": "measured on a proxy of the block (bytes per anchor) × anchors",
+    "activations_expert_copies": "measured per expert per step on the proxy × steps × experts (/W when split)",
+    "activations_expert_exchange": "2 × d × anchors × H × g: the rows sent to the d ranks holding their experts and "
+                                   "the sums sent back (all-to-all; d = W under the all-gather exchange)",
+    "activations_weight_copies": "measured on the proxy (autocast's copy of each other weight)",
+    "activations_loss": "6 × min(rows, LOSS_CHUNK_ROWS) × V × 4 (+ 2 head copies × V × H × 2 where the heads are "
+                        "fp32 under bf16 autocast; none on a GPU: the teacher's bf16 tensors)",
+    "activations_backward": f"{BACKWARD_STATES} × rows × H × 4 (the residual stream's gradients)",
+    "runtime": "64 MiB (cuBLAS and cuBLASLt workspaces, measured on an H200)",
+    "expert_imbalance": f"({EXPERT_IMBALANCE} - 1) × (activations_blocks + activations_expert_exchange)",
+    "fragmentation": f"{FRAGMENTATION} × the allocator's bytes (every part above; expandable_segments set)",
+    "cuda_context": f"{CUDA_CONTEXT / GB:.1f} GB (context and modules, outside the allocator; stated, not measured)",
+    "nccl_buffers": f"{NCCL_COMMUNICATORS} communicator × {NCCL_CHANNELS} channels × 2 (send, receive) × "
+                    f"{NCCL_PROTOCOLS} protocols × NCCL_BUFFSIZE {NCCL_BUFFSIZE >> 20} MiB",
+}
 
 
 def advice(p: MemoryPlan) -> str:
@@ -405,7 +543,8 @@ def advice(p: MemoryPlan) -> str:
     if "experts" not in o["freeze"] and p.parts["activations_expert_copies"] + p.parts["optimizer"] > 0:
         tips.append("--freeze experts")
     if o["teacher"] == "in process" and p.parts["teacher"] > 0.3 * p.per_rank_bytes:
-        tips.append("a harvested teacher (recycle harvest, then --cache-hidden)")
+        tips.append("a harvested teacher (recycle harvest, then --cache-hidden) or a served one (recycle teacher "
+                    "serve, then --teacher URL)")
     if o["world_size"] < 8 and p.parts["optimizer"] > 0.2 * p.per_rank_bytes:
         tips.append(f"more ranks (--world-size {max(2, o['world_size'] * 2)}: FSDP2 shards what trains)")
     if not o["activation_checkpointing"] and p.parts["activations_blocks"] > 0.2 * p.per_rank_bytes:
@@ -417,22 +556,24 @@ def advice(p: MemoryPlan) -> str:
 
 
 def check(p: MemoryPlan) -> None:
-    """Refuse a run whose plan exceeds the device, with the advice (one line)."""
+    """Refuse a run whose plan exceeds the device less `MARGIN`, with the advice (one line)."""
     if p.fits is False:
         raise RecycleError(f"the plan needs {p.per_rank_bytes / GIB:.1f} GiB per rank, over the {p.device}'s "
-                           f"{p.budget / GIB:.1f} GiB; try {advice(p)} (recycle distill ... --plan shows the parts)")
+                           f"{p.budget / GIB:.1f} GiB less a {MARGIN:.0%} margin ({p.usable / GIB:.1f} GiB); try "
+                           f"{advice(p)} (recycle distill ... --plan shows the parts)")
 
 
 def for_options(opts, world: int = 1, gpu: str | None = None, device_bytes: int | None = None,
                 fsdp: bool = False) -> MemoryPlan:
-    """The plan of a DistillOptions run (the one mapping of distill's options onto the plan); the precision is
+    """The plan of a DistillOptions run (the one mapping of distill's options onto the plan: --cache-hidden and
+    --teacher URL both leave only the target's embedding and head here); the precision is
     the run's, else bf16 on a named GPU and fp32 otherwise (distill's own default on a CPU without bf16)."""
     precision = opts.precision or ("bf16" if gpu or device_bytes else "fp32")
     return plan(opts.drafter, opts.target, batch=opts.batch, seq_len=opts.seq_len, draft_steps=opts.draft_steps,
-                world=world, precision=precision, cached_teacher=bool(opts.cache_hidden),
+                world=world, precision=precision, cached_teacher=bool(opts.cache_hidden or opts.teacher),
                 groups=tuple(opts.freeze),
                 gpu=gpu, device_bytes=device_bytes, micro_batch=opts.micro_batch, fsdp=fsdp,
-                activation_checkpointing=opts.activation_checkpointing)
+                activation_checkpointing=opts.activation_checkpointing, eval_rows=opts.eval_rows)
 
 
-__all__ = ["MemoryPlan", "plan", "advice", "check", "for_options"]
+__all__ = ["MemoryPlan", "TargetCounts", "plan", "advice", "check", "for_options", "target_counts", "MARGIN"]

@@ -13,6 +13,7 @@ directory, a resumable checkpoint's options, the budget against one step, the da
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import math
 import shutil
@@ -28,20 +29,30 @@ import torch.distributed as dist
 
 from recycle.checkpoint import load_json
 from recycle.distill import state
-from recycle.distill.data import PackedStream, data_source, heldout_rows, in_process, regenerate, regenerate_turns
+from recycle.distill.data import (
+    PackedStream,
+    Position,
+    data_source,
+    heldout_rows,
+    in_process,
+    regenerate,
+    regenerate_turns,
+)
 from recycle.distill.freeze import check_groups, freeze, lower_frozen
 from recycle.distill.harvest import OnlineFollower, OnlineHarvest, check_manifest
 from recycle.distill.memory import check, for_options
+from recycle.distill.remote import Remote, check_online_fits, connect
 from recycle.distill.schedule import EVAL_KEY, Schedule, eval_prompt_len
 from recycle.distill.sharding import Ranks, Sharding, join, shard
 from recycle.distill.teacher import Teacher, TeacherOut
 from recycle.distill.unroll import Unroller, unroller_for
 from recycle.drafters import load_drafter
+from recycle.drafters.sharded import materialize, meta_drafter
 from recycle.encode import load_tokenizer, quiet_transformers, source_renderer
 from recycle.errors import RecycleError
 from recycle.fit import check_drafter
 from recycle.formats import DrafterFormat, of_directory
-from recycle.hardware import cpu_has_bf16, resolve_device
+from recycle.hardware import cpu_has_bf16
 from recycle.io.writer import OutputDir
 from recycle.options import DistillOptions, HarvestOptions, LossConfig
 from recycle.preflight import OutputLock
@@ -133,6 +144,7 @@ class Run:
     precision: str | None = None  # the compute dtype, resolved before anything loads (a resume must match it)
     data: Data | None = None
     phases: dict[str, float] = field(default_factory=dict)  # setup phases' seconds (the record's setup_s)
+    server: object | None = None  # --teacher: the checked server (distill.remote.Server)
 
     def note(self, text: str) -> None:
         """A one-line notice, from rank 0 only."""
@@ -171,7 +183,12 @@ class Run:
 def validate(opts: DistillOptions, log: Callable[[str], None] | None = None) -> Run:
     """Every check that needs no model: options, paths, the drafter's format and its fit to the target, the state
     directory, a checkpoint to resume, the budget, the data and the tokenizer. A refusal leaves nothing behind."""
-    run = Run(opts, join(), log)
+    # First, before anything touches CUDA: the rank's device resolved (cuda:LOCAL_RANK under torchrun), made current,
+    # then the process group on it (sharding.join). Nothing before this line initialises CUDA (the CLI's checks import
+    # no torch); the first CUDA use is join's set_device (torchrun), else build()'s get_device_properties. No
+    # expandable segments for --online: its vLLM job inherits this environment (vllm_env.run_job's env), and vLLM 0.32
+    # refuses a KV connector under PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (vllm/config/vllm.py:1217-1235).
+    run = Run(opts, join(opts.device, opts.nccl_timeout, expandable=opts.online is None), log)
     try:
         _check(run)
     except BaseException:
@@ -202,6 +219,12 @@ def _check(run: Run) -> None:
     run.drafter_config = load_json(src / "config.json", "drafter config.json")
     run.target_config = load_json(tgt / "config.json", "target config.json")
     check_drafter(run.fmt, run.drafter_config, run.target_config, src, tgt, str(src))
+    if o.teacher is not None:  # the server answers, for this target and these layers: before anything loads or is written
+        if run.unroller.needs_kv:
+            raise RecycleError(f"--teacher: a {run.fmt.title} trains on the target's own K/V cache, which no server "
+                               "returns; run it with the target loaded")
+        aux = run.fmt.reads(run.drafter_config, run.target_config).aux_layers
+        run.server = connect(o.teacher, o.target, list(aux) if aux is not None else None, o.seq_len)
     out = Path(o.out).expanduser() if o.out else src.resolve().parent / f"{src.resolve().name}-distilled"
     outputs = run.outputs
     outputs.out = out.resolve()
@@ -214,7 +237,7 @@ def _check(run: Run) -> None:
         outputs.made_state_dir = not outputs.state_dir.exists()
         state.claim(outputs.state_dir, o.resume, o.overwrite, run.note)
     # the compute dtype, resolved now: a resumed run must compute in the checkpoint's (state.RUN_OPTIONS)
-    run.precision = o.precision or default_precision(resolve_device(o.device, ranks.rank))
+    run.precision = o.precision or default_precision(ranks.device)
     if o.resume and ranks.is_main:  # a resumable checkpoint: readable, safe, same options; before any model loads
         fp = run.fingerprint()
         state.load_sharded_meta(outputs.state_dir, fp)
@@ -328,6 +351,11 @@ def _online(run: Run, aux: list[int] | None) -> OnlineHarvest | OnlineFollower:
     return producer
 
 
+def _remote(run: Run, aux: list[int] | None):
+    """--teacher: this rank's client of the checked server (its prefetch starts with the loop)."""
+    return Remote(run.server, run.opts.target, aux, run.opts.teacher_ahead, run.ranks.rank, run.ranks.world)
+
+
 def build(run: Run) -> Prepared:
     """The models and the data of a validated run: the drafter and its unroller, the target as teacher (or only its
     embedding and head over a harvested cache), frozen groups, FSDP2 under torchrun, AdamW and its schedule, the
@@ -335,17 +363,23 @@ def build(run: Run) -> Prepared:
     o, ranks = run.opts, run.ranks
     if o.threads:
         torch.set_num_threads(o.threads)
-    device = resolve_device(o.device, ranks.rank)
+    device = ranks.device  # join's: resolve_device, made current under torchrun
     precision = o.precision or default_precision(device)
     if device.type == "cuda":  # refuse at once, with the advice, what the device cannot hold
         total = torch.cuda.get_device_properties(device).total_memory
         check(for_options(replace(o, precision=precision), ranks.world, device_bytes=total,
                           fsdp=dist.is_initialized()))
+    if o.online:  # vLLM beside rank 0: the target must fit beside the trainer, else a server elsewhere (--teacher)
+        check_online_fits(o, ranks.world, device, precision, dist.is_initialized())
+    # Sharded from the start: under torchrun a sharded format's drafter is built on the meta device, sharded, and
+    # each rank then reads only its own shards (`_models`, recycle/drafters/sharded.py); one process loads it whole.
+    # --init scratch draws every weight in one process's order: it loads whole.
+    from_meta = dist.is_initialized() and run.unroller.shardable and o.init != "scratch"
     with run.phase("loading the drafter"), quiet_transformers():
-        model = load_drafter(o.drafter, dtype=torch.float32)
+        model = meta_drafter(o.drafter) if from_meta else load_drafter(o.drafter, dtype=torch.float32)
     aux = run.fmt.reads(run.drafter_config, run.target_config).aux_layers
     aux = list(aux) if aux is not None else None
-    producer = _online(run, aux) if o.online else None
+    producer = _online(run, aux) if o.online else _remote(run, aux) if o.teacher else None
     try:
         return _models(run, device, precision, model, aux, producer)
     except BaseException:
@@ -361,14 +395,19 @@ def _models(run: Run, device: torch.device, precision: str, model: torch.nn.Modu
     if o.cache_hidden and (Path(o.cache_hidden) / "manifest.json").is_file():  # made by `recycle harvest`
         harvested = check_manifest(Path(o.cache_hidden), o, aux_layers=aux or [], world=ranks.world)
     # A harvested cache holds every window and the evaluation rows: the trunk is never loaded.
-    with run.phase("loading the target" if harvested is None else "loading the target's embedding and head"):
-        teacher = Teacher(o.target, device, aux, precision, o.cache_hidden, trunk=harvested is None,
-                          producer=producer, kv=run.unroller.needs_kv)
-    model.to(device).train()
+    remote = producer if o.teacher else None  # the server computes every feature: embedding and head alone here
+    trunk = harvested is None and remote is None
+    with run.phase("loading the target" if trunk else "loading the target's embedding and head"):
+        teacher = Teacher(o.target, device, aux, precision, o.cache_hidden, trunk=trunk,
+                          producer=None if remote else producer, kv=run.unroller.needs_kv, remote=remote)
+    if remote is not None:  # the probe: the server's greedy token from its last state, normed and projected here
+        remote.probe(teacher.logits, int(teacher.embed.weight.shape[1]))
+    from_meta = next(model.parameters()).is_meta  # sharded from the start (`build`): materialised once sharded
+    (model if from_meta else model.to(device)).train()
     unroller = run.unroller.make(model, o.draft_steps, teacher.embed, aux)
     if o.activation_checkpointing:
         model.checkpoint_blocks = True
-    target_io = unroller.adopt_target_io(teacher.embed.weight, teacher.head.weight)
+    target_io = None if from_meta else unroller.adopt_target_io(teacher.embed.weight, teacher.head.weight)
     if o.init == "scratch":
         unroller.reinit(o.seed)
     if unroller.positions(o.seq_len) < 1:
@@ -380,16 +419,33 @@ def _models(run: Run, device: torch.device, precision: str, model: torch.nn.Modu
     stream = PackedStream(data.source.train, data.tokenizer, o.seq_len, o.seed, data.renderer, data.source.log, rewrite)
     stream.texts()  # read already (validation): the packing's cost is the first step's
     frozen = freeze(model, o.freeze)  # after the format's own (embedding, head)
-    if precision == "bf16":  # frozen weights bf16 holds exactly stay bf16: autocast casts them anyway
+    if precision == "bf16" and not from_meta:  # frozen weights bf16 holds exactly stay bf16: autocast casts them
         frozen["lowered_to_bf16_bytes"] = lower_frozen(model, keep=(teacher.embed.weight, teacher.head.weight))
     sharding = shard(model, unroller.shardable, device, ranks.world, precision, run.note)
+    if from_meta:  # each rank allocates its own shards on its device and reads only them from the drafter's files
+        with run.phase("reading this rank's shards of the drafter"):
+            materialize(model, o.drafter, device)
+        target_io = unroller.adopt_target_io(teacher.embed.weight, teacher.head.weight)
+        if precision == "bf16":
+            frozen["lowered_to_bf16_bytes"] = lower_frozen(model, keep=(teacher.embed.weight, teacher.head.weight))
     schedule = Schedule(o.tokens, o.batch, o.seq_len, ranks.world)
+    if remote is not None:  # the prefetch reads a copy of the stream, from where the loop's stands when it begins
+        remote.attach(schedule, o.batch, lambda: _stream_copy(stream, run))
     opt = torch.optim.AdamW(unroller.trainable(), lr=o.lr, betas=(0.9, 0.95), weight_decay=o.weight_decay,
                             foreach=True)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(schedule.total_steps, o.warmup, o.min_lr))
     heldout = _heldout(run, device, teacher, unroller, harvested, Regenerate(run, teacher, None) if regen else None)
     return Prepared(run, device, precision, schedule, teacher, model, unroller, target_io, frozen, stream, sharding,
-                    opt, sched, heldout, counters, producer, harvested is not None)
+                    opt, sched, heldout, counters, producer, harvested is not None or remote is not None)
+
+
+def _stream_copy(stream: PackedStream, run: Run) -> PackedStream:
+    """The loop's data stream again, at its position (--teacher's prefetch reads its rows ahead of the loop), with a
+    tokenizer of its own: a fast tokenizer's settings are mutated by each call, so two threads must not share one."""
+    tokenizer, renderer = copy.deepcopy((run.data.tokenizer, run.data.renderer))  # the renderer's tokenizer too
+    again = PackedStream(stream.texts, tokenizer, run.opts.seq_len, run.opts.seed, renderer)
+    again.seek(Position(stream.pos.epoch, stream.pos.taken))
+    return again
 
 
 def _heldout(run: Run, device: torch.device, teacher: Teacher, unroller: Unroller, harvested: dict | None,
@@ -398,6 +454,15 @@ def _heldout(run: Run, device: torch.device, teacher: Teacher, unroller: Unrolle
     the target here (text: greedily after a short prompt, the text greedy decoding verifies; conversations with
     --self-distill: the target's own assistant turns)."""
     o, data = run.opts, run.data
+    if teacher.remote is not None:  # --teacher: the server continues the rows and computes their features
+        ev, mask = heldout_rows(data.tokenizer, o.seq_len, o.eval_rows, o.data, data.renderer)
+        prompt = 0 if mask is not None else eval_prompt_len(ev.shape[1], o.eval_prompt_len, unroller.steps)
+        if prompt:
+            ev = teacher.remote.generate(ev[:, :prompt], ev.shape[1] - prompt)
+        last, aux = teacher.remote.now(ev)
+        dtype = torch.bfloat16 if teacher.precision == "bf16" else torch.float32
+        out = TeacherOut(last.to(device, dtype), aux.to(device, dtype) if aux is not None else None, teacher.logits)
+        return HeldOut(ev.to(device), out, mask.to(device) if mask is not None else None, prompt)
     if harvested is not None:
         prompt = int(harvested["eval"]["prompt_len"])
         ids, mask = teacher.cached_rows(EVAL_KEY)

@@ -37,7 +37,6 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.tensor import DTensor
 
 from recycle.distill.data import Position
 from recycle.errors import RecycleError
@@ -148,10 +147,63 @@ def load_best(state_dir: Path, step: int) -> dict[str, torch.Tensor]:
 
 
 def prune_best(state_dir: Path, keep: set[int]) -> None:
-    """Remove best snapshots other than `keep` (the current best, and the one the last checkpoint names)."""
-    for p in state_dir.glob("best-*.safetensors"):
-        if int(p.stem.split("-")[1]) not in keep:
+    """Remove best snapshots other than `keep` (the current best, and the one the last checkpoint names): a file, or
+    a sharded run's folder of every rank's shards."""
+    for p in state_dir.glob("best-*"):
+        step = p.name.removesuffix(".safetensors").split("-")[1]
+        if not step.isdigit() or int(step) in keep:
+            continue
+        if p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
             p.unlink(missing_ok=True)
+
+
+def best_dir(state_dir: Path, step: int) -> Path:
+    """A sharded run's best snapshot: every rank's shards of the trained weights (DCP, safetensors files)."""
+    return state_dir / f"best-{step:08d}"
+
+
+def _trained(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The trained weights as they are held (DTensors on a sharded run: each rank's own shards), by name. FSDP2
+    keeps the root unit's weights gathered after a forward (the held-out estimate's): resharded first, so the
+    names give the shards, which are what the optimizer updates."""
+    if callable(getattr(model, "reshard", None)):
+        model.reshard()
+    return {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def save_best_sharded(state_dir: Path, step: int, model: torch.nn.Module) -> None:
+    """Every rank: its shards of the trained weights into `best-STEP/` (written beside, renamed by rank 0 once every
+    rank's files are whole); nothing gathered, as the checkpoints (`save_sharded`)."""
+    rank = dist.get_rank()
+    final = best_dir(state_dir, step)
+    tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}") if rank == 0 else None
+    box = [str(tmp) if tmp else None]
+    dist.broadcast_object_list(box, src=0)  # rank 0's pid names the folder: a stopped run's is swept
+    tmp = Path(box[0])
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    dist.barrier()
+    dcp.save(_trained(model), storage_writer=HuggingFaceStorageWriter(str(tmp), save_distributed=True))
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(final, ignore_errors=True)
+        os.rename(tmp, final)
+    dist.barrier()
+
+
+def load_best_sharded(state_dir: Path, step: int, model: torch.nn.Module) -> None:
+    """Every rank: its shards of the best snapshot read back into the model's trained weights, in place."""
+    path = best_dir(state_dir, step)
+    if not path.is_dir():
+        raise RecycleError(f"{path}: the best snapshot is missing from the state directory (resume with --overwrite)")
+    try:
+        dcp.load(_trained(model), storage_reader=HuggingFaceStorageReader(str(path)))
+    except Exception as e:  # a torn or foreign shard
+        raise RecycleError(f"{path}: unreadable best snapshot ({type(e).__name__}: "
+                           f"{' '.join(str(e).split())[:120]}); resume with --overwrite") from None
 
 
 def save_checkpoint(state_dir: Path, state: dict, fp: dict) -> None:
@@ -394,18 +446,17 @@ def restore(state_dir: Path, fp: dict, c: Counters, model: torch.nn.Module, opt:
 
 
 def consider(state_dir: Path, c: Counters, score: float, agree: list[float], model: torch.nn.Module,
-             is_main: bool) -> None:
+             is_main: bool, sharded: bool = False) -> None:
     """Never worse: keep the current weights if their held-out `score` beats the best so far (the input counts). The
-    trained weights go to disk, not RAM (sharded: gathered by every rank, a collective, one tensor at a time)."""
+    trained weights go to disk, not RAM (sharded: every rank writes its own shards, a collective; nothing gathered)."""
     if not (c.best is None or score > c.best["estimate"]):
         return
     c.best = {"estimate": score, "agree": list(agree), "step": c.step, "tokens": c.tokens}
-    trained = {}
-    for n, p in model.named_parameters():
-        if p.requires_grad:
-            whole = p.full_tensor() if isinstance(p, DTensor) else p.detach()
-            if is_main:
-                trained[n] = whole.cpu() if isinstance(p, DTensor) else whole
-    if is_main:  # only rank 0 writes the output
-        save_best(state_dir, c.step, trained)
+    if sharded:
+        save_best_sharded(state_dir, c.step, model)
+        if is_main:
+            prune_best(state_dir, {c.step, c.checkpointed_best})
+        return
+    if is_main:  # only rank 0 writes the output (unsharded ranks each hold the whole drafter)
+        save_best(state_dir, c.step, _trained(model))
         prune_best(state_dir, {c.step, c.checkpointed_best})

@@ -82,11 +82,13 @@ class Teacher:
 
     def __init__(self, target_dir: str | os.PathLike, device: torch.device, aux_layers: list[int] | None = None,
                  precision: str = "bf16", cache_dir: str | os.PathLike | None = None, trunk: bool = True,
-                 producer=None, kv: bool = False) -> None:
+                 producer=None, kv: bool = False, remote=None) -> None:
         """`kv`: also return the K/V a Gemma 4 assistant attends (`recycle.formats.gemma4_assistant.kv_source_layers`);
-        they are never cached, so it needs the trunk."""
+        they are never cached, so it needs the trunk. `remote` (`distill --teacher URL`): a `distill.remote.Remote`
+        gives every key's features (it deletes their files once read)."""
         self.device, self.precision = device, precision
         self.producer = producer  # distill.harvest.OnlineHarvest/OnlineFollower: wait for each key (`release` deletes)
+        self.remote = remote
         self._vocab_head: tuple[torch.Tensor, torch.Tensor] | None = None  # (draft vocabulary, the head's rows)
         # bf16 weights on a GPU when the run computes in bf16 (autocast ran the matmuls in bf16 already): half the
         # teacher's memory; fp32 on a CPU, where bf16 kernels are emulated on most machines
@@ -184,6 +186,11 @@ class Teacher:
         if self.kv_layers:
             last, kv = self.features_and_kv(ids)
             return TeacherOut(last, None, self.logits, kv)
+        if self.remote is not None and key is not None:
+            last, aux = self.remote.features(key, ids)
+            dtype = torch.bfloat16 if self.precision == "bf16" else torch.float32
+            return TeacherOut(last.to(self.device, dtype), aux.to(self.device, dtype) if aux is not None else None,
+                              self.logits)
         if self.producer is not None and key is not None:
             self.producer.wait(split_key(key)[0])
         cached = self._load(key, ids) if key is not None and self.cache_dir is not None else None
@@ -198,7 +205,9 @@ class Teacher:
 
     def release(self, keys: list[str]) -> None:
         """Online mode: delete the step's key files once read (by every rank: the caller's to know), so disk stays
-        at the producer's `ahead` keys."""
+        at the producer's `ahead` keys; a remote teacher deleted its files as it read them)."""
+        if self.remote is not None:
+            return
         for key in keys:
             if split_key(key)[0] != EVAL_KEY:
                 self._path(key).unlink(missing_ok=True)

@@ -24,9 +24,11 @@ Choices and why:
     rank holds 1/world of the trainable weights, gradients and AdamW state, and trains on its slice of the
     global batch. Fused routed experts are split by expert instead (`distill/experts.py`: the rows go to the
     experts; no rank ever holds all of them). Every rank runs as many forward/backward passes per step as the
-    others (the truncated last batch can leave a rank without rows: it runs held-out rows at weight 0). Every
-    rank evaluates and gathers the weights it keeps; every rank checkpoints its own shards
-    (`torch.distributed.checkpoint` into safetensors, `distill/state.py`), rank 0 logs and writes.
+    others (the truncated last batch can leave a rank without rows: it runs held-out rows at weight 0). The
+    drafter is built on the meta device and each rank reads only its shards (`recycle/drafters/sharded.py`). Every
+    rank evaluates and keeps its shards of the best weights; every rank checkpoints its own shards
+    (`torch.distributed.checkpoint` into safetensors, `distill/state.py`) and writes its part of the drafter
+    (`converters/rewrite.py`, `write_drafter_sharded`); rank 0 logs.
   * A held-out estimate of acceptance every M steps: top-1 agreement of each draft step with the
     target's greedy token on a fixed held-out batch (the held-out side of `--data`), whose rows the
     target continues greedily after a short prompt once at the start: that is the text greedy
@@ -55,20 +57,19 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from recycle.converters.rewrite import write_drafter
+from recycle.converters.rewrite import write_drafter, write_drafter_sharded
 from recycle.distill import record, state
 from recycle.distill.data import mask_steps, regenerate
-from recycle.distill.losses import distill_loss, step_terms
+from recycle.distill.losses import distill_loss, distill_terms
 from recycle.distill.record import expected_length
 from recycle.distill.schedule import Step, time_left
 from recycle.distill.setup import Prepared, prepare
-from recycle.distill.sharding import allreduce_grads, full_state
+from recycle.distill.sharding import allreduce_grads
 from recycle.distill.teacher import TeacherOut, autocast
-from recycle.drafters import load_drafter
 from recycle.errors import Interrupted, RecycleError
 from recycle.hardware import sync
 from recycle.io.writer import OutputDir
-from recycle.options import DistillOptions
+from recycle.options import DistillOptions, Every
 from recycle.preflight import duration
 
 __all__ = ["Current", "DistillOptions", "agreement", "distill", "train", "train_step"]
@@ -102,7 +103,7 @@ def agreement(p: Prepared) -> list[float]:
     with autocast(p.device, p.precision):
         te = h.teacher
         steps = mask_steps(p.unroller.unroll(h.ids, te.last, te.aux, te.logits, kv=te.kv), h.mask)
-        agree = [float(step_terms(s, grad=False)["agree"]) for s in steps]
+        agree = [float(t["agree"]) for t in distill_terms(steps, grad=False)]  # the teacher's logits once per chunk
     p.model.train()
     return agree
 
@@ -248,7 +249,8 @@ def train_step(p: Prepared, step: Step) -> dict:
 
 def _consider(p: Prepared, agree: list[float]) -> None:
     """Keep the current weights if their held-out estimate beats the best so far (the input counts)."""
-    state.consider(p.run.outputs.state_dir, p.counters, expected_length(agree), agree, p.model, p.run.ranks.is_main)
+    state.consider(p.run.outputs.state_dir, p.counters, expected_length(agree), agree, p.model, p.run.ranks.is_main,
+                   p.shard.sharded)
 
 
 def _checkpoint(p: Prepared) -> None:
@@ -364,10 +366,12 @@ def train(p: Prepared, progress: Callable[[dict], None] | None = None,
         for step in p.schedule.steps(c.step):
             if c.stop is not None:
                 _stopped(p)
+            before = c.tokens  # --checkpoint-every/--eval-every in tokens: due when the step passes a multiple
             row = train_step(p, step)
             t0 = time.perf_counter()
             acting = ranks.is_main or p.shard.sharded  # sharded, every rank runs the drafter and gathers its weights
-            if acting and (c.step % o.eval_every == 0 or c.tokens >= o.tokens):
+            if acting and (Every.parse(o.eval_every, "--eval-every").due(c.step, before, c.tokens)
+                           or c.tokens >= o.tokens):
                 row["heldout_agree"] = agreement(p)
                 row["heldout_estimate"] = expected_length(row["heldout_agree"])
                 _consider(p, row["heldout_agree"])
@@ -387,7 +391,8 @@ def train(p: Prepared, progress: Callable[[dict], None] | None = None,
                     on_step(Current(p))
                 if progress:
                     progress(row)
-            if acting and c.step % o.checkpoint_every == 0 and c.tokens < o.tokens:
+            if (acting and Every.parse(o.checkpoint_every, "--checkpoint-every").due(c.step, before, c.tokens)
+                    and c.tokens < o.tokens):
                 _checkpoint(p)
             if ranks.world > 1:
                 dist.barrier()
@@ -396,16 +401,16 @@ def train(p: Prepared, progress: Callable[[dict], None] | None = None,
     wall = c.wall()
     final = agreement(p)
     _consider(p, final)
-    if p.shard.sharded:  # rank 0 writes from a whole copy: gathered, into the drafter as it was loaded
-        whole, _ = full_state(p.model, None, sharded=True)
-        if ranks.is_main:
-            p.model = p.unroller.model = load_drafter(o.drafter, dtype=torch.float32)
-            p.model.load_state_dict(whole)
-    if ranks.is_main and c.best["step"] != c.step:  # rank 0 evaluates, chooses and writes
+    if p.shard.sharded and c.best["step"] != c.step:  # every rank reads its shards of the best snapshot back
+        state.load_best_sharded(state_dir, c.best["step"], p.model)
+    elif ranks.is_main and c.best["step"] != c.step:  # rank 0 evaluates, chooses and writes
         p.model.load_state_dict(state.load_best(state_dir, c.best["step"]), strict=False)
     entry = record.build(p, last, final, wall, resumed)
+    if p.shard.sharded:  # written from the shards: every rank its part, nothing whole on any host
+        write_drafter_sharded(o.drafter, p.run.outputs.writer, p.run.fmt, p.model, entry, ranks.rank, ranks.world)
     if ranks.is_main:
-        _write(p, p.run.outputs.writer, entry)
+        if not p.shard.sharded:
+            _write(p, p.run.outputs.writer, entry)
         state.remove_checkpoint(state_dir)
         state.prune_best(state_dir, set())
     entry["wall_s"] = round(time.perf_counter() - p.run.t0, 3)  # the command's, setup included

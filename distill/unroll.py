@@ -36,7 +36,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from recycle.distill.losses import StepOutput
+from recycle.distill.losses import StepOutput, TargetLogits
 from recycle.drafters import Eagle3Drafter, EagleDrafter, MedusaDrafter
 from recycle.errors import RecycleError
 from recycle.formats import DrafterFormat, get
@@ -132,6 +132,14 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1])
 
 
+def _scored(last: torch.Tensor, t: int, steps: int, head) -> tuple[TargetLogits, list[torch.Tensor]]:
+    """The target's logits at every position of `last` [B, L, H], shared by the steps, and each step's positions:
+    step k at anchor i (row b·T + i) is scored at position i+k+1 of its sequence, flattened b·L + i+k+1."""
+    b, length = last.shape[:2]
+    base = (torch.arange(b, device=last.device)[:, None] * length + torch.arange(t, device=last.device)[None]).reshape(-1)
+    return TargetLogits(_rows(last), head), [base + k + 1 for k in range(steps)]
+
+
 @UNROLLERS.register("eagle")
 class EagleUnroller(Unroller):
     shardable = True
@@ -171,12 +179,14 @@ class EagleUnroller(Unroller):
         m: EagleDrafter = self.model
         k_steps, t = self.steps, self.positions(ids.shape[1])
         out = m(last[:, :t], ids[:, :t + k_steps], steps=k_steps, heads=False)
+        shared, where = _scored(last, t, k_steps, logits)
         steps = []
         for k in range(k_steps):
             target = _rows(last[:, k + 1:k + 1 + t])
             feats, tfeats = (_rows(out.normed[k]), target) if with_features else (None, None)
             steps.append(StepOutput(_rows(out.normed[k]), target, ids[:, k + 2:k + 2 + t].reshape(-1), feats, tfeats,
-                                    head=m.role(m.layer_for(k), "head"), target_head=logits))
+                                    head=m.role(m.layer_for(k), "head"), target_head=logits, shared=shared,
+                                    positions=where[k]))
         return steps
 
     def file_state(self):
@@ -226,6 +236,10 @@ class Eagle3Unroller(Unroller):
         g = m.fc(aux[:, :t])
         cache = DynamicCache()
         base = torch.arange(t, device=dev)[None].expand(b, t)
+        def vocab_logits(rows, tid=tid):  # the target's logits over the draft vocabulary
+            return logits(rows, tid)
+
+        shared, where = _scored(last, t, self.steps, vocab_logits)
         steps = []
         for k in range(self.steps):
             emb = self.embed(ids[:, k + 1:k + 1 + t])
@@ -239,7 +253,7 @@ class Eagle3Unroller(Unroller):
             y = y + lyr.mlp(lyr.post_attention_layernorm(y))
             steps.append(StepOutput(_rows(m.norm(y)), _rows(last[:, k + 1:k + 1 + t]),
                                     tmap[ids[:, k + 2:k + 2 + t]].reshape(-1), head=m.lm_head,
-                                    target_head=lambda rows, tid=tid: logits(rows, tid)))
+                                    target_head=vocab_logits, shared=shared, positions=where[k]))
             g = y
         return steps
 
@@ -270,10 +284,12 @@ class MedusaUnroller(Unroller):
         m: MedusaDrafter = self.model
         t = self.positions(ids.shape[1])
         h = last[:, :t]
+        shared, where = _scored(last, t, self.steps, logits)
         steps = []
         for k in range(self.steps):
             steps.append(StepOutput(_rows(m.blocks[k](h)), _rows(last[:, k + 1:k + 1 + t]),
-                                    ids[:, k + 2:k + 2 + t].reshape(-1), head=m.lm_heads[k], target_head=logits))
+                                    ids[:, k + 2:k + 2 + t].reshape(-1), head=m.lm_heads[k], target_head=logits,
+                                    shared=shared, positions=where[k]))
         return steps
 
 
@@ -296,8 +312,10 @@ class AssistantUnroller(Unroller):
         if kv is None:
             raise ValueError("a Gemma 4 assistant needs the target's K/V (Teacher(kv=True))")
         t = self.positions(ids.shape[1])
+        shared, where = _scored(last, t, self.steps, logits)
         return [StepOutput(_rows(normed), _rows(last[:, k + 1:k + 1 + t]), ids[:, k + 2:k + 2 + t].reshape(-1),
-                           head=lambda rows: head(self.model, rows), target_head=logits)
+                           head=lambda rows: head(self.model, rows), target_head=logits, shared=shared,
+                           positions=where[k])
                 for k, normed in enumerate(teacher_forced(self.model, self.embed, ids, last, kv, self.steps, t))]
 
     def file_state(self):

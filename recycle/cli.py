@@ -24,6 +24,7 @@ from recycle.options import (
     PlanOptions,
     PushOptions,
     StitchOptions,
+    TeacherServeOptions,
 )
 from recycle.preflight import parse_tokens
 from recycle.report import EXIT_FINDINGS, JsonErrors, conventional_help, note, print_json, user_errors
@@ -228,8 +229,9 @@ def push(opts: PushOptions, json_out: f.Json = False) -> None:
 @user_errors
 @f.options(DistillOptions, "drafter target tokens data self_distill prompt_len sd_temperature chat_template "
            "save_regenerated out resume cache_hidden online seq_len batch lr draft_steps ce_weight kl_weight "
-           "feature_weight decay init freeze micro_batch activation_checkpointing checkpoint_every eval_every device "
-           "precision seed threads overwrite memory_plan world_size gpu json_out")
+           "feature_weight decay init freeze micro_batch activation_checkpointing checkpoint_every eval_every teacher "
+           "teacher_ahead device "
+           "nccl_timeout precision seed threads overwrite memory_plan world_size gpu host_ram gpus_per_node json_out")
 def distill(opts: DistillOptions, memory_plan: f.MemoryPlan = False, world_size: f.WorldSize = None,
             gpu: f.TrainGpu = None, json_out: f.Json = False) -> None:
     """Distill a drafter against its frozen target to an exact token budget; writes the same format.
@@ -247,15 +249,25 @@ def distill(opts: DistillOptions, memory_plan: f.MemoryPlan = False, world_size:
         raise RecycleError("--target TARGET_DIR: the model to distill against")
     if opts.tokens is None and not memory_plan:
         raise RecycleError("--tokens N: the budget in target tokens is required (e.g. --tokens 1M)")
+    tokens_given = opts.tokens is not None  # --plan: the time and storage lines follow it
     opts.tokens = parse_tokens(opts.tokens or "1")
     opts.out = f.output_path(opts.out, opts.drafter, "distilled")
-    if memory_plan:
-        from recycle.distill.memory import check, for_options
+    if memory_plan:  # the whole job: memory per rank, host RAM per node, storage, FLOPs and hours, the teacher
+        from recycle.distill.jobplan import check_host, lines, plan_job
+        from recycle.distill.memory import check
         from recycle.report import render_memory
 
-        p = for_options(opts, world_size or int(os.environ.get("WORLD_SIZE", "1")), gpu)
-        print_json(p.as_dict()) if json_out else render_memory(p.as_dict())
-        return check(p)  # a plan that does not fit: its advice, exit 2
+        job = plan_job(opts, world_size or int(os.environ.get("WORLD_SIZE", "1")), gpu,
+                       opts.tokens if tokens_given else None, opts.gpus_per_node, opts.host_ram)
+        data = job.as_dict()
+        if json_out:
+            print_json(data)
+        else:
+            render_memory(data)
+            for line in lines(data):
+                typer.echo(line)
+        check(job.memory)  # a plan that does not fit: its advice, exit 2
+        return check_host(job)  # nor one over the node's RAM
     opts.validate()
     from recycle.distill.train import distill as run
     from recycle.report import DISTILL_COLUMNS, Reporter, distill_progress, render_distill
@@ -271,11 +283,11 @@ def distill(opts: DistillOptions, memory_plan: f.MemoryPlan = False, world_size:
 @app.command()
 @user_errors
 @f.options(HarvestOptions, "target tokens out drafter data seq_len batch seed self_distill prompt_len sd_temperature "
-           "chat_template tensor_parallel_size pipeline_parallel_size data_parallel_size gpu_memory_utilization "
-           "overwrite json_out", tokens=f.REQUIRED)
+           "chat_template tensor_parallel_size pipeline_parallel_size enable_expert_parallel data_parallel_size "
+           "gpu_memory_utilization shard convert_workers plan gpu overwrite json_out", tokens=f.REQUIRED)
 def harvest(opts: HarvestOptions, drafter: f.HarvestDrafter = None, tensor_parallel_size: f.TensorParallel = 1,
-            pipeline_parallel_size: f.PipelineParallel = 1, data_parallel_size: f.DataParallel = 1,
-            json_out: f.Json = False) -> None:
+            pipeline_parallel_size: f.PipelineParallel = 1, enable_expert_parallel: f.ExpertParallel = False,
+            data_parallel_size: f.DataParallel = 1, json_out: f.Json = False) -> None:
     """Compute the target's features for a distillation in vLLM, ahead of it, for targets no training process
     holds: vLLM's parallelism spreads the target; distill then reads the cache.
 
@@ -284,18 +296,37 @@ def harvest(opts: HarvestOptions, drafter: f.HarvestDrafter = None, tensor_paral
     its CPU build in fp32 elsewhere.
 
     Example: `recycle harvest --target fixtures/deepseek_v3_mtp --tokens 64k -o /tmp/ds-cache`, then
-    `recycle distill /tmp/ds-eagle --target fixtures/deepseek_v3_mtp --tokens 64k --cache-hidden /tmp/ds-cache`
+    `recycle distill /tmp/ds-eagle --target fixtures/deepseek_v3_mtp --tokens 64k --cache-hidden /tmp/ds-cache`.
+    Data parallel: N shards (`--shard i/N`, one engine each, any nodes, one shared -o); a killed harvest resumes
+    when run again with the same options.
     """
-    from recycle.preflight import drafter_dir, output_dir
+    from recycle.preflight import drafter_dir
 
     if opts.target is None:
         raise RecycleError("--target TARGET_DIR: the model vLLM runs")
+    if data_parallel_size != 1:  # vLLM's LLM() refuses it (vllm/entrypoints/llm.py:281-294)
+        raise RecycleError(f"--data-parallel-size {data_parallel_size}: vLLM's offline engine takes none; run "
+                           f"{data_parallel_size} shards instead: recycle harvest ... --shard i/{data_parallel_size} "
+                           f"for i in 0..{data_parallel_size - 1}, same -o (docs/harvest.md)")
     opts.parallel = {k: v for k, v in (("tensor_parallel_size", tensor_parallel_size),
-                                       ("pipeline_parallel_size", pipeline_parallel_size),
-                                       ("data_parallel_size", data_parallel_size)) if v != 1}
+                                       ("pipeline_parallel_size", pipeline_parallel_size)) if v != 1}
+    if enable_expert_parallel:
+        opts.parallel["enable_expert_parallel"] = True
     opts.out, opts.tokens = f.output_path(opts.out, opts.target, "cache"), parse_tokens(opts.tokens)
+    if opts.plan:  # storage, the teacher's FLOPs and hours, its GPUs: from the configs, nothing run or written
+        from recycle.distill.jobplan import harvest_lines, harvest_plan
+        from recycle.formats import aux_layers_of
+
+        aux = len(aux_layers_of(drafter, opts.target)) if drafter is not None else 0
+        engines = opts.shards()[1] * tensor_parallel_size * pipeline_parallel_size
+        data = harvest_plan(opts.target, opts.tokens, opts.seq_len, opts.batch, opts.gpu, engines, aux)
+        if json_out:
+            return print_json(data)
+        for line in harvest_lines(data):
+            typer.echo(line)
+        return
     if drafter is not None:  # an input too: -o is not the drafter, inside it or around it
-        output_dir(opts.out, opts.overwrite, (*opts.inputs(), drafter))
+        opts.out_checked(drafter)
     opts.validate()
     if drafter is not None:
         drafter_dir(drafter)
@@ -310,6 +341,53 @@ def harvest(opts: HarvestOptions, drafter: f.HarvestDrafter = None, tensor_paral
     with Reporter("writing cache", quiet=json_out) as bar:
         data_out = run(opts, progress=bar.counter("harvest: {n} cache files written"))
     print_json(data_out) if json_out else render_harvest(data_out)
+
+
+teacher_app = typer.Typer(help="A teacher that runs anywhere: the target in vLLM's own server, for distill --teacher.",
+                          no_args_is_help=True, cls=JsonErrors)
+app.add_typer(teacher_app, name="teacher")
+
+
+@teacher_app.command("serve")
+@user_errors
+@f.options(TeacherServeOptions, "target shared_dir aux_layers port host max_model_len gpu_memory_utilization "
+           "tensor_parallel_size pipeline_parallel_size data_parallel_size data_parallel_size_local "
+           "data_parallel_start_rank data_parallel_address data_parallel_rpc_port enable_expert_parallel nnodes "
+           "node_rank master_addr master_port headless print_only")
+def teacher_serve(opts: TeacherServeOptions) -> None:
+    """Run the target in vLLM's own OpenAI server with its extract_hidden_states method: each request's hidden states
+    go to --shared-dir, for `recycle distill ... --teacher http://HOST:PORT` on other devices or nodes.
+
+    Every parallel option is vLLM's own (tensor, pipeline, data, expert parallel; several nodes through vLLM's own
+    launcher: --nnodes/--node-rank/--master-addr, --headless on the other nodes). The served name carries the target's
+    fingerprint and the captured layers, which distill checks before it trains.
+
+    Example: `recycle teacher serve fixtures/deepseek_v3_mtp --shared-dir /shared/hs --port 8000 --print`
+    """
+    opts.validate()
+    from recycle.distill.harvest import fingerprint
+    from recycle.distill.remote import needed_layers, served_name
+    from recycle.engines import teacher_serve as ts
+    from recycle.engines.vllm_env import engine_args, platform, vllm_python
+
+    n = fingerprint(opts.target)["num_hidden_layers"]
+    bad = [i for i in opts.aux_layers if i > n]
+    if bad:
+        raise RecycleError(f"--aux-layers {bad[0]}: the target has {n} layers")
+    layers = needed_layers(n, list(opts.aux_layers))
+    python = vllm_python()
+    cpu = platform()["dtype"] == "float32"  # vLLM's CPU build (vllm_env.PLATFORMS)
+    cmd, env = ts.command(python, opts.target, name=served_name(opts.target, layers), layers=layers,
+                          shared_dir=opts.shared_dir, engine=engine_args(opts.parallel(), opts.gpu_memory_utilization),
+                          port=opts.port, host=opts.host, max_model_len=opts.max_model_len, cpu=cpu,
+                          plugin=ts.plugin_installed(python))
+    if opts.print_only:
+        print(ts.shell_line(cmd, env))
+        return
+    Path(opts.shared_dir).expanduser().mkdir(parents=True, exist_ok=True)
+    note(f"teacher: vllm serve on port {opts.port} (engine start: about a minute and a half on a CPU); "
+         f"distill with --teacher http://HOST:{opts.port}")
+    os.execve(cmd[0], cmd, {**os.environ, **env})  # vLLM's own server in its own venv, in this process's place
 
 
 if __name__ == "__main__":

@@ -127,4 +127,7 @@ HarvestDrafter = param(flag("--drafter", help="The drafter the cache is for: an 
                             "harvested too.", metavar="DRAFTER_DIR", type=Path), None)
 TensorParallel = param(flag("--tensor-parallel-size", help="vLLM's own."), 1)
 PipelineParallel = param(flag("--pipeline-parallel-size", help="vLLM's own."), 1)
-DataParallel = param(flag("--data-parallel-size", help="vLLM's own."), 1)
+ExpertParallel = param(flag("--enable-expert-parallel", help="vLLM's own: expert parallelism instead of tensor "
+                            "parallelism for MoE layers."), False)
+DataParallel = param(flag("--data-parallel-size", help="Refused: vLLM's offline engine takes none; run N shards "
+                          "(--shard i/N)."), 1, hidden=True)

@@ -58,8 +58,11 @@ def gpu(key: str) -> GPU:
 
 
 def resolve_device(name: str | None, rank: int | None = None) -> torch.device:
-    """`--device`: cpu, cuda or cuda:N (None: cuda where torch sees one, else cpu). `rank`, a distributed run's rank,
-    puts a process on its own GPU: LOCAL_RANK (torchrun's), else the rank modulo the GPUs here."""
+    """`--device`: cpu, cuda or cuda:N (None: cuda where torch sees one, else cpu). `rank`, given only to a process
+    of a distributed run, puts it on its own GPU: cuda:LOCAL_RANK (torchrun's), else the rank modulo the GPUs here.
+    The one mapping of ranks to GPUs (distill's `join` binds each rank to it); refused in one line: a LOCAL_RANK past
+    the GPUs this node shows, and a cuda:N that is not the rank's. Asks torch only for the GPUs' count, which does not
+    initialise CUDA."""
     if name is None:
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name not in ("cpu", "cuda") and not name.startswith("cuda:"):
@@ -67,10 +70,54 @@ def resolve_device(name: str | None, rank: int | None = None) -> torch.device:
     if name == "cpu":
         return torch.device("cpu")
     if not torch.cuda.is_available():
-        raise RecycleError("--device cuda: no CUDA device is available to torch here")
-    if rank is not None:
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count())))
-    return torch.device(name)
+        raise RecycleError(f"--device {name}: no CUDA device is available to torch here")
+    asked = _index(name[len("cuda:"):], f"--device {name}") if name.startswith("cuda:") else None
+    count = torch.cuda.device_count()
+    if rank is None:
+        if asked is not None and asked >= count:
+            raise RecycleError(f"--device {name}: this machine shows {_gpus(count)}")
+        return torch.device(name)
+    local = os.environ.get("LOCAL_RANK")
+    index = _index(local, f"LOCAL_RANK {local!r}") if local is not None else rank % count
+    if index >= count:
+        raise RecycleError(f"LOCAL_RANK {index}: this node shows {_gpus(count)}; start at most {count} ranks per "
+                           "node (torchrun --nproc_per_node), or check CUDA_VISIBLE_DEVICES")
+    if asked is not None and asked != index:
+        raise RecycleError(f"--device {name}: under torchrun each rank runs on cuda:LOCAL_RANK (this rank's is "
+                           f"cuda:{index}); pass --device cuda, and choose the GPUs with CUDA_VISIBLE_DEVICES")
+    return torch.device("cuda", index)
+
+
+def _index(n: str, what: str) -> int:
+    """A GPU's index (N of cuda:N, or LOCAL_RANK)."""
+    if not n.isdigit():
+        raise RecycleError(f"{what}: expected a GPU index (cuda:0, cuda:1 ...)")
+    return int(n)
+
+
+def _gpus(count: int) -> str:
+    return f"{count} CUDA device{'s' if count != 1 else ''} (cuda:0 to cuda:{count - 1})" if count else "no CUDA device"
+
+
+# The variables CUDA's caching allocator reads its settings from, in the order torch 2.13 reads them: the first one
+# set is parsed whole and the other ignored (c10/cuda/CUDAAllocatorConfig.h:136-146 in torch 2.13's include/; measured
+# on torch 2.13 here: with both set, torch._C._accelerator_getAllocatorSettings() returns PYTORCH_CUDA_ALLOC_CONF's).
+ALLOC_CONF = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+
+
+def expandable_segments(environ=os.environ) -> str | None:
+    """`expandable_segments:True` for CUDA's caching allocator (segments grow in place instead of new blocks being cut:
+    less fragmentation at the same peak), put in the environment while CUDA is uninitialised: the allocator parses its
+    variable once, at its first use, and never again (c10/cuda/CUDAAllocatorConfig.h:132-153, a static instance;
+    measured here: a value set after that first read is not seen). Appended to the variable torch reads, so the user's
+    other settings stay; a user's own expandable_segments (true or false) is left as it is. Returns the variable it
+    set (None: nothing set)."""
+    if torch.cuda.is_initialized() or any("expandable_segments" in environ.get(v, "") for v in ALLOC_CONF):
+        return None
+    var = next((v for v in ALLOC_CONF if v in environ), ALLOC_CONF[0])
+    have = environ.get(var, "").strip().rstrip(",")
+    environ[var] = f"{have},expandable_segments:True" if have else "expandable_segments:True"
+    return var
 
 
 def sync(device: torch.device) -> None:
@@ -87,7 +134,7 @@ def detect(device: torch.device) -> GPU | None:
     return next((g for g in GPUS if any(n in name for n in g.names)), None)
 
 
-__all__ = ["GPU", "GPUS", "gpu", "detect", "resolve_device", "sync"]
+__all__ = ["ALLOC_CONF", "GPU", "GPUS", "gpu", "detect", "expandable_segments", "resolve_device", "sync"]
 
 
 def cpu_capabilities() -> dict:

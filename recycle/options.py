@@ -23,6 +23,7 @@ from recycle import kinds
 from recycle.errors import RecycleError, did_you_mean
 from recycle.preflight import (
     DEFAULT_SHARD_SIZE,
+    RECORDS,
     checkpoint_dir,
     data_name,
     data_path,
@@ -129,6 +130,37 @@ def _chosen(opts: object, name: str) -> None:
     """The field's value is one of its flag's choices."""
     spec = flag_of(type(opts), name)
     _choice(getattr(opts, name), spec.choices, spec.names[-1])
+
+
+@dataclass(frozen=True)
+class Every:
+    """A cadence (--checkpoint-every, --eval-every): every `count` steps, or, written with a k/M/B suffix, every
+    `count` tokens (a plain integer stays steps, as before)."""
+
+    count: int
+    tokens: bool = False
+
+    @classmethod
+    def parse(cls, value: int | str, option: str) -> Every:
+        text = str(value).strip().replace("_", "")
+        if text.isdigit():
+            if int(text) < 1:
+                raise RecycleError(f"{option} must be at least 1")
+            return cls(int(text))
+        count = text.removesuffix("tokens").strip()  # the normalised spelling (`value`) reads back
+        if isinstance(value, str) and count and (count != text or count[-1].isalpha()):
+            return cls(parse_tokens(count, option), tokens=True)
+        raise RecycleError(f"{option} {value!r}: expected steps (50) or tokens with a k/M/B suffix (50M)")
+
+    @property
+    def value(self) -> int | str:
+        """The option's normalised value: steps as an int, tokens as `<count> tokens`."""
+        return f"{self.count} tokens" if self.tokens else self.count
+
+    def due(self, step: int, before: int, after: int) -> bool:
+        """Whether step `step`, which took the run from `before` to `after` tokens, ends a period. A function of the
+        counters a checkpoint keeps, so a resumed run keeps an uninterrupted run's cadence exactly."""
+        return after // self.count > before // self.count if self.tokens else step % self.count == 0
 
 
 def _at_least(pairs: Iterable[tuple[str, int | None, int]]) -> None:
@@ -321,8 +353,11 @@ class DistillOptions(DataOptions):
     activation_checkpointing: bool = opt("--activation-checkpointing", help="EAGLE drafters: recompute each draft "
                                          "step's decoder layer in backward instead of keeping its activations (one "
                                          "more forward of each layer; --plan shows what it saves).", default=False)
-    checkpoint_every: int = opt("--checkpoint-every", help="Steps between checkpoints.", default=50)
-    eval_every: int = opt("--eval-every", help="Steps between held-out agreement checks.", default=25)
+    checkpoint_every: int | str = opt("--checkpoint-every", help="Steps between checkpoints, or tokens with a k/M/B "
+                                      "suffix (50M: a checkpoint each time the run passes a multiple of 50M tokens).",
+                                      metavar="STEPS|TOKENS", type=str, default=50)
+    eval_every: int | str = opt("--eval-every", help="Steps between held-out agreement checks, or tokens with a k/M/B "
+                                "suffix (as --checkpoint-every).", metavar="STEPS|TOKENS", type=str, default=25)
     resume: bool = opt("--resume", help="Continue from the last checkpoint in OUT.distill/.", default=False)
     state_dir: str | None = None
     cache_hidden: str | None = opt("--cache-hidden", help="Store/reuse the target's features per batch here; a "
@@ -332,11 +367,24 @@ class DistillOptions(DataOptions):
                              "--cache-hidden (disk stays flat); the target is never loaded here. Under torchrun vLLM "
                              "runs beside rank 0.", metavar="N", type=int, default=None)
     vllm_parallel: dict | None = None  # with online: vLLM's own parallelism arguments
+    teacher: str | None = opt("--teacher", help="A teacher server's URL (`recycle teacher serve`): each step's "
+                              "features stream from it and the target's trunk is loaded nowhere here; each rank "
+                              "fetches its rows.", metavar="URL", default=None)
+    teacher_ahead: int = opt("--teacher-ahead", help="With --teacher: steps fetched ahead of training (the shared "
+                             "directory holds at most this many steps' files).", metavar="N", default=2)
     device: str | None = cli(DEVICE, None)
+    nccl_timeout: float | None = opt("--nccl-timeout", help="Under torchrun: seconds a collective waits for the "
+                                     "slowest rank before the run fails (default: torch's, 600 s for NCCL). The "
+                                     "best-snapshot and end-of-run writes happen while the other ranks wait: raise it "
+                                     "for a large drafter.", metavar="SECONDS", type=float, default=None)
     precision: str | None = opt("--precision", help="Compute dtype (default: bf16 on CUDA and CPUs with native bf16, "
                                 "else fp32).", choices=PRECISIONS, default=None)
     threads: int | None = cli(THREADS, None)
     overwrite: bool = opt("--overwrite", help="Replace OUT and any earlier run's checkpoint.", default=False)
+    host_ram: float | None = opt("--host-ram", help="With --plan: each node's RAM in GB (default: this machine's); "
+                                 "a plan that needs more is refused.", metavar="GB", type=float, default=None)
+    gpus_per_node: int = opt("--gpus-per-node", help="With --plan: ranks per node (host RAM per node, the teacher's "
+                             "placement).", metavar="N", type=int, default=8)
 
     def inputs(self) -> tuple[str | None, ...]:
         return self.drafter, *super().inputs(), self.cache_hidden
@@ -347,11 +395,14 @@ class DistillOptions(DataOptions):
         _chosen(self, "init")
         _chosen(self, "precision")
         _device_name(self.device)
-        _at_least((("--checkpoint-every", self.checkpoint_every, 1), ("--eval-every", self.eval_every, 1),
-                   ("--draft-steps", self.draft_steps, 1), ("--threads", self.threads, 1),
+        self.checkpoint_every = Every.parse(self.checkpoint_every, "--checkpoint-every").value
+        self.eval_every = Every.parse(self.eval_every, "--eval-every").value
+        _at_least((("--draft-steps", self.draft_steps, 1), ("--threads", self.threads, 1),
                    ("--micro-batch", self.micro_batch, 1)))
         if not (self.lr > 0 and math.isfinite(self.lr)):
             raise RecycleError("--lr must be a positive number")
+        if self.nccl_timeout is not None and not (self.nccl_timeout > 0 and math.isfinite(self.nccl_timeout)):
+            raise RecycleError(f"--nccl-timeout {self.nccl_timeout:g}: must be a positive number of seconds")
         if self.online is not None:
             if self.online < 1:
                 raise RecycleError("--online must be at least 1 (steps' windows kept ahead)")
@@ -360,10 +411,15 @@ class DistillOptions(DataOptions):
             if self.self_distill:
                 raise RecycleError("--online trains on the data's own text: not with --self-distill "
                                    "(harvest --self-distill ahead instead)")
+        if self.teacher is not None:
+            _teacher_url(self)
         kinds.drafter(self.drafter)
         kinds.target(self.target)
         if self.cache_hidden is not None:
             kinds.cache(self.cache_hidden)
+
+
+HARVEST_STATE = ".harvest"  # CACHE/.harvest/: an unfinished harvest's state, shared by its shards
 
 
 @dataclass(kw_only=True)
@@ -374,17 +430,50 @@ class HarvestOptions(DataOptions):
     out: str = cli(OUTPUT)
     aux_layers: tuple[int, ...] = ()  # EAGLE-3's eagle_aux_hidden_state_layer_ids (transformers' hidden_states ids)
     overwrite: bool = cli(OVERWRITE, False)
-    parallel: dict | None = None  # vLLM's own names: tensor_parallel_size, pipeline_parallel_size, ...
+    parallel: dict | None = None  # vLLM's own names: tensor_parallel_size, pipeline_parallel_size, enable_expert_parallel
     gpu_memory_utilization: float | None = opt("--gpu-memory-utilization", help="vLLM's own: its share of each "
                                                "device's memory (default 0.9 on GPUs, 0.5 of RAM on CPUs).",
                                                type=float, default=None)
+    shard: str | None = opt("--shard", help="i/N: harvest only shard i (0 ≤ i < N) of the windows, one engine, into the "
+                            "same -o as the other shards (a shared filesystem across nodes); the last shard to finish "
+                            "writes the manifest.", metavar="I/N", default=None)
+    convert_workers: int = opt("--convert-workers", help="Threads turning vLLM's files into cache files (the final "
+                               "norm); 0: min(8, CPUs).", default=0)
+    plan: bool = opt("--plan", help="Print the cache's storage, the teacher's prefill FLOPs and hours, and the GPUs its "
+                     "weights need, from the configs alone; runs nothing.", default=False)
+    gpu: str | None = opt("--gpu", help="With --plan: the GPU the engines run on (H100, H200, ...).", default=None)
+
+    def shards(self) -> tuple[int, int]:
+        """(i, N) of --shard i/N; (0, 1) without it."""
+        if self.shard is None:
+            return 0, 1
+        i, _, n = str(self.shard).partition("/")
+        try:
+            i, n = int(i), int(n)
+        except ValueError:
+            raise RecycleError(f"--shard {self.shard}: i/N with whole numbers, e.g. --shard 0/8") from None
+        if n < 1 or not 0 <= i < n:
+            raise RecycleError(f"--shard {self.shard}: i must be in [0, {max(n, 1) - 1}] (shards 0/N ... N-1/N)")
+        return i, n
 
     def validate(self) -> None:
         super().validate()
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
             raise RecycleError(f"--gpu-memory-utilization {self.gpu_memory_utilization}: a share in (0, 1]")
-        output_dir(self.out, self.overwrite, self.inputs())
+        if self.convert_workers < 0:
+            raise RecycleError(f"--convert-workers {self.convert_workers}: 0 (automatic) or more")
+        _, n = self.shards()
+        if n > 1 and self.overwrite:
+            raise RecycleError("--overwrite with --shard: the shards share -o; remove it once before starting them")
+        self.out_checked()
         kinds.target(self.target)
+
+    def out_checked(self, *also: str | Path) -> None:
+        """-o may be an unfinished harvest (its shards' or a killed run's state, `HARVEST_STATE`): it is resumed;
+        `also`: more inputs it must not be."""
+        unfinished = (Path(self.out).expanduser() / HARVEST_STATE / "plan.json").is_file()
+        output_dir(self.out, self.overwrite or unfinished, (*self.inputs(), *also),
+                   records=(*RECORDS, f"{HARVEST_STATE}/plan.json") if unfinished else None)
 
 
 @dataclass(kw_only=True)
@@ -577,10 +666,96 @@ def parse_batch_sizes(value: str) -> list[int]:
     return sorted(set(out))
 
 
+def _teacher_url(o: DistillOptions) -> None:
+    """--teacher: an http(s) URL, and none of the other teachers."""
+    if not re.match(r"^https?://[^/\s]+", o.teacher):
+        raise RecycleError(f"--teacher {o.teacher!r}: a server's URL, e.g. http://HOST:8000")
+    for given, name in ((o.online is not None, "--online"), (o.cache_hidden, "--cache-hidden"),
+                        (o.self_distill, "--self-distill")):
+        if given:
+            raise RecycleError(f"--teacher streams the features of the data's own text: not with {name}")
+    _at_least((("--teacher-ahead", o.teacher_ahead, 1),))
+
+
+@dataclass(kw_only=True)
+class TeacherServeOptions:
+    """`recycle teacher serve TARGET --shared-dir DIR`: the target in vLLM's own server, for `distill --teacher URL`."""
+
+    target: str = cli(flag(help="Target model directory (every node of the server reads it at this path).",
+                           metavar="TARGET_DIR", type=Path))
+    shared_dir: str = opt("--shared-dir", help="Where the server writes each request's hidden states: a directory "
+                          "every trainer node reads at the same path (a shared filesystem across nodes).",
+                          metavar="DIR", type=Path)
+    aux_layers: tuple[int, ...] = opt("--aux-layers", metavar="I,J,...", help="EAGLE-3's aux layers (transformers' "
+                                      "hidden_states ids) captured beside the last layer.", default=(),
+                                      cli_default=None, parse=lambda v: tuple(int(i) for i in (v or "").split(",")
+                                                                              if i.strip()))
+    port: int = opt("--port", help="The server's port (vLLM's own).", default=8000)
+    host: str | None = opt("--host", help="The address it listens on (vLLM's own; default all).", default=None)
+    max_model_len: int | None = opt("--max-model-len", help="vLLM's own: the longest row (at least distill's "
+                                    "--seq-len + 1); default the model's.", type=int, default=None)
+    gpu_memory_utilization: float | None = opt("--gpu-memory-utilization", help="vLLM's own: its share of each "
+                                               "device's memory (default 0.9 on GPUs, 0.5 of RAM on CPUs).",
+                                               type=float, default=None)
+    # vLLM's own parallel options, passed through under its names (vLLM 0.32 engine/arg_utils.py:1134-1276)
+    tensor_parallel_size: int = opt("--tensor-parallel-size", help="vLLM's own.", default=1)
+    pipeline_parallel_size: int = opt("--pipeline-parallel-size", help="vLLM's own.", default=1)
+    data_parallel_size: int = opt("--data-parallel-size", help="vLLM's own: engine replicas.", default=1)
+    data_parallel_size_local: int | None = opt("--data-parallel-size-local", help="vLLM's own: replicas on this node.",
+                                               type=int, default=None)
+    data_parallel_start_rank: int | None = opt("--data-parallel-start-rank", help="vLLM's own: this node's first "
+                                               "replica (secondary nodes).", type=int, default=None)
+    data_parallel_address: str | None = opt("--data-parallel-address", help="vLLM's own: the data-parallel head "
+                                            "node's address.", default=None)
+    data_parallel_rpc_port: int | None = opt("--data-parallel-rpc-port", help="vLLM's own: the data-parallel RPC "
+                                             "port (the same on every node).", type=int, default=None)
+    enable_expert_parallel: bool = opt("--enable-expert-parallel", help="vLLM's own: experts split over the ranks.",
+                                       default=False)
+    nnodes: int = opt("--nnodes", help="vLLM's own: nodes one engine spans (multi-node TP/PP).", default=1)
+    node_rank: int = opt("--node-rank", help="vLLM's own: this node's rank among --nnodes.", default=0)
+    master_addr: str | None = opt("--master-addr", help="vLLM's own: node 0's address (multi-node).", default=None)
+    master_port: int | None = opt("--master-port", help="vLLM's own: node 0's port (multi-node).", type=int,
+                                  default=None)
+    headless: bool = opt("--headless", help="vLLM's own: a secondary node (workers only, no API server).",
+                         default=False)
+    print_only: bool = opt("--print", help="Print the vllm serve command line and exit.", default=False)
+
+    PARALLEL = ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "data_parallel_size_local",
+                "data_parallel_start_rank", "data_parallel_address", "data_parallel_rpc_port",
+                "enable_expert_parallel", "nnodes", "node_rank", "master_addr", "master_port", "headless")
+
+    def parallel(self) -> dict:
+        """The parallel options given (not at vLLM's defaults), under vLLM's names."""
+        defaults = {"tensor_parallel_size": 1, "pipeline_parallel_size": 1, "data_parallel_size": 1, "nnodes": 1,
+                    "node_rank": 0}
+        return {k: getattr(self, k) for k in self.PARALLEL
+                if getattr(self, k) not in (None, False) and getattr(self, k) != defaults.get(k)}
+
+    def validate(self) -> None:
+        model_dir(self.target)
+        kinds.target(self.target)
+        _at_least((("--tensor-parallel-size", self.tensor_parallel_size, 1),
+                   ("--pipeline-parallel-size", self.pipeline_parallel_size, 1),
+                   ("--data-parallel-size", self.data_parallel_size, 1), ("--nnodes", self.nnodes, 1),
+                   ("--max-model-len", self.max_model_len, 2), ("--port", self.port, 1)))
+        if not 0 <= self.node_rank < self.nnodes:
+            raise RecycleError(f"--node-rank {self.node_rank}: in [0, {self.nnodes - 1}] for --nnodes {self.nnodes}")
+        if self.nnodes > 1 and not self.master_addr:
+            raise RecycleError("--nnodes > 1: pass --master-addr (node 0's address), as vLLM's launcher needs")
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+            raise RecycleError(f"--gpu-memory-utilization {self.gpu_memory_utilization}: a share in (0, 1]")
+        if any(i < 0 for i in self.aux_layers):
+            raise RecycleError(f"--aux-layers {','.join(map(str, self.aux_layers))}: layer ids are 0 or more")
+        shared = Path(self.shared_dir).expanduser()
+        if shared.exists() and not shared.is_dir():
+            raise RecycleError(f"--shared-dir {shared}: not a directory")
+
+
 def _device_name(name: str | None) -> None:
     if name is not None and name not in ("cpu", "cuda") and not name.startswith("cuda:"):
         raise RecycleError(f"--device {name!r}: choose cpu or cuda{did_you_mean(name, ('cpu', 'cuda'))}")
 
 
 __all__ = ["BenchOptions", "PlanOptions", "PushOptions", "StitchOptions", "parse_batch_sizes", "ConvertOptions", "DataOptions", "DistillOptions", "HarvestOptions", "LossConfig", "DTYPES",
+           "TeacherServeOptions",
            "PRECISIONS"]

@@ -623,7 +623,7 @@ def render_distill(data: dict) -> None:
 MEMORY_PARTS = {"weights": "drafter weights (trained fp32 and sharded; frozen whole, routed experts split)",
                 "grads": "gradients (fp32)",
                 "optimizer": "AdamW moments (fp32)", "fsdp_gathered_unit": "the largest FSDP unit gathered (weights, grads)",
-                "teacher": "teacher (the target in process; a harvested cache: embedding + head)",
+                "teacher": "teacher (the target in process; a cache or a server: embedding + head)",
                 "activations_features": "activations: the teacher's features",
                 "activations_blocks": "activations: decoder layers, every draft step",
                 "activations_expert_copies": "activations: bf16 expert copies, every draft step",
@@ -631,7 +631,13 @@ MEMORY_PARTS = {"weights": "drafter weights (trained fp32 and sharded; frozen wh
                 "activations_weight_copies": "activations: autocast's copies of other weights",
                 "activations_loss": "activations: vocabulary-wide loss tensors",
                 "activations_backward": "backward: the residual stream's gradients",
-                "runtime": "runtime (cuBLAS workspaces)"}
+                "runtime": "runtime (cuBLAS workspaces)",
+                "fsdp_reduce_scatter": "FSDP2's fp32 reduce-scatter buffer (the unit's gradients)",
+                "fsdp_root_unit": "FSDP2's root unit gathered (projection, norms)",
+                "heldout_features": "the held-out rows' features",
+                "expert_imbalance": "the busiest expert rank's extra rows",
+                "fragmentation": "allocator fragmentation (expandable segments)",
+                "cuda_context": "CUDA context (outside the allocator)", "nccl_buffers": "NCCL buffers"}
 
 
 def render_memory(data: dict) -> None:

@@ -4,6 +4,9 @@ The stock connector copies the captured rows to pinned host memory on a CUDA str
 fails on the first request ("pin_memory=True requires a CUDA or other accelerator backend"). This subclass
 changes only that step: the rows are copied synchronously (the KV cache already lives in host memory) and
 the file is written by the connector's own thread pool under its own lock, as before.
+
+vLLM finds it by name where recycle is installed in vLLM's environment (`recycle.engines.vllm_plugin`, a
+`vllm.general_plugins` entry point), else by this module's path (`vllm_job.connector`).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ class _Done:
         return True
 
 
-class CPUHiddenStatesConnector(ExampleHiddenStatesConnector):
+class RecycleHiddenStatesConnector(ExampleHiddenStatesConnector):
     def _submit_async_write(self, pending) -> None:
         if not self._is_tp_rank_zero:
             return

@@ -47,6 +47,22 @@ def platform() -> dict:
     return row
 
 
+def engine_args(parallel: dict | None = None, gpu_memory_utilization: float | None = None) -> dict:
+    """vLLM's own engine arguments that every engine recycle starts on this machine carries, under vLLM's names:
+    the dtype and memory share of this machine's row of PLATFORMS (`gpu_memory_utilization` overrides the share)
+    and the parallel options as given (`tensor_parallel_size`, `pipeline_parallel_size`, `enable_expert_parallel`,
+    ...). `LLM(**engine_args(...))`, or `vllm serve` with each key as `--key-with-dashes`."""
+    row = platform()
+    return {"dtype": row["dtype"], "gpu_memory_utilization": gpu_memory_utilization or row["gpu_memory_utilization"],
+            **(parallel or {})}
+
+
+def job_engine(parallel: dict | None = None, gpu_memory_utilization: float | None = None) -> dict:
+    """`engine_args` as a `vllm_job.py` job holds them: dtype and memory share, and the rest under "parallel"."""
+    args = engine_args(parallel, gpu_memory_utilization)
+    return {"dtype": args.pop("dtype"), "gpu_memory_utilization": args.pop("gpu_memory_utilization"), "parallel": args}
+
+
 CACHE = Path(os.environ.get("RECYCLE_ENGINES", Path.home() / ".cache" / "recycle" / "engines"))
 JOB_SCRIPT = Path(__file__).with_name("vllm_job.py")
 BROKEN = ("torchvision", "torchaudio", "torchcodec")  # CUDA builds vLLM's wheel pulls in; they break imports

@@ -4,18 +4,21 @@ This file runs inside vLLM's own virtual environment (vLLM pins an older transfo
 imports only the standard library and vLLM. `recycle.engines.vllm_env` writes the job and reads the result:
 
     job    {"target": DIR, "prompt_ids": [[int]], "max_new_tokens": N (or "max_new_tokens_each": [N]),
-            "temperature": T (0: greedy), "seed": S, "stop_token_ids": [int] (optional: a row ends at the first
-            of them, which it keeps; without them rows run to their length, EOS ignored),
-            "runs": [{"name": str, "speculative_config": {...} | null}], "max_model_len": int}
+            "temperature": T (0: greedy), "seed": S (row i samples with S + i, or "seed_each": [int]),
+            "stop_token_ids": [int] (optional: a row ends at the first of them, which it keeps; without them rows
+            run to their length, EOS ignored),
+            "runs": [{"name": str, "speculative_config": {...} | null}], "max_model_len": int,
+            "dtype": str, "gpu_memory_utilization": float, "parallel": {vLLM's own names: tensor_parallel_size,
+            pipeline_parallel_size, enable_expert_parallel, ...}} (`vllm_env.job_engine`: every job carries them)
     result {name: {"tokens": [[int]], "seconds": float, "accepted_per_pos": [int], "drafts": int,
                    "draft_tokens": int, "accepted": int}} or {name: {"error": "..."}}
 
   or, with "mode": "harvest" (hidden-state extraction, `recycle harvest`):
     job    {"mode": "harvest", "target": DIR, "windows": [[int]], "layers": [int], "out_dir": DIR}
-    result {"files": [path per window], "seconds": float}: safetensors with `hidden_states` [T, len(layers), H]
-           (vLLM's layer id k < L: the residual stream entering layer k; id L: the last layer's output
-           before the final norm) and `token_ids` [T]
-  and, with "feed_dir": DIR instead of "windows" (online harvesting, `distill --online`): the engine stays up
+    result {"files": [path per window], "seconds": float, "connector": "plugin" | "module path" (how vLLM found
+           it)}: safetensors with `hidden_states` [T, len(layers), H] (vLLM's layer id k < L: the residual stream
+           entering layer k; id L: the last layer's output before the final norm) and `token_ids` [T]
+  and, with "feed_dir": DIR instead of "windows" (`recycle harvest` in chunks, `distill --online`): the engine stays up
   and serves chunks as they come: DIR/NNNNNN.json {"windows": [[int]]} is answered by DIR/NNNNNN.done.json
   {"files": [...]}, in order, until DIR/end appears (or the process that started the job is gone).
 
@@ -33,6 +36,7 @@ import sys
 import time
 from pathlib import Path
 
+CONNECTOR = "RecycleHiddenStatesConnector"  # the class in vllm_cpu_connector.py, and its name in vLLM's registry
 METRICS = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft_tokens",
            "vllm:spec_decode_num_accepted_tokens": "accepted"}
 
@@ -47,23 +51,45 @@ def cpu_mla(target: str, dtype: str) -> dict:
     return {}
 
 
+def engine(job: dict, max_model_len: int) -> dict:
+    """The LLM kwargs every job shares: the job's dtype, memory share and parallel options (vLLM's own names,
+    `vllm_env.engine_args`), eager, no tokenizer, this file's CPU workarounds."""
+    dtype = job.get("dtype", "float32")
+    return dict(model=job["target"], skip_tokenizer_init=True, enforce_eager=True, dtype=dtype, seed=0,
+                max_model_len=max_model_len, gpu_memory_utilization=job.get("gpu_memory_utilization", 0.5),
+                compilation_config={"custom_ops": ["all", "-rotary_embedding"]}, **cpu_mla(job["target"], dtype),
+                **job.get("parallel", {}))
+
+
+def connector() -> dict:
+    """The hidden-states connector's KVTransferConfig fields: by name where recycle's vLLM plugin registered it
+    (`recycle.engines.vllm_plugin`, an entry point of recycle installed in vLLM's environment: every process of
+    every node finds it), else by module path from this file's directory (a venv without recycle in it)."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()  # vLLM loads them again in each engine and worker process (once per process)
+    try:
+        KVConnectorFactory.get_connector_class_by_name(CONNECTOR)
+    except ValueError:  # not registered: no plugin
+        return {"kv_connector": CONNECTOR, "kv_connector_module_path": "vllm_cpu_connector"}
+    return {"kv_connector": CONNECTOR}
+
+
 def run(job: dict) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     prompts = [TokensPrompt(prompt_token_ids=ids) for ids in job["prompt_ids"]]
     t, seed = job.get("temperature", 0.0), job.get("seed", 0)
+    seeds = job.get("seed_each") or [seed + i for i in range(len(prompts))]
     each = job.get("max_new_tokens_each") or [job["max_new_tokens"]] * len(prompts)
     stops = job.get("stop_token_ids") or None
     params = [SamplingParams(temperature=t, max_tokens=n, ignore_eos=stops is None, stop_token_ids=stops,
-                             seed=seed + i if t > 0 else None)
-              for i, n in enumerate(each)]
-    common = dict(model=job["target"], skip_tokenizer_init=True, enforce_eager=True, dtype=job.get("dtype", "float32"),
-                  max_model_len=job.get("max_model_len", 1024), disable_log_stats=False, seed=0,
-                  gpu_memory_utilization=job.get("gpu_memory_utilization", 0.5),
-                  compilation_config={"custom_ops": ["all", "-rotary_embedding"]})
-    common.update(cpu_mla(job["target"], common["dtype"]))
-    common.update(job.get("parallel", {}))  # tensor/pipeline/data parallel sizes, under vLLM's own names
+                             seed=s if t > 0 else None)
+              for s, n in zip(seeds, each)]
+    common = engine(job, job.get("max_model_len", 1024))
+    common["disable_log_stats"] = False
     result: dict = {}
     for spec in job["runs"]:
         extra = {"speculative_config": spec["speculative_config"]} if spec.get("speculative_config") else {}
@@ -99,17 +125,14 @@ def harvest(job: dict) -> dict:
     from vllm.inputs import TokensPrompt
 
     longest = job["max_window"] if "feed_dir" in job else max(len(w) for w in job["windows"])
-    dtype = job.get("dtype", "float32")
-    llm = LLM(model=job["target"], skip_tokenizer_init=True, enforce_eager=True, dtype=dtype, **cpu_mla(job["target"], dtype),
-              max_model_len=longest + 8, seed=0, gpu_memory_utilization=job.get("gpu_memory_utilization", 0.5),
-              compilation_config={"custom_ops": ["all", "-rotary_embedding"]},
-              **job.get("parallel", {}),
+    kv = connector()
+    llm = LLM(**engine(job, longest + 8),
               speculative_config={"method": "extract_hidden_states", "num_speculative_tokens": 1,
                                   "draft_model_config": {"hf_config": {
                                       "eagle_aux_hidden_state_layer_ids": job["layers"]}}},
               kv_transfer_config=KVTransferConfig(
-                  kv_connector="CPUHiddenStatesConnector", kv_connector_module_path="vllm_cpu_connector",
-                  kv_role="kv_producer", kv_connector_extra_config={"shared_storage_path": job["out_dir"]}))
+                  **kv, kv_role="kv_producer",
+                  kv_connector_extra_config={"shared_storage_path": job["out_dir"]}))
     def extract(windows: list[list[int]]) -> list[str]:
         outs = llm.generate([TokensPrompt(prompt_token_ids=w) for w in windows],
                             SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
@@ -121,16 +144,17 @@ def harvest(job: dict) -> dict:
             files.append(path)
         return files
 
+    how = "module path" if "kv_connector_module_path" in kv else "plugin"
     t0 = time.perf_counter()
     if "feed_dir" not in job:
-        return {"files": extract(job["windows"]), "seconds": time.perf_counter() - t0}
+        return {"files": extract(job["windows"]), "seconds": time.perf_counter() - t0, "connector": how}
     feed, parent, n, busy = Path(job["feed_dir"]), os.getppid(), 0, 0.0
     while True:
         chunk = feed / f"{n:06d}.json"
         while not chunk.exists() and not (feed / "end").exists() and os.getppid() == parent:
             time.sleep(0.01)
         if not chunk.exists():
-            return {"files": [], "seconds": busy, "chunks": n}
+            return {"files": [], "seconds": busy, "chunks": n, "connector": how}
         t1 = time.perf_counter()
         files = extract(json.loads(chunk.read_text())["windows"])
         busy += time.perf_counter() - t1

@@ -91,6 +91,23 @@ def nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
     return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
 
 
+def safetensors_header(plan: list[tuple[str, tuple[int, ...], torch.dtype]], metadata: Mapping[str, str] | None
+                       ) -> tuple[bytes, dict[str, int], int]:
+    """A safetensors file's leading bytes (length and JSON header, padded to 8) for tensors laid out in `plan`'s
+    order; each tensor's byte offset in the file, and the file's size."""
+    header: dict = {"__metadata__": {"format": "pt", **(metadata or {})}}
+    offset, starts = 0, {}
+    for name, shape, dt in plan:
+        size = nbytes(shape, dt)
+        header[name] = {"dtype": ST_NAMES[dt], "shape": list(shape), "data_offsets": [offset, offset + size]}
+        starts[name] = offset
+        offset += size
+    blob = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    blob += b" " * (-len(blob) % 8)
+    head = struct.pack("<Q", len(blob)) + blob
+    return head, {name: len(head) + start for name, start in starts.items()}, len(head) + offset
+
+
 def write_all(f: BinaryIO, data) -> None:
     """Write every byte (an unbuffered write may take fewer; Linux caps one at about 2 GiB)."""
     view = memoryview(data).cast("B")
@@ -347,18 +364,42 @@ class OutputDir:
 
     def _open_safetensors(self, rel: str, plan: list[tuple[str, Lazy]], out_dtype: dict[int, torch.dtype],
                           metadata: Mapping[str, str] | None):
-        header: dict = {"__metadata__": {"format": "pt", **(metadata or {})}}
-        offset = 0
-        for name, lazy in plan:
-            dt = out_dtype[id(lazy)]
-            size = nbytes(lazy.shape, dt)
-            header[name] = {"dtype": ST_NAMES[dt], "shape": list(lazy.shape), "data_offsets": [offset, offset + size]}
-            offset += size
-        blob = json.dumps(header, separators=(",", ":")).encode("utf-8")
-        blob += b" " * (-len(blob) % 8)
+        head, _, _ = safetensors_header([(name, lazy.shape, out_dtype[id(lazy)]) for name, lazy in plan], metadata)
         f = open(self.path(rel), "wb", buffering=0)  # unbuffered: tensor bytes and kernel copies interleave
-        write_all(f, struct.pack("<Q", len(blob)) + blob)
+        write_all(f, head)
         return f
+
+    # -- one safetensors file written by several processes (distill's ranks), each its own tensors ----------------
+
+    def create_safetensors(self, rel: str, plan: list[tuple[str, tuple[int, ...], torch.dtype]],
+                           metadata: Mapping[str, str] | None = None) -> None:
+        """A safetensors file's header (`plan`: every tensor's name, shape and dtype, in the file's order) and its
+        full size, its tensors' bytes left for `write_safetensors_part` (any process, in any order)."""
+        head, _, size = safetensors_header(plan, metadata)
+        with open(self.path(rel), "wb") as f:
+            write_all(f, head)
+            f.truncate(size)
+        self.files[rel] = size
+
+    def write_safetensors_part(self, rel: str, plan: list[tuple[str, tuple[int, ...], torch.dtype]],
+                               tensors: Mapping[str, Lazy], metadata: Mapping[str, str] | None = None) -> None:
+        """Some of a file's tensors (`create_safetensors` made it, with the same `plan` and `metadata`), each made,
+        cast to its planned dtype and written at its offset, one at a time."""
+        _, at, _ = safetensors_header(plan, metadata)
+        dtypes = {name: dt for name, _, dt in plan}
+        fd = os.open(self.path(rel), os.O_WRONLY)
+        try:
+            for name, lazy in tensors.items():
+                t = lazy.make()
+                if tuple(t.shape) != lazy.shape:
+                    raise RecycleError(f"{name}: made shape {list(t.shape)}, planned {list(lazy.shape)}")
+                view = memoryview(t.to(dtypes[name]).contiguous().reshape(-1).view(torch.uint8).numpy()).cast("B")
+                offset = at[name]
+                while view:
+                    n = os.pwrite(fd, view, offset)
+                    view, offset = view[n:], offset + n
+        finally:
+            os.close(fd)
 
     def write_gguf(self, rel: str, header, tensors: Mapping[str, Lazy], dtype,
                    progress: Progress | None = None) -> None:
