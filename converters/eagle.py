@@ -184,45 +184,26 @@ def rewrite(src, main: dict, model) -> tuple[dict, list[str], list[str]]:
     re-quantized in the source's blocks with fresh scales, so `recycle stitch` takes it straight back. A layout
     whose key set cannot be rebuilt exactly (a family whose stored norms or concatenation are not canonical, a
     quantization recycle cannot write) is dropped with a note rather than shipped stale."""
-    from recycle.converters.rewrite import stored_layout
-    from recycle.families import BY_NAME
-    from recycle.preflight import load_json
-    from recycle.quant import SCALE_SUFFIX, requantize, scheme
+    from recycle.converters.rewrite import canonical_concat, overlay_layouts
+    from recycle.quant import SCALE_SUFFIX, requantize
 
     files: dict[str, dict] = {}
     dropped, notes = [], []
-    rc = load_json(src / "config.json", "drafter config.json").get("recycle", {})
-    fam = BY_NAME.get(rc.get("family", ""))
-    # zero-centred norms are stored back as the family stores them (MTP.checkpoint_tensors); a [h; e] concat is not
-    canonical = fam is not None and fam.concat_order == "eh"
-    for sub, base in (("nextn", 0), ("mtp_overlay", int(rc.get("source_num_hidden_layers", 0)))):
-        parts = {p.name: stored_layout(p) for p in sorted((src / sub).glob("*.safetensors"))} \
-            if (src / sub).is_dir() else {}
-        if not parts:
-            continue
-        head = {k: v for part in parts.values() for k, v in part.items()}  # every shard: a scale may sit apart
-        named = model.checkpoint_tensors(num_hidden_layers=base) if canonical else {}
-        try:
-            fp8 = scheme(load_json(src / sub / "config.json", f"{sub}/config.json"), f"{src / sub}")
-        except RecycleError:
-            fp8 = None
+    canonical = canonical_concat(src)
+    for lay in overlay_layouts(src):
+        named = model.checkpoint_tensors(num_hidden_layers=lay.base) if canonical else {}
         out, why = {}, None
-        for k, (shp, dt) in head.items():
-            weight = k[: -len(SCALE_SUFFIX)] if k.endswith(SCALE_SUFFIX) else None
-            if weight is not None and weight in head and head[weight][1].itemsize == 1:
-                continue  # made with its weight
-            if k not in named or tuple(named[k].shape) != shp or not dt.is_floating_point:
-                why = "non-canonical concat" if not canonical else f"{k} is not a trained weight"
-            elif dt.itemsize == 1:
-                if fp8 is None or k + SCALE_SUFFIX not in head:
-                    why = "FP8 without a block-FP8 config"
-                    continue
-                out[k], out[k + SCALE_SUFFIX], _ = requantize(named[k], fp8.block)
-            else:
+        for k in lay.head:
+            how = lay.rebuilt_as(k, tuple(named[k].shape) if k in named else None, canonical)
+            if how == "fp8":
+                out[k], out[k + SCALE_SUFFIX], _ = requantize(named[k], lay.fp8.block)
+            elif how == "plain":
                 out[k] = named[k]
+            elif how != "scale":
+                why = how
         if why is None:  # back into the files (shards) they came from
-            files.update({f"{sub}/{name}": {k: out[k] for k in part} for name, part in parts.items()})
+            files.update({f"{lay.sub}/{name}": {k: out[k] for k in part} for name, part in lay.parts.items()})
         else:
-            dropped.append(sub)
-            notes.append(f"{sub}/ dropped: its tensors cannot be rebuilt exactly from the trained weights ({why})")
+            dropped.append(lay.sub)
+            notes.append(lay.dropped(why))
     return files, dropped, notes

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -18,11 +19,13 @@ import torch
 from recycle.converters.registry import REWRITERS
 from recycle.converters.roles import EXACT
 from recycle.errors import RecycleError
+from recycle.families import BY_NAME
 from recycle.formats import BENCH_REPORT
 from recycle.io.weights import meta_state, weight_files
 from recycle.io.writer import Lazy
 from recycle.mtp import to_checkpoint_layout
 from recycle.preflight import load_json
+from recycle.quant import SCALE_SUFFIX, requantize, scheme
 
 WEIGHTS = "model.safetensors"
 
@@ -216,6 +219,60 @@ def write_drafter_sharded(src_dir: str | os.PathLike, writer, fmt, model: torch.
         return _finish(src, writer, set(plans), dropped, notes, record)
 
 
+
+def canonical_concat(src: Path) -> bool:
+    """Whether an EAGLE drafter's family stores the [e; h] concatenation canonically, so its `nextn/` and
+    `mtp_overlay/` tensors can be rebuilt from the trained weights (zero-centred norms are stored back as the family
+    stores them; a [h; e] concat is not)."""
+    rc = load_json(src / "config.json", "drafter config.json").get("recycle", {})
+    fam = BY_NAME.get(rc.get("family", ""))
+    return fam is not None and fam.concat_order == "eh"
+
+
+@dataclass(frozen=True)
+class OverlayLayout:
+    """One extra layout of an EAGLE drafter (`nextn/` or `mtp_overlay/`) as stored: its files' headers, every
+    shard's tensors together (a scale may sit apart from its weight), and its block-FP8 scheme where it has one."""
+
+    sub: str
+    base: int  # the layer its module 0 is numbered from
+    parts: dict[str, dict[str, tuple[tuple[int, ...], torch.dtype]]]
+    head: dict[str, tuple[tuple[int, ...], torch.dtype]]
+    fp8: object | None
+
+    def rebuilt_as(self, k: str, shape: tuple[int, ...] | None, canonical: bool) -> str:
+        """How tensor `k` is rebuilt from a trained weight of `shape` (None: no trained weight is it): "scale" (made
+        with its FP8 weight), "fp8" (re-quantized in the layout's blocks), "plain", or why it cannot be."""
+        shp, dt = self.head[k]
+        weight = k[: -len(SCALE_SUFFIX)] if k.endswith(SCALE_SUFFIX) else None
+        if weight is not None and weight in self.head and self.head[weight][1].itemsize == 1:
+            return "scale"
+        if shape is None or tuple(shape) != tuple(shp) or not dt.is_floating_point:
+            return "non-canonical concat" if not canonical else f"{k} is not a trained weight"
+        if dt.itemsize == 1:
+            return "fp8" if self.fp8 is not None and k + SCALE_SUFFIX in self.head else "FP8 without a block-FP8 config"
+        return "plain"
+
+    def dropped(self, why: str) -> str:
+        return f"{self.sub}/ dropped: its tensors cannot be rebuilt exactly from the trained weights ({why})"
+
+
+def overlay_layouts(src: Path) -> list[OverlayLayout]:
+    """The extra layouts an EAGLE drafter directory holds (`nextn/`, `mtp_overlay/`), read from their headers."""
+    rc = load_json(src / "config.json", "drafter config.json").get("recycle", {})
+    out = []
+    for sub, base in (("nextn", 0), ("mtp_overlay", int(rc.get("source_num_hidden_layers", 0)))):
+        parts = {p.name: stored_layout(p) for p in sorted((src / sub).glob("*.safetensors"))} \
+            if (src / sub).is_dir() else {}
+        if not parts:
+            continue
+        try:
+            fp8 = scheme(load_json(src / sub / "config.json", f"{sub}/config.json"), f"{src / sub}")
+        except RecycleError:
+            fp8 = None
+        out.append(OverlayLayout(sub, base, parts, {k: v for part in parts.values() for k, v in part.items()}, fp8))
+    return out
+
 def _overlay_sources(model: torch.nn.Module, base: int) -> dict[str, tuple[str, bool]] | None:
     """The names `MTP.checkpoint_tensors(num_hidden_layers=base)` gives each weight (what an EAGLE drafter's `nextn/`
     and `mtp_overlay/` store), each with the module name of the weight it copies and whether it is stored
@@ -253,14 +310,9 @@ def _extra_layouts(src: Path, model: torch.nn.Module, fmt, spelling: str | None
     per file, its tensors' (name, shape, dtype) in the stored order, and per tensor the model.safetensors name of the
     weight it is made from with how (None: as it is; zero-centred; FP8 requantized in the stored blocks, weight or
     scale); the layouts dropped, with their notes, where the rewriter would drop them."""
-    from recycle.families import BY_NAME
-    from recycle.quant import SCALE_SUFFIX, requantize, scheme
-
     if "rewrite" not in fmt.hooks or fmt.name != "eagle":
         return {}, {}, [], []
-    rc = load_json(src / "config.json", "drafter config.json").get("recycle", {})
-    fam = BY_NAME.get(rc.get("family", ""))
-    canonical = fam is not None and fam.concat_order == "eh"
+    canonical = canonical_concat(src)
     plans: dict[str, list] = {}
     makers: dict[tuple[str, str], tuple[str, object]] = {}
     dropped, notes = [], []
@@ -271,44 +323,29 @@ def _extra_layouts(src: Path, model: torch.nn.Module, fmt, spelling: str | None
     def minus(t: torch.Tensor) -> torch.Tensor:
         return t.float() - 1.0
 
-    for sub, base in (("nextn", 0), ("mtp_overlay", int(rc.get("source_num_hidden_layers", 0)))):
-        parts = {p.name: stored_layout(p) for p in sorted((src / sub).glob("*.safetensors"))} \
-            if (src / sub).is_dir() else {}
-        if not parts:
-            continue
-        head = {k: v for part in parts.values() for k, v in part.items()}
-        sources = (_overlay_sources(model, base) or {}) if canonical else {}
-        try:
-            fp8 = scheme(load_json(src / sub / "config.json", f"{sub}/config.json"), f"{src / sub}")
-        except RecycleError:
-            fp8 = None
+    for lay in overlay_layouts(src):
+        sources = (_overlay_sources(model, lay.base) or {}) if canonical else {}
         out, why = {}, None
-        for k, (shp, dt) in head.items():
-            weight = k[: -len(SCALE_SUFFIX)] if k.endswith(SCALE_SUFFIX) else None
-            if weight is not None and weight in head and head[weight][1].itemsize == 1:
-                continue  # made with its weight
+        for k in lay.head:
             source = sources.get(k)
-            if source is None or tuple(shp) != tuple(_source_shape(model, source[0])) \
-                    or not dt.is_floating_point:
-                why = "non-canonical concat" if not canonical else f"{k} is not a trained weight"
-            elif dt.itemsize == 1:
-                if fp8 is None or k + SCALE_SUFFIX not in head:
-                    why = "FP8 without a block-FP8 config"
-                    continue
+            how = lay.rebuilt_as(k, _source_shape(model, source[0]) if source else None, canonical)
+            if how == "fp8":
                 first = minus if source[1] else None
-                out[k] = (disk(source[0]), lambda t, b=fp8.block, f=first: requantize(f(t) if f else t, b)[0])
+                out[k] = (disk(source[0]), lambda t, b=lay.fp8.block, f=first: requantize(f(t) if f else t, b)[0])
                 out[k + SCALE_SUFFIX] = (disk(source[0]),
-                                         lambda t, b=fp8.block, f=first: requantize(f(t) if f else t, b)[1])
-            else:
+                                         lambda t, b=lay.fp8.block, f=first: requantize(f(t) if f else t, b)[1])
+            elif how == "plain":
                 out[k] = (disk(source[0]), minus if source[1] else None)
+            elif how != "scale":
+                why = how
         if why is None:
-            for name, part in parts.items():
-                rel = f"{sub}/{name}"
+            for name, part in lay.parts.items():
+                rel = f"{lay.sub}/{name}"
                 plans[rel] = [(k, shp, dt) for k, (shp, dt) in part.items()]
                 makers.update({(rel, k): out[k] for k in part})
         else:
-            dropped.append(sub)
-            notes.append(f"{sub}/ dropped: its tensors cannot be rebuilt exactly from the trained weights ({why})")
+            dropped.append(lay.sub)
+            notes.append(lay.dropped(why))
     return plans, makers, dropped, notes
 
 

@@ -251,3 +251,71 @@ def exact_marginals(model, prompt: list[int], temperature: float) -> list:
         p2 = p1 @ p2c
         p3 = torch.einsum("a,ab,abc->c", p1, p2c, p3c)
     return [p1, p2, p3]
+
+
+def drafter_tensors(out: Path) -> dict:
+    """Every weights layout of a drafter directory: layout (its folder) -> name -> tensor, shards merged."""
+    from safetensors import safe_open
+
+    layouts: dict = {}
+    for f in sorted(out.rglob("*.safetensors")):
+        rel = f.relative_to(out)
+        with safe_open(str(f), "pt") as h:
+            part = layouts.setdefault(str(rel.parent), {})
+            for k in h.keys():
+                assert k not in part, k
+                part[k] = h.get_tensor(k)
+    return layouts
+
+
+def same_drafter_output(one: Path, two: Path, exact: bool) -> None:
+    """Two drafter directories hold the same files. `exact`: byte for byte, every file (the same weights written).
+    Otherwise: every layout's tensors with the same names, shapes and dtypes and values within one bf16 step (2 ranks
+    and one process train to within 1e-7, which can round either way), the other files byte for byte
+    (recycle.json aside: its records hold times and its digests the weights')."""
+    import torch
+
+    files = sorted(p.relative_to(one).as_posix() for p in one.rglob("*") if p.is_file())
+    assert files == sorted(p.relative_to(two).as_posix() for p in two.rglob("*") if p.is_file())
+    a, b = drafter_tensors(one), drafter_tensors(two)
+    assert a.keys() == b.keys()
+    for layout in a:
+        assert list(a[layout]) == list(b[layout]), layout  # the same names in the same order
+        for k, t in a[layout].items():
+            u = b[layout][k]
+            assert t.dtype == u.dtype and t.shape == u.shape, (layout, k)
+            torch.testing.assert_close(u.float(), t.float(), rtol=0 if exact else 2 ** -7, atol=0 if exact else 1e-5,
+                                       msg=f"{layout} {k}")
+    for f in files:
+        if exact or not (f.endswith(".safetensors") or f == "recycle.json"):
+            assert (one / f).read_bytes() == (two / f).read_bytes(), f
+
+
+def moe_block(impl: str | None = None):
+    """A small DeepSeek-V3 MoE block (8 routed experts, top 3, a shared expert) with N(0, 0.2) weights, seeded: the
+    expert-parallel tests' reference. `impl`: transformers' experts implementation (None: its default)."""
+    import torch
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
+
+    cfg = DeepseekV3Config(hidden_size=32, moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=3,
+                           n_shared_experts=1, n_group=1, topk_group=1, norm_topk_prob=True)
+    if impl is not None:
+        cfg._experts_implementation = impl
+    torch.manual_seed(0)
+    moe = DeepseekV3MoE(cfg)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.normal_(0, 0.2)
+    return moe
+
+
+def kill_at_first_checkpoint(cmd: Sequence[str], state_dir: Path, cwd: Path, env: dict, timeout: float = 120) -> None:
+    """Run a one-process distill command and SIGKILL it (a crash) once its first checkpoint is on disk."""
+    with popen(cmd, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) as proc:
+        deadline = time.time() + timeout
+        while not (state_dir / "checkpoint.pt").is_file() and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        assert proc.returncode == -signal.SIGKILL, proc.stderr.read().decode()

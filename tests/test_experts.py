@@ -11,22 +11,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tests import helpers
+
 ROWS = (5, 3)  # unequal per rank: the padding path
-
-
-def _moe(impl: str):
-    from transformers import DeepseekV3Config
-    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
-
-    cfg = DeepseekV3Config(hidden_size=32, moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=3,
-                           n_shared_experts=1, n_group=1, topk_group=1, norm_topk_prob=True)
-    cfg._experts_implementation = impl
-    torch.manual_seed(0)
-    moe = DeepseekV3MoE(cfg)
-    with torch.no_grad():
-        for p in moe.parameters():
-            p.normal_(0, 0.2)
-    return moe
 
 
 def _worker(rank: int, world: int, init: str, impl: str) -> None:
@@ -37,7 +24,7 @@ def _worker(rank: int, world: int, init: str, impl: str) -> None:
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
         torch.set_num_threads(1)
-        ref = _moe(impl)
+        ref = helpers.moe_block(impl)
         moe = copy.deepcopy(ref)
         g = torch.Generator().manual_seed(1)
         x = torch.randn(sum(ROWS), 32, generator=g)
@@ -79,7 +66,7 @@ def test_split_experts_equal_the_whole_block(tmp_path: Path, impl: str) -> None:
 def test_not_shardable_when_the_ranks_do_not_divide_the_experts() -> None:
     from recycle.distill.experts import expert_modules, expert_params, shardable
 
-    moe = _moe("eager")
+    moe = helpers.moe_block("eager")
     assert shardable(moe, 2) and not shardable(moe, 3) and not shardable(moe, 1)
     assert expert_modules(moe) == [moe.experts]  # not the shared expert, router or the block
     assert [n for n, _ in expert_params(moe.experts)] == ["gate_up_proj", "down_proj"]

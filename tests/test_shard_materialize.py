@@ -4,10 +4,6 @@ best snapshot stays sharded and the written drafter comes from the shards, every
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,7 +13,6 @@ import torch.multiprocessing as mp
 from safetensors import safe_open
 
 from tests import helpers
-from tests.trained import FIXTURE
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -133,86 +128,8 @@ def test_meta_built_shards_equal_the_whole_drafter_and_read_only_their_bytes(con
                 p.mul_(1.5)
     one = tmp_path / "one"
     write_drafter(drafter, OutputDir(one), of_directory(drafter), unroller.file_state(), whole, {"run": "test"})
-    _same_output(one, two, exact=True)
+    helpers.same_drafter_output(one, two, exact=True)
     assert load_drafter(two).state_dict().keys() == whole.state_dict().keys()
-
-
-def _same_output(one: Path, two: Path, exact: bool) -> None:
-    """Two drafter directories hold the same files. `exact`: byte for byte, every file (the same weights written).
-    Otherwise: every layout's tensors with the same names, shapes and dtypes and values within one bf16 step (2 ranks
-    and one process train to within 1e-7, which can round either way), the other files byte for byte
-    (recycle.json aside: its records hold times and its digests the weights')."""
-    files = sorted(p.relative_to(one).as_posix() for p in one.rglob("*") if p.is_file())
-    assert files == sorted(p.relative_to(two).as_posix() for p in two.rglob("*") if p.is_file())
-    a, b = _tensors(one), _tensors(two)
-    assert a.keys() == b.keys()
-    for layout in a:
-        assert list(a[layout]) == list(b[layout]), layout  # the same names in the same order
-        for k, t in a[layout].items():
-            u = b[layout][k]
-            assert t.dtype == u.dtype and t.shape == u.shape, (layout, k)
-            torch.testing.assert_close(u.float(), t.float(), rtol=0 if exact else 2 ** -7, atol=0 if exact else 1e-5,
-                                       msg=f"{layout} {k}")
-    for f in files:
-        if exact or not (f.endswith(".safetensors") or f == "recycle.json"):
-            assert (one / f).read_bytes() == (two / f).read_bytes(), f
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _two_ranks(*args: str) -> subprocess.CompletedProcess:
-    torchrun = Path(sys.executable).with_name("torchrun")
-    return helpers.run([str(torchrun), "--nproc_per_node", "2", "--master_port", str(_free_port()), "-m",
-                        "recycle.cli", *args], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
-                       capture_output=True, text=True, timeout=300)
-
-
-def _tensors(out: Path) -> dict[str, dict[str, torch.Tensor]]:
-    """Every weights layout of a drafter directory: layout (its folder) -> name -> tensor, shards merged."""
-    layouts: dict[str, dict[str, torch.Tensor]] = {}
-    for f in sorted(out.rglob("*.safetensors")):
-        rel = f.relative_to(out)
-        with safe_open(str(f), "pt") as h:
-            part = layouts.setdefault(str(rel.parent), {})
-            for k in h.keys():
-                assert k not in part, k
-                part[k] = h.get_tensor(k)
-    return layouts
-
-
-@pytest.mark.slow  # a 2-rank and a one-process distillation, about 100 s here
-def test_two_ranks_write_the_one_process_output(converted, tmp_path: Path) -> None:
-    """(c) torchrun, gloo, 2 ranks, sharded from the start: the loss curve of one process with twice the rows (1e-3),
-    and the written drafter the same as the one process writes (every layout's names, shapes, dtypes; values within
-    one bf16 step; config.json and the other JSON files byte for byte), with no best snapshot left behind."""
-    from recycle.drafters import load_drafter
-
-    drafter = str(converted("eagle"))
-    common = ["distill", drafter, "--target", str(FIXTURE), "--tokens", str(5 * 4 * 48 + 40), "--seq-len", "48",
-              "--threads", "1", "--precision", "fp32", "--eval-every", "2", "--json"]
-    res = _two_ranks(*common, "--batch", "2", "-o", str(tmp_path / "two"))
-    assert res.returncode == 0, res.stderr[-2000:]
-    two = json.loads(res.stdout[res.stdout.index("{"):])
-    res = helpers.run([sys.executable, "-m", "recycle.cli", *common, "--batch", "4", "-o", str(tmp_path / "one")],
-                      cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
-                      timeout=300)
-    assert res.returncode == 0, res.stderr[-2000:]
-    one = json.loads(res.stdout[res.stdout.index("{"):])
-    la = [r["loss"] for r in helpers.metrics(tmp_path / "one.distill")]
-    lb = [r["loss"] for r in helpers.metrics(tmp_path / "two.distill")]
-    assert len(la) == len(lb) == 6 and all(abs(x - y) <= 1e-3 * abs(x) for x, y in zip(la, lb)), (la, lb)
-    assert two["data"]["sharding"] == "FSDP2, routed experts split over the ranks"
-    assert all(abs(x - y) <= 1e-3 for x, y in zip(one["final"]["heldout_agreement_after"],
-                                                    two["final"]["heldout_agreement_after"]))
-    _same_output(tmp_path / "one", tmp_path / "two", exact=False)
-    assert not list((tmp_path / "two.distill").glob("best-*"))  # the sharded snapshots pruned at the end
-    load_drafter(tmp_path / "two")
 
 
 def test_meta_build_filled_in_one_process_equals_the_whole_load(converted) -> None:

@@ -7,10 +7,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
-import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -219,13 +216,7 @@ def test_resume_with_a_token_cadence_is_bit_exact(converted, tmp_path: Path) -> 
     out, state = tmp_path / "killed", tmp_path / "killed.distill"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "recycle.cli", "distill", src, "-o", str(out), *common]
-    with helpers.popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) as proc:
-        deadline = time.time() + 120
-        while not (state / "checkpoint.pt").is_file() and proc.poll() is None and time.time() < deadline:
-            time.sleep(0.02)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-        assert proc.returncode == -signal.SIGKILL, proc.stderr.read().decode()
+    helpers.kill_at_first_checkpoint(cmd, state, ROOT, env)
     ck = torch.load(state / "checkpoint.pt", weights_only=False)
     assert 0 < ck["tokens"] < budget and ck["tokens"] // 500 > (ck["tokens"] - 96) // 500
     opts = dict(drafter=src, target=str(FIXTURE), tokens=budget, seq_len=48, batch=2, checkpoint_every="0.5k",
@@ -264,20 +255,6 @@ def test_shared_logits_equal_each_steps_own_for_the_converted_drafters(converted
 # -- experts: all-to-all against all-gather (2 gloo ranks) ---------------------------------------------------------
 
 
-def _moe():
-    from transformers import DeepseekV3Config
-    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
-
-    cfg = DeepseekV3Config(hidden_size=32, moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=3,
-                           n_shared_experts=1, n_group=1, topk_group=1, norm_topk_prob=True)
-    torch.manual_seed(0)
-    moe = DeepseekV3MoE(cfg)
-    with torch.no_grad():
-        for p in moe.parameters():
-            p.normal_(0, 0.2)
-    return moe
-
-
 def _exchange_worker(rank: int, world: int, init: str, lopsided: bool) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -286,7 +263,7 @@ def _exchange_worker(rank: int, world: int, init: str, lopsided: bool) -> None:
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
         torch.set_num_threads(1)
-        ref = _moe()
+        ref = helpers.moe_block()
         if lopsided:  # every row routed to rank 0's experts: rank 1 receives no rows at all
             ref.gate.e_score_correction_bias.data[4:] = -100.0
         g = torch.Generator().manual_seed(1)
