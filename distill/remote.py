@@ -363,7 +363,10 @@ def check_online_fits(opts, world: int, device: torch.device, precision: str, fs
         trainer = 0
     room = total * (1 - MARGIN) - trainer
     out = {"weights_bytes": weights, "trainer_bytes": trainer, "device_bytes": total, "fits": weights <= room *
-           VLLM_WEIGHTS_SHARE}
+           VLLM_WEIGHTS_SHARE,
+           # vLLM's --gpu-memory-utilization on a GPU: the share the trainer leaves (vLLM's default, 0.9 of the device,
+           # would take what rank 0 trains in); vLLM's CPU build keeps its own default (0.5 of the RAM)
+           "vllm_share": round(room / total, 4) if device.type == "cuda" else None}
     if not out["fits"]:
         raise RecycleError(
             f"--online: the target's weights in vLLM ({weights / GIB:.1f} GiB) do not fit beside the trainer "

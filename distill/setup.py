@@ -327,9 +327,10 @@ class Regenerate:
         return out
 
 
-def _online(run: Run, aux: list[int] | None) -> OnlineHarvest | OnlineFollower:
+def _online(run: Run, aux: list[int] | None, share: float | None = None) -> OnlineHarvest | OnlineFollower:
     """--online: vLLM computes each step's features while this process trains, `online` keys ahead; under torchrun
-    it runs beside rank 0, on the global batch's one-process keys."""
+    it runs beside rank 0, on the global batch's one-process keys. `share`: vLLM's memory share of rank 0's GPU, what
+    the trainer's plan leaves (`remote.check_online_fits`)."""
     o, ranks = run.opts, run.ranks
     producer = None
     try:
@@ -339,7 +340,7 @@ def _online(run: Run, aux: list[int] | None) -> OnlineHarvest | OnlineFollower:
                     target=o.target, out=o.cache_hidden, tokens=o.tokens, data=o.data, seq_len=o.seq_len,
                     batch=o.batch * ranks.world, seed=o.seed, aux_layers=tuple(aux or ()),
                     eval_rows=o.eval_rows, eval_prompt_len=o.eval_prompt_len, parallel=o.vllm_parallel,
-                    chat_template=o.chat_template), o.online)
+                    gpu_memory_utilization=share, chat_template=o.chat_template), o.online)
             if ranks.world > 1:  # the other ranks look only once rank 0 has cleared an earlier run's keys
                 dist.barrier()
                 producer = producer or OnlineFollower(o.cache_hidden, o.online)
@@ -370,7 +371,7 @@ def build(run: Run) -> Prepared:
         check(for_options(replace(o, precision=precision), ranks.world, device_bytes=total,
                           fsdp=dist.is_initialized()))
     if o.online:  # vLLM beside rank 0: the target must fit beside the trainer, else a server elsewhere (--teacher)
-        check_online_fits(o, ranks.world, device, precision, dist.is_initialized())
+        share = check_online_fits(o, ranks.world, device, precision, dist.is_initialized())["vllm_share"]
     # Sharded from the start: under torchrun a sharded format's drafter is built on the meta device, sharded, and
     # each rank then reads only its own shards (`_models`, recycle/drafters/sharded.py); one process loads it whole.
     # --init scratch draws every weight in one process's order: it loads whole.
@@ -379,7 +380,7 @@ def build(run: Run) -> Prepared:
         model = meta_drafter(o.drafter) if from_meta else load_drafter(o.drafter, dtype=torch.float32)
     aux = run.fmt.reads(run.drafter_config, run.target_config).aux_layers
     aux = list(aux) if aux is not None else None
-    producer = _online(run, aux) if o.online else _remote(run, aux) if o.teacher else None
+    producer = _online(run, aux, share) if o.online else _remote(run, aux) if o.teacher else None
     try:
         return _models(run, device, precision, model, aux, producer)
     except BaseException:

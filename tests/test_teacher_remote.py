@@ -340,6 +340,11 @@ def test_online_refuses_a_target_that_does_not_fit_beside_the_trainer(monkeypatc
     monkeypatch.setattr(remote, "device_bytes", lambda device: int(need) + 8)
     fit = remote.check_online_fits(opts, 1, torch.device("cpu"), "fp32", False)
     assert fit["fits"] and fit["weights_bytes"] == weights and planned[0].precision == "fp32"
+    assert fit["vllm_share"] is None  # vLLM's CPU build keeps its own default share of the RAM
+    # on a GPU, vLLM is given the share of rank 0's device the trainer's plan leaves, not its default 0.9
+    total = int(need) + 8
+    on_gpu = remote.check_online_fits(opts, 1, torch.device("cuda"), "bf16", False)
+    assert on_gpu["vllm_share"] == round((total * (1 - MARGIN) - 10**6) / total, 4) < 1 - MARGIN
     monkeypatch.setattr(remote, "device_bytes", lambda device: int(need) - 8)
     with pytest.raises(RecycleError, match=r"recycle teacher serve .*--teacher http://HOST:PORT"):
         remote.check_online_fits(opts, 1, torch.device("cpu"), "fp32", False)
