@@ -15,15 +15,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from recycle.converters.registry import REWRITERS
 from recycle.converters.roles import EXACT
+from recycle.drafters.sharded import block_name, local_rows, per_expert, shifted
 from recycle.errors import RecycleError
 from recycle.families import BY_NAME
 from recycle.formats import BENCH_REPORT
 from recycle.io.weights import meta_state, weight_files
 from recycle.io.writer import Lazy
 from recycle.mtp import to_checkpoint_layout
+from recycle.mtp.base import LEAF_ROLES, Norm
 from recycle.preflight import load_json
 from recycle.quant import SCALE_SUFFIX, requantize, scheme
 
@@ -91,17 +95,10 @@ def _finish(src: Path, d, written: set[str], dropped: list[str], notes: list[str
 
 # -- written from the shards: every rank its part ------------------------------------------------------------------
 
-def _block_split(name: str) -> tuple[str, str] | None:
-    if ".block." not in name:
-        return None
-    head, rel = name.split(".block.", 1)
-    return f"{head}.block.", rel
-
-
 def _pieces(model: torch.nn.Module, name: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
     """A runtime tensor (whole, or this rank's rows of one: experts renumbered from its first row) under the
     names model.safetensors stores, as `Unroller.file_state` writes them (the block in its checkpoint layout)."""
-    split = _block_split(name)
+    split = block_name(name)
     if split is None:
         return {name: t}
     prefix, rel = split
@@ -110,21 +107,14 @@ def _pieces(model: torch.nn.Module, name: str, t: torch.Tensor) -> dict[str, tor
 
 def _renumbered(pieces: dict[str, torch.Tensor], first: int) -> dict[str, torch.Tensor] | None:
     """Per-expert pieces of rows [first, ...) under their global expert numbers; None when they are not per row."""
-    import re
-
-    expert = re.compile(r"experts\.(\d+)\.")
-    if not pieces or not all(expert.search(n) for n in pieces):
+    if not per_expert(pieces):
         return None
-    return {expert.sub(lambda m: f"experts.{int(m[1]) + first}.", n): v for n, v in pieces.items()}
+    return {shifted(n, first): v for n, v in pieces.items()}
 
 
 def _gather_to(t, owner: int, rank: int, world: int) -> torch.Tensor | None:
     """A DTensor sharded on its first dimension, gathered whole onto `owner`'s host only (the others send their rows,
     padded to the largest; None on them)."""
-    import torch.distributed as dist
-
-    from recycle.drafters.sharded import local_rows
-
     local = t.to_local().detach()
     rows = local_rows(t)
     spans = [None] * world
@@ -147,11 +137,6 @@ def write_drafter_sharded(src_dir: str | os.PathLike, writer, fmt, model: torch.
     tensors: the per-expert tensors of its experts (no gather), and those assigned to it by bytes among the rest,
     each gathered onto its host alone (`dist.gather`); the `nextn/` and `mtp_overlay/` copies of a weight are
     written by the rank that holds it. Rank 0's `writer` holds the output; returns its files (rank 0) or None."""
-    import torch.distributed as dist
-    from torch.distributed.tensor import DTensor
-
-    from recycle.drafters.sharded import local_rows
-
     src = Path(src_dir)
     layouts = {p.relative_to(src).as_posix(): stored_layout(p) for p in weight_files(src, WEIGHTS)}
     head = {k: v for layout in layouts.values() for k, v in layout.items()}
@@ -278,9 +263,6 @@ def _overlay_sources(model: torch.nn.Module, base: int) -> dict[str, tuple[str, 
     and `mtp_overlay/` store), each with the module name of the weight it copies and whether it is stored
     zero-centred (`w - 1`); None where the block's names there differ from model.safetensors' (a family's own
     conversions): that layout is then dropped, as the one-process rewriter drops what it cannot rebuild."""
-    from recycle.families import BY_NAME
-    from recycle.mtp.base import LEAF_ROLES, Norm
-
     fam = model.family
     stored_norm = BY_NAME[fam.name].norm if fam.name in BY_NAME else fam.norm
     out: dict[str, tuple[str, bool]] = {}
@@ -351,7 +333,7 @@ def _extra_layouts(src: Path, model: torch.nn.Module, fmt, spelling: str | None
 
 def _source_shape(model: torch.nn.Module, module_name: str) -> tuple[int, ...]:
     """The shape model.safetensors stores `module_name` in (a block tensor in its checkpoint layout)."""
-    split = _block_split(module_name)
+    split = block_name(module_name)
     if split is None:
         return tuple(model.get_parameter(module_name).shape)
     prefix, rel = split

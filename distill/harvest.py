@@ -27,6 +27,7 @@ import shutil
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
@@ -472,11 +473,12 @@ def _extract(job: _Job, out: Path, feed: Path, todo: list[Window], progress=None
     try:
         with ThreadPoolExecutor(workers, thread_name_prefix="recycle-harvest-convert") as pool:
             try:
-                _post(feed, 0, parts[0])
+                _post(feed, 0, _windows(parts[0]))
                 for n, part in enumerate(parts):
                     if n + 1 < len(parts):
-                        _post(feed, n + 1, parts[n + 1])
-                    files = iter(_answer(feed, n, thread, errors))
+                        _post(feed, n + 1, _windows(parts[n + 1]))
+                    files = iter(_answer(feed, n, lambda n=n: errors[0] if errors else None if thread.is_alive()
+                                         else RecycleError(f"vLLM's harvest job ended before chunk {n}")))
                     for key, ids, mask in part:
                         mine = [next(files) for _ in range(ids.shape[0])]
                         pending.append((key, pool.submit(job.store, out / f"{key}.safetensors", ids, mine, mask)))
@@ -498,21 +500,26 @@ def _extract(job: _Job, out: Path, feed: Path, todo: list[Window], progress=None
     return result
 
 
-def _post(feed: Path, n: int, part: list[Window]) -> None:
+def _post(feed: Path, n: int, windows: list[list[int]]) -> None:
+    """Chunk `n` of the feed protocol (`vllm_job.py`): its windows, written whole for the engine to take."""
     tmp = feed / f".{n:06d}.tmp"
-    tmp.write_text(json.dumps({"windows": [row.tolist() for _, ids, _ in part for row in ids]}))
+    tmp.write_text(json.dumps({"windows": windows}))
     tmp.rename(feed / f"{n:06d}.json")
 
 
-def _answer(feed: Path, n: int, engine: threading.Thread, errors: list) -> list[str]:
+def _answer(feed: Path, n: int, failed: Callable[[], BaseException | None]) -> list[str]:
+    """The engine's files for chunk `n`, once it has written them; `failed()`'s error, raised, if one comes first."""
     done = feed / f"{n:06d}.done.json"
     while not done.exists():
-        if errors:
-            raise errors[0]
-        if not engine.is_alive():
-            raise RecycleError(f"vLLM's harvest job ended before chunk {n}")
+        err = failed()
+        if err is not None:
+            raise err
         time.sleep(OnlineHarvest.POLL_S)
     return json.loads(done.read_text())["files"]
+
+
+def _windows(part: list[Window]) -> list[list[int]]:
+    return [row.tolist() for _, ids, _ in part for row in ids]
 
 
 def _finish(item: tuple, progress) -> None:
@@ -616,15 +623,9 @@ class OnlineHarvest:
             self.error = e
 
     def _serve(self, n: int, key: str, ids: torch.Tensor, mask: torch.Tensor | None = None) -> None:
-        tmp = self.feed / f".{n:06d}.tmp"
-        tmp.write_text(json.dumps({"windows": ids.tolist()}))
-        tmp.rename(self.feed / f"{n:06d}.json")
-        done = self.feed / f"{n:06d}.done.json"
-        while not done.exists():
-            if self.error is not None or self._closed:
-                raise self.error or RecycleError("online harvest: closed")
-            time.sleep(self.POLL_S)
-        files = json.loads(done.read_text())["files"]
+        _post(self.feed, n, ids.tolist())
+        files = _answer(self.feed, n, lambda: self.error or (RecycleError("online harvest: closed") if self._closed
+                                                             else None))
         self.job.store(self.dir / f"{key}.safetensors", ids, files, mask)
         sizes = []
         for p in self._present():  # the consumer deletes what it read at any moment: a file gone since the listing

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from recycle.distill.experts import expert_modules, expert_params
-from recycle.distill.memory import GB, GIB, MemoryPlan, _meta_drafter, for_options, target_counts
+from recycle.distill.memory import GB, GIB, MemoryPlan, config_drafter, for_options, target_counts
 from recycle.errors import RecycleError
 from recycle.hardware import gpu as find_gpu
 
@@ -63,7 +63,7 @@ def drafter_flops(drafter: str | Path, steps: int, seq_len: int, checkpointing: 
     drafter's head per step: forward, the loss's recomputation and the input's gradient (3 × 2·V·H; the head is
     frozen: no weight gradient); the teacher's head: 2·V·H per position in the forward and again in the recomputed
     backward, once for all steps where the logits are shared (losses.TargetLogits), once per step where not."""
-    model, config, body, _ = _meta_drafter(Path(drafter).expanduser())
+    model, config, body, _ = config_drafter(Path(drafter).expanduser())
     k, e = _experts(body)
     vocab, hidden = config.vocab_size, config.hidden_size
     block = 0.0

@@ -135,8 +135,9 @@ def _drafter_config(path: Path) -> tuple[dict, str, int]:
     return merged, fam.name, depth
 
 
-def _meta_drafter(path: Path):
-    """(the drafter on the meta device, its block config, its config dict, its family's name)."""
+def config_drafter(path: Path):
+    """(the drafter on the meta device, built from its config.json alone (a config without weights plans too), its
+    block config, its config dict, its family's name)."""
     from recycle.drafters.eagle import EagleDrafter, canonical_family
     from recycle.mtp import family_config
 
@@ -410,7 +411,7 @@ def plan(drafter: str | Path, target: str | Path, *, batch: int, seq_len: int, d
         raise RecycleError("--world-size must be at least 1")
     from recycle.distill.unroll import EagleUnroller
 
-    model, config, body, family = _meta_drafter(Path(drafter).expanduser())
+    model, config, body, family = config_drafter(Path(drafter).expanduser())
     # its own freeze: the embedding and head, which are the teacher's own tensors in a run (adopt_target_io)
     unroller = EagleUnroller(model, draft_steps or EagleUnroller.default_steps)
     io_params = sum(p.numel() for n, p in model.named_parameters() if unroller.frozen(n))  # counted as the teacher's

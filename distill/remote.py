@@ -173,15 +173,19 @@ class Remote:
 
     # -- requests ------------------------------------------------------------------------------------------------
 
-    def _one(self, row: list[int]) -> str:
-        """One row's completion (max_tokens 1): the path of the file the server's connector writes."""
+    def _complete(self, row: list[int], **extra) -> tuple[dict, str]:
+        """One row's greedy completion (max_tokens 1 unless `extra` says): the answer, and the path of the file the
+        server's connector wrote for it."""
         res = _request(f"{self.server.url}/v1/completions",
-                       {"model": self.server.model, "prompt": row, "max_tokens": 1, "temperature": 0.0})
+                       {"model": self.server.model, "prompt": row, "max_tokens": 1, "temperature": 0.0, **extra})
         path = (res.get("kv_transfer_params") or {}).get("hidden_states_path")
         if not path:
             raise RecycleError(f"--teacher {self.server.url}: its answer names no hidden-states file (no "
                                "extract_hidden_states connector?)")
-        return path
+        return res, path
+
+    def _one(self, row: list[int]) -> str:
+        return self._complete(row)[1]
 
     def request(self, ids: torch.Tensor) -> list[str]:
         """Every row's file, requested at once (the server batches them)."""
@@ -237,13 +241,7 @@ class Remote:
         """The fixed probe through the server: its last state, normed here and put through this target's head, must
         rank the server's own greedy next token among the top PROBE_TOP, at the target's hidden size."""
         ids = torch.tensor([PROBE])
-        res = _request(f"{self.server.url}/v1/completions",
-                       {"model": self.server.model, "prompt": list(PROBE), "max_tokens": 1, "temperature": 0.0,
-                        "return_token_ids": True})
-        path = (res.get("kv_transfer_params") or {}).get("hidden_states_path")
-        if not path:
-            raise RecycleError(f"--teacher {self.server.url}: its answer names no hidden-states file (no "
-                               "extract_hidden_states connector?)")
+        res, path = self._complete(list(PROBE), return_token_ids=True)
         token = int(res["choices"][0]["token_ids"][0])
         last, _ = self.read(ids, [path])
         if last.shape[-1] != hidden:

@@ -16,7 +16,6 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -117,17 +116,6 @@ def shard(model: torch.nn.Module, shardable: bool, device: torch.device, world: 
         fully_shard(module, mesh=mesh, mp_policy=policy, ignored_params=ignored)
     fully_shard(model, mesh=mesh, mp_policy=policy, ignored_params=ignored)
     return Sharding(sharded=True, expert_parallel=bool(split))
-
-
-def full_state(model: torch.nn.Module, opt: torch.optim.Optimizer | None, sharded: bool) -> tuple[dict, dict | None]:
-    """The model's (and, given `opt`, the optimizer's) whole state: as it is in one process; gathered from every rank
-    onto rank 0's CPU when sharded (a collective: every rank calls it)."""
-    if not sharded:
-        return model.state_dict(), opt.state_dict() if opt is not None else None
-    whole = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    if opt is not None:
-        return get_state_dict(model, opt, options=whole)
-    return get_model_state_dict(model, options=whole), None
 
 
 def allreduce_grads(params: list[torch.Tensor]) -> None:

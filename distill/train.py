@@ -362,6 +362,7 @@ def train(p: Prepared, progress: Callable[[dict], None] | None = None,
     last: dict = {}
     start_tokens, start_step, t_run = c.tokens, c.step, time.perf_counter()
     first: tuple[float, int] | None = None  # (time, tokens) when this run's first step ended
+    evals, checkpoints = Every.parse(o.eval_every, "--eval-every"), Every.parse(o.checkpoint_every, "--checkpoint-every")
     with _stop_between_steps(c):
         for step in p.schedule.steps(c.step):
             if c.stop is not None:
@@ -370,8 +371,7 @@ def train(p: Prepared, progress: Callable[[dict], None] | None = None,
             row = train_step(p, step)
             t0 = time.perf_counter()
             acting = ranks.is_main or p.shard.sharded  # sharded, every rank runs the drafter and gathers its weights
-            if acting and (Every.parse(o.eval_every, "--eval-every").due(c.step, before, c.tokens)
-                           or c.tokens >= o.tokens):
+            if acting and (evals.due(c.step, before, c.tokens) or c.tokens >= o.tokens):
                 row["heldout_agree"] = agreement(p)
                 row["heldout_estimate"] = expected_length(row["heldout_agree"])
                 _consider(p, row["heldout_agree"])
@@ -391,8 +391,7 @@ def train(p: Prepared, progress: Callable[[dict], None] | None = None,
                     on_step(Current(p))
                 if progress:
                     progress(row)
-            if (acting and Every.parse(o.checkpoint_every, "--checkpoint-every").due(c.step, before, c.tokens)
-                    and c.tokens < o.tokens):
+            if acting and checkpoints.due(c.step, before, c.tokens) and c.tokens < o.tokens:
                 _checkpoint(p)
             if ranks.world > 1:
                 dist.barrier()

@@ -319,3 +319,20 @@ def kill_at_first_checkpoint(cmd: Sequence[str], state_dir: Path, cwd: Path, env
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         assert proc.returncode == -signal.SIGKILL, proc.stderr.read().decode()
+
+
+def distill_rank(rank: int, world: int, port: int, run: dict, queue) -> None:
+    """One gloo rank of a distill started by `torch.multiprocessing.spawn`: torchrun's environment set, rank 0's record
+    put on `queue` ((rank, record or None)), the process group ended whatever happens."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world))
+    import torch.distributed as dist
+
+    from recycle.distill.train import DistillOptions, distill
+
+    try:
+        rec = distill(DistillOptions(**run))
+        queue.put((rank, rec if rank == 0 else None))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

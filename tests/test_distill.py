@@ -685,19 +685,10 @@ def test_online_harvest_keeps_disk_bounded_and_deletes_what_it_consumed(drafters
 
 def _online_rank(rank: int, world: int, port: int, run: dict, queue) -> None:
     """One rank of a 2-rank `--online` run (gloo), vLLM stood in for by transformers (`_fake_vllm`)."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(world))
     import recycle.engines.vllm_env as vllm_env
 
     vllm_env.run_job = _fake_vllm
-    try:
-        rec = distill(DistillOptions(**run))
-        queue.put((rank, rec if rank == 0 else None))
-    finally:
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    helpers.distill_rank(rank, world, port, run, queue)
 
 
 @pytest.mark.slow  # two ranks and a stand-in vLLM, ~60 s

@@ -79,12 +79,12 @@ def _run_worker(rank: int, world: int, port: int, drafter: str, out: str, queue)
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world))
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from torch.distributed.tensor import DTensor
 
     from recycle.distill.experts import expert_modules
     from recycle.distill.memory import for_options
     from recycle.distill.setup import prepare
-    from recycle.distill.sharding import full_state
     from recycle.distill.train import DistillOptions, train_step
 
     from tests.helpers import TINY
@@ -106,7 +106,8 @@ def _run_worker(rank: int, world: int, port: int, drafter: str, out: str, queue)
                                         if torch.is_tensor(t) and t.dim() > 0)}
             split = [p for m in expert_modules(run.model) for p in m.parameters(recurse=False)]
             assert split and all(isinstance(p, DTensor) and p.to_local().shape[0] * world == p.shape[0] for p in split)
-            whole, _ = full_state(run.model, None, run.shard.sharded)  # gathered onto rank 0 (a collective)
+            whole = get_model_state_dict(run.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            # gathered onto rank 0 (a collective)
             moved = None
             if rank == 0 and groups:  # frozen split experts come back bit-identical; attention trained
                 from recycle.drafters import load_drafter

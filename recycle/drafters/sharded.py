@@ -79,12 +79,24 @@ class _Files:
         return t
 
 
-def _block_name(name: str) -> tuple[str, str] | None:
+def block_name(name: str) -> tuple[str, str] | None:
     """`layers.0.block.mlp.x` -> ("layers.0.block.", "mlp.x"); None outside a block."""
     if BLOCK not in name:
         return None
     head, rel = name.split(BLOCK, 1)
     return head + BLOCK, rel
+
+
+def per_expert(names) -> bool:
+    """Whether every name is one routed expert's tensor (`...experts.N....`)."""
+    names = list(names)
+    return bool(names) and all(EXPERT.search(n) for n in names)
+
+
+def shifted(name: str, first: int) -> str:
+    """A per-expert name with its expert number moved by `first`: a rank's experts, numbered from 0 where it holds
+    them, to their numbers in the whole drafter."""
+    return EXPERT.sub(lambda m: f"experts.{int(m[1]) + first}.", name)
 
 
 def _read_block(files: _Files, model: nn.Module, prefix: str, rel: str, global_shape, rows) -> torch.Tensor:
@@ -95,10 +107,10 @@ def _read_block(files: _Files, model: nn.Module, prefix: str, rel: str, global_s
     stored = to_checkpoint_layout({rel: probe}, config, fam.block_renames, fam.block_conversions)
     if list(stored) == [rel] and tuple(stored[rel].shape) == tuple(probe.shape):  # kept as it is: its rows read
         return files.read(prefix + rel, rows)
-    if not all(EXPERT.search(n) for n in stored):
+    if not per_expert(stored):
         raise RecycleError(f"{prefix + rel}: its stored layout cannot be read per rank")
     # per-expert tensors: this rank's experts (renumbered from 0 for the conversion), fused as from_pretrained fuses
-    sub = {n: files.read(prefix + EXPERT.sub(lambda m: f"experts.{int(m[1]) + start}.", n), None) for n in stored}
+    sub = {n: files.read(prefix + shifted(n, start), None) for n in stored}
     fused = to_runtime_layout(sub, config, fam.block_renames, fam.block_conversions)
     return fused[rel]
 
@@ -137,7 +149,7 @@ def materialize(model: nn.Module, directory: str | os.PathLike, device: torch.de
         seen.add(id(t))
         rows = local_rows(t)
         local = t.to_local() if isinstance(t, DTensor) else t
-        block = _block_name(name)
+        block = block_name(name)
         if block is None:
             value = files.read(name, rows)
         else:
@@ -148,4 +160,4 @@ def materialize(model: nn.Module, directory: str | os.PathLike, device: torch.de
     return files.read_bytes
 
 
-__all__ = ["local_rows", "materialize", "meta_drafter"]
+__all__ = ["block_name", "local_rows", "materialize", "meta_drafter", "per_expert", "shifted"]
