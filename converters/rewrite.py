@@ -81,6 +81,7 @@ def _finish(src: Path, d, written: set[str], dropped: list[str], notes: list[str
     if notes:
         rec["notes"] = notes
     prov.setdefault("distillation", []).append(rec)
+    prov.pop("bench", None)  # bench --save's summary of bench.json, which measured the input's weights (below)
     for p in sorted(src.rglob("*")):
         rel = p.relative_to(src).as_posix()
         # bench.json measured the input's weights, not these: the card would publish it as the output's figures

@@ -7,9 +7,13 @@ trained on) for the held-out estimate. A built-in corpus by name: `stdlib` (the 
 bundled fixture was trained on) or `py:PACKAGE` (an installed package's source), each with its
 train/held-out split by file, so training never overlaps the held-out prompts `recycle bench` decodes.
 
-Packing follows the fixture's own training: documents are encoded with the target's tokenizer, each
-followed by EOS, concatenated, and cut into `seq_len` windows; no padding, so every token the
-target reads is a real one. Epoch e visits documents in a shuffled order seeded by (seed, e), so a
+Packing (`--packing`): documents are encoded with the target's tokenizer, each followed by EOS. `stream` (the
+fixture's own training) concatenates them and cuts `seq_len` windows: no padding, but a document straddles two
+windows. `whole` keeps every document of at most `seq_len` tokens (its EOS counted) inside one window: each is
+placed first-fit into one of at most WHOLE_OPEN windows being filled (when none has room and all are open, the
+fullest is closed), a window is emitted as soon as it is full, a longer document is cut into window-length pieces
+(its tail piece placed like a short document), and what no document fills is padding (EOS ids) at the window's end,
+masked False so it counts in no loss and no estimate (the mask below). Epoch e visits documents in a shuffled order seeded by (seed, e), so a
 position in the stream is just (epoch, sequences taken) and a resumed run rebuilds the same stream
 and skips to it (re-encoding is cheap next to the target's forward). Memory is bounded: no document is longer than
 `recycle.texts.DOC_CHARS` characters (longer text is read as pieces), the tokenizer sees at most
@@ -42,6 +46,9 @@ from recycle.encode import ENCODE_CHUNK, UNLIMITED, encode
 from recycle.errors import RecycleError
 from recycle.texts import ReadLog, data_source
 
+PACKINGS = ("whole", "stream")  # --packing's choices (the first is the default)
+WHOLE_OPEN = 16  # whole-document packing: windows filled at once (the bounded lookahead of first-fit)
+
 # (indices of the documents, the documents, a key naming the chunk's place in the stream) -> the documents to encode
 Rewrite = Callable[[list[int], list[Document], str], list[Document]]
 # (prompts' token ids, max new tokens, temperature (0: greedy), seed, stop token ids) -> each prompt's new token ids
@@ -54,6 +61,7 @@ class Position:
 
     epoch: int = 0
     taken: int = 0
+    length: int | None = None  # a curriculum stage's window length (None: --seq-len's stream)
 
 
 class PackedStream:
@@ -64,10 +72,13 @@ class PackedStream:
 
     def __init__(self, texts: Callable[[], list[Document]], tokenizer, seq_len: int, seed: int = 0,
                  renderer: ChatRenderer | None = None, log: ReadLog | None = None,
-                 rewrite: Rewrite | None = None) -> None:
+                 rewrite: Rewrite | None = None, packing: str = "stream") -> None:
         if seq_len < 8:
             raise RecycleError(f"--seq-len must be at least 8, got {seq_len}")
-        self.tokenizer, self.seq_len, self.seed = tokenizer, seq_len, seed
+        if packing not in PACKINGS:
+            raise RecycleError(f"--packing {packing!r}: choose {' or '.join(PACKINGS)}")
+        self.tokenizer, self.seq_len, self.seed, self.packing = tokenizer, seq_len, seed, packing
+        self.real = self.padded = 0  # tokens emitted: real ones and padding (whole packing's share: `padding_share`)
         self.renderer, self.log, self.rewrite = renderer, log, rewrite
         self.failed: set[int] = set()
         tokenizer.model_max_length = UNLIMITED  # documents are cut into windows here, never fed whole
@@ -87,7 +98,13 @@ class PackedStream:
 
     @property
     def masked(self) -> bool:
-        return self.renderer is not None
+        """Windows carry a mask: conversations' assistant tokens, or whole packing's padding."""
+        return self.renderer is not None or self.packing == "whole"
+
+    @property
+    def padding_share(self) -> float:
+        """The share of the tokens emitted so far that are padding (0 for stream packing)."""
+        return self.padded / max(1, self.real + self.padded)
 
     def _skipped(self, index: int, reason: str) -> None:
         if index not in self.failed and self.log is not None:  # counted once, not once per epoch
@@ -100,29 +117,72 @@ class PackedStream:
         random.Random(f"{self.seed}:{epoch}").shuffle(order)
         return order
 
-    def _epoch(self, epoch: int) -> Iterator[tuple[list[int], list[bool] | None]]:
+    def _documents(self, epoch: int) -> Iterator[tuple[list[int], list[bool]]]:
+        """Epoch `epoch`'s documents, encoded (EOS after each), with their masks (all True for text)."""
         texts = self.texts()
         order = self.order(epoch)
-        buf: list[int] = []
-        mbuf: list[bool] = []
-        produced = 0
-        n = self.seq_len
         for start in range(0, len(order), ENCODE_CHUNK):
             idx = order[start:start + ENCODE_CHUNK]
             chunk = [texts[i] for i in idx]
             if self.rewrite is not None:
                 chunk = self.rewrite(idx, chunk, f"{self.seed}:{epoch}:{start}")
             for ids, mask in encode(chunk, self.tokenizer, self.renderer, lambda i, why, idx=idx: self._skipped(idx[i], why)):
-                buf.extend(ids)
-                mbuf.extend(mask if mask is not None else [True] * len(ids))
-                at = 0  # windows are cut as each document arrives, by offset: the buffer holds one document's ids
-                while len(buf) - at >= n:
-                    yield buf[at:at + n], (mbuf[at:at + n] if self.masked else None)
-                    produced += 1
-                    at += n
-                del buf[:at], mbuf[:at]
+                yield ids, (mask if mask is not None else [True] * len(ids))
+
+    def _epoch(self, epoch: int) -> Iterator[tuple[list[int], list[bool] | None]]:
+        windows = self._whole(epoch) if self.packing == "whole" else self._stream(epoch)
+        produced = 0
+        for ids, mask, gap in windows:
+            self.real, self.padded = self.real + len(ids) - gap, self.padded + gap
+            yield ids, (mask if self.masked else None)
+            produced += 1
         if produced == 0:
             raise RecycleError(f"the training data holds fewer than --seq-len {self.seq_len} tokens")
+
+    def _stream(self, epoch: int) -> Iterator[tuple[list[int], list[bool], int]]:
+        buf: list[int] = []
+        mbuf: list[bool] = []
+        n = self.seq_len
+        for ids, mask in self._documents(epoch):
+            buf.extend(ids)
+            mbuf.extend(mask)
+            at = 0  # windows are cut as each document arrives, by offset: the buffer holds one document's ids
+            while len(buf) - at >= n:
+                yield buf[at:at + n], mbuf[at:at + n], 0
+                at += n
+            del buf[:at], mbuf[:at]
+
+    def _whole(self, epoch: int) -> Iterator[tuple[list[int], list[bool], int]]:
+        """First-fit over at most WHOLE_OPEN open windows (see the module's docstring): (ids, mask, padding)."""
+        n = self.seq_len
+        pad = self.eos if self.eos is not None else 0
+        open_: list[tuple[list[int], list[bool]]] = []
+
+        def close(w: tuple[list[int], list[bool]]) -> tuple[list[int], list[bool], int]:
+            ids, mask = w
+            gap = n - len(ids)
+            return ids + [pad] * gap, mask + [False] * gap, gap
+
+        for ids, mask in self._documents(epoch):
+            at = 0
+            while len(ids) - at >= n:  # a document of exactly a window fills one; a longer one is cut into pieces
+                yield ids[at:at + n], mask[at:at + n], 0
+                at += n
+            ids, mask = ids[at:], mask[at:]
+            if not ids:
+                continue
+            at = next((i for i, w in enumerate(open_) if n - len(w[0]) >= len(ids)), None)
+            if at is None:
+                if len(open_) >= WHOLE_OPEN:
+                    yield close(open_.pop(max(range(len(open_)), key=lambda i: len(open_[i][0]))))
+                at = len(open_)
+                open_.append(([], []))
+            open_[at][0].extend(ids)
+            open_[at][1].extend(mask)
+            if len(open_[at][0]) == n:
+                yield (*open_.pop(at), 0)
+        for w in open_:  # the epoch's end: what is left, padded, in the order the windows opened
+            yield close(w)
 
     def seek(self, pos: Position) -> None:
         """Continue from `pos` (rebuilds the epoch's order and skips what was taken)."""
@@ -151,6 +211,44 @@ class PackedStream:
                 self.pos = Position(self.pos.epoch + 1, 0)
                 self._it = self._epoch(self.pos.epoch)
         return torch.tensor(rows, dtype=torch.long), (torch.tensor(masks, dtype=torch.bool) if self.masked else None)
+
+
+class Staged:
+    """A curriculum's streams, one window length at a time (`--curriculum`): `make(length)` builds the stream of a
+    length (its own document order), which starts at its beginning the first time a step asks for that length; the
+    position names the length it is in, so a resumed run continues in the right stage."""
+
+    def __init__(self, make: Callable[[int], PackedStream], seq_len: int) -> None:
+        self.make, self.seq_len = make, seq_len
+        self.current = make(seq_len)
+        self.real = self.padded = 0  # what earlier stages' streams emitted
+
+    def texts(self) -> list[Document]:
+        return self.current.texts()
+
+    @property
+    def pos(self) -> Position:
+        p = self.current.pos
+        return Position(p.epoch, p.taken, None if self.current.seq_len == self.seq_len else self.current.seq_len)
+
+    @property
+    def padding_share(self) -> float:
+        padded = self.padded + self.current.padded
+        return padded / max(1, self.real + self.current.real + padded)
+
+    def _to(self, length: int) -> None:
+        if self.current.seq_len != length:
+            self.real, self.padded = self.real + self.current.real, self.padded + self.current.padded
+            self.current = self.make(length)
+
+    def seek(self, pos: Position) -> None:
+        self._to(pos.length or self.seq_len)
+        self.current.seek(Position(pos.epoch, pos.taken))
+
+    def take_masked(self, n: int, length: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The next n windows of `length` tokens (default --seq-len), from that length's stream."""
+        self._to(length or self.seq_len)
+        return self.current.take_masked(n)
 
 
 def heldout_batch(tokenizer, seq_len: int, rows: int, data: str | Path | None = None) -> torch.Tensor:

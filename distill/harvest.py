@@ -69,7 +69,7 @@ def fingerprint(target: str | os.PathLike) -> dict:
 def manifest_for(opts: HarvestOptions, keys: list[str], fp: dict | None = None) -> dict:
     return {"format": FORMAT, "target": str(Path(opts.target).resolve()), "fingerprint": fp or fingerprint(opts.target),
             "aux_layers": list(opts.aux_layers), "data": opts.data, "chat_template": opts.chat_template,
-            "seq_len": opts.seq_len, "batch": opts.batch,
+            "seq_len": opts.seq_len, "packing": opts.packing, "batch": opts.batch,
             "seed": opts.seed, "tokens": opts.tokens, "keys": keys, "dtype": "bfloat16",
             "eval_rows": opts.eval_rows, "eval_prompt_len": opts.eval_prompt_len,
             "self_distill": {"prompt_len": opts.prompt_len, "temperature": opts.sd_temperature,
@@ -117,9 +117,9 @@ def check_manifest(cache: Path, opts: DataOptions, aux_layers: list[int], world:
                            f"--sd-temperature {sd.get('temperature')} (distill: {opts.prompt_len}, "
                            f"{opts.sd_temperature})")
     want = {"aux_layers": list(aux_layers), "data": opts.data, "chat_template": opts.chat_template,
-            "seq_len": opts.seq_len, "batch": opts.batch * world,
+            "seq_len": opts.seq_len, "packing": opts.packing, "batch": opts.batch * world,
             "seed": opts.seed, "eval_rows": opts.eval_rows, "eval_prompt_len": opts.eval_prompt_len}
-    got = {k: m.get(k) for k in want}
+    got = {k: m.get(k, "stream" if k == "packing" else None) for k in want}  # a cache from before --packing: stream
     if got != want:
         diff = ", ".join(f"{k} {got[k]} (distill: {want[k]})" for k in want if got[k] != want[k])
         raise RecycleError(f"--cache-hidden {cache}: harvested for other options: {diff}")
@@ -157,7 +157,7 @@ def plan(opts: HarvestOptions, tokenizer, generate: Generate | None = None
     conversations the target writes every assistant turn the windows read (`Regenerated`, also returned)."""
     renderer = source_renderer(opts, tokenizer)
     src = data_source(opts.data)
-    stream = PackedStream(src.train, tokenizer, opts.seq_len, opts.seed, renderer, src.log)
+    stream = PackedStream(src.train, tokenizer, opts.seq_len, opts.seed, renderer, src.log, packing=opts.packing)
     regen = None
     if renderer is not None and opts.self_distill:
         if generate is None:
@@ -275,9 +275,10 @@ class _Job:
         if "error" in gen:
             raise RecycleError(f"vLLM: {gen['error']}")
         it = iter(gen["tokens"])
-        return [(key, ids if key not in first or ids.shape[1] <= p else
-                 torch.cat([ids[:, :p], torch.tensor([next(it) for _ in range(ids.shape[0])], dtype=ids.dtype)],
-                           dim=1), mask)
+        # a regenerated window is the target's text to its end: whole packing's padding mask no longer applies
+        return [(key, ids, mask) if key not in first or ids.shape[1] <= p else
+                (key, torch.cat([ids[:, :p], torch.tensor([next(it) for _ in range(ids.shape[0])], dtype=ids.dtype)],
+                                dim=1), None)
                 for key, ids, mask in items]
 
     def manifest(self, extra: dict | None = None) -> dict:

@@ -6,6 +6,11 @@ distribution is the frozen target's softmax at position i+k+1):
     L_k = w_ce · CE(t_{i+k+2}) + β · KL(sg(P_target) ‖ P_draft) + γ · SmoothL1(f_draft, f_target)
     L   = Σ_k λ_k L_k / Σ_k λ_k,      λ_k = decay^k
 
+`--loss` replaces the first two terms by any weighted list of `kl`, `tv` (½·Σ|P_target − P_draft|: 1 − TV is
+exactly the acceptance of a draft sampled from P_draft at T = 1), `kl@T` / `tv@T` (both distributions at temperature
+T: the serving temperature) and `ce`; each is computed chunk-wise from the same kept chunk of the target's
+log-probabilities as KL, so memory stays at a few [chunk, V] tensors per term (distill/memory.py counts them).
+
 Defaults and why:
   * β = 1, w_ce = 0.1 (the MTP-D objective, KL-dominated). Under greedy verification a draft is
     accepted when it equals the *target's* argmax, not the corpus token; on a small target (the
@@ -37,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from recycle.options import LossConfig
+from recycle.options import LossConfig, LossTerm
 
 
 def step_weights(steps: int, decay: float) -> list[float]:
@@ -155,18 +160,36 @@ class StepOutput:
         return TargetLogits(self.target, self.target_head), torch.arange(self.rows, device=self.target.device)
 
 
-def _piece(step: StepOutput, rows: slice, target: TargetLogits, positions: torch.Tensor, local
-           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(Σ KL, Σ CE over labelled rows, Σ agreement) over `rows` of a step, whose target rows are `local` of the
-    chunk of `positions`."""
+Divergence = tuple[str, float | None]  # a --loss term beyond KL at T = 1: ("tv", None), ("kl", 0.7) ...
+
+
+def divergence_rows(name: str, temperature: float | None, logp: torch.Tensor, draft: torch.Tensor) -> torch.Tensor:
+    """Per row [n]: `kl` KL(P_T ‖ Q_T) or `tv` ½·Σ|P_T − Q_T| between the target's distribution (its log-probabilities
+    `logp` at T = 1, float32, constants) and the draft's (`draft` logits), both at `temperature` (None: 1).
+    log_softmax(logp / T) = log_softmax(logits / T): the kept chunk's log-probabilities serve any temperature.
+    1 − TV is the probability that a draft sampled from Q_T is accepted against P_T (Leviathan et al. 2023, Thm 3.5),
+    the acceptance at T exactly, where KL only bounds it (Pinsker)."""
+    dl = draft.float()
+    if temperature is not None:
+        logp, dl = F.log_softmax(logp / temperature, dim=-1), dl / temperature
+    dl = F.log_softmax(dl, dim=-1)
+    if name == "kl":
+        return (logp.exp() * (logp - dl)).sum(-1)
+    return 0.5 * (logp.exp() - dl.exp()).abs().sum(-1)
+
+
+def _piece(step: StepOutput, rows: slice, target: TargetLogits, positions: torch.Tensor, local,
+           divergences: tuple[Divergence, ...] = ()) -> torch.Tensor:
+    """[Σ KL, Σ CE over labelled rows, Σ agreement, Σ of each of `divergences`] over `rows` of a step, whose target
+    rows are `local` of the chunk of `positions`."""
     d = step.draft[rows] if step.head is None else step.head(step.draft[rows])
     logp, top = target.chunk(positions)
     logp, top = logp[local], top[local]
     keep = torch.ones(d.shape[0], dtype=torch.bool, device=d.device) if step.mask is None else step.mask[rows]
-    kl = ((logp.exp() * (logp - F.log_softmax(d.float(), dim=-1))).sum(-1) * keep).sum()
-    ce = (ce_rows(d, step.labels[rows]) * keep).sum()
-    agree = ((d.argmax(-1) == top) & keep).sum().float()
-    return kl, ce, agree
+    sums = [(divergence_rows("kl", None, logp, d) * keep).sum(), (ce_rows(d, step.labels[rows]) * keep).sum(),
+            ((d.argmax(-1) == top) & keep).sum().float()]
+    sums += [(divergence_rows(name, t, logp, d) * keep).sum() for name, t in divergences]
+    return torch.stack(sums)
 
 
 def _release_after_backward(target: TargetLogits, drafts: list[torch.Tensor]) -> None:
@@ -184,9 +207,10 @@ def _release_after_backward(target: TargetLogits, drafts: list[torch.Tensor]) ->
         d.register_hook(done)
 
 
-def distill_terms(steps: list[StepOutput], chunk: int = LOSS_CHUNK_ROWS, grad: bool = True
-                  ) -> list[dict[str, torch.Tensor]]:
-    """Per step: KL (mean over counted rows), CE (mean over labelled counted rows) and top-1 agreement.
+def distill_terms(steps: list[StepOutput], chunk: int = LOSS_CHUNK_ROWS, grad: bool = True,
+                  divergences: tuple[Divergence, ...] = ()) -> list[dict[str, torch.Tensor]]:
+    """Per step: KL (mean over counted rows), CE (mean over labelled counted rows), top-1 agreement, and each of
+    `divergences` (mean over counted rows, keyed as --loss names it: tv, kl@0.7 ...).
 
     The steps that share a `TargetLogits` are scored an outer chunk of ≤ `chunk` positions at a time, each of those
     steps an inner piece (its rows whose positions fall in the chunk, ≤ `chunk` rows: positions are distinct within a
@@ -194,7 +218,7 @@ def distill_terms(steps: list[StepOutput], chunk: int = LOSS_CHUNK_ROWS, grad: b
     exceed `chunk` and gradients flow, each piece is checkpointed (its logits recomputed in backward, the teacher's
     once per chunk: backward visits the pieces in reverse, a chunk's steps together), so at most one chunk of rows
     is live at any micro-batch size; otherwise nothing is recomputed."""
-    sums = [[steps[0].draft.new_zeros((), dtype=torch.float32)] * 3 for _ in steps]
+    sums = [steps[0].draft.new_zeros(3 + len(divergences), dtype=torch.float32) for _ in steps]
     groups: dict[int, tuple[TargetLogits, list[tuple[int, torch.Tensor]]]] = {}
     for j, s in enumerate(steps):
         target, pos = s.scored()
@@ -216,18 +240,19 @@ def distill_terms(steps: list[StepOutput], chunk: int = LOSS_CHUNK_ROWS, grad: b
                 first = int(local[0])
                 local = slice(first, first + b - a) if int(local[-1]) - first + 1 == b - a else local.to(
                     target.states.device)
-                args = (steps[j], slice(a, b), target, chunk_pos, local)
-                parts = checkpoint(_piece, *args, use_reentrant=False) if recompute else _piece(*args)
-                sums[j] = [x + y for x, y in zip(sums[j], parts)]
+                args = (steps[j], slice(a, b), target, chunk_pos, local, divergences)
+                sums[j] = sums[j] + (checkpoint(_piece, *args, use_reentrant=False) if recompute else _piece(*args))
         target.release()
         if recompute:
             _release_after_backward(target, [steps[j].draft for j, _, _ in where])
     out = []
-    for s, (kl, ce, agree) in zip(steps, sums):
+    for s, total in zip(steps, sums):
         keep = s.mask if s.mask is not None else torch.ones(s.rows, dtype=torch.bool, device=s.labels.device)
         counted = keep.sum().clamp(min=1)
         labelled = ((s.labels >= 0) & keep).sum().clamp(min=1)
-        out.append({"kl": kl / counted, "ce": ce / labelled, "agree": agree / counted})
+        terms = {"kl": total[0] / counted, "ce": total[1] / labelled, "agree": total[2] / counted}
+        terms.update((LossTerm(name, t).key, x / counted) for (name, t), x in zip(divergences, total[3:]))
+        out.append(terms)
     return out
 
 
@@ -236,16 +261,24 @@ def step_terms(step: StepOutput, chunk: int = LOSS_CHUNK_ROWS, grad: bool = True
     return distill_terms([step], chunk, grad)[0]
 
 
+def divergences(terms: tuple[LossTerm, ...]) -> tuple[Divergence, ...]:
+    """The divergences a loss needs beyond those every step computes (KL at T = 1, CE)."""
+    return tuple((t.name, t.temperature) for t in terms if t.name != "ce" and t.key != "kl")
+
+
 def distill_loss(steps: list[StepOutput], cfg: LossConfig, chunk: int = LOSS_CHUNK_ROWS) -> tuple[torch.Tensor, dict]:
-    """Σ_k λ_k L_k (module docstring); also per-step CE, KL and top-1 agreement with the target."""
+    """Σ_k λ_k L_k (module docstring), L_k the weighted sum of --loss's terms; also per-step CE, KL, top-1 agreement
+    with the target, and each term beyond them (tv, kl@T ...)."""
     weights = step_weights(len(steps), cfg.decay)
+    terms = cfg.terms()
+    extra = divergences(terms)
     total = steps[0].draft.new_zeros((), dtype=torch.float32)
-    info: dict = {"ce": [], "kl": [], "agree": []}
-    for w, s, terms in zip(weights, steps, distill_terms(steps, chunk)):
-        loss = cfg.ce_weight * terms["ce"] + cfg.kl_weight * terms["kl"]
+    info: dict = {k: [] for k in ("ce", "kl", "agree", *(LossTerm(n, t).key for n, t in extra))}
+    for w, s, got in zip(weights, steps, distill_terms(steps, chunk, divergences=extra)):
+        loss = sum((t.weight * got[t.key] for t in terms), start=total.new_zeros(()))
         if cfg.feature_weight and s.features is not None and s.target_features is not None:
             loss = loss + cfg.feature_weight * feature_loss(s.features, s.target_features)
         total = total + w * loss
-        for k in ("ce", "kl", "agree"):
-            info[k].append(float(terms[k].detach()))
+        for k in info:
+            info[k].append(float(got[k].detach()))
     return total, info

@@ -398,13 +398,28 @@ def exchange_visits(config: dict, ranks: int, exchange: str | None = None) -> in
     return visits
 
 
+LOSS_TENSORS = 6  # [chunk, V] fp32 tensors the chunked KL + CE holds at its peak (6.48 measured on this CPU)
+# what each --loss term beyond KL (T = 1) and CE adds, in the same unit: benchmarks/loss_terms_memory.py measured
+# tv +3.0, kl@0.7 +4.0, and all four of kl, tv, kl@0.7, tv@0.7 together +9.0 (tv@T counted here as kl@T: +4)
+TERM_TENSORS = {"tv": 3, "kl@T": 4, "tv@T": 4}
+
+
+def term_tensors(term) -> int:
+    """[chunk, V] fp32 tensors a --loss term adds to the loss's peak (`TERM_TENSORS`; 0: KL at T = 1 and CE)."""
+    if term.name == "ce" or term.key == "kl":
+        return 0
+    return TERM_TENSORS[term.name if term.temperature is None else f"{term.name}@T"]
+
+
 def plan(drafter: str | Path, target: str | Path, *, batch: int, seq_len: int, draft_steps: int | None,
          world: int = 1, precision: str = "fp32", cached_teacher: bool = False, groups: tuple[str, ...] = (),
          gpu: str | None = None, device_bytes: int | None = None, micro_batch: int | None = None,
-         fsdp: bool = False, activation_checkpointing: bool = False, eval_rows: int = 16) -> MemoryPlan:
+         fsdp: bool = False, activation_checkpointing: bool = False, eval_rows: int = 16,
+         loss_terms: tuple = ()) -> MemoryPlan:
     """The per-rank memory of `recycle distill` with these options (see the module's docstring). `gpu` names a
     device of `recycle.hardware`'s table to fit (its memory); `device_bytes` gives the memory directly. `fsdp`:
-    sharded with one rank too (torchrun with one process), which gathers each unit as several ranks do."""
+    sharded with one rank too (torchrun with one process), which gathers each unit as several ranks do. `loss_terms`:
+    --loss's terms (`LossConfig.terms()`; none: KL and CE)."""
     from recycle.hardware import gpu as find_gpu
 
     if world < 1:
@@ -437,7 +452,7 @@ def plan(drafter: str | Path, target: str | Path, *, batch: int, seq_len: int, d
     # teacher's call, for the chunk being recomputed (frozen: autocast caches no copy of them)
     on_gpu = bool(gpu or device_bytes)
     chunk = min(rows, LOSS_CHUNK_ROWS)
-    loss = 6 * chunk * vocab * 4
+    loss = (LOSS_TENSORS + sum(term_tensors(t) for t in loss_terms)) * chunk * vocab * 4
     teacher_bytes = 2 if on_gpu and precision == "bf16" else 4  # distill.teacher: bf16 weights on a bf16 GPU run
     head_copies = 2 if precision == "bf16" and teacher_bytes == 4 else 0
     loss += head_copies * vocab * hidden * 2
@@ -525,7 +540,8 @@ DERIVATION = {
     "activations_expert_exchange": "2 × d × anchors × H × g: the rows sent to the d ranks holding their experts and "
                                    "the sums sent back (all-to-all; d = W under the all-gather exchange)",
     "activations_weight_copies": "measured on the proxy (autocast's copy of each other weight)",
-    "activations_loss": "6 × min(rows, LOSS_CHUNK_ROWS) × V × 4 (+ 2 head copies × V × H × 2 where the heads are "
+    "activations_loss": "(6 + each --loss term's TERM_TENSORS: tv 3, kl@T 4, tv@T 4) × min(rows, LOSS_CHUNK_ROWS) × "
+                        "V × 4 (+ 2 head copies × V × H × 2 where the heads are "
                         "fp32 under bf16 autocast; none on a GPU: the teacher's bf16 tensors)",
     "activations_backward": f"{BACKWARD_STATES} × rows × H × 4 (the residual stream's gradients)",
     "runtime": "64 MiB (cuBLAS and cuBLASLt workspaces, measured on an H200)",
@@ -570,11 +586,29 @@ def for_options(opts, world: int = 1, gpu: str | None = None, device_bytes: int 
     --teacher URL both leave only the target's embedding and head here); the precision is
     the run's, else bf16 on a named GPU and fp32 otherwise (distill's own default on a CPU without bf16)."""
     precision = opts.precision or ("bf16" if gpu or device_bytes else "fp32")
-    return plan(opts.drafter, opts.target, batch=opts.batch, seq_len=opts.seq_len, draft_steps=opts.draft_steps,
-                world=world, precision=precision, cached_teacher=bool(opts.cache_hidden or opts.teacher),
-                groups=tuple(opts.freeze),
-                gpu=gpu, device_bytes=device_bytes, micro_batch=opts.micro_batch, fsdp=fsdp,
-                activation_checkpointing=opts.activation_checkpointing, eval_rows=opts.eval_rows)
+
+    def at(length: int) -> MemoryPlan:  # a window length's plan: its rows per step keep the step's tokens
+        return plan(opts.drafter, opts.target, batch=max(1, opts.batch * opts.seq_len // length), seq_len=length,
+                    draft_steps=opts.draft_steps, world=world, precision=precision,
+                    cached_teacher=bool(opts.cache_hidden or opts.teacher), groups=tuple(opts.freeze),
+                    gpu=gpu, device_bytes=device_bytes, micro_batch=opts.micro_batch, fsdp=fsdp,
+                    activation_checkpointing=opts.activation_checkpointing, eval_rows=opts.eval_rows,
+                    loss_terms=opts.loss.terms() if opts.loss is not None else ())
+
+    final = at(opts.seq_len)
+    stages = opts.stages() if hasattr(opts, "stages") else ()
+    if not stages:
+        return final
+    # --curriculum: each stage's plan (the held-out rows stay --seq-len long in every stage); the run needs the peak
+    plans = [at(length) for length, _ in stages] + [final]
+    for p in plans:
+        p.parts["heldout_features"] = final.parts["heldout_features"]
+    shares = [share for _, share in stages] + [1 - sum(share for _, share in stages)]
+    peak = max(plans, key=lambda p: p.per_rank_bytes)
+    peak.options = {**peak.options, "batch": opts.batch, "seq_len": opts.seq_len, "curriculum": [
+        {"seq_len": p.options["seq_len"], "share": round(share, 6), "rows_per_rank": p.options["batch"],
+         "per_rank_bytes": p.per_rank_bytes, "peak": p is peak} for p, share in zip(plans, shares)]}
+    return peak
 
 
 __all__ = ["MemoryPlan", "TargetCounts", "plan", "advice", "check", "for_options", "target_counts", "MARGIN"]

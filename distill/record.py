@@ -18,7 +18,7 @@ from recycle.corpus import is_corpus_name
 from recycle.distill.setup import Prepared
 from recycle.hardware import peak_rss_bytes
 
-OBJECTIVE = "Σ_k decay^k/Z · (ce_weight·CE + kl_weight·KL(P_target ‖ P_draft) + feature_weight·SmoothL1)"
+OBJECTIVE = "Σ_k decay^k/Z · (Σ_terms weight·term + feature_weight·SmoothL1)"  # terms: `loss` (--loss's spelling)
 
 
 def expected_length(agree: list[float]) -> float:
@@ -52,6 +52,9 @@ def _data(p: Prepared) -> dict:
             "prompt_len": o.prompt_len if o.self_distill and renderer is None else None,
             "temperature": o.sd_temperature if o.self_distill else None,
             "seq_len": o.seq_len, "batch_per_rank": o.batch, "world_size": p.run.ranks.world, "seed": o.seed,
+            "packing": o.packing, "padding_share": round(p.stream.padding_share, 5),
+            "curriculum": [{"seq_len": s.length, "steps": s.steps, "rows_per_step": s.rows} for s in p.schedule.stages()]
+            if o.curriculum else None,
             "sharding": p.shard.described}
 
 
@@ -81,7 +84,10 @@ def build(p: Prepared, last: dict, final: list[float], wall: float, resumed: boo
         "tokens": c.tokens,
         "steps": c.step,
         "data": _data(p),
-        "losses": {**asdict(o.loss), "draft_steps": p.unroller.steps, "objective": OBJECTIVE},
+        "losses": {**asdict(o.loss), "loss": o.loss.described(),
+                   "terms": [{"term": t.name, "temperature": t.temperature or 1.0, "weight": t.weight}
+                             for t in o.loss.terms()],
+                   "draft_steps": p.unroller.steps, "objective": OBJECTIVE},
         "freeze": p.frozen,
         "optimizer": {"name": "AdamW", "lr": o.lr, "betas": [0.9, 0.95], "weight_decay": o.weight_decay,
                       "warmup": o.warmup, "schedule": "linear warm-up + cosine", "min_lr": o.min_lr, "clip": o.clip},

@@ -32,6 +32,7 @@ from recycle.distill import state
 from recycle.distill.data import (
     PackedStream,
     Position,
+    Staged,
     data_source,
     heldout_rows,
     in_process,
@@ -285,7 +286,7 @@ class Prepared:
     unroller: Unroller
     target_io: dict
     frozen: dict  # what --freeze (and the format) keeps as it is: the record's `freeze`
-    stream: PackedStream
+    stream: Staged  # the packed windows (a curriculum's stages: one length at a time)
     shard: Sharding
     opt: torch.optim.Optimizer
     sched: torch.optim.lr_scheduler.LRScheduler
@@ -338,6 +339,7 @@ def _online(run: Run, aux: list[int] | None, share: float | None = None) -> Onli
             if ranks.is_main:
                 producer = OnlineHarvest(HarvestOptions(
                     target=o.target, out=o.cache_hidden, tokens=o.tokens, data=o.data, seq_len=o.seq_len,
+                    packing=o.packing,
                     batch=o.batch * ranks.world, seed=o.seed, aux_layers=tuple(aux or ()),
                     eval_rows=o.eval_rows, eval_prompt_len=o.eval_prompt_len, parallel=o.vllm_parallel,
                     gpu_memory_utilization=share, chat_template=o.chat_template), o.online)
@@ -411,13 +413,27 @@ def _models(run: Run, device: torch.device, precision: str, model: torch.nn.Modu
     target_io = None if from_meta else unroller.adopt_target_io(teacher.embed.weight, teacher.head.weight)
     if o.init == "scratch":
         unroller.reinit(o.seed)
-    if unroller.positions(o.seq_len) < 1:
-        raise RecycleError(f"--seq-len {o.seq_len} is too short for {unroller.steps} draft steps")
+    shortest = min([o.seq_len, *(length for length, _ in o.stages())])  # a --curriculum stage's windows too
+    if unroller.positions(shortest) < 1:
+        raise RecycleError(f"--seq-len {shortest} is too short for {unroller.steps} draft steps"
+                           if shortest == o.seq_len else
+                           f"--curriculum: {shortest}-token windows are too short for {unroller.steps} draft steps")
     counters = state.Counters()
     # conversations regenerated here, unless harvest's vLLM wrote them (the cache holds each key's rows and mask)
     regen = data.renderer is not None and o.self_distill
     rewrite = Regenerate(run, teacher, counters.timing) if regen and not harvested else None
-    stream = PackedStream(data.source.train, data.tokenizer, o.seq_len, o.seed, data.renderer, data.source.log, rewrite)
+    read: list = []
+
+    def texts() -> list:  # the training side, read once for every stage
+        if not read:
+            read.append(data.source.train())
+        return read[0]
+
+    def windows(length: int) -> PackedStream:  # a curriculum stage's stream reads the documents in its own order
+        seed = o.seed if length == o.seq_len else f"{o.seed}/{length}"
+        return PackedStream(texts, data.tokenizer, length, seed, data.renderer, data.source.log, rewrite, o.packing)
+
+    stream = Staged(windows, o.seq_len)
     stream.texts()  # read already (validation): the packing's cost is the first step's
     frozen = freeze(model, o.freeze)  # after the format's own (embedding, head)
     if precision == "bf16" and not from_meta:  # frozen weights bf16 holds exactly stay bf16: autocast casts them
@@ -429,7 +445,7 @@ def _models(run: Run, device: torch.device, precision: str, model: torch.nn.Modu
         target_io = unroller.adopt_target_io(teacher.embed.weight, teacher.head.weight)
         if precision == "bf16":
             frozen["lowered_to_bf16_bytes"] = lower_frozen(model, keep=(teacher.embed.weight, teacher.head.weight))
-    schedule = Schedule(o.tokens, o.batch, o.seq_len, ranks.world)
+    schedule = Schedule(o.tokens, o.batch, o.seq_len, ranks.world, o.stages())
     if remote is not None:  # the prefetch reads a copy of the stream, from where the loop's stands when it begins
         remote.attach(schedule, o.batch, lambda: _stream_copy(stream, run))
     opt = torch.optim.AdamW(unroller.trainable(), lr=o.lr, betas=(0.9, 0.95), weight_decay=o.weight_decay,
@@ -440,11 +456,11 @@ def _models(run: Run, device: torch.device, precision: str, model: torch.nn.Modu
                     opt, sched, heldout, counters, producer, harvested is not None or remote is not None)
 
 
-def _stream_copy(stream: PackedStream, run: Run) -> PackedStream:
+def _stream_copy(stream: Staged, run: Run) -> PackedStream:
     """The loop's data stream again, at its position (--teacher's prefetch reads its rows ahead of the loop), with a
     tokenizer of its own: a fast tokenizer's settings are mutated by each call, so two threads must not share one."""
     tokenizer, renderer = copy.deepcopy((run.data.tokenizer, run.data.renderer))  # the renderer's tokenizer too
-    again = PackedStream(stream.texts, tokenizer, run.opts.seq_len, run.opts.seed, renderer)
+    again = PackedStream(stream.texts, tokenizer, run.opts.seq_len, run.opts.seed, renderer, packing=run.opts.packing)
     again.seek(Position(stream.pos.epoch, stream.pos.taken))
     return again
 

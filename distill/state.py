@@ -54,12 +54,13 @@ VERSION = 1
 # under them (a new --lr would train on the old schedule while the record claimed the new one).
 RUN_OPTIONS = {
     "drafter": "DRAFTER", "target": "--target", "format": "the drafter's format", "data": "--data",
-    "chat_template": "--chat-template", "tokens": "--tokens", "seq_len": "--seq-len", "batch": "--batch",
+    "chat_template": "--chat-template", "tokens": "--tokens", "seq_len": "--seq-len", "packing": "--packing",
+    "curriculum": "--curriculum", "batch": "--batch",
     "world": "the number of ranks", "seed": "--seed", "init": "--init", "self_distill": "--self-distill",
     "prompt_len": "--prompt-len", "sd_temperature": "--sd-temperature", "draft_steps": "--draft-steps",
     "lr": "--lr", "warmup": "warmup", "min_lr": "min_lr", "weight_decay": "weight_decay", "clip": "clip",
     "ce_weight": "--ce-weight", "kl_weight": "--kl-weight", "feature_weight": "--feature-weight",
-    "step_decay": "--step-decay", "freeze": "--freeze", "precision": "--precision", "eval_every": "--eval-every",
+    "step_decay": "--step-decay", "loss": "--loss", "freeze": "--freeze", "precision": "--precision", "eval_every": "--eval-every",
     "eval_rows": "eval_rows", "eval_prompt_len": "eval_prompt_len",
 }
 
@@ -74,14 +75,20 @@ def fingerprint(opts, world: int, precision: str | None = None, fmt: str | None 
         data = str(Path(data).expanduser().resolve())
     fp = {"drafter": str(Path(opts.drafter).resolve()), "target": str(Path(opts.target).resolve()), "format": fmt,
           "data": data, "chat_template": str(Path(opts.chat_template).expanduser().resolve())
-          if opts.chat_template else None, "tokens": opts.tokens, "seq_len": opts.seq_len, "batch": opts.batch,
+          if opts.chat_template else None, "tokens": opts.tokens, "seq_len": opts.seq_len,
+          # None: stream packing and no curriculum, as checkpoints before --packing and --curriculum
+          "packing": None if opts.packing == "stream" else opts.packing,
+          "curriculum": [list(s) for s in opts.stages()] or None, "batch": opts.batch,
           "world": world, "seed": opts.seed, "init": opts.init, "self_distill": opts.self_distill,
           "prompt_len": opts.prompt_len if opts.self_distill else None,
           "sd_temperature": opts.sd_temperature if opts.self_distill else None, "draft_steps": opts.draft_steps,
           "lr": opts.lr, "warmup": opts.warmup, "min_lr": opts.min_lr, "weight_decay": opts.weight_decay,
           "clip": opts.clip, "ce_weight": loss.ce_weight if loss else None,
           "kl_weight": loss.kl_weight if loss else None, "feature_weight": loss.feature_weight if loss else None,
-          "step_decay": loss.decay if loss else None, "freeze": sorted(opts.freeze or ()),
+          "step_decay": loss.decay if loss else None,
+          # --loss or --temperature's terms (None: --kl-weight and --ce-weight, as checkpoints before --loss)
+          "loss": loss.described() if loss and (loss.loss is not None or loss.temperature) else None,
+          "freeze": sorted(opts.freeze or ()),
           "precision": precision or opts.precision, "eval_every": opts.eval_every, "eval_rows": opts.eval_rows,
           "eval_prompt_len": opts.eval_prompt_len}
     return fp

@@ -188,7 +188,7 @@ def train_step(p: Prepared, step: Step) -> dict:
     t0 = time.perf_counter()
     lengths = step.lengths
     generated = c.timing["generate_s"]
-    rows, masks = p.stream.take_masked(len(lengths))
+    rows, masks = p.stream.take_masked(len(lengths), step.seq_len)
     t0 += c.timing["generate_s"] - generated  # conversations regenerated as the stream read them
     # a harvested cache holds one process's keys: each rank reads its block of the step's rows from them
     block = o.batch if p.harvested else None
@@ -196,10 +196,11 @@ def train_step(p: Prepared, step: Step) -> dict:
     written = {}
     if o.self_distill and p.harvested:  # vLLM wrote the continuations: the cache holds each key's rows
         written = {key: p.teacher.cached_rows(key) for _, _, key in keys}  # (ids, assistant mask or None)
-    elif o.self_distill and masks is None:  # the target's generation is teacher compute, timed on its own
-        # (conversations were regenerated turn by turn as the stream read them)
+    elif o.self_distill and p.run.data.renderer is None:  # the target's generation is teacher compute, timed on its
+        # own (conversations were regenerated turn by turn as the stream read them)
         tg = time.perf_counter()
         rows = regenerate(p.teacher.model, rows, o.prompt_len, o.sd_temperature, o.seed * 1_000_003 + c.step)
+        masks = None  # the target wrote each row to its end: whole packing's padding is gone
         c.timing["generate_s"] += time.perf_counter() - tg
         t0 += time.perf_counter() - tg
     anchors = [max(0, p.unroller.positions(n)) for n in lengths]
@@ -241,7 +242,8 @@ def train_step(p: Prepared, step: Step) -> dict:
     c.timing["optimizer_s"] += time.perf_counter() - t1
     info = info or {"ce": [], "kl": [], "agree": []}
     return {"step": c.step, "tokens": c.tokens, "loss": loss, "grad_norm": gnorm,
-            "lr": p.sched.get_last_lr()[0], "ce": info["ce"], "kl": info["kl"], "train_agree": info["agree"]}
+            "lr": p.sched.get_last_lr()[0], "ce": info["ce"], "kl": info["kl"], "train_agree": info["agree"],
+            **{k: v for k, v in info.items() if k not in ("ce", "kl", "agree")}}  # --loss's other terms: tv, kl@T
 
 
 # -- around the steps: the best weights, checkpoints, the time estimate, signals, the output ----------------------

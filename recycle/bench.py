@@ -37,6 +37,7 @@ from recycle.bench_result import (
     Bandwidth,
     BenchResult,
     HfPeer,
+    Interval,
     Measure,
     Overall,
     Predicted,
@@ -48,24 +49,30 @@ from recycle.bench_result import (
     RepeatSpread,
     Span,
     Spread,
+    SweepRow,
 )
 from recycle.checkpoint import SHORT_DTYPES
+from recycle.contexts import Streams, check_buckets, context_streams, given_tree_tokens
+from recycle.contexts import measure as measure_contexts
+from recycle.contexts import positions_of as _positions  # options.py checks --context-buckets with it
 from recycle.decoding import (
     DecodeStats,
     Drafter,
+    Generation,
     MaskCache,
     Target,
     generate,
     load_target,
 )
 from recycle.decoding.drafting import load_engine
-from recycle.decoding.tree import shape_tokens
+from recycle.decoding.tree import check_rule, default_rule, shape_tokens
 from recycle.encode import load_tokenizer, quiet_transformers
 from recycle.errors import RecycleError
 from recycle.formats import BENCH_REPORT
 from recycle.hardware import detect, resolve_device, sync
 from recycle.options import BenchOptions
-from recycle.preflight import load_json
+from recycle.preflight import DRAFTER_RECORD, load_json
+from recycle.resample import interval, resamples
 
 Progress = Callable[[int, int, str], None]
 
@@ -183,6 +190,7 @@ class Session:
     encoded: list[list[int]]
     eos: int | None
     positions: int | None = None  # the target's max_position_embeddings (None: its config names none)
+    contexts: Streams | None = None  # --context-buckets: the held-out documents long prompts are cut from
 
     def engine_for(self, tree: str, opts: BenchOptions) -> Drafter:
         """Another engine of the same drafter with another tree shape."""
@@ -198,13 +206,18 @@ def open_session(opts: BenchOptions) -> Session:
     opts.validate()
     device = resolve_device(opts.device)
     tdir = Path(opts.target)
+    config = load_json(tdir / "config.json", "config.json")
+    if opts.context_buckets:  # a bucket past the target's context, or too narrow: before anything loads
+        check_buckets(opts.context_buckets, _positions(config), opts.max_new_tokens, given_tree_tokens(opts.tree),
+                      f"--tree {opts.tree}")
     tokenizer = load_tokenizer(tdir, opts.drafter)  # the drafter's where the target ships none
     prompts = opts.prompts if opts.prompts is not None else default_prompts()
     with quiet_transformers():  # a prompt longer than the model is refused below, in one line
         encoded = encode_prompts(tokenizer, prompts, str(tdir), opts.chat_template)  # before any model loads
+        streams = context_streams(opts, tokenizer, prompts) if opts.context_buckets else None
     if any(not ids for ids in encoded):
         raise RecycleError("a prompt encodes to no tokens")
-    check_positions(encoded, opts.max_new_tokens, 0, _positions(load_json(tdir / "config.json", "config.json")))
+    check_positions(encoded, opts.max_new_tokens, 0, _positions(config))
     model = load_target(tdir, device=device, dtype=SHORT_DTYPES[opts.precision])
     target = Target(model)
     masks = MaskCache(target.dtype, device)
@@ -212,18 +225,12 @@ def open_session(opts: BenchOptions) -> Session:
         engine = load_engine(opts.drafter, target, masks, tree=opts.tree, native=opts.native, target_dir=str(tdir))
     positions = _positions(model.config.to_dict())
     check_positions(encoded, opts.max_new_tokens, shape_tokens(engine.shape), positions, f"the tree {engine.describe()}")
+    if streams is not None:  # the engine's own tree (no --tree) known now
+        check_buckets(opts.context_buckets, positions, opts.max_new_tokens, shape_tokens(engine.shape),
+                      f"the tree {engine.describe()}")
     target.set_taps(engine.taps)
     eos = getattr(tokenizer, "eos_token_id", None) if opts.stop_at_eos else None
-    return Session(model, target, masks, engine, encoded, eos, positions)
-
-
-def _positions(config: dict) -> int | None:
-    """The target's max_position_embeddings (a multimodal config's text_config holds it), None where it names none."""
-    for cfg in (config, config.get("text_config") or {}):
-        n = cfg.get("max_position_embeddings") if isinstance(cfg, dict) else None
-        if isinstance(n, int) and not isinstance(n, bool) and n > 0:
-            return n
-    return None
+    return Session(model, target, masks, engine, encoded, eos, positions, streams)
 
 
 def check_positions(encoded: list[list[int]], max_new: int, extra: int, positions: int | None, what: str = "") -> None:
@@ -247,36 +254,25 @@ def run_bench(opts: BenchOptions, progress: Progress | None = None) -> BenchResu
     model, target, masks, engine, encoded, eos = ses.model, ses.target, ses.masks, ses.engine, ses.encoded, ses.eos
     device, tdir = target.device, Path(opts.target)
     prompts = opts.prompts if opts.prompts is not None else default_prompts()
-    ar_drafter = Drafter()
-    run = dict(temperature=opts.temperature, seed=opts.seed, eos=eos, masks=masks)
+    rules = draft_rules(opts.draft_samples, engine)
+    run = dict(seed=opts.seed, eos=eos, masks=masks)
     if opts.warmup:
-        for d in (ar_drafter, engine, ar_drafter, engine):
-            generate(target, d, encoded[0], min(16, opts.max_new_tokens), **run)
-    rows, ar_stats, sp_stats, ours = [], [], [], []
-    timings: list[list[tuple[DecodeStats, DecodeStats]]] = []  # per prompt, per repeat: (AR, spec)
-    for i, ((kind, text), ids) in enumerate(zip(prompts, encoded)):
-        ar = sp = None
-        timings.append([])
-        for _ in range(opts.repeats):  # same seed each time: identical tokens, only the timing varies
-            a = generate(target, ar_drafter, ids, opts.max_new_tokens, **run)
-            b = generate(target, engine, ids, opts.max_new_tokens, **run)
-            timings[-1].append((a.stats, b.stats))
-            ar = a if ar is None or a.stats.total_s < ar.stats.total_s else ar
-            sp = b if sp is None or b.stats.total_s < sp.stats.total_s else sp
-        ar_stats.append(ar.stats)
-        sp_stats.append(sp.stats)
-        ours.append(sp.tokens)
-        match = (ar.tokens == sp.tokens) if opts.temperature <= 0 else None
+        engine.draft_sample = rules[0] if opts.temperature > 0 else "greedy"
+        for d in (Drafter(), engine, Drafter(), engine):
+            generate(target, d, encoded[0], min(16, opts.max_new_tokens), temperature=opts.temperature, **run)
+    measured = measure_sweep(target, engine, encoded, opts, rules, run, progress)
+    first = measured[0]
+    rows, ours = [], [g.tokens for g in first.spec]
+    for (kind, text), ids, ar, sp, times in zip(prompts, encoded, first.ar, first.spec, first.timings):
         rows.append(PromptResult(
             set=kind, prompt_tokens=len(ids), text=prompt_text(text)[:80],
             ar=_prompt_run(ar.stats), spec=_prompt_run(sp.stats, sp.stats.tau),
             speedup=_tps(sp.stats) / _tps(ar.stats) if _tps(ar.stats) else None,
-            greedy_match=match,
-            repeats=None if opts.repeats == 1 else PromptRepeats(tuple(_tps(a) for a, _ in timings[-1]),
-                                                                 tuple(_tps(b) for _, b in timings[-1])),
+            greedy_match=(ar.tokens == sp.tokens) if first.temperature <= 0 else None,
+            repeats=None if opts.repeats == 1 else PromptRepeats(tuple(_tps(a) for a, _ in times),
+                                                                 tuple(_tps(b) for _, b in times)),
         ))
-        if progress:
-            progress(i + 1, len(prompts), "decoding")
+    ar_stats, sp_stats = [g.stats for g in first.ar], [g.stats for g in first.spec]
     ar_sum, sp_sum = summarize(ar_stats), summarize(sp_stats)
     overall = Overall(
         ar=ar_sum,
@@ -284,8 +280,9 @@ def run_bench(opts: BenchOptions, progress: Progress | None = None) -> BenchResu
         speedup=sp_sum.tokens_per_s / ar_sum.tokens_per_s if ar_sum.tokens_per_s else None,
         predicted=predicted_speedup(sp_sum, ar_sum),
         greedy_match=f"{sum(bool(r.greedy_match) for r in rows)}/{len(rows)}" if opts.temperature <= 0 else None,
-        spread=spread(ar_stats, sp_stats, timings),
+        spread=spread(ar_stats, sp_stats, first.timings),
     )
+    sweep = tuple(sweep_row(m, opts.seed) for m in measured)
     bandwidth = None
     peak = peak_bandwidth(device)
     if peak is not None:
@@ -296,6 +293,12 @@ def run_bench(opts: BenchOptions, progress: Progress | None = None) -> BenchResu
     if opts.compare_hf:
         hf = tuple(hf_peers(model, encoded, ours, opts, eos, progress, assistant=getattr(engine, "assistant", None),
                             ar_tokens_per_s=ar_sum.tokens_per_s))
+    contexts = None
+    if ses.contexts is not None:
+        contexts = measure_contexts(ses.contexts, opts.context_buckets, opts.context_prompts, target=target,
+                                    engine=engine, masks=masks, eos=eos, temperatures=opts.temperatures,
+                                    draft_samples=rules, seed=opts.seed, max_new=opts.max_new_tokens,
+                                    extra=shape_tokens(engine.shape), progress=progress)
     result = BenchResult(
         target=str(tdir),
         drafter=opts.drafter if not opts.native else None,
@@ -314,10 +317,104 @@ def run_bench(opts: BenchOptions, progress: Progress | None = None) -> BenchResu
         hf=hf,
         notes=tuple(noise_notes(overall)),
         saved=None,
+        sweep=sweep,
+        contexts=contexts,
     )
     if opts.save:
         result = replace(result, saved=str(save_report(result, Path(opts.drafter)).resolve()))
     return result
+
+
+def draft_rules(given: tuple[str, ...], engine: Drafter) -> tuple[str, ...]:
+    """--draft-sample's rules (none given: the engine's shape's default), each checked against the shape (without
+    --tree the shape is the engine's default, known only now)."""
+    rules = given or (default_rule(engine.shape),)
+    for rule in rules:
+        check_rule(rule, engine.shape)
+    return rules
+
+
+@dataclass
+class Measured:
+    """One temperature × rule: per prompt, the fastest AR and speculative decodes and every repeat's stats."""
+
+    temperature: float
+    draft_sample: str
+    ar: list[Generation]
+    spec: list[Generation]
+    timings: list[list[tuple[DecodeStats, DecodeStats]]]  # per prompt, per repeat: (AR, spec)
+
+
+def measure_sweep(target: Target, engine: Drafter, encoded: list[list[int]], opts: BenchOptions,
+                  rules: tuple[str, ...], run: dict, progress: Progress | None) -> list[Measured]:
+    """Every --temperature × rule, in order: per prompt and repeat, AR once at that temperature (shared by its rules),
+    then each rule's speculative decode. At T = 0 drafts are the top-k whatever the rule: one row, named greedy."""
+    out: list[Measured] = []
+    before = engine.draft_sample
+    try:
+        for ti, t in enumerate(opts.temperatures):
+            at = rules if t > 0 else ("greedy",)
+            rows = {r: Measured(t, r, [], [], []) for r in at}
+            for i, ids in enumerate(encoded):
+                best: dict[str, Generation] = {}
+                times: dict[str, list] = {r: [] for r in at}
+                for _ in range(opts.repeats):  # same seed each time: identical tokens, only the timing varies
+                    a = generate(target, Drafter(), ids, opts.max_new_tokens, temperature=t, **run)
+                    best["ar"] = _faster(best.get("ar"), a)
+                    for r in at:
+                        engine.draft_sample = r
+                        b = generate(target, engine, ids, opts.max_new_tokens, temperature=t, **run)
+                        best[r] = _faster(best.get(r), b)
+                        times[r].append((a.stats, b.stats))
+                for r in at:
+                    rows[r].ar.append(best["ar"])
+                    rows[r].spec.append(best[r])
+                    rows[r].timings.append(times[r])
+                if progress:
+                    progress(ti * len(encoded) + i + 1, len(encoded) * len(opts.temperatures),
+                             f"decoding T={t:g}" if len(opts.temperatures) > 1 else "decoding")
+            out.extend(rows.values())
+    finally:
+        engine.draft_sample = before
+    return out
+
+
+def _faster(a: Generation | None, b: Generation) -> Generation:
+    return b if a is None or b.stats.total_s < a.stats.total_s else a
+
+
+def bootstrap(stats: list[DecodeStats], seed: int) -> tuple[tuple[Interval, ...], Interval]:
+    """95% intervals of the pooled per-depth acceptance and τ over resampled prompts (`recycle.resample`). A
+    resample in which no prompt reached a depth adds nothing to that depth's interval."""
+    depth = max((len(s.tried) for s in stats), default=0)
+    acc: list[list[float]] = [[] for _ in range(depth)]
+    taus = []
+    for pick in resamples(len(stats), seed):
+        m = summarize([stats[i] for i in pick])
+        taus.append(m.tau)
+        for d, t in enumerate(m.tried):
+            if t:
+                acc[d].append(m.accepted[d] / t)
+    return tuple(Interval(*interval(a)) if a else Interval(0.0, 0.0) for a in acc), Interval(*interval(taus))
+
+
+def sweep_row(m: Measured, seed: int) -> SweepRow:
+    """One row of the sweep: pooled figures, their quartiles across prompts and their bootstrap intervals."""
+    ar, sp = [g.stats for g in m.ar], [g.stats for g in m.spec]
+    a, b = summarize(ar), summarize(sp)
+    per_depth = [[s.accepted[d] / s.tried[d] for s in sp if d < len(s.tried) and s.tried[d]] for d in range(len(b.tried))]
+    acc_iv, tau_iv = bootstrap(sp, seed)
+    speedups = [_tps(y) / _tps(x) for x, y in zip(ar, sp) if _tps(x)]
+    matched = sum(x.tokens == y.tokens for x, y in zip(m.ar, m.spec))
+    return SweepRow(
+        temperature=m.temperature, draft_sample=m.draft_sample, prompts=len(sp), acceptance=b.acceptance,
+        accepted=b.accepted, tried=b.tried, acceptance_quartiles=tuple(_quartiles(v) for v in per_depth),
+        acceptance_interval=acc_iv, tau=b.tau, tau_quartiles=_quartiles([s.tau for s in sp]), tau_interval=tau_iv,
+        tokens_per_s=b.tokens_per_s, ar_tokens_per_s=a.tokens_per_s,
+        speedup=b.tokens_per_s / a.tokens_per_s if a.tokens_per_s else None,
+        speedup_quartiles=_quartiles(speedups) if speedups else None,
+        greedy_match=f"{matched}/{len(sp)}" if m.temperature <= 0 else None,
+    )
 
 
 def _prompt_run(s: DecodeStats, tau: float | None = None) -> PromptRun:
@@ -410,18 +507,44 @@ def noise_notes(overall: Overall) -> list[str]:
 
 
 def save_report(result: BenchResult, drafter: Path) -> Path:
-    """Write the report as DRAFTER/bench.json (the model card's benchmark), atomically: a temp file beside it,
-    then a rename, so an interrupted write leaves the previous report or none, never half of one. The file
-    goes up with the drafter on `recycle push`, so where it was saved (a local path) stays out of it: the
-    result's `saved` says it (run_bench sets it to the returned path)."""
+    """Write the report as DRAFTER/bench.json (the model card's benchmark) and its sweep's summary under
+    recycle.json's `bench` key (`bench_record`), each atomically (`write_json`). The file goes up with the drafter
+    on `recycle push`, so where it was saved (a local path) stays out of it: the result's `saved` says it (run_bench
+    sets it to the returned path)."""
     path = drafter / BENCH_REPORT
+    write_json(path, result.file_json())
+    record_path = drafter / DRAFTER_RECORD
+    if record_path.is_file():  # a drafter recycle wrote (push publishes only those)
+        record = load_json(record_path, DRAFTER_RECORD)
+        write_json(record_path, record | {"bench": bench_record(result)})
+    return path
+
+
+def write_json(path: Path, obj: dict) -> None:
+    """A JSON file written atomically: a temp file beside it, then a rename, so an interrupted write leaves the
+    previous file or none, never half of one."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        tmp.write_text(json.dumps(result.file_json(), indent=2) + "\n", encoding="utf-8")
+        tmp.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
-    return path
+
+
+def bench_record(result: BenchResult) -> dict:
+    """recycle.json's `bench`: the temperatures and rules measured, per row acceptance by depth and τ, the tree,
+    the prompts' count, and the file holding the full report."""
+    rows = result.sweep or ()
+    return {
+        "file": BENCH_REPORT,
+        "tree": result.tree,
+        "prompts": len(result.prompts),
+        "max_new_tokens": result.max_new_tokens,
+        "temperatures": list(dict.fromkeys(r.temperature for r in rows)),
+        "draft_samples": list(dict.fromkeys(r.draft_sample for r in rows)),
+        "rows": [{"temperature": r.temperature, "draft_sample": r.draft_sample, "acceptance": list(r.acceptance),
+                  "tau": r.tau} for r in rows],
+    }
 
 
 def _tps(s: DecodeStats) -> float:

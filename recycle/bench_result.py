@@ -4,7 +4,7 @@ check of a saved `bench.json`, plan and the benchmark scripts read its attribute
 `to_json()` is the `--json` report and, less `saved`, the `bench.json` that `--save` writes (the same keys in the
 same order, floats as measured: docs/bench.md lists the schema). `from_json()` reads such a report back, a file
 written by an earlier version included: the keys added since (`rollbacks`, a prompt's `speedup` and `repeats`,
-`spread`, `notes`, `saved`) take their empty values, and keys of a later version are skipped. A report without `overall.spec.tau`, or with a piece of the
+`spread`, `notes`, `saved`, `sweep`, `contexts`) take their empty values, and keys of a later version are skipped. A report without `overall.spec.tau`, or with a piece of the
 wrong shape, raises `ValueError`. Imports no torch: push's validation and the card read saved files with it.
 """
 
@@ -266,8 +266,141 @@ class HfPeer(_Record):
 
 
 @dataclass(frozen=True)
+class ContextPrompt(_Record):
+    """One long prompt's decode (--context-buckets): its bucket, where in the held-out stream it ends (prompt k of
+    every bucket ends at the same place), its length, the tokens it generated, its context position (length + half
+    the generated tokens), steps, per-depth counts, τ."""
+
+    bucket: str
+    end: int
+    prompt_tokens: int
+    new_tokens: int
+    position: float
+    steps: int
+    tried: tuple[int, ...]
+    accepted: tuple[int, ...]
+    tau: float
+
+    @classmethod
+    def from_json(cls, d: Any) -> ContextPrompt:
+        return cls._read(d, "contexts prompt", tried=_tuple, accepted=_tuple)
+
+
+@dataclass(frozen=True)
+class ContextBucket(_Record):
+    """One bucket's prompts together: positions [lo, hi), acceptance per depth (accepted / tried), τ."""
+
+    bucket: str
+    lo: int
+    hi: int
+    prompts: int
+    new_tokens: int
+    acceptance: tuple[float, ...]
+    accepted: tuple[int, ...]
+    tried: tuple[int, ...]
+    tau: float
+
+    @classmethod
+    def from_json(cls, d: Any) -> ContextBucket:
+        return cls._read(d, "contexts bucket", acceptance=_tuple, accepted=_tuple, tried=_tuple)
+
+
+@dataclass(frozen=True)
+class ContextDecay(_Record):
+    """Per-prompt depth-1 acceptance against context position: the least-squares slope per 1k positions (None: fewer
+    than two distinct positions) and its 95% bootstrap interval over prompts (None: fewer than three)."""
+
+    slope_per_1k: float | None
+    low: float | None
+    high: float | None
+    includes_zero: bool | None
+    prompts: int
+    resamples: int
+    seed: int
+
+
+@dataclass(frozen=True)
+class ContextRun(_Record):
+    """One temperature (with the first draft-sampling rule): its buckets, the decay, and every prompt."""
+
+    temperature: float
+    draft_sample: str
+    buckets: tuple[ContextBucket, ...]
+    decay: ContextDecay
+    prompts: tuple[ContextPrompt, ...]
+
+    @classmethod
+    def from_json(cls, d: Any) -> ContextRun:
+        return cls._read(d, "contexts run", buckets=lambda v: tuple(ContextBucket.from_json(b) for b in _tuple(v)),
+                         decay=ContextDecay.from_json,
+                         prompts=lambda v: tuple(ContextPrompt.from_json(p) for p in _tuple(v)))
+
+
+@dataclass(frozen=True)
+class ContextResult(_Record):
+    """--context-buckets: where the long prompts came from, how many per bucket, the seconds it took, one run per
+    temperature."""
+
+    source: str
+    prompts_per_bucket: int
+    seconds: float
+    runs: tuple[ContextRun, ...]
+
+    @classmethod
+    def from_json(cls, d: Any) -> ContextResult:
+        return cls._read(d, "contexts", runs=lambda v: tuple(ContextRun.from_json(r) for r in _tuple(v)))
+
+
+@dataclass(frozen=True)
+class Interval(_Record):
+    """A 95% interval: the 2.5th and 97.5th percentiles of a bootstrap over prompts (prompts resampled with
+    replacement, a fixed seed; tokens within a prompt are correlated, so prompts, not tokens, are resampled)."""
+
+    low: float
+    high: float
+
+
+@dataclass(frozen=True)
+class SweepRow(_Record):
+    """One temperature × draft-sampling rule (`draft_sample`: greedy or probabilistic; at T = 0 drafts are the
+    top-k whatever the rule, one row named greedy): every prompt's speculative decode against the AR decode at the
+    same temperature. `acceptance[d]` = `accepted[d]` / `tried[d]` at depth d+1, with its quartiles across prompts
+    (those that tried that depth) and its bootstrap interval; τ likewise; the speedup with its quartiles."""
+
+    temperature: float
+    draft_sample: str
+    prompts: int
+    acceptance: tuple[float, ...]
+    accepted: tuple[int, ...]
+    tried: tuple[int, ...]
+    acceptance_quartiles: tuple[Quartiles, ...]
+    acceptance_interval: tuple[Interval, ...]
+    tau: float
+    tau_quartiles: Quartiles
+    tau_interval: Interval
+    tokens_per_s: float
+    ar_tokens_per_s: float
+    speedup: float | None
+    speedup_quartiles: Quartiles | None
+    greedy_match: str | None  # T = 0: prompts whose tokens equal AR's
+
+    @classmethod
+    def from_json(cls, d: Any) -> SweepRow:
+        return cls._read(d, "sweep row", acceptance=_tuple, accepted=_tuple, tried=_tuple,
+                         acceptance_quartiles=lambda v: tuple(Quartiles.from_json(x) for x in _tuple(v)),
+                         acceptance_interval=lambda v: tuple(Interval.from_json(x) for x in _tuple(v)),
+                         tau_quartiles=Quartiles.from_json, tau_interval=Interval.from_json,
+                         speedup_quartiles=Quartiles.from_json)
+
+
+LATER = ("contexts", "sweep")  # BenchResult keys added after reports were saved: absent where None
+
+
+@dataclass(frozen=True)
 class BenchResult(_Record):
-    """One `recycle bench` run. `saved`: where `--save` wrote bench.json (a local path: never in the file)."""
+    """One `recycle bench` run. `saved`: where `--save` wrote bench.json (a local path: never in the file).
+    `sweep`: one row per --temperature × --draft-sample (None: a report from before them); `temperature`,
+    `prompts` and `overall` are its first row's, measured in full."""
 
     target: str | None
     drafter: str | None  # None: the target's own MTP modules drafted
@@ -286,6 +419,13 @@ class BenchResult(_Record):
     hf: tuple[HfPeer, ...] | None
     notes: tuple[str, ...]
     saved: str | None
+    contexts: ContextResult | None = None  # --context-buckets: acceptance by context position
+    sweep: tuple[SweepRow, ...] | None = None  # --temperature × --draft-sample
+
+    def to_json(self) -> dict:
+        """The report; the keys of later additions (`contexts`, `sweep`) only where they hold something, so a report
+        without them writes back as it was read."""
+        return {k: v for k, v in super().to_json().items() if v is not None or k not in LATER}
 
     def file_json(self) -> dict:
         """What bench.json holds: the report less `saved`."""
@@ -301,8 +441,11 @@ class BenchResult(_Record):
         return cls._read(d, "report", {f.name: None for f in fields(cls)},
                          prompts=lambda v: tuple(PromptResult.from_json(p) for p in _tuple(v)),
                          notes=lambda v: tuple(n for n in _tuple(v) if isinstance(n, str)),
-                         bandwidth=Bandwidth.from_json, hf=lambda v: tuple(HfPeer.from_json(r) for r in _tuple(v)))
+                         bandwidth=Bandwidth.from_json, hf=lambda v: tuple(HfPeer.from_json(r) for r in _tuple(v)),
+                         contexts=ContextResult.from_json,
+                         sweep=lambda v: tuple(SweepRow.from_json(r) for r in _tuple(v)))
 
 
-__all__ = ["Bandwidth", "BenchResult", "HfPeer", "Measure", "Overall", "Predicted", "PromptRepeats", "PromptResult",
+__all__ = ["Bandwidth", "BenchResult", "ContextBucket", "ContextDecay", "ContextPrompt", "ContextResult", "ContextRun",
+           "HfPeer", "Interval", "SweepRow", "Measure", "Overall", "Predicted", "PromptRepeats", "PromptResult",
            "PromptRun", "PromptSpread", "Quartiles", "RepeatSpread", "Span", "Spread"]

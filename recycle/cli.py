@@ -149,8 +149,8 @@ def _ready(opts: BenchOptions, quick: bool = False) -> None:
 
 @app.command()
 @user_errors
-@f.options(BenchOptions, "drafter target prompts chat_template max_new_tokens quick temperature tree device precision "
-           "native compare_hf seed repeats threads json_out save")
+@f.options(BenchOptions, "drafter target prompts chat_template max_new_tokens quick temperatures tree device precision "
+           "draft_samples native compare_hf seed repeats threads json_out save context_buckets context_prompts data")
 def bench(opts: BenchOptions, quick: f.Quick = False, threads: f.Threads = None, json_out: f.Json = False) -> None:
     """Measure speculative decoding with a drafter against plain autoregressive decoding of the target.
 
@@ -176,7 +176,7 @@ def bench(opts: BenchOptions, quick: f.Quick = False, threads: f.Threads = None,
 @app.command()
 @user_errors
 @f.options(PlanOptions, "drafter target prompts chat_template gpus batches context model_config max_chain "
-           "max_new_tokens device precision native plot threads json_out", max_new_tokens=64)
+           "max_new_tokens temperatures device precision native plot threads json_out", max_new_tokens=64)
 def plan(opts: PlanOptions, threads: f.Threads = None, json_out: f.Json = False) -> None:
     """Choose the number of speculative tokens and the tree from measured acceptance, and predict the speedup
     across batch sizes and GPUs (roofline of the target's config).
@@ -228,8 +228,9 @@ def push(opts: PushOptions, json_out: f.Json = False) -> None:
 @app.command()
 @user_errors
 @f.options(DistillOptions, "drafter target tokens data self_distill prompt_len sd_temperature chat_template "
-           "save_regenerated out resume cache_hidden online seq_len batch lr draft_steps ce_weight kl_weight "
-           "feature_weight decay init freeze micro_batch activation_checkpointing checkpoint_every eval_every teacher "
+           "save_regenerated out resume cache_hidden online seq_len packing curriculum batch lr draft_steps ce_weight "
+           "kl_weight "
+           "feature_weight decay loss temperature init freeze micro_batch activation_checkpointing checkpoint_every eval_every teacher "
            "teacher_ahead device "
            "nccl_timeout precision seed threads overwrite memory_plan world_size gpu host_ram gpus_per_node json_out")
 def distill(opts: DistillOptions, memory_plan: f.MemoryPlan = False, world_size: f.WorldSize = None,
@@ -282,7 +283,8 @@ def distill(opts: DistillOptions, memory_plan: f.MemoryPlan = False, world_size:
 
 @app.command()
 @user_errors
-@f.options(HarvestOptions, "target tokens out drafter data seq_len batch seed self_distill prompt_len sd_temperature "
+@f.options(HarvestOptions, "target tokens out drafter data seq_len packing batch seed self_distill prompt_len "
+           "sd_temperature "
            "chat_template tensor_parallel_size pipeline_parallel_size enable_expert_parallel data_parallel_size "
            "gpu_memory_utilization shard convert_workers plan gpu overwrite json_out", tokens=f.REQUIRED)
 def harvest(opts: HarvestOptions, drafter: f.HarvestDrafter = None, tensor_parallel_size: f.TensorParallel = 1,

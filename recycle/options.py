@@ -13,6 +13,7 @@ This module imports nothing heavy; a check that needs the drafter-format records
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from collections.abc import Callable, Iterable
@@ -269,6 +270,72 @@ class ConvertOptions:
             kinds.target(self.source, "--calibrate runs the source as its own target (no --target):")
 
 
+LOSS_TERMS = {  # --loss's term names: what each compares (chunk-wise, distill/losses.py)
+    "kl": "KL(P_target ‖ P_draft)",
+    "tv": "total variation ½·Σ|P_target − P_draft|: 1 − the acceptance of a draft sampled from P_draft",
+    "ce": "cross-entropy to the data label",
+}
+DEFAULT_LOSS = "kl,ce=0.1"  # the terms --kl-weight and --ce-weight weigh when --loss is not given
+SAMPLED_LOSS = DEFAULT_LOSS  # the default for a drafter served at --temperature > 0 (BENCHMARKS.md, issue 50)
+
+
+@dataclass(frozen=True)
+class LossTerm:
+    """One weighted term of --loss: `kl`, `tv` (both distributions at temperature 1, or at T: `kl@T`, `tv@T`) or `ce`."""
+
+    name: str
+    temperature: float | None = None  # None: 1 (the logits as they are)
+    weight: float = 1.0
+
+    @property
+    def key(self) -> str:
+        """The term's name in the metrics and the record: kl, tv, ce, kl@0.7 ..."""
+        return self.name if self.temperature is None else f"{self.name}@{self.temperature:g}"
+
+    def spec(self) -> str:
+        return self.key if self.weight == 1 else f"{self.key}={self.weight:g}"
+
+
+def _number(text: str, what: str, item: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
+        raise RecycleError(f"--loss {item}: the {what} must be a finite number ≥ 0, got {text!r}")
+    return value
+
+
+def parse_loss(text: str) -> tuple[LossTerm, ...]:
+    """--loss: terms `NAME[@T][=WEIGHT]` joined by `,` or `+` (kl, tv, kl@0.7, ce=0.1 ...; weight 1 where none is
+    given). An unknown term, a temperature on ce, a repeated term or no weight above 0 is a one-line error."""
+    terms: dict[str, LossTerm] = {}
+    for item in (x.strip() for x in re.split(r"[,+]", text)):
+        if not item:
+            raise RecycleError(f"--loss {text!r}: an empty term (terms are NAME[@T][=WEIGHT], joined by , or +)")
+        head, _, w = item.partition("=")
+        name, at, t = head.strip().partition("@")
+        if name not in LOSS_TERMS:
+            raise RecycleError(f"--loss: unknown term {name!r} in {item!r}{did_you_mean(name, list(LOSS_TERMS))} "
+                               "(kl, tv, kl@T, tv@T, ce)")
+        temperature = None
+        if at:
+            if name == "ce":
+                raise RecycleError(f"--loss {item}: ce compares with the data's token and takes no temperature")
+            temperature = _number(t, "temperature", item)
+            if temperature == 0:
+                raise RecycleError(f"--loss {item}: the temperature must be above 0 (T = 0 is greedy: no "
+                                   "distribution to compare)")
+            temperature = None if temperature == 1 else temperature
+        term = LossTerm(name, temperature, _number(w, "weight", item) if w else 1.0)
+        if term.key in terms:
+            raise RecycleError(f"--loss {text!r}: {term.key} is named twice")
+        terms[term.key] = term
+    if not any(t.weight > 0 for t in terms.values()):
+        raise RecycleError(f"--loss {text!r}: every weight is 0: nothing to train toward")
+    return tuple(terms.values())
+
+
 @dataclass(frozen=True)
 class LossConfig:
     """distill's objective weights (why these defaults: `recycle/distill/losses.py`)."""
@@ -277,6 +344,34 @@ class LossConfig:
     kl_weight: float = opt("--kl-weight", help="β: weight of KL(P_target ‖ P_draft).", default=1.0)
     feature_weight: float = opt("--feature-weight", help="Smooth-L1 feature regression (EAGLE).", default=0.0)
     decay: float = opt("--step-decay", help="Weight of draft step k ∝ decay^k.", default=0.8)
+    loss: str | None = opt("--loss", metavar="TERM[=W],...", help="The objective's terms, each NAME[@T][=WEIGHT], "
+                           "joined by , or +: kl (KL(P_target ‖ P_draft)), tv (total variation: 1 − the acceptance "
+                           "of drafts sampled at T = 1), kl@T / tv@T (both sides at temperature T), ce (the data "
+                           f"label). Default {DEFAULT_LOSS} (--kl-weight, --ce-weight), or the --temperature "
+                           "default.", default=None)
+    temperature: float | None = opt("--temperature", metavar="T", help="The temperature the drafter will serve at: "
+                                    "picks the default --loss (measured, docs/distill.md). Default 0 (greedy).",
+                                    type=float, default=None)
+
+    def terms(self) -> tuple[LossTerm, ...]:
+        """The weighted terms: --loss, else the --temperature default, else kl and ce at --kl-weight, --ce-weight."""
+        defaults = {f.name: f.default for f in fields(LossConfig)}
+        changed = [flag for name, flag in (("kl_weight", "--kl-weight"), ("ce_weight", "--ce-weight"))
+                   if getattr(self, name) != defaults[name]]
+        if self.temperature is not None and not (self.temperature >= 0 and math.isfinite(self.temperature)):
+            raise RecycleError(f"--temperature {self.temperature:g}: must be a finite number ≥ 0")
+        if self.loss is not None:
+            if changed:
+                raise RecycleError(f"--loss names every term's weight: drop {' and '.join(changed)}")
+            return parse_loss(self.loss)
+        if self.temperature and not changed:
+            return parse_loss(SAMPLED_LOSS)
+        return tuple(t for t in (LossTerm("kl", None, self.kl_weight), LossTerm("ce", None, self.ce_weight))
+                     if t.weight or t.name == "kl")
+
+    def described(self) -> str:
+        """The objective as --loss would spell it (the record's `loss`)."""
+        return ",".join(t.spec() for t in self.terms())
 
 
 @dataclass(kw_only=True)
@@ -290,7 +385,11 @@ class DataOptions:
                            "dataset in the local datasets cache, offline); its tail is held out. Or a corpus: stdlib "
                            "(default) or py:PACKAGE (an installed package's source). Conversations render with the "
                            "target's chat template; only assistant tokens count.", default=None)
-    seq_len: int = opt("--seq-len", help="Tokens per packed sequence.", default=256)
+    seq_len: int = opt("--seq-len", help="Tokens per packed sequence, up to the target's context "
+                       "(max_position_embeddings).", default=256)
+    packing: str = opt("--packing", help="whole: a document that fits a window stays in one (first-fit, the rest "
+                       "masked padding); stream: documents concatenated and cut, no padding.",
+                       choices=("whole", "stream"), default="whole")
     batch: int = opt("--batch", help="Sequences per optimizer step and rank.", default=8)
     seed: int = cli(SEED, 0)
     self_distill: bool = opt("--self-distill", help="The target writes each sequence after its first --prompt-len "
@@ -324,7 +423,74 @@ class DataOptions:
         _at_least((("--batch", self.batch, 1), ("--prompt-len", self.prompt_len, 1)))
         if not (self.sd_temperature >= 0 and math.isfinite(self.sd_temperature)):
             raise RecycleError("--sd-temperature must be 0 (greedy) or a positive number")
+        _chosen(self, "packing")
         data_name(self.data)
+        context = target_context(self.target)
+        if context is not None and self.seq_len > context:
+            raise RecycleError(f"--seq-len {self.seq_len} is past the target's context: {self.target} has "
+                               f"{context} positions (max_position_embeddings)")
+
+    def vllm_window(self, what: str) -> None:
+        """vLLM computes a window's features as a prompt with one token generated after it, and refuses a prompt as
+        long as its max_model_len, which may not pass the target's context (vllm/v1/engine/input_processor.py:593,
+        vllm/config/model.py:2639): its windows end one position before the context."""
+        context = target_context(self.target)
+        if context is not None and self.seq_len >= context:
+            raise RecycleError(f"{what}: vLLM needs --seq-len below the target's context ({context} positions): a "
+                               f"window is a prompt plus one generated token; pass --seq-len {context - 1} or less, "
+                               "or distill with the target in process")
+
+
+def target_context(target: str) -> int | None:
+    """The target's max_position_embeddings from its config.json (a multimodal config's text_config holds it); None
+    where it names none."""
+    try:
+        config = json.loads((Path(target).expanduser() / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    for cfg in (config, config.get("text_config") or {}) if isinstance(config, dict) else ():
+        n = cfg.get("max_position_embeddings") if isinstance(cfg, dict) else None
+        if isinstance(n, int) and not isinstance(n, bool) and n > 0:
+            return n
+    return None
+
+
+def parse_curriculum(text: str | None, seq_len: int, rows: int) -> tuple[tuple[int, float], ...]:
+    """--curriculum: window lengths run before --seq-len, in order, each `LEN` or `LEN:SHARE` (a share of the
+    budget; without shares each stage gets an equal share, the rest runs at --seq-len). Lengths rise, stay below
+    --seq-len and divide `rows` × --seq-len (the tokens a step reads stay the same: rows per step = rows × seq_len /
+    LEN). Returns ((length, share), ...); empty without a curriculum."""
+    if not text:
+        return ()
+    items = [x.strip() for x in str(text).split(",")]
+    stages: list[tuple[int, float | None]] = []
+    for item in items:
+        n, colon, share = item.partition(":")
+        try:
+            length = int(n)
+            frac = float(share) if colon else None
+        except ValueError:
+            raise RecycleError(f"--curriculum {text}: stages are LEN or LEN:SHARE (e.g. 256,1024 or "
+                               f"256:0.25,1024:0.25), got {item!r}") from None
+        if length < 8 or length >= seq_len:
+            raise RecycleError(f"--curriculum {text}: a stage's window ({length}) must be at least 8 and shorter "
+                               f"than --seq-len {seq_len}")
+        if stages and length <= stages[-1][0]:
+            raise RecycleError(f"--curriculum {text}: windows run short to long: {length} after {stages[-1][0]}")
+        if (rows * seq_len) % length:
+            raise RecycleError(f"--curriculum {text}: a step reads {rows} × {seq_len} = {rows * seq_len} tokens, "
+                               f"which {length}-token windows do not divide; choose a length that does")
+        if frac is not None and not (0 < frac < 1 and math.isfinite(frac)):
+            raise RecycleError(f"--curriculum {text}: a stage's share of the budget is in (0, 1), got {share!r}")
+        stages.append((length, frac))
+    given = [f for _, f in stages if f is not None]
+    if given and len(given) != len(stages):
+        raise RecycleError(f"--curriculum {text}: give every stage a share or none")
+    if not given:
+        return tuple((length, 1 / (len(stages) + 1)) for length, _ in stages)
+    if sum(given) >= 1:
+        raise RecycleError(f"--curriculum {text}: the shares sum to {sum(given):g}; under 1 leaves --seq-len its share")
+    return tuple((length, float(f)) for length, f in stages)
 
 
 @dataclass(kw_only=True)
@@ -359,6 +525,10 @@ class DistillOptions(DataOptions):
     eval_every: int | str = opt("--eval-every", help="Steps between held-out agreement checks, or tokens with a k/M/B "
                                 "suffix (as --checkpoint-every).", metavar="STEPS|TOKENS", type=str, default=25)
     resume: bool = opt("--resume", help="Continue from the last checkpoint in OUT.distill/.", default=False)
+    curriculum: str | None = opt("--curriculum", metavar="LEN[:SHARE],...", help="Shorter windows first: each LEN "
+                                 "runs before --seq-len, in order, on an equal share of the budget (or SHARE of it: "
+                                 "256:0.25,1024:0.25), the rest at --seq-len; a step reads the same tokens in every "
+                                 "stage (rows × --seq-len / LEN rows).", default=None)
     state_dir: str | None = None
     cache_hidden: str | None = opt("--cache-hidden", help="Store/reuse the target's features per batch here; a "
                                    "`recycle harvest` cache is read without loading the target.", metavar="CACHE_DIR",
@@ -389,6 +559,19 @@ class DistillOptions(DataOptions):
     def inputs(self) -> tuple[str | None, ...]:
         return self.drafter, *super().inputs(), self.cache_hidden
 
+    def stages(self) -> tuple[tuple[int, float], ...]:
+        """--curriculum's (window length, share of the budget) before --seq-len; empty without one."""
+        stages = parse_curriculum(self.curriculum, self.seq_len, self.batch)
+        if stages:
+            for flag, value in (("--cache-hidden", self.cache_hidden), ("--teacher", self.teacher)):
+                if value is not None:
+                    raise RecycleError(f"--curriculum: not with {flag} (its windows are all --seq-len long); "
+                                       "drop one of them")
+            if self.self_distill and not self.prompt_len < stages[0][0]:
+                raise RecycleError(f"--curriculum {self.curriculum}: --prompt-len {self.prompt_len} leaves nothing "
+                                   f"for the target to write in {stages[0][0]}-token windows")
+        return stages
+
     def validate(self) -> None:
         drafter_dir(self.drafter)
         super().validate()
@@ -399,6 +582,8 @@ class DistillOptions(DataOptions):
         self.eval_every = Every.parse(self.eval_every, "--eval-every").value
         _at_least((("--draft-steps", self.draft_steps, 1), ("--threads", self.threads, 1),
                    ("--micro-batch", self.micro_batch, 1)))
+        if self.loss is not None:
+            self.loss.terms()  # an unknown term or a bad weight: one line, before anything loads
         if not (self.lr > 0 and math.isfinite(self.lr)):
             raise RecycleError("--lr must be a positive number")
         if self.nccl_timeout is not None and not (self.nccl_timeout > 0 and math.isfinite(self.nccl_timeout)):
@@ -411,8 +596,19 @@ class DistillOptions(DataOptions):
             if self.self_distill:
                 raise RecycleError("--online trains on the data's own text: not with --self-distill "
                                    "(harvest --self-distill ahead instead)")
+            self.vllm_window("--online")
         if self.teacher is not None:
             _teacher_url(self)
+        self.stages()
+        if self.cache_hidden is not None:
+            manifest = Path(self.cache_hidden).expanduser() / "manifest.json"
+            try:
+                window = json.loads(manifest.read_text()).get("seq_len") if manifest.is_file() else None
+            except (OSError, ValueError, AttributeError):
+                window = None
+            if isinstance(window, int) and window != self.seq_len:  # as check_manifest says it, before any model
+                raise RecycleError(f"--cache-hidden {self.cache_hidden}: harvested for other options: seq_len {window} "
+                                   f"(distill: {self.seq_len})")
         kinds.drafter(self.drafter)
         kinds.target(self.target)
         if self.cache_hidden is not None:
@@ -458,6 +654,7 @@ class HarvestOptions(DataOptions):
 
     def validate(self) -> None:
         super().validate()
+        self.vllm_window("recycle harvest")
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
             raise RecycleError(f"--gpu-memory-utilization {self.gpu_memory_utilization}: a share in (0, 1]")
         if self.convert_workers < 0:
@@ -513,6 +710,29 @@ def _names(value: str) -> list[str]:
     return [g for g in value.split(",") if g.strip()]
 
 
+def _temperatures(value: str) -> tuple[float, ...]:
+    """--temperature T[,T...] (each checked in BenchOptions.validate)."""
+    out = []
+    for item in value.split(","):
+        try:
+            out.append(float(item))
+        except ValueError:
+            raise RecycleError(f"--temperature {value}: {item.strip()!r} is not a number (e.g. 0,0.7,1.0)") from None
+    return tuple(out)
+
+
+def _buckets(value: str | None) -> tuple[tuple[int, int], ...]:
+    """--context-buckets LO-HI[,LO-HI...] (recycle.contexts; checked again in BenchOptions.validate)."""
+    from recycle.contexts import parse_buckets
+
+    return parse_buckets(value)
+
+
+def _rules(value: str | None) -> tuple[str, ...]:
+    """--draft-sample RULE[,RULE...] (each checked in BenchOptions.validate); not given: the shape's default."""
+    return () if value is None else tuple(r.strip() for r in value.split(","))
+
+
 @dataclass(kw_only=True)
 class BenchOptions:
     """`recycle bench DRAFTER --target TARGET`."""
@@ -528,7 +748,15 @@ class BenchOptions:
     chat_template: str | None = cli(CHAT_TEMPLATE, None)  # a Jinja file in place of the target tokenizer's
     max_new_tokens: int = opt("--max-new-tokens", help="New tokens per prompt.", default=128, cli_default=None,
                               type=int)
-    temperature: float = opt("--temperature", help="0: greedy; > 0: lossless speculative sampling.", default=0.0)
+    temperatures: tuple[float, ...] = opt(
+        "--temperature", metavar="T[,T...]", help="Temperatures, comma-separated (e.g. 0,0.7,1.0): 0 greedy, > 0 "
+        "lossless speculative sampling; each is measured in turn.", cli_default="0", parse=_temperatures,
+        factory=lambda: (0.0,))
+    draft_samples: tuple[str, ...] = opt(
+        "--draft-sample", metavar="RULE[,RULE...]", help="How drafts are chosen at T > 0, comma-separated (vLLM's "
+        "draft_sample_method): greedy (the draft's top-k) or probabilistic (sampled from the draft's distribution; "
+        "chains and static trees). Default: probabilistic, greedy on a dynamic tree.", cli_default=None,
+        parse=_rules, factory=tuple)
     tree: str | None = opt("--tree", help="chain[:N], dynamic[:DEPTH,TOPK,TOTAL], or a JSON list of Medusa-style "
                            "paths (or a file holding one).", default=None)
     device: str | None = cli(DEVICE, None)  # None: cuda when available, else cpu
@@ -544,15 +772,25 @@ class BenchOptions:
                        "the spread over the N.", default=1)  # shared machines
     save: bool = opt("--save", help="Also write the --json report as DRAFTER_DIR/bench.json, which `recycle push` puts "
                      "in the model card (not with native MTP: recycle never writes into a target).", default=False)
+    context_buckets: tuple[tuple[int, int], ...] = opt(
+        "--context-buckets", metavar="LO-HI[,LO-HI...]", help="Also measure acceptance by context position: long "
+        "prompts cut from held-out text to lengths spread across each bucket of positions (e.g. 0-512,512-2k,2k-8k; "
+        "k = ×1024, M = ×1024²), each decoded once per temperature; per-bucket acceptance and its decay (slope per 1k "
+        "positions, bootstrap interval).", cli_default=None, parse=_buckets, factory=tuple)
+    context_prompts: int = opt("--context-prompts", help="Long prompts per context bucket; prompt k of every bucket "
+                               "ends at the same held-out text (only the context before it grows).", default=4)
+    data: str | None = opt("--data", help="With --context-buckets: the text long prompts are cut from (any --data "
+                           "distill takes; only its held-out tail is read). Default: the --prompts corpus, else stdlib.",
+                           default=None)
 
     def validate(self) -> None:
         """Reject bad options before any loading (so the CLI fails fast, before its progress bar)."""
         _at_least((("--max-new-tokens", self.max_new_tokens, 1), ("--repeats", self.repeats, 1)))
+        self._check_contexts()
         if self.max_new_tokens > MAX_NEW_TOKENS:
             raise RecycleError(f"--max-new-tokens {self.max_new_tokens}: at most {MAX_NEW_TOKENS} per prompt (a "
                                "benchmark's tokens/s settles within a few hundred)")
-        if self.temperature < 0 or not math.isfinite(self.temperature):
-            raise RecycleError("--temperature must be a finite number ≥ 0")
+        self._check_sweep()
         _chosen(self, "precision")
         _device_name(self.device)
         if self.drafter is None and not self.native:
@@ -560,15 +798,58 @@ class BenchOptions:
         if self.drafter is not None:
             drafter_dir(self.drafter)
         model_dir(self.target)
-        from recycle.decoding.tree import parse_shape  # torch: after the checks that need none
+        self._check_context_room()
+        from recycle.decoding.tree import check_rule, parse_shape  # torch: after the checks that need none
 
-        parse_shape(self.tree, 1)
+        shape = parse_shape(self.tree, 1)  # no --tree: the engine's default, whose rule run_bench checks
+        for rule in self.draft_samples:
+            check_rule(rule, shape)
         kinds.target(self.target)
         native = self.drafter is None or Path(self.drafter).resolve() == Path(self.target).resolve()
         if not native:
             kinds.drafter(self.drafter)
         if self.save:
             self._check_save(native)
+
+    @property
+    def temperature(self) -> float:
+        """The first --temperature: the one `overall`, the per-prompt rows and --compare-hf measure."""
+        return self.temperatures[0]
+
+    def _check_sweep(self) -> None:
+        """--temperature and --draft-sample: finite temperatures ≥ 0 and known rules, none twice."""
+        if not self.temperatures:
+            raise RecycleError("--temperature: give at least one temperature, e.g. 0 or 0,0.7,1.0")
+        for t in self.temperatures:
+            if not (math.isfinite(t) and t >= 0):
+                raise RecycleError(f"--temperature {t:g}: must be a finite number ≥ 0")
+        for flag_name, values in (("--temperature", self.temperatures), ("--draft-sample", self.draft_samples)):
+            seen = [v for i, v in enumerate(values) if v in values[:i]]
+            if seen:
+                raise RecycleError(f"{flag_name}: {seen[0]:g} is named twice" if isinstance(seen[0], float)
+                                   else f"{flag_name}: {seen[0]} is named twice")
+
+    def _check_contexts(self) -> None:
+        """--context-buckets (ascending, non-overlapping), --context-prompts ≥ 1, --data only with buckets (and found)."""
+        from recycle.contexts import parse_buckets
+
+        self.context_buckets = parse_buckets(self.context_buckets)
+        if not self.context_buckets:
+            if self.data is not None:
+                raise RecycleError("--data: long prompts are cut from it only with --context-buckets")
+            return
+        _at_least((("--context-prompts", self.context_prompts, 1),))
+        data_name(self.data)
+
+    def _check_context_room(self) -> None:
+        """Each context bucket within the target's max_position_embeddings (its config.json alone) and wide enough
+        for a prompt and --max-new-tokens (the tree's draft tokens: once its shape is known, recycle.bench)."""
+        if self.context_buckets:
+            from recycle.contexts import check_buckets, positions_of
+            from recycle.preflight import load_json
+
+            config = load_json(Path(self.target) / "config.json", "config.json")
+            check_buckets(self.context_buckets, positions_of(config), self.max_new_tokens, 0)
 
     def _check_save(self, native: bool) -> None:
         """--save writes into the drafter directory: there must be one, and not the target checkpoint itself
@@ -607,6 +888,9 @@ class PlanOptions:
         if not isinstance(self.batches, list):  # the command line's --batch-sizes
             self.batches = parse_batch_sizes(BATCH_SIZES if self.batches is None else self.batches)
         self.bench.validate()
+        if len(self.bench.temperatures) > 1:
+            raise RecycleError(f"--temperature {','.join(f'{t:g}' for t in self.bench.temperatures)}: plan measures "
+                               "at one temperature (its chains and trees are timed there); run it once per temperature")
         for g in self.gpus:
             gpu(g)
         if not self.batches or any(b < 1 for b in self.batches):
@@ -756,6 +1040,6 @@ def _device_name(name: str | None) -> None:
         raise RecycleError(f"--device {name!r}: choose cpu or cuda{did_you_mean(name, ('cpu', 'cuda'))}")
 
 
-__all__ = ["BenchOptions", "PlanOptions", "PushOptions", "StitchOptions", "parse_batch_sizes", "ConvertOptions", "DataOptions", "DistillOptions", "HarvestOptions", "LossConfig", "DTYPES",
+__all__ = ["BenchOptions", "PlanOptions", "PushOptions", "StitchOptions", "parse_batch_sizes", "ConvertOptions", "DataOptions", "DistillOptions", "HarvestOptions", "LossConfig", "LossTerm", "parse_loss", "DTYPES",
            "TeacherServeOptions",
            "PRECISIONS"]

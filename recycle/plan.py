@@ -155,9 +155,9 @@ TIMINGS = ("seconds", "tokens_per_s", "draft_s", "verify_s", "prefill_s", "round
 
 
 def _decode(ses: Session, engine: Drafter, prompts: list[list[int]], opts: BenchOptions) -> dict:
-    """One timed decode of every prompt of a set (greedy: the tokens, τ and accepted lengths are the same each
-    time; only the timings move)."""
-    run = dict(temperature=0.0, seed=opts.seed, eos=ses.eos, masks=ses.masks)
+    """One timed decode of every prompt of a set at the first --temperature (seeded: the tokens, τ and accepted
+    lengths are the same each time; only the timings move)."""
+    run = dict(temperature=opts.temperature, seed=opts.seed, eos=ses.eos, masks=ses.masks)
     stats = [generate(ses.target, engine, p, opts.max_new_tokens, **run).stats for p in prompts]
     s = summarize(stats).to_json()
     s["accept_lengths"] = [n for st in stats for n in st.accept_lengths]
@@ -171,7 +171,7 @@ def _decode_repeated(ses: Session, engines: list[tuple[str, Drafter]], prompts: 
                      opts: BenchOptions, tick: Callable[[str], None]) -> dict[str, dict]:
     """Every engine's decode `REPEATS` times, in rounds over the engines (after one warm-up each): the first
     run's counts, each timing's median, and every timing's samples (`samples`)."""
-    run = dict(temperature=0.0, seed=opts.seed, eos=ses.eos, masks=ses.masks)
+    run = dict(temperature=opts.temperature, seed=opts.seed, eos=ses.eos, masks=ses.masks)
     for _, engine in engines:
         generate(ses.target, engine, prompts[0], min(16, opts.max_new_tokens), **run)  # warm-up
     reps: dict[str, list[dict]] = {name: [] for name, _ in engines}

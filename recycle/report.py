@@ -24,7 +24,7 @@ from recycle.preflight import duration
 from recycle.texts import plural
 
 if TYPE_CHECKING:
-    from recycle.bench_result import BenchResult
+    from recycle.bench_result import BenchResult, ContextResult
 
 try:  # typer ≥ 0.2x carries its own copy of click
     from typer._click.exceptions import UsageError
@@ -438,7 +438,8 @@ def render_bench(r: BenchResult) -> None:
     o = r.overall
     ar, sp, pr = o.ar, o.spec, o.predicted
     head = _header(r.target, r.drafter, r.tree)
-    head.add_row("decoding", f"{'greedy' if r.temperature <= 0 else 'sampling T=' + str(r.temperature)}, "
+    rule = f" ({r.sweep[0].draft_sample} drafts)" if r.sweep and r.temperature else ""
+    head.add_row("decoding", f"{'greedy' if r.temperature <= 0 else 'sampling T=' + str(r.temperature)}{rule}, "
                  f"≤{r.max_new_tokens} new tokens, {plural(len(r.prompts), 'prompt')}, {r.device} "
                  f"{r.dtype}, {r.threads} thread(s)")
     out.print(Panel(head, title="recycle bench", expand=False))
@@ -480,6 +481,10 @@ def render_bench(r: BenchResult) -> None:
     if o.greedy_match:
         s.add_row("greedy = AR", "", o.greedy_match, "")
     out.print(s)
+    if r.sweep:
+        render_sweep(r.sweep)
+    if r.contexts:
+        render_contexts(r.contexts)
     if r.hf:
         h = table("transformers' generate on the same prompts")
         for col in ("method", "tok/s", "vs our AR", "= ours"):
@@ -497,6 +502,54 @@ def render_bench(r: BenchResult) -> None:
         out.print(f"[yellow]note:[/yellow] {note}")
     if r.saved:
         out.print(f"report saved to [bold]{r.saved}[/bold] (`recycle push` puts it in the model card)")
+
+def render_sweep(rows: tuple) -> None:
+    """One row per temperature × draft-sampling rule: acceptance per depth and τ, each with its 95% bootstrap
+    interval over prompts, and the speedup (the first row is the one measured in full above)."""
+    depth = max((len(x.acceptance) for x in rows), default=0)
+    t = table("by temperature and draft-sampling rule")
+    for col in ("T", "drafts", *(f"α{d + 1} [95%]" for d in range(depth)), "τ [95%]", "speedup"):
+        t.add_column(col, justify="left" if col == "drafts" else "right")
+    for x in rows:
+        alphas = [f"{a:.2f} [dim][{iv.low:.2f}–{iv.high:.2f}][/dim]" for a, iv in zip(x.acceptance, x.acceptance_interval)]
+        t.add_row(f"{x.temperature:g}", x.draft_sample, *alphas, *[""] * (depth - len(alphas)),
+                  f"{x.tau:.2f} [dim][{x.tau_interval.low:.2f}–{x.tau_interval.high:.2f}][/dim]",
+                  _or_dash(x.speedup, "{:.2f}×"))
+    out.print(t)
+    out.print(f"[dim]α_d: drafts accepted at depth d; [95%]: bootstrap over the {rows[0].prompts} prompts; at T = 0 "
+              "drafts are the top-k whatever the rule[/dim]")
+
+
+def render_contexts(c: ContextResult) -> None:
+    """--context-buckets: per temperature, each bucket's acceptance per depth, τ, prompts and tokens; then the decay
+    (the slope of depth-1 acceptance per 1k positions, its 95% bootstrap interval, whether it holds 0)."""
+    depth = max((len(b.acceptance) for run in c.runs for b in run.buckets), default=0)
+    t = table(f"acceptance by context position ({c.prompts_per_bucket} long prompts per bucket from {c.source}, "
+              f"{c.seconds:.0f} s)")
+    for col in ("T", "bucket", *(f"α{d + 1}" for d in range(depth)), "τ", "prompts", "tokens"):
+        t.add_column(col, justify="left" if col == "bucket" else "right")
+    slopes = []
+    for run in c.runs:
+        for i, b in enumerate(run.buckets):
+            alphas = [f"{a:.2f}" for a in b.acceptance]
+            t.add_row(f"{run.temperature:g}", b.bucket, *alphas, *["-"] * (depth - len(alphas)), f"{b.tau:.2f}",
+                      str(b.prompts), str(b.new_tokens), end_section=i == len(run.buckets) - 1)
+        d = run.decay
+        if d.slope_per_1k is None:
+            slope = "no slope (fewer than two context positions)"
+        elif d.low is None:
+            slope = f"{d.slope_per_1k:+.3f} per 1k positions (no interval: fewer than three positions)"
+        else:
+            holds = "holds 0: no decay shown" if d.includes_zero else "[yellow]excludes 0: acceptance moves[/yellow]"
+            slope = f"{d.slope_per_1k:+.3f} per 1k positions, 95% interval {d.low:+.3f} to {d.high:+.3f} ({holds})"
+        slopes.append(f"T={run.temperature:g}: α1 slope {slope}")
+    out.print(t)
+    for line in slopes:
+        out.print(line)
+    rule = next((run.draft_sample for run in c.runs if run.temperature > 0), None)
+    out.print(f"[dim]{f'{rule} drafts at T > 0' if rule else 'greedy drafts'}; a prompt's context position is its "
+              "length plus half its new tokens; the interval is a bootstrap over prompts[/dim]")
+
 
 def _header(target: str, drafter: str | None, what: str) -> Table:
     """The key/value grid above bench's and plan's tables, opening with the target and the drafter."""
@@ -655,6 +708,9 @@ def render_memory(data: dict) -> None:
     out.print(f"drafter {fmt_count(data['params'])} parameters, {fmt_count(data['trainable_params'])} trained; "
               f"target {fmt_count(data['target_params'])}; "
               + ("FSDP2 shards what trains over the ranks" if data["sharded"] else "one process holds it all"))
+    for stage in o.get("curriculum") or ():  # --curriculum: each stage's total; the table is the peak's
+        out.print(f"stage seq-len {stage['seq_len']}: {stage['rows_per_rank']} rows per rank, {stage['share']:.0%} of "
+                  f"the budget, {fmt_bytes(stage['per_rank_bytes'])} per rank" + (" (peak)" if stage["peak"] else ""))
     if data["fits"] is not None:
         out.print(f"{'fits' if data['fits'] else 'does not fit'} the {data['device']} "
                   f"({fmt_bytes(data['device_bytes'])})")

@@ -253,6 +253,47 @@ def exact_marginals(model, prompt: list[int], temperature: float) -> list:
     return [p1, p2, p3]
 
 
+def assert_target_law(counts, exact: list, runs: int) -> None:
+    """χ² of the tokens sampled at each generated position (`counts[i]`: per token, over `runs` generations) against
+    the exact law `exact[i]` (`exact_marginals`), cells expected ≥ 5 times; fails below p = 1e-3."""
+    for i in range(len(exact)):
+        expected = exact[i] * runs
+        keep = expected >= 5
+        stat = float((((counts[i] - expected) ** 2) / expected.clamp(min=1e-12))[keep].sum())
+        assert chi2_sf(stat, int(keep.sum()) - 1) > 1e-3, (i, counts[i].tolist(), expected.tolist())
+
+
+def tiny_mtp_pair(vocab: int = 8):
+    """A random-init tiny DeepSeek-V3 target (vocabulary `vocab`, a law far from uniform) and two random MTP modules
+    as its drafter (depth 1 nearly uniform: accepts often, rejects often; depth 2 the target's head), for the
+    sampling-law tests, whose exact laws enumerate the vocabulary."""
+    import torch
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    from recycle.families import BY_NAME
+    from recycle.mtp import MTP, block_config
+
+    cfg = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+               num_attention_heads=2, num_key_value_heads=2, n_shared_experts=1, n_routed_experts=4,
+               num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1, kv_lora_rank=16,
+               q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, max_position_embeddings=64,
+               num_nextn_predict_layers=2)
+    torch.manual_seed(0)
+    model = DeepseekV3ForCausalLM(DeepseekV3Config(**cfg)).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(15.0)
+    mtp = MTP(block_config(dict(cfg, model_type="deepseek_v3")), BY_NAME["deepseek_v3"], 2).eval()
+    with torch.no_grad():  # bare decoder layers are not initialised by transformers (post_init is the model's)
+        for name, t in list(mtp.named_parameters()) + list(mtp.named_buffers()):
+            if t.is_floating_point():
+                t.normal_(0, 0.1) if t.dim() > 1 else t.fill_(1.0 if "norm" in name else 0.0)
+        mtp.layers[0].head.weight.mul_(0.01)
+        mtp.layers[1].head.weight.copy_(model.lm_head.weight)
+        mtp.layers[0].embed.weight.copy_(model.model.embed_tokens.weight)
+        mtp.layers[1].embed.weight.copy_(model.model.embed_tokens.weight)
+    return model, mtp
+
+
 def drafter_tensors(out: Path) -> dict:
     """Every weights layout of a drafter directory: layout (its folder) -> name -> tensor, shards merged."""
     from safetensors import safe_open

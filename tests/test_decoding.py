@@ -16,7 +16,7 @@ from recycle.decoding.tree import Expander, Tree, ancestor_matrix, parse_shape, 
 from recycle.decoding.verify import verify
 from recycle.errors import RecycleError
 
-from tests.helpers import chi2_sf, exact_marginals
+from tests.helpers import assert_target_law, chi2_sf, exact_marginals, tiny_mtp_pair
 from tests.trained import FIXTURE, GLM_FIXTURE, TRAINED
 
 
@@ -213,31 +213,7 @@ V = 8
 @pytest.fixture(scope="module")
 def tiny():
     """A random-init tiny DeepSeek-V3 target (vocab 8) with two random MTP modules as the drafter."""
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
-
-    from recycle.families import BY_NAME
-    from recycle.mtp import MTP, block_config
-
-    cfg = dict(vocab_size=V, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
-               num_attention_heads=2, num_key_value_heads=2, n_shared_experts=1, n_routed_experts=4,
-               num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1, kv_lora_rank=16,
-               q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, max_position_embeddings=64,
-               num_nextn_predict_layers=2)
-    torch.manual_seed(0)
-    model = DeepseekV3ForCausalLM(DeepseekV3Config(**cfg)).eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(15.0)  # a target law far from uniform
-    mtp = MTP(block_config(dict(cfg, model_type="deepseek_v3")), BY_NAME["deepseek_v3"], 2).eval()
-    with torch.no_grad():  # bare decoder layers are not initialised by transformers (post_init is the model's)
-        for name, t in list(mtp.named_parameters()) + list(mtp.named_buffers()):
-            if t.is_floating_point():
-                t.normal_(0, 0.1) if t.dim() > 1 else t.fill_(1.0 if "norm" in name else 0.0)
-        # A weak drafter: depth 1 nearly uniform (accepts often, rejects often), depth 2 the target's head.
-        mtp.layers[0].head.weight.mul_(0.01)
-        mtp.layers[1].head.weight.copy_(model.lm_head.weight)
-        mtp.layers[0].embed.weight.copy_(model.model.embed_tokens.weight)
-        mtp.layers[1].embed.weight.copy_(model.model.embed_tokens.weight)
-    return model, mtp
+    return tiny_mtp_pair(V)
 
 
 @pytest.mark.parametrize("shape", [2, StaticTree.from_choices([[0], [1], [2], [0, 0], [1, 0], [0, 1]])],
@@ -258,11 +234,7 @@ def test_speculative_sampling_follows_target_distribution(tiny, shape):
             counts[i, t] += 1
         accepted += sum(g.stats.accepted)
     assert accepted > runs // 10  # the drafts are exercised, not all rejected
-    for i in range(3):
-        expected = exact[i] * runs
-        keep = expected >= 5
-        stat = float((((counts[i] - expected) ** 2) / expected.clamp(min=1e-12))[keep].sum())
-        assert chi2_sf(stat, int(keep.sum()) - 1) > 1e-3, (i, counts[i].tolist(), expected.tolist())
+    assert_target_law(counts, exact, runs)
 
 
 def test_verify_sampling_rejects_to_residual():

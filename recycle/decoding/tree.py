@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from recycle.errors import RecycleError
+from recycle.errors import RecycleError, did_you_mean
 
 
 @dataclass
@@ -277,6 +277,26 @@ def medusa_default(heads: int) -> StaticTree:
     return StaticTree.from_choices([c for c in DEFAULT_MEDUSA_CHOICES if len(c) <= heads])
 
 
+DRAFT_SAMPLES = ("greedy", "probabilistic")  # vLLM 0.32: vllm/config/speculative.py:85 (the field, default greedy: :600)
+
+
+def default_rule(shape: Shape) -> str:
+    """The draft-sampling rule a shape takes by default: `probabilistic` where its drafts can be sampled without
+    biasing their law (chains, static trees), `greedy` for a dynamic tree (it keeps the best-scored candidates)."""
+    return "greedy" if isinstance(shape, DynamicTreeSpec) else "probabilistic"
+
+
+def check_rule(rule: str, shape: Shape) -> None:
+    """Refuse an unknown rule, and probabilistic drafts on a dynamic tree (one line)."""
+    if rule not in DRAFT_SAMPLES:
+        raise RecycleError(f"--draft-sample {rule!r}: choose {' or '.join(DRAFT_SAMPLES)}"
+                           f"{did_you_mean(rule, DRAFT_SAMPLES)}")
+    if rule == "probabilistic" and isinstance(shape, DynamicTreeSpec):
+        raise RecycleError("--draft-sample probabilistic needs a chain or a static --tree: a dynamic tree keeps only "
+                           "its best-scored candidates, which biases the sampled drafts' law (speculative sampling "
+                           "would no longer be lossless); use --draft-sample greedy")
+
+
 class Expander:
     """Grows a draft tree level by level from the drafter's logits, for any tree shape.
 
@@ -285,14 +305,19 @@ class Expander:
     `frontier()` names the candidate nodes whose children the next level needs; `expand(rows)`
     takes one logits row per frontier node. Candidate 0 is the root.
 
-    Children are the top-k of the draft distribution (deterministic, q = δ) except in a chain at
-    temperature > 0, where the single child is sampled from q = softmax(logits / T) and q is kept
-    for the verifier.
+    The draft-sampling rule (`rule`, vLLM's `draft_sample_method`; None: `default_rule(shape)`) picks the
+    children at temperature T > 0. `greedy`: the top-k of the draft distribution, recorded as q = δ (None).
+    `probabilistic`: sampled from q = softmax(logits / T), a node's children drawn without replacement in
+    rank order, child j recorded with q less its earlier siblings' tokens, renormalised: the law verify()'s
+    sibling-wise rejection assumes. At T = 0 both are the top-k.
     """
 
     def __init__(self, root: int, shape: Shape, temperature: float = 0.0,
-                 gen: torch.Generator | None = None) -> None:
+                 gen: torch.Generator | None = None, rule: str | None = None) -> None:
+        rule = default_rule(shape) if rule is None else rule
+        check_rule(rule, shape)
         self.shape, self.temperature, self.gen = shape, temperature, gen
+        self.sampled = rule == "probabilistic" and temperature > 0
         self.tok, self.par, self.dep, self.score = [root], [-1], [0], [0.0]
         self.q: list[torch.Tensor | None] = [None]
         self.level = 0
@@ -324,18 +349,22 @@ class Expander:
         self.level += 1
         new: list[int] = []
         if isinstance(shape, int):
-            if self.temperature > 0:
-                q = torch.softmax(logits[0].float() / self.temperature, dim=-1)
-                tok = int(torch.multinomial(q, 1, generator=self.gen))
+            if self.sampled:
+                (tok, q), = self._draw(logits[0], 1)
                 new.append(self._add(front[0], tok, 0.0, q))
             else:
                 new.append(self._add(front[0], int(logits[0].argmax()), 0.0))
         elif isinstance(shape, StaticTree):
             k = max(shape.ranks[c] for f in front for c in self._kids[self._static_id[f]]) + 1
-            top = logits.topk(k, dim=-1).indices.tolist()
+            top = None if self.sampled else logits.topk(k, dim=-1).indices.tolist()
             for row, f in enumerate(front):
-                for c in self._kids[self._static_id[f]]:
-                    cid = self._add(f, top[row][shape.ranks[c]], 0.0)
+                kids = self._kids[self._static_id[f]]  # in rank order (paths sorted)
+                drawn = self._draw(logits[row], len(kids)) if self.sampled else None
+                for j, c in enumerate(kids):
+                    if drawn is not None and j >= len(drawn):
+                        break  # q had mass on fewer tokens than this node has children
+                    tok, q = drawn[j] if drawn is not None else (top[row][shape.ranks[c]], None)
+                    cid = self._add(f, tok, 0.0, q)
                     self._static_id.append(c)
                     if self._kids[c]:
                         new.append(cid)
@@ -351,6 +380,22 @@ class Expander:
             new = sorted(born[: shape.top_k])
         self._front = new
 
+    def _draw(self, logits: torch.Tensor, n: int) -> list[tuple[int, torch.Tensor]]:
+        """`n` tokens drawn without replacement from q = softmax(logits / T), each with the law it was drawn from:
+        q with the tokens drawn before it removed, renormalised. On the CPU, beside the loop's generator and the
+        target's law verify() compares it with."""
+        q = torch.softmax(logits.float().cpu() / self.temperature, dim=-1)
+        out = []
+        for _ in range(n):
+            if float(q.sum()) <= 0.0:  # fewer tokens with mass than children: the rest are not drawn
+                break
+            tok = int(torch.multinomial(q, 1, generator=self.gen))
+            out.append((tok, q))
+            q = q.clone()
+            q[tok] = 0.0
+            q = q / q.sum() if float(q.sum()) > 0 else q
+        return out
+
     def tree(self) -> tuple[Tree, list[int]]:
         """The final tree and, per tree node, its candidate id (dynamic shapes keep the best total_tokens)."""
         keep = list(range(len(self.tok)))
@@ -364,10 +409,10 @@ class Expander:
 
 
 def per_level_tree(root: int, shape: Shape, rows: list[torch.Tensor], temperature: float,
-                   gen: torch.Generator | None) -> Tree:
+                   gen: torch.Generator | None, rule: str | None = None) -> Tree:
     """A tree whose every node at depth d+1 draws from the same logits row `rows[d]` [1, V]: heads that
     read only the last committed state (Medusa, parallel heads) cannot condition on their parents."""
-    ex = Expander(root, shape, temperature, gen)
+    ex = Expander(root, shape, temperature, gen, rule)
     while not ex.done():
         ex.expand(rows[ex.level].expand(len(ex.frontier()), -1))
     return ex.tree()[0]

@@ -186,6 +186,8 @@ def _bench_section(b: BenchResult) -> list[str]:
         lines += ["", "Acceptance rate by draft position:", "",
                   "| " + " | ".join(f"pos {i + 1}" for i in range(len(acc))) + " |",
                   "|" + "---:|" * len(acc), "| " + " | ".join(f"{a:.2f}" for a in acc) + " |"]
+    if b.sweep:
+        lines += _sweep_table(b.sweep)
     bw = b.bandwidth
     if bw:
         lines += ["", f"Memory bandwidth: AR {bw.ar_gbs:.0f} GB/s, speculative {bw.spec_gbs:.0f} GB/s "
@@ -194,6 +196,21 @@ def _bench_section(b: BenchResult) -> list[str]:
     lines += [""] + [f"- Note: {n.rstrip('.')}." for n in notes] + [""] * bool(notes)
     lines += ["τ is the mean number of tokens per speculative step (bonus token included); speedup is measured "
               "tokens/s over plain autoregressive decoding with the same loop and KV-cache code.", ""]
+    return lines
+
+
+def _sweep_table(rows: tuple) -> list[str]:
+    """bench's --temperature × --draft-sample rows: acceptance per draft position and τ at each temperature served."""
+    depth = max((len(r.acceptance) for r in rows), default=0)
+    lines = ["", "By temperature and draft-sampling rule (greedy: the draft's top-k; probabilistic: drafts sampled "
+             "from the drafter's distribution; 95% interval over prompts in brackets):", "",
+             "| temperature | rule | " + " | ".join(f"α pos {d + 1}" for d in range(depth)) + " | τ |",
+             "|---:|---|" + "---:|" * depth + "---:|"]
+    for r in rows:
+        alphas = [f"{a:.2f} [{iv.low:.2f}–{iv.high:.2f}]" for a, iv in zip(r.acceptance, r.acceptance_interval)]
+        alphas += ["-"] * (depth - len(alphas))
+        lines.append(f"| {r.temperature:g} | {r.draft_sample} | " + " | ".join(alphas) +
+                     f" | {r.tau:.2f} [{r.tau_interval.low:.2f}–{r.tau_interval.high:.2f}] |")
     return lines
 
 

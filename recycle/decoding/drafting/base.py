@@ -30,6 +30,7 @@ class Drafter:
     taps: tuple[str, ...] = ()
     shape: Shape = 0
     format: DrafterFormat | None = None  # the record it drafts for (set by load_engine; None: AR decoding)
+    draft_sample: str | None = None  # greedy or probabilistic drafts at T > 0 (tree.Expander); None: the shape's default
 
     def bind(self, cache: DynamicCache) -> None:
         """The target's KV cache for this generation (only engines that attend it keep it)."""

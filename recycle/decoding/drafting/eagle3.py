@@ -65,7 +65,7 @@ class Eagle3Engine(Drafter):
         y, logits = self._run(aux, self.ids[s + 1 : C + 1], list(range(s, C)), self.masks.causal(C - s, s),
                               slice(C - s - 1, C - s))
         self.done = C
-        ex = Expander(root, self.shape, temperature, gen)
+        ex = Expander(root, self.shape, temperature, gen, self.draft_sample)
         ex.expand(logits)
         state = {0: y[-1]}
         slot: dict[int, int] = {}

@@ -47,7 +47,7 @@ class AssistantEngine(Drafter):
                                "keeps whole sliding-layer caches only within it")
         layers = self.cache.layers
         kv = {t: (layers[i].keys[..., :C, :], layers[i].values[..., :C, :]) for t, i in self.sources.items()}
-        ex = Expander(root, self.shape, temperature, gen)
+        ex = Expander(root, self.shape, temperature, gen, self.draft_sample)
         out: dict[int, torch.Tensor] = {-1: self.h[0]}  # node -> its projected output (-1: the root's input)
         while not ex.done():
             front = ex.frontier()

@@ -29,7 +29,8 @@ class MedusaEngine(Drafter):
         depth = self.shape if isinstance(self.shape, int) else self.shape.depth
         m = self.model  # only the heads the tree reaches
         heads = [head(block(self.h)) for block, head in list(zip(m.blocks, m.lm_heads))[:depth]]
-        return per_level_tree(root, self.shape, [lg[-1:] for lg in heads], temperature, gen)
+        return per_level_tree(root, self.shape, [lg[-1:] for lg in heads], temperature, gen,
+                              self.draft_sample)
 
 
 @ENGINES.register("medusa")

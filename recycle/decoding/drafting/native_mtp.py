@@ -182,7 +182,7 @@ class MTPStack(Drafter):
     def propose(self, root: int, temperature: float = 0.0, gen: torch.Generator | None = None) -> Tree:
         C = len(self.ids)  # the root's position
         self.ids.append(root)
-        ex = Expander(root, self.shape, temperature, gen)
+        ex = Expander(root, self.shape, temperature, gen, self.draft_sample)
         expanded: list[int] = []  # draft nodes with children below them, in creation order
         prev = _Span(torch.cat(self.pending) if len(self.pending) > 1 else self.pending[0], self.done[0])
         self.pending = []

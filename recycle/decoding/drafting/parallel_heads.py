@@ -40,7 +40,8 @@ class ParallelEngine(Drafter):
         # state's row of the heads the tree reaches goes through the vocabulary projection
         feats = self.heads.features(h[None], pos, self.masks.causal(n, self.done), self.caches)
         self.done += n
-        return per_level_tree(root, self.shape, [self.heads.head(f[0, -1:]) for f in feats[:depth]], temperature, gen)
+        return per_level_tree(root, self.shape, [self.heads.head(f[0, -1:]) for f in feats[:depth]], temperature, gen,
+                              self.draft_sample)
 
 
 @ENGINES.register("parallel-heads")
