@@ -1,6 +1,7 @@
 """Issue 50: which loss re-aligns a stale MTP drafter for sampled serving, per temperature, depth, domain and context.
 
-Two targets whose MTP modules went stale, each re-aligned from the base fixture's modules (`convert --to eagle`):
+Two targets whose MTP modules went stale, each re-aligned from its stale modules (`convert --to eagle`: the base
+fixture's for the post-trained target, the chat target's own for the chat target, whose tokenizer has chat tokens):
 
   deepseek   fixtures/deepseek_v3_mtp_posttrained (trunk post-trained on py:transformers); --data py:transformers
   chat       fixtures/deepseek_v3_mtp_chat (trunk instruction-tuned on stdlib conversations); --data: the training
@@ -16,7 +17,9 @@ files); and, on the post-trained target, context buckets (0-256, 256-1k, 1k-2k) 
 in-domain held-out text (paired across buckets: recycle/contexts.py).
 
     python benchmarks/sampling_realign.py distill --tokens 256k --work /tmp/s50
-    python benchmarks/sampling_realign.py bench --tokens 256k --work /tmp/s50 --json /tmp/s50/bench.json
+    python benchmarks/sampling_realign.py bench --work /tmp/s50
+    python benchmarks/sampling_realign.py tables --work /tmp/s50      # BENCHMARKS.md's tables
+    python benchmarks/sampling_realign.py trunk                       # the target's own loss by position
 """
 
 from __future__ import annotations
@@ -47,13 +50,15 @@ def data_for(name: str, work: Path) -> str:
     return str(path)
 
 
-def stale(work: Path) -> Path:
-    """The base fixture's modules as an EAGLE drafter (what every run starts from)."""
-    out = work / "stale-eagle"
+def stale(work: Path, target: str = "deepseek") -> Path:
+    """The stale modules as an EAGLE drafter (what every run starts from): the base fixture's for the post-trained
+    target (as the stale-MTP experiments of issue 13), the chat target's own for the chat target (its tokenizer has
+    the chat template's tokens, the base's has not)."""
+    out = work / ("stale-eagle" if target == "deepseek" else f"stale-eagle-{target}")
     if not (out / "config.json").is_file():
         from recycle.converters.api import convert_checkpoint
 
-        convert_checkpoint(FIXTURE, "eagle", out)
+        convert_checkpoint(FIXTURE if target == "deepseek" else TARGETS[target], "eagle", out)
     return out
 
 
@@ -66,9 +71,9 @@ def distill_all(a, work: Path) -> dict:
     from recycle.options import LossConfig
     from recycle.preflight import parse_tokens
 
-    start = stale(work)
     done = {}
     for target in a.targets.split(","):
+        start = stale(work, target)
         for loss in a.losses.split(","):
             for long in ([False, True] if a.long == "both" else [a.long == "only"]):
                 name = run_name(target, loss, a.tokens, long)
@@ -94,7 +99,7 @@ BUCKETS = ((0, 256), (256, 1024), (1024, 2048))
 def drafters(target: str, a, work: Path) -> dict[str, tuple[str | None, Path]]:
     """name -> (drafter directory, or None for the target's own modules; the target it drafts for)."""
     out: dict[str, tuple[str | None, Path]] = {"original": (None, FIXTURE), "native": (None, TARGETS[target]),
-                                               "stale": (str(stale(work)), TARGETS[target])}
+                                               "stale": (str(stale(work, target)), TARGETS[target])}
     for d in sorted(work.glob(f"{target}-*")):  # every finished run: TARGET-LOSS-TOKENS[-long]
         if (d / "recycle.json").is_file():
             out[d.name.removeprefix(f"{target}-")] = (str(d), TARGETS[target])
@@ -128,8 +133,10 @@ def bench_all(a, work: Path) -> dict:
     sets = {"deepseek": {"in-domain": prompt_set("py:transformers", a.prompts)},
             "chat": {"in-domain": read_jsonl(CHAT / "chat_heldout.jsonl")[: a.prompts]}}
     held = prompt_set(HELDOUT_DOMAIN, a.prompts)
-    path = work / "bench.json"
-    results: dict = json.loads(path.read_text()) if path.is_file() else {}
+    path = work / f"bench-{a.targets}-{a.drafters or 'all'}.json".replace(",", "+")  # one file per process; all read
+    results: dict = {}
+    for f in sorted(work.glob("bench*.json")):
+        results |= json.loads(f.read_text())
 
     def once(key: str, *args, **kw) -> None:
         if key in results:
@@ -142,6 +149,8 @@ def bench_all(a, work: Path) -> dict:
 
     for target in a.targets.split(","):
         for name, (drafter, tdir) in drafters(target, a, work).items():
+            if a.drafters and name not in a.drafters.split(","):
+                continue
             for pset, prompts in ({**sets[target], "held-out domain": held}).items():
                 if name == "original" and target == "chat" and pset == "in-domain":
                     continue  # the base target has no chat template: its pairing is judged on the held-out domain
@@ -149,22 +158,93 @@ def bench_all(a, work: Path) -> dict:
     if "deepseek" in a.targets.split(","):
         found = drafters("deepseek", a, work)
         for name in CONTEXT_DRAFTERS:
-            if name in found:
+            if name in found and (not a.drafters or name in a.drafters.split(",")):
                 drafter, tdir = found[name]
                 once(f"deepseek/{name}/contexts", drafter, tdir, sets["deepseek"]["in-domain"][:1], a, "0,1.0",
                      contexts=True)
     return results
 
 
+def _iv(row: dict, d: int | None = None) -> str:
+    """A figure with its 95% bootstrap interval: α at depth d+1, or τ (d None)."""
+    if d is None:
+        return f"{row['tau']:.3f} [{row['tau_interval']['low']:.2f}–{row['tau_interval']['high']:.2f}]"
+    if d >= len(row["acceptance"]):
+        return "–"
+    iv = row["acceptance_interval"][d]
+    return f"{row['acceptance'][d]:.3f} [{iv['low']:.2f}–{iv['high']:.2f}]"
+
+
+def tables(work: Path) -> str:
+    """BENCHMARKS.md's tables from every bench*.json in `work`: per target and prompt set, each drafter × temperature
+    (α1, α2, τ with their intervals); then the context buckets and the decay."""
+    results: dict = {}
+    for f in sorted(work.glob("bench*.json")):
+        results |= json.loads(f.read_text())
+    out = []
+    for target in TARGETS:
+        for pset in ("in-domain", "held-out domain"):
+            keys = [k for k in results if k.startswith(f"{target}/") and k.endswith(f"/{pset}")]
+            if not keys:
+                continue
+            out += [f"\n{target}, {pset}:\n", "| drafter | T | α1 [95%] | α2 [95%] | τ [95%] |", "|---|---:|---|---|---|"]
+            for k in keys:
+                for row in results[k]["sweep"]:
+                    out.append(f"| {k.split('/')[1]} | {row['temperature']:g} | {_iv(row, 0)} | {_iv(row, 1)} | "
+                               f"{_iv(row)} |")
+    keys = [k for k in results if k.endswith("/contexts")]
+    if keys:
+        out += ["\ncontext buckets (deepseek, in-domain text):\n",
+                "| drafter | T | " + " | ".join(f"α1 {lo}-{hi}" for lo, hi in BUCKETS)
+                + " | slope of α1 per 1k positions [95%] |", "|---|---:|" + "---|" * (len(BUCKETS) + 1)]
+        for k in keys:
+            for run in results[k]["contexts"]:
+                d = run["decay"]
+                cells = [f"{b['acceptance'][0]:.3f} ({b['accepted'][0]}/{b['tried'][0]})" if b["tried"] else "–"
+                         for b in run["buckets"]]
+                slope = (f"{d['slope_per_1k']:+.3f} [{d['low']:+.3f}, {d['high']:+.3f}]" if d["low"] is not None
+                         else "–")
+                out.append(f"| {k.split('/')[1]} | {run['temperature']:g} | " + " | ".join(cells) + f" | {slope} |")
+    return "\n".join(out)
+
+
+def trunk_by_position(windows: int = 8) -> dict:
+    """Why acceptance may fall with position on these fixtures: the post-trained target's own held-out loss and its
+    top-1 agreement with the text, per context bucket, on `windows` windows of 2,048 py:transformers held-out tokens."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from recycle.corpus import documents
+
+    tok = AutoTokenizer.from_pretrained(POSTTRAINED)
+    ids: list[int] = []
+    for doc in documents("heldout", source="py:transformers"):
+        ids += tok(doc.text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        if len(ids) >= windows * 2048 + 1:
+            break
+    model = AutoModelForCausalLM.from_pretrained(POSTTRAINED, dtype=torch.float32).eval()
+    x = torch.tensor(ids[: windows * 2048]).view(windows, 2048)
+    with torch.no_grad():
+        logits = model(x).logits[:, :-1].float()
+    nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), x[:, 1:], reduction="none")  # [w, 2047]
+    top1 = (logits.argmax(-1) == x[:, 1:]).float()
+    out = {}
+    for lo, hi in BUCKETS:
+        sl = slice(max(lo, 1) - 1, hi - 1)
+        out[f"{lo}-{hi}"] = {"loss": round(float(nll[:, sl].mean()), 3), "top1": round(float(top1[:, sl].mean()), 3)}
+    return out
+
+
 def main() -> None:
     ap = parser(__doc__, work="/tmp/s50", threads=2, json=True)
-    ap.add_argument("phase", choices=("distill", "bench"))
+    ap.add_argument("phase", choices=("distill", "bench", "tables", "trunk"))
     ap.add_argument("--tokens", default="256k")
     ap.add_argument("--targets", default="deepseek,chat")
     ap.add_argument("--losses", default=",".join(LOSSES))
     ap.add_argument("--long", choices=("no", "only", "both"), default="no",
                     help="also (both) or only distil with windows of the whole context (--seq-len 2048)")
     ap.add_argument("--temperatures", default="0,0.7,1.0")
+    ap.add_argument("--drafters", default="", help="bench only these (names as the tables give them)")
     ap.add_argument("--tree", default="chain:2")
     ap.add_argument("--prompts", type=int, default=8, help="prompts per set")
     ap.add_argument("--max-new-tokens", type=int, default=64)
@@ -173,7 +253,12 @@ def main() -> None:
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
     result = {**stamp(), "phase": a.phase, "tokens": a.tokens}
-    if a.phase == "distill":
+    if a.phase == "tables":
+        print(tables(work))
+        return
+    if a.phase == "trunk":
+        result["trunk_by_position"] = trunk_by_position()
+    elif a.phase == "distill":
         result["runs"] = distill_all(a, work)
     else:
         result["benches"] = bench_all(a, work)
