@@ -253,6 +253,23 @@ def exact_marginals(model, prompt: list[int], temperature: float) -> list:
     return [p1, p2, p3]
 
 
+def sampled_counts(target, engine, prompt: list[int], runs: int, vocab: int, masks, temperature: float = 1.0):
+    """(counts [3, vocab]: how often each token came at generated positions 1-3, drafts accepted in all) over `runs`
+    speculative generations seeded 0 … runs-1 (recycle.decoding.generate), for `assert_target_law`."""
+    import torch
+
+    from recycle.decoding import generate
+
+    counts = torch.zeros(3, vocab, dtype=torch.float64)
+    accepted = 0
+    for seed in range(runs):
+        g = generate(target, engine, prompt, 3, temperature=temperature, seed=seed, masks=masks)
+        for i, t in enumerate(g.tokens[:3]):
+            counts[i, t] += 1
+        accepted += sum(g.stats.accepted)
+    return counts, accepted
+
+
 def assert_target_law(counts, exact: list, runs: int) -> None:
     """χ² of the tokens sampled at each generated position (`counts[i]`: per token, over `runs` generations) against
     the exact law `exact[i]` (`exact_marginals`), cells expected ≥ 5 times; fails below p = 1e-3."""

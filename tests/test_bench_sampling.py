@@ -13,12 +13,12 @@ import torch
 from typer.testing import CliRunner
 
 from recycle.cli import app
-from recycle.decoding import MaskCache, MTPStack, StaticTree, Target, generate
+from recycle.decoding import MaskCache, MTPStack, StaticTree, Target
 from recycle.decoding.tree import Expander
 from recycle.errors import RecycleError
 from recycle.options import BenchOptions
 
-from tests.helpers import assert_target_law, chi2_sf, exact_marginals, tiny_mtp_pair
+from tests.helpers import assert_target_law, chi2_sf, exact_marginals, sampled_counts, tiny_mtp_pair
 from tests.trained import FIXTURE
 
 runner = CliRunner()
@@ -142,8 +142,7 @@ def _chi2_law(model, mtp, shape, rule: str, runs: int) -> None:
     target.set_taps(engine.taps)
     prompt, temperature = [1, 5, 2, 7, 3], 1.0
     exact = exact_marginals(model, prompt, temperature)
-    counts = torch.zeros(3, V, dtype=torch.float64)
-    accepted = sampled = 0
+    sampled = 0
     propose = engine.propose
 
     def watched(root, t=0.0, gen=None):
@@ -153,11 +152,7 @@ def _chi2_law(model, mtp, shape, rule: str, runs: int) -> None:
         return tree
 
     engine.propose = watched
-    for seed in range(runs):
-        g = generate(target, engine, prompt, 3, temperature=temperature, seed=seed, masks=masks)
-        for i, t in enumerate(g.tokens[:3]):
-            counts[i, t] += 1
-        accepted += sum(g.stats.accepted)
+    counts, accepted = sampled_counts(target, engine, prompt, runs, V, masks, temperature)
     assert accepted > runs // 10  # the drafts are exercised, not all rejected
     assert (sampled > 0) == (rule == "probabilistic")  # the rule took effect
     assert_target_law(counts, exact, runs)

@@ -16,7 +16,7 @@ from recycle.decoding.tree import Expander, Tree, ancestor_matrix, parse_shape, 
 from recycle.decoding.verify import verify
 from recycle.errors import RecycleError
 
-from tests.helpers import assert_target_law, chi2_sf, exact_marginals, tiny_mtp_pair
+from tests.helpers import assert_target_law, chi2_sf, exact_marginals, sampled_counts, tiny_mtp_pair
 from tests.trained import FIXTURE, GLM_FIXTURE, TRAINED
 
 
@@ -226,13 +226,7 @@ def test_speculative_sampling_follows_target_distribution(tiny, shape):
     target.set_taps(engine.taps)
     prompt, temperature, runs = [1, 5, 2, 7, 3], 1.0, 1200
     exact = exact_marginals(model, prompt, temperature)
-    counts = torch.zeros(3, V, dtype=torch.float64)
-    accepted = 0
-    for seed in range(runs):
-        g = generate(target, engine, prompt, 3, temperature=temperature, seed=seed, masks=masks)
-        for i, t in enumerate(g.tokens[:3]):
-            counts[i, t] += 1
-        accepted += sum(g.stats.accepted)
+    counts, accepted = sampled_counts(target, engine, prompt, runs, V, masks, temperature)
     assert accepted > runs // 10  # the drafts are exercised, not all rejected
     assert_target_law(counts, exact, runs)
 
