@@ -250,7 +250,7 @@ def distill_terms(steps: list[StepOutput], chunk: int = LOSS_CHUNK_ROWS, grad: b
         keep = s.mask if s.mask is not None else torch.ones(s.rows, dtype=torch.bool, device=s.labels.device)
         counted = keep.sum().clamp(min=1)
         labelled = ((s.labels >= 0) & keep).sum().clamp(min=1)
-        terms = {"kl": total[0] / counted, "ce": total[1] / labelled, "agree": total[2] / counted}
+        terms = {"kl": total[0] / counted, "ce": total[1] / labelled, "agree": (total[2] / counted).detach()}
         terms.update((LossTerm(name, t).key, x / counted) for (name, t), x in zip(divergences, total[3:]))
         out.append(terms)
     return out
