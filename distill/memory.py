@@ -596,7 +596,7 @@ def for_options(opts, world: int = 1, gpu: str | None = None, device_bytes: int 
                     loss_terms=opts.loss.terms() if opts.loss is not None else ())
 
     final = at(opts.seq_len)
-    stages = opts.stages() if hasattr(opts, "stages") else ()
+    stages = opts.stages()
     if not stages:
         return final
     # --curriculum: each stage's plan (the held-out rows stay --seq-len long in every stage); the run needs the peak

@@ -54,7 +54,6 @@ from recycle.bench_result import (
 from recycle.checkpoint import SHORT_DTYPES
 from recycle.contexts import Streams, check_buckets, context_streams, given_tree_tokens
 from recycle.contexts import measure as measure_contexts
-from recycle.contexts import positions_of as _positions  # options.py checks --context-buckets with it
 from recycle.decoding import (
     DecodeStats,
     Drafter,
@@ -72,6 +71,7 @@ from recycle.formats import BENCH_REPORT
 from recycle.hardware import detect, resolve_device, sync
 from recycle.options import BenchOptions
 from recycle.preflight import DRAFTER_RECORD, load_json
+from recycle.preflight import max_positions as _positions
 from recycle.resample import interval, resamples
 
 Progress = Callable[[int, int, str], None]

@@ -92,15 +92,6 @@ def lengths(bucket: Bucket, n: int, max_new: int, extra: int) -> list[int]:
     return [round(first + (j + 0.5) * (last - first) / n) for j in range(n)]
 
 
-def positions_of(config: dict) -> int | None:
-    """The target's max_position_embeddings (a multimodal config's text_config holds it), None where it names none."""
-    for cfg in (config, config.get("text_config") or {}):
-        n = cfg.get("max_position_embeddings") if isinstance(cfg, dict) else None
-        if isinstance(n, int) and not isinstance(n, bool) and n > 0:
-            return n
-    return None
-
-
 def check_buckets(buckets: Sequence[Bucket], positions: int | None, max_new: int, extra: int, tree: str = "") -> None:
     """Refuse a bucket past the target's context, or too narrow to hold a prompt of MIN_PROMPT tokens (or from
     its start), --max-new-tokens and `extra` draft tokens (`tree` names them)."""
@@ -301,4 +292,4 @@ def _decoded(prompts: Sequence[LongPrompt], temperature: float, generate, target
 
 
 __all__ = ["Bucket", "LongPrompt", "Streams", "bucket_figures", "check_buckets", "context_streams", "decay", "ends",
-           "encode_streams", "given_tree_tokens", "label", "lengths", "positions_of", "measure", "parse_buckets", "run_figures", "slope"]
+           "encode_streams", "given_tree_tokens", "label", "lengths", "measure", "parse_buckets", "run_figures", "slope"]

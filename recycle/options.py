@@ -33,6 +33,7 @@ from recycle.preflight import (
     output_dir,
     parse_size,
     parse_tokens,
+    target_context,
 )
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")  # OWNER/NAME
@@ -444,20 +445,6 @@ class DataOptions:
                                "or distill with the target in process")
 
 
-def target_context(target: str) -> int | None:
-    """The target's max_position_embeddings from its config.json (a multimodal config's text_config holds it); None
-    where it names none."""
-    try:
-        config = json.loads((Path(target).expanduser() / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    for cfg in (config, config.get("text_config") or {}) if isinstance(config, dict) else ():
-        n = cfg.get("max_position_embeddings") if isinstance(cfg, dict) else None
-        if isinstance(n, int) and not isinstance(n, bool) and n > 0:
-            return n
-    return None
-
-
 def parse_curriculum(text: str | None, seq_len: int, rows: int) -> tuple[tuple[int, float], ...]:
     """--curriculum: window lengths run before --seq-len, in order, each `LEN` or `LEN:SHARE` (a share of the
     budget; without shares each stage gets an equal share, the rest runs at --seq-len). Lengths rise, stay below
@@ -848,11 +835,11 @@ class BenchOptions:
         """Each context bucket within the target's max_position_embeddings (its config.json alone) and wide enough
         for a prompt and --max-new-tokens (the tree's draft tokens: once its shape is known, recycle.bench)."""
         if self.context_buckets:
-            from recycle.contexts import check_buckets, positions_of
-            from recycle.preflight import load_json
+            from recycle.contexts import check_buckets
+            from recycle.preflight import load_json, max_positions
 
             config = load_json(Path(self.target) / "config.json", "config.json")
-            check_buckets(self.context_buckets, positions_of(config), self.max_new_tokens, 0)
+            check_buckets(self.context_buckets, max_positions(config), self.max_new_tokens, 0)
 
     def _check_save(self, native: bool) -> None:
         """--save writes into the drafter directory: there must be one, and not the target checkpoint itself

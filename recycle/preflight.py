@@ -22,6 +22,25 @@ from recycle.errors import RecycleError
 SUFFIXES = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
 
 
+def max_positions(config: dict) -> int | None:
+    """A model config's max_position_embeddings (a multimodal config's text_config holds it), None where it names
+    none."""
+    for cfg in (config, config.get("text_config") or {}):
+        n = cfg.get("max_position_embeddings") if isinstance(cfg, dict) else None
+        if isinstance(n, int) and not isinstance(n, bool) and n > 0:
+            return n
+    return None
+
+
+def target_context(target: str | Path) -> int | None:
+    """`max_positions` of the target directory's config.json; None where it is unreadable (its own check says so)."""
+    try:
+        config = json.loads((Path(target).expanduser() / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return max_positions(config) if isinstance(config, dict) else None
+
+
 def load_json(path: Path, what: str) -> dict:
     """A JSON object from a file, or a one-line RecycleError saying what is wrong with it."""
     try:

@@ -22,11 +22,11 @@ from recycle.contexts import (
     label,
     lengths,
     parse_buckets,
-    positions_of,
     slope,
 )
 from recycle.encode import load_tokenizer
 from recycle.errors import RecycleError
+from recycle.preflight import max_positions
 
 from tests.helpers import ROOT, run
 from tests.trained import FIXTURE
@@ -65,8 +65,8 @@ def test_room_in_a_bucket_and_the_context():
         check_buckets([(0, 256), (1024, 4096)], 2048, 32, 2)
     with pytest.raises(RecycleError, match=r"0-48: too narrow .* --max-new-tokens 32 \+ 2 draft tokens"):
         check_buckets([(0, 48)], 2048, 32, 2, "chain:2")
-    assert positions_of({"text_config": {"max_position_embeddings": 4096}}) == 4096
-    assert positions_of({"max_position_embeddings": True}) is None
+    assert max_positions({"text_config": {"max_position_embeddings": 4096}}) == 4096
+    assert max_positions({"max_position_embeddings": True}) is None
 
 
 def test_prompt_lengths_spread_across_the_bucket_leaving_room():
