@@ -28,7 +28,10 @@ import json
 import math
 import os
 import struct
+from collections import deque
 from collections.abc import Iterable, Iterator
+from itertools import chain
+from operator import attrgetter, eq, itemgetter, methodcaller
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -85,6 +88,25 @@ STORAGE_KEYS = ("quantization_config", "architectures", "auto_map", "torch_dtype
 
 
 _TORCH_TABLES: dict[str, dict] = {}
+_KNOWN_DTYPES = {k: k for k in ST_DTYPES}
+
+
+@contextlib.contextmanager
+def _no_gc() -> Iterator[None]:
+    """The cyclic garbage collector paused: reading a checkpoint makes a record per tensor and no cycle, and each
+    collection would walk every record made so far (a third of DeepSeek-V4-Pro's header read). On the way out what
+    was made goes to the oldest generation unscanned (`gc.freeze` then `gc.unfreeze`, unless someone else holds
+    objects frozen): else the next young collection walks all 300k records once more (0.1 s) to find no garbage."""
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if not gc.get_freeze_count():
+            gc.freeze()
+            gc.unfreeze()
+        if collecting:
+            gc.enable()
 
 
 def __getattr__(name: str):
@@ -220,13 +242,14 @@ class Checkpoint:
         self._handles: dict[str, object] = {}
         self._offsets: dict[str, dict[str, tuple[int, int]]] = {}  # file -> name -> (first byte, end), absolute
         self.files = self._shard_files()
-        for file in self.files:
-            self._read_header(file)
-        if self.index is not None:
-            self._check_index()
-        self.quant_config: dict = self._quant_config()
-        self.packed: dict[str, Packed] = {}  # logical weight -> its stored parts, for packed storages
-        self.tensors: dict[str, TensorInfo] = self._fold()  # the model's weights (see the module docstring)
+        with _no_gc():  # one small record per tensor (145k in DeepSeek-V4-Pro), none of them cyclic
+            for file in self.files:
+                self._read_header(file)
+            if self.index is not None:
+                self._check_index()
+            self.quant_config: dict = self._quant_config()
+            self.packed: dict[str, Packed] = {}  # logical weight -> its stored parts, for packed storages
+            self.tensors: dict[str, TensorInfo] = self._fold()  # the model's weights (see the module docstring)
 
     # -- layout -------------------------------------------------------------------------------
 
@@ -280,32 +303,35 @@ class Checkpoint:
 
     def _fold(self) -> dict[str, TensorInfo]:
         """`tensors`: the stored names with each codec's packed weights folded into one logical entry each."""
-        if not self.quant_config and not any(i.dtype in PACKED_STORAGE for i in self.stored.values()):
+        dtypes = set(map(attrgetter("dtype"), self.stored.values()))
+        if not self.quant_config and not dtypes & PACKED_STORAGE:
             return self.stored  # unquantized: no codec can find a packed weight (each has an int, u8 or f4 part)
-        collecting = gc.isenabled()
-        gc.disable()  # one small record per packed weight (71k in DeepSeek-V4-Pro): GC passes would be a third of it
-        try:
-            return self._fold_codecs()
-        finally:
-            if collecting:
-                gc.enable()
-
-    def _fold_codecs(self) -> dict[str, TensorInfo]:
-        parts: list[str] = []
-        first: dict[str, Packed] = {}  # the stored name whose place a packed weight takes in `tensors` → it
+        found: list[dict[str, Packed]] = []
         for name in CODECS:
             codec = CODECS.get(name)
-            if not getattr(codec, "fold", True):
+            scan = getattr(codec, "scan_dtypes", None)
+            if not getattr(codec, "fold", True) or (scan is not None and not dtypes & scan):
                 continue
-            for logical, p in codec.group(self.stored, self.quant_config).items():
-                names = list(p.parts.values())
-                parts += names
-                first[names[0]] = p
-                PACKED_BITS.setdefault(p.tag, codec.bits_of(p.tag))
-                self.packed[logical] = p
+            group = codec.group(self.stored, self.quant_config)
+            for tag in set(map(attrgetter("tag"), group.values())):
+                PACKED_BITS.setdefault(tag, codec.bits_of(tag))
+            self.packed.update(group)
+            found.append(group)
         if not self.packed:
             return self.stored
+        # each packed weight's stored parts, first part first, by C-level maps (71k weights in V4-Pro)
+        names_of = list(map(tuple, map(methodcaller("values"), (p.parts for group in found for p in group.values()))))
+        parts = list(chain.from_iterable(names_of))
         claimed = set(parts)
+        keys = list(self.packed)
+        if (len(claimed) == len(parts) and len(keys) == len(names_of)
+                and keys == list(map(attrgetter("name"), self.packed.values()))
+                and keys == list(map(itemgetter(0), names_of))):
+            return self._fold_in_place(chain.from_iterable(map(itemgetter(slice(1, None)), names_of)))
+        first: dict[str, Packed] = {}  # the stored name whose place a packed weight takes in `tensors` → it
+        for group in found:
+            for p in group.values():
+                first[next(iter(p.parts.values()))] = p
         if len(claimed) != len(parts):  # a stored tensor two weights (or two codecs) read
             seen: dict[str, str] = {}
             for logical, p in self.packed.items():
@@ -326,23 +352,41 @@ class Checkpoint:
                 out[n] = info
         return out
 
+    def _fold_in_place(self, others: Iterable[str]) -> dict[str, TensorInfo]:
+        """The fold where every packed weight is named as its first part (DeepSeek-V4's `X.weight`, NVFP4's) and no
+        stored tensor is read twice: the stored view, each packed weight's entry replaced where it stands and its
+        `others` parts left out; what the walk over every stored name below gives (145k in V4-Pro), in the
+        weights' own order (sequential in memory: the same work in random order takes twice as long)."""
+        out = dict(self.stored)
+        new = tuple.__new__  # TensorInfo's own __new__ is a Python frame per call
+        for name, p in self.packed.items():
+            out[name] = new(TensorInfo, (name, out[name].file, p.tag, tuple(p.shape)))
+        deque(map(out.__delitem__, others), maxlen=0)
+        return out
+
     def _read_header(self, file: str) -> None:
         # safetensors parses and validates the header (truncated files, overlapping or bad offsets, unknown dtypes);
         # its parse gives names, dtypes and shapes, which costs less than parsing the JSON again here (DeepSeek-V4-Pro:
         # 145,109 tensors, 0.53 s against 0.85 s). Byte offsets are read when first asked for (`span`).
         handle = self._open(file, "numpy")
         tensors = self.stored
+        add, get_slice, known, new = tensors.setdefault, handle.get_slice, _KNOWN_DTYPES, tuple.__new__
         for name in handle.keys():  # sorted
-            part = handle.get_slice(name)
-            dtype = part.get_dtype()
-            if dtype not in ST_DTYPES:
-                raise RecycleError(f"{self.path / file}: tensor {name} has unknown dtype {dtype}")
-            if name in tensors:
+            part = get_slice(name)
+            dtype = known.get(part.get_dtype())  # the table's own string: 145k equal strings made one each
+            if dtype is None:
+                raise RecycleError(f"{self.path / file}: tensor {name} has unknown dtype {part.get_dtype()}")
+            info = new(TensorInfo, (name, file, dtype, tuple(part.get_shape())))  # TensorInfo(...) without a frame
+            if add(name, info) is not info:  # one lookup: added, or an earlier file's is kept
                 raise RecycleError(f"{self.path}: tensor {name} is stored in both {tensors[name].file} and {file}")
-            tensors[name] = TensorInfo(name, file, dtype, tuple(part.get_shape()))
 
     def _check_index(self) -> None:
         weight_map: dict = self.index["weight_map"]  # type: ignore[index]
+        try:  # every name stored in the file the index names, compared in C; the walk below names the first mismatch
+            if all(map(eq, map(attrgetter("file"), map(self.stored.__getitem__, weight_map)), weight_map.values())):
+                return
+        except KeyError:
+            pass
         for name, file in weight_map.items():
             info = self.stored.get(name)
             if info is None:

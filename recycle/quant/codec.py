@@ -5,7 +5,8 @@ their scales (NVFP4: `weight` u8 + `weight_scale` e4m3 + `weight_scale_2` f32; A
 `scales`; gpt-oss MXFP4: `X_blocks` + `X_scales`; ...). A `Codec` knows one such storage:
 
 - `group(stored)` finds, in a checkpoint's headers, the weights it stores: logical name → `Packed` (the logical
-  shape and the stored parts by role). Headers only: no tensor is read, no torch imported;
+  shape and the stored parts by role). Headers only: no tensor is read, no torch imported; a codec that sets
+  `scan_dtypes` is asked only where a tensor of one of them is stored;
 - `dequantize(parts, packed, config, dtype)` makes the logical weight from its parts' tensors;
 - `quantize(weight, name, config)` (where recycle writes the codec) makes the stored parts of a weight.
 
@@ -46,6 +47,9 @@ class Codec(ABC):
     name: str = ""
     tag: str = ""
     bits: float = 16.0
+    # the stored dtypes its codes part can have: the reader asks `group` only of a checkpoint storing a tensor of one
+    # (DeepSeek-V3's 92k names and V4-Pro's 145k are not walked for a storage they hold no tensor of); None: always
+    scan_dtypes: frozenset[str] | None = None
 
     def bits_of(self, tag: str) -> float:
         """Stored bits per element of the codes of a weight this codec tagged `tag` (a codec storing several

@@ -45,6 +45,7 @@ PAIRS = np.stack([E2M1[np.arange(256) & 15], E2M1[np.arange(256) >> 4]], axis=1)
 E2M1_MAX, E4M3_MAX = 6.0, 448.0
 MX_BLOCK, NV_BLOCK = 32, 16
 E8M0 = ("F8_E8M0", "U8")  # an e8m0 scale, typed or as its bytes
+FP4_CODES = {"I8": 2, "U8": 2, "F4": 1}  # DeepSeek-V4's FP4 codes, by stored dtype: values per stored element
 
 
 # -- shared arithmetic --------------------------------------------------------------------------------------------
@@ -169,6 +170,7 @@ class MXFP4(Codec):
     """gpt-oss's MXFP4 experts: `P_blocks` U8 [E, rows, G, 16] + `P_scales` U8 [E, rows, G] → `P` [E, G*32, rows]."""
 
     name, tag, bits = "mxfp4", "MXFP4", 4.0
+    scan_dtypes = frozenset({"U8"})
 
     def group(self, stored: Mapping[str, Any], config: Mapping) -> dict[str, Packed]:
         out: dict[str, Packed] = {}
@@ -225,25 +227,30 @@ class MXFP4Native(Codec):
     [..., out, in/32] → `X.weight` [..., out, in]."""
 
     name, tag, bits = "mxfp4_native", "MXFP4", 4.0
+    scan_dtypes = frozenset(FP4_CODES)
 
     def group(self, stored: Mapping[str, Any], config: Mapping) -> dict[str, Packed]:
         out: dict[str, Packed] = {}
-        get = stored.get
-        for name, info in stored.items():
-            dt = info.dtype
-            if (dt != "I8" and dt != "U8" and dt != "F4") or not name.endswith(".weight"):
-                continue
+        get, new = stored.get, tuple.__new__  # Packed's own __new__ is a Python frame per call (71k in V4-Pro)
+        for name, info in [(n, i) for n, i in stored.items() if i.dtype in FP4_CODES and n.endswith(".weight")]:
             scale_name = name[:-6] + "scale"  # `X.weight` → `X.scale`
             scale = get(scale_name)
             if scale is None or scale.dtype != "F8_E8M0":
                 continue
             w, s = tuple(info.shape), tuple(scale.shape)
+            if len(w) == 2 and len(s) == 2 and w[0] == s[0]:  # [out, in/2] with [out, in/32]: the weights as stored
+                cols = w[1] * FP4_CODES[info.dtype]
+                if cols and cols == s[1] * MX_BLOCK:
+                    out[name] = new(Packed, (name, self.name, self.tag, (w[0], cols),
+                                             {"codes": name, "scale": scale_name}))
+                    continue
+            dt = info.dtype
             cols = (w[-1] if dt == "F4" else 2 * w[-1]) if w else 0
             if len(w) < 2 or w[:-1] != s[:-1] or cols != s[-1] * MX_BLOCK or not cols:
                 raise RecycleError(f"{name}: {dt} {list(w)} with {scale_name} {list(s)}, but FP4 codes "
                                    f"[out, in/2] need an e8m0 scale [out, in/{MX_BLOCK}] (corrupt or mislabelled "
                                    "FP4 tensors)")
-            out[name] = Packed(name, self.name, self.tag, (*w[:-1], cols), {"codes": name, "scale": scale_name})
+            out[name] = new(Packed, (name, self.name, self.tag, (*w[:-1], cols), {"codes": name, "scale": scale_name}))
         return out
 
     def dequantize(self, parts: Mapping[str, torch.Tensor], packed: Packed, config: Mapping,
@@ -272,6 +279,7 @@ class NVFP4(Codec):
     → `X.weight` [..., out, in]."""
 
     name, tag, bits = "nvfp4", "NVFP4", 4.0
+    scan_dtypes = frozenset({"U8"})
 
     def group(self, stored: Mapping[str, Any], config: Mapping) -> dict[str, Packed]:
         out: dict[str, Packed] = {}

@@ -93,6 +93,12 @@ def engine_fp8(name: str, shape: tuple[int, ...]) -> bool:
             and not name.endswith(NOT_FP8))
 
 
+def any_engine_fp8_part(names: Iterable[str]) -> bool:
+    """Whether any of these names lies in a part whose Linears an engine builds FP8 (`engine_fp8`'s `FP8_PARTS`): one
+    scan of the joined names, so a checkpoint naming none (DeepSeek-V4's `attn.`/`ffn.`) is not asked name by name."""
+    return _FP8_PART.search("\n".join(names)) is not None
+
+
 def module_of(weight: str) -> str:
     """`model.layers.61.self_attn.q_a_proj.weight` → `model.layers.61.self_attn.q_a_proj`: what ignore lists name."""
     return weight[: -len(".weight")] if weight.endswith(".weight") else weight
