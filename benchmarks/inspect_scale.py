@@ -15,8 +15,13 @@ under names no checkpoint uses), to show the matcher's cost does not grow with t
 and shared experts with e8m0 `.scale` per 128x128 block, FP4 (e2m1, two per byte) routed experts with an e8m0
 `.scale` per 32, BF16 compressors, float32 hyper-connections, one MTP module (sliding-window attention).
 
+`--phases` adds where one inspect's time goes (a separate run in a child, after the timed ones): the import, each step
+of reading the checkpoint (shard list, headers, index check, the fold of packed weights), the family match, the report's
+counts and each check, the JSON; each step's own CPU seconds (what the steps it calls took is theirs; CPU, not wall,
+so that a busy machine's waits are left out), summing to the total.
+
 Usage:  python benchmarks/inspect_scale.py [--dir /tmp/dsv3_sparse] [--layers 61] [--extra-rows 0 10] [--keep]
-        python benchmarks/inspect_scale.py --layout deepseek_v4_pro --layers 61 --repeats 5
+        python benchmarks/inspect_scale.py --layout deepseek_v4_pro --layers 61 --repeats 5 [--phases]
 """
 
 from __future__ import annotations
@@ -238,17 +243,69 @@ def v3_config(layers: int) -> dict:
 # The child that inspects with N synthetic rows in the table: each a real row under a model type, name and tensor
 # prefix no checkpoint holds, placed before the real rows (every row is tried on every checkpoint).
 EXTRA_ROWS = """
-import dataclasses, sys
+import sys
 import recycle.families as fam
 n = int(sys.argv[2])
 base = fam.FAMILIES
-extra = tuple(dataclasses.replace(base[i % len(base)], name=f"synthetic_{i}", model_types=(f"synthetic_{i}",),
-                                  architectures=(), prefixes=(f"synthetic_{i}.",)) for i in range(n))
+extra = tuple(fam.derive(base[i % len(base)], name=f"synthetic_{i}", model_types=(f"synthetic_{i}",),
+                          architectures=(), layout=dict(prefixes=(f"synthetic_{i}.",))) for i in range(n))
 fam.FAMILIES = extra + base
 fam.BY_NAME.update({f.name: f for f in extra})
 from recycle.cli import app
 app(["inspect", sys.argv[1], "--json"])
 """
+
+
+# The child that times one inspect step by step: each step a function of the reader or the audit, wrapped so that its
+# own time (less the wrapped steps it calls) is summed under its name.
+PHASES = """
+import json, sys, time
+t0, w0 = time.process_time(), time.perf_counter()
+import recycle.cli
+import recycle.audit as audit
+import recycle.checkpoint as ck
+import recycle.families as fam
+spent, stack = {"import": time.process_time() - t0}, []
+def timed(label, fn):
+    def run(*a, **k):
+        start = time.process_time()
+        stack.append(0.0)
+        try:
+            return fn(*a, **k)
+        finally:
+            took = time.process_time() - start
+            inner = stack.pop()
+            spent[label] = spent.get(label, 0.0) + took - inner
+            if stack:
+                stack[-1] += took
+    return run
+for label in sys.argv[2].split(","):
+    where, name = label.split(".")
+    owner = {"Checkpoint": ck.Checkpoint, "audit": audit, "families": fam, "Report": audit.Report}[where]
+    if hasattr(owner, name):
+        setattr(owner, name, timed(label, getattr(owner, name)))
+t1 = time.process_time()
+data = audit.inspect_checkpoint(sys.argv[1]).to_json()
+t2 = time.process_time()
+json.dumps(data, indent=2)
+spent["json.dumps"] = time.process_time() - t2
+spent["inspect_checkpoint (rest)"] = t2 - t1 - sum(v for k, v in spent.items() if k not in ("import", "json.dumps"))
+spent["total"] = time.process_time() - t0
+spent["total_wall"] = time.perf_counter() - w0
+print(json.dumps({k: round(v, 3) for k, v in spent.items()}))
+"""
+STEPS = ("Checkpoint._shard_files", "Checkpoint._read_header", "Checkpoint._check_index", "Checkpoint._fold",
+         "audit.match", "audit._module_summary", "Checkpoint.params", "Checkpoint.nbytes", "audit._check_modules",
+         "audit._check_copies", "audit._check_quantization", "audit._check_parts", "audit._check_block_fp8",
+         "audit._check_scheme", "audit._check_quant_stats", "Report.to_json")
+
+
+def phases(ckpt: Path) -> dict:
+    """One inspect in a child process, step by step (`PHASES`): seconds per step."""
+    proc = subprocess.run([sys.executable, "-c", PHASES, str(ckpt), ",".join(STEPS)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"inspect failed: {proc.stderr.strip()}")
+    return json.loads(proc.stdout)
 
 
 def measure(ckpt: Path, extra_rows: int = 0) -> dict:
@@ -280,6 +337,7 @@ def main() -> None:
                     help="synthetic family rows added to the table, one inspect per count (default: 0)")
     ap.add_argument("--repeats", type=int, default=1, help="inspect runs per count; the median is reported")
     ap.add_argument("--keep", action="store_true", help="keep the sparse checkpoints")
+    ap.add_argument("--phases", action="store_true", help="also time one inspect step by step (CPU seconds per step)")
     args = ap.parse_args()
     root = args.dir or Path("/tmp/recycle_dsv4pro_sparse" if args.layout == "deepseek_v4_pro" else "/tmp/recycle_dsv3_sparse")
     rows = []
@@ -293,6 +351,8 @@ def main() -> None:
             runs = [measure(d, extra) for _ in range(args.repeats)]
             walls = sorted(r["wall_s"] for r in runs)
             row = {**built, "extra_rows": extra, **runs[0], "wall_s": walls[len(walls) // 2], "walls": walls}
+            if args.phases and not extra:
+                row["phases_s"] = phases(d)
             rows.append(row)
             print(json.dumps(row), flush=True)
         if not args.keep:

@@ -99,7 +99,7 @@ def _convert(opts: ConvertOptions, ckpt: Checkpoint, progress: Progress | None, 
     if opts.target is not None and fmt.target_file is None:  # a file target (a trunk GGUF): its converter checks it
         check_fit(ckpt.config, checkpoint_dir(opts.target), ckpt.path, opts.target, f"--target {opts.target}")
     w = gather(ckpt)
-    bb = backbone(opts.target) if w.family.reads_target and opts.target is not None else None
+    bb = backbone(opts.target) if w.family.exports.reads_target and opts.target is not None else None
     draft_ids = None
     if opts.draft_vocab is not None:
         from recycle.converters.vocab import draft_vocab as top_tokens

@@ -7,7 +7,7 @@
 2. `nextn/`: module 0 as a stand-alone NextN checkpoint in SGLang's export layout
    (`scripts/export_deepseek_nextn.py`): the family's own tensor names with the module renumbered
    to layer 0, embedding and head left out (SGLang takes the target's), `num_hidden_layers: 1`,
-   `architectures: [family.nextn_architecture]`, weights in the output dtype (no FP8). Written only
+   `architectures: [family.exports.nextn_architecture]`, weights in the output dtype (no FP8). Written only
    for families whose table row names a NextN class.
 3. `mtp_overlay/`: every stored MTP tensor under its original name, byte for byte (FP8 weights
    keep their `_scale_inv`; `--dtype` does not apply, so the tensors match the target's
@@ -82,9 +82,9 @@ def drafter_config(w: RoleWeights, dtype_name: str) -> dict:
             "model_type": cfg.get("model_type"),
             "family": fam.name,
             "depth": len(w.modules),
-            "chained_state": fam.chained_state,
-            "zero_embed_at_pos0": fam.zero_embed_at_pos0,
-            "block_class": fam.block_class,
+            "chained_state": fam.run.chained_state,
+            "zero_embed_at_pos0": fam.run.zero_embed_at_pos0,
+            "block_class": fam.run.block_class,
             "norm": "w",
             "concat_order": "eh",
             "source_num_hidden_layers": w.num_hidden_layers,
@@ -95,20 +95,20 @@ def drafter_config(w: RoleWeights, dtype_name: str) -> dict:
 def nextn(w: RoleWeights, dtype_name: str) -> tuple[dict[str, Lazy], dict] | None:
     """Module 0 in SGLang's NextN export layout, or None when the family has no NextN class."""
     fam = w.family
-    if fam.nextn_architecture is None:
+    if fam.exports.nextn_architecture is None:
         return None
     ctx = {"k": 0, "layer": 0, "first": 0, "last": 0, "s": 0}
     m0 = w.modules[0]
     tensors: dict[str, Lazy] = {}
     for role in ("embed_norm", "hidden_norm", "proj", "final_norm"):
-        if role in m0.stored_leaves and role in fam.roles:
-            tensors[fam.roles[role][0].format(**ctx)] = m0.stored_leaves[role]
-    prefix = fam.block[0].format(**ctx)
+        if role in m0.stored_leaves and role in fam.layout.roles:
+            tensors[fam.layout.roles[role][0].format(**ctx)] = m0.stored_leaves[role]
+    prefix = fam.layout.block[0].format(**ctx)
     for rel, lazy in m0.block.items():
         tensors[prefix + rel] = lazy
-    config = {**model_config(w), "architectures": [fam.nextn_architecture], "num_hidden_layers": 1,
+    config = {**model_config(w), "architectures": [fam.exports.nextn_architecture], "num_hidden_layers": 1,
               "torch_dtype": dtype_name}
-    for key in fam.depth_keys[:1]:
+    for key in fam.keys.depth_keys[:1]:
         config[key] = 1
     return tensors, config
 
@@ -120,7 +120,7 @@ def overlay(w: RoleWeights) -> tuple[dict[str, Lazy], dict]:
     total = sum(w.ckpt.tensors[n].nbytes for n in names)
     index = {
         "metadata": {"total_size": total, "format": "recycle-mtp-overlay", "family": w.family.name,
-                     "modules": len(w.modules), "depth_key": (w.family.depth_keys or (None,))[0],
+                     "modules": len(w.modules), "depth_key": (w.family.keys.depth_keys or (None,))[0],
                      "source": str(w.ckpt.path)},
         "weight_map": {n: OVERLAY_WEIGHTS for n in names},
     }

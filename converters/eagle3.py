@@ -231,7 +231,7 @@ def convert(w: RoleWeights, req) -> Plan:
     """EAGLE-3's converter (`req`: converters.registry.ConvertRequest): MTP module 0 folded into the midlayer (`fold`),
     or, from a source that reads its target (a Gemma 4 assistant), one of its layers (`converters.assistant`)."""
     attention = req.options.eagle3_attention or "llama"
-    if w.family.reads_target:
+    if w.family.exports.reads_target:
         bb = assistant.require_target(w, req, "eagle3")
         if attention != "llama":
             raise RecycleError("--eagle3-attention mla needs an MLA source; an assistant folds into the llama one")
@@ -250,7 +250,7 @@ def fold(w: RoleWeights, *, draft_ids: torch.Tensor | None = None, dtype_name: s
     m0 = w.modules[0]
     h, vocab = w.hidden_size, w.vocab_size
     # the block under its decoder layer's names (MiMo-V2's `pre_mlp_layernorm`, Ling's `attention.*`)
-    leaves, block = m0.leaves, renamed(m0.block, w.family.block_renames)
+    leaves, block = m0.leaves, renamed(m0.block, w.family.run.block_renames)
     mla = _mla_attention(block) if attention == "mla" else None
     if attention == "mla" and mla is None:
         raise RecycleError(f"--eagle3-attention mla needs an MLA source ({w.family.name}'s MTP block has no "

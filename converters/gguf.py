@@ -80,11 +80,11 @@ class Header:
 
 def supported() -> str:
     """Families llama.cpp drafts with that recycle writes, for messages."""
-    return ", ".join(f"{f.title.split(' (')[0]} ({f.gguf.arch})" for f in FAMILIES if f.gguf is not None)
+    return ", ".join(f"{f.title.split(' (')[0]} ({f.exports.gguf.arch})" for f in FAMILIES if f.exports.gguf is not None)
 
 
 def arch_of(w: RoleWeights) -> GGUFArch:
-    arch = w.family.gguf
+    arch = w.family.exports.gguf
     if arch is None:
         raise RecycleError(f"{w.ckpt.path}: llama.cpp has no MTP graph recycle writes for {w.family.title}; "
                            f"--to gguf covers {supported()}")
@@ -140,7 +140,7 @@ def _split_kv_b(lazy: Lazy, n: int, cfg: Mapping) -> dict[str, Lazy]:
 
 def _trunk(w: RoleWeights, role: str) -> str | None:
     """The source trunk's tensor name for `embed` / `final_norm` (None when the source stores no trunk)."""
-    names = {"embed": w.family.trunk.get("embed", ()), "final_norm": ("model.norm.weight",
+    names = {"embed": w.family.layout.trunk.get("embed", ()), "final_norm": ("model.norm.weight",
                                                                         "model.language_model.norm.weight")}[role]
     return next((n for n in names if n in w.ckpt.tensors), None)
 

@@ -39,7 +39,7 @@ def convert(w: RoleWeights, req) -> Plan:
     """Medusa's converter (`req`: converters.registry.ConvertRequest). From a source that reads its target (a Gemma 4
     assistant) the heads are built at the target's width (`--target`) and must be calibrated to it."""
     backbone = None
-    if w.family.reads_target:
+    if w.family.exports.reads_target:
         if req.options.calibrate is None:
             raise RecycleError(f"{w.ckpt.path}: Medusa heads from a {w.family.title} are fitted to it: pass "
                                "--calibrate TOKENS --target TARGET")

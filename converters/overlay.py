@@ -81,7 +81,7 @@ def _target_copies(ov: Checkpoint, om: MTPMatch, tgt: Checkpoint) -> dict[str, s
     for mod in om.modules:
         for role in ("embed", "head"):
             own = mod.tensor(role) if role in mod.roles else None
-            trunk = next((n for n in om.family.trunk.get(role, ()) if n in tgt.tensors), None)
+            trunk = next((n for n in om.family.layout.trunk.get(role, ()) if n in tgt.tensors), None)
             if own is None or trunk is None:
                 continue
             if tgt.tensors[trunk].shape != ov.tensors[own].shape:

@@ -53,8 +53,8 @@ def source_view(path: str | os.PathLike) -> Iterator[Path]:
                 if (src / name).is_file() and not (view / name).exists():
                     _link(src / name, view / name)
             m = match(Checkpoint(view), strict=False)  # trunk names; the convert after it checks the row
-            borrowed = {role: m.family.trunk[role][0] for mod in m.modules for role, t in mod.shared.items()
-                        if t is None and role in DRAFTER_IO and m.family.trunk.get(role)}
+            borrowed = {role: m.family.layout.trunk[role][0] for mod in m.modules for role, t in mod.shared.items()
+                        if t is None and role in DRAFTER_IO and m.family.layout.trunk.get(role)}
             if borrowed:
                 own = Checkpoint(src)
                 save_file({trunk: own.get(DRAFTER_IO[role]).contiguous() for role, trunk in borrowed.items()},

@@ -103,7 +103,7 @@ def _pieces(model: torch.nn.Module, name: str, t: torch.Tensor) -> dict[str, tor
     if split is None:
         return {name: t}
     prefix, rel = split
-    return {prefix + k: v for k, v in to_checkpoint_layout({rel: t}, model.config, model.family.block_renames).items()}
+    return {prefix + k: v for k, v in to_checkpoint_layout({rel: t}, model.config, model.family.run.block_renames).items()}
 
 
 def _renumbered(pieces: dict[str, torch.Tensor], first: int) -> dict[str, torch.Tensor] | None:
@@ -212,7 +212,7 @@ def canonical_concat(src: Path) -> bool:
     stores them; a [h; e] concat is not)."""
     rc = load_json(src / "config.json", "drafter config.json").get("recycle", {})
     fam = BY_NAME.get(rc.get("family", ""))
-    return fam is not None and fam.concat_order == "eh"
+    return fam is not None and fam.run.concat_order == "eh"
 
 
 @dataclass(frozen=True)
@@ -265,23 +265,23 @@ def _overlay_sources(model: torch.nn.Module, base: int) -> dict[str, tuple[str, 
     zero-centred (`w - 1`); None where the block's names there differ from model.safetensors' (a family's own
     conversions): that layout is then dropped, as the one-process rewriter drops what it cannot rebuild."""
     fam = model.family
-    stored_norm = BY_NAME[fam.name].norm if fam.name in BY_NAME else fam.norm
+    stored_norm = BY_NAME[fam.name].run.norm if fam.name in BY_NAME else fam.run.norm
     out: dict[str, tuple[str, bool]] = {}
     for k, layer in enumerate(model.layers):
         ctx = {"k": k, "layer": base + k, "first": k, "last": k}
         for role in LEAF_ROLES:
             module, name = getattr(layer, role), f"layers.{k}.{role}.weight"
-            if module is None and role in fam.stores_copies:
+            if module is None and role in fam.layout.stores_copies:
                 module, name = model._shared.get(role), f"{role}.weight"
-            if module is None or role not in fam.roles:
+            if module is None or role not in fam.layout.roles:
                 continue
-            out[fam.roles[role][0].format(**ctx)] = (name, isinstance(module, Norm) and module.style == "w"
+            out[fam.layout.roles[role][0].format(**ctx)] = (name, isinstance(module, Norm) and module.style == "w"
                                                      and stored_norm == "1+w")
-        prefix = fam.block[0].format(s=k, **ctx)
+        prefix = fam.layout.block[0].format(s=k, **ctx)
         for n, t in layer.block.state_dict().items():
             probe = {n: torch.empty(tuple(t.shape), device="meta")}
-            there = to_checkpoint_layout(probe, model.config, fam.block_renames, fam.block_conversions)
-            if set(there) != set(to_checkpoint_layout(probe, model.config, fam.block_renames)):
+            there = to_checkpoint_layout(probe, model.config, fam.run.block_renames, fam.run.block_conversions)
+            if set(there) != set(to_checkpoint_layout(probe, model.config, fam.run.block_renames)):
                 return None
             out.update({prefix + rel: (f"layers.{k}.block.{rel}", False) for rel in there})
     return out
@@ -340,7 +340,7 @@ def _source_shape(model: torch.nn.Module, module_name: str) -> tuple[int, ...]:
     prefix, rel = split
     for n, t in model.get_submodule(prefix[:-1]).state_dict().items():
         probe = torch.empty(tuple(t.shape), device="meta")
-        got = to_checkpoint_layout({n: probe}, model.config, model.family.block_renames)
+        got = to_checkpoint_layout({n: probe}, model.config, model.family.run.block_renames)
         if rel in got:
             return tuple(got[rel].shape)
     return ()

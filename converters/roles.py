@@ -157,35 +157,35 @@ def gather(ckpt: Checkpoint, family: str | None = None) -> RoleWeights:
     m = match(ckpt, family)
     fam = m.family
     if not m.modules:
-        declared = f"declares {m.declared} ({', '.join(fam.depth_keys) or 'config'})" if m.declared else "declares none"
+        declared = f"declares {m.declared} ({', '.join(fam.keys.depth_keys) or 'config'})" if m.declared else "declares none"
         raise RecycleError(f"{ckpt.path}: stores no MTP module ({fam.title} layout; config {declared}); "
                            "there is nothing to convert")
     if fam.kind not in REQUIRED:
         raise RecycleError(f"{ckpt.path}: family '{fam.name}' is {fam.kind}, neither sequential MTP modules nor "
                            "parallel heads; there is nothing recycle convert can map")
-    unmapped = [r for r in REQUIRED[fam.kind] if r not in fam.roles and r not in fam.trunk]
-    if unmapped or fam.runtime is not None:  # e.g. DeepSeek-V4: split e/h projections over hyper-connection streams
+    unmapped = [r for r in REQUIRED[fam.kind] if r not in fam.layout.roles and r not in fam.layout.trunk]
+    if unmapped or fam.run.runtime is not None:  # e.g. DeepSeek-V4: split e/h projections over hyper-connection streams
         what = f"has no {', '.join(unmapped)} role" if unmapped else "runs on its own runtime"
-        raise RecycleError(f"{ckpt.path}: the {fam.name} MTP layout {what} (it stores {', '.join(sorted(fam.roles))}): "
+        raise RecycleError(f"{ckpt.path}: the {fam.name} MTP layout {what} (it stores {', '.join(sorted(fam.layout.roles))}): "
                            "no drafter format recycle writes carries it yet; its MTP runs as it is (recycle.mtp)")
     if fam.kind == "parallel_heads" and len(m.modules) < m.declared:
-        raise RecycleError(f"{ckpt.path}: config declares {m.declared} extra head(s) ({', '.join(fam.depth_keys)}), "
+        raise RecycleError(f"{ckpt.path}: config declares {m.declared} extra head(s) ({', '.join(fam.keys.depth_keys)}), "
                            f"{len(m.modules)} stored: a parallel-heads checkpoint missing a head is incomplete")
-    h = first_value(m.config, fam.hidden_keys)
-    v = first_value(m.config, fam.vocab_keys)
+    h = first_value(m.config, fam.keys.hidden_keys)
+    v = first_value(m.config, fam.keys.vocab_keys)
     if not isinstance(h, int) or not isinstance(v, int):
         raise RecycleError(f"{ckpt.path}: config.json lacks hidden_size/vocab_size")
     dims = {**m.dims(), "H": h, "2H": 2 * h, "V": v}
     if "Hb" in dims:
         dims["2Hb"] = 2 * dims["Hb"]
     eps = float(m.config.get("rms_norm_eps") or m.config.get("layer_norm_epsilon") or 1e-6)
-    rows = first_value(m.config, (fam.logit_rows_key,)) if fam.logit_rows_key else None
+    rows = first_value(m.config, (fam.run.logit_rows_key,)) if fam.run.logit_rows_key else None
     if isinstance(rows, int) and 0 < rows < v:
-        raise RecycleError(f"{ckpt.path}: its head is padded to vocab_size {v} ({fam.logit_rows_key} {rows} real "
+        raise RecycleError(f"{ckpt.path}: its head is padded to vocab_size {v} ({fam.run.logit_rows_key} {rows} real "
                            "tokens) and no drafter format carries the real row count: recycle cannot write an exact "
                            "head for it (its MTP runs as it is: recycle bench/distill)")
-    trunk_norm = next((m.outer_prefix + n for n in fam.embed_trunk_norm if m.outer_prefix + n in ckpt.tensors), None)
-    divisor = first_value(m.config, (fam.logit_divisor_key,)) if fam.logit_divisor_key else None
+    trunk_norm = next((m.outer_prefix + n for n in fam.run.embed_trunk_norm if m.outer_prefix + n in ckpt.tensors), None)
+    divisor = first_value(m.config, (fam.run.logit_divisor_key,)) if fam.run.logit_divisor_key else None
     modules = []
     cache: dict[tuple[str, str], Lazy] = {}  # one Lazy per (source tensor, form): shared tensors are read once
 
@@ -204,21 +204,21 @@ def gather(ckpt: Checkpoint, family: str | None = None) -> RoleWeights:
             name = mod.tensor(role)
             if name is None:
                 continue
-            want = tuple(dims[s] for s in fam.shapes.get(role, LEAF_SHAPES[role]))
+            want = tuple(dims[s] for s in fam.layout.shapes.get(role, LEAF_SHAPES[role]))
             got = ckpt.tensors[name].shape
             if got != want:
                 raise RecycleError(f"{ckpt.path}: {name} ({role}) has shape {list(got)}, config.json implies {list(want)}")
             src = once(name, "stored", partial(stored, ckpt, name))
             plain[role] = src
             if role.endswith("norm"):
-                leaves[role] = once(name, "norm", partial(_canonical_norm, src, fam.norm))
+                leaves[role] = once(name, "norm", partial(_canonical_norm, src, fam.run.norm))
             elif role == "proj":
-                leaves[role] = once(name, "proj", partial(_canonical_proj, src, fam.concat_order, h))
+                leaves[role] = once(name, "proj", partial(_canonical_proj, src, fam.run.concat_order, h))
             elif role == "embed" and trunk_norm is not None:
                 norm = stored(ckpt, trunk_norm)
-                leaves[role] = once(name, "embed", partial(_trunk_normed, src, norm, fam.norm, eps))
+                leaves[role] = once(name, "embed", partial(_trunk_normed, src, norm, fam.run.norm, eps))
             elif role == "head" and divisor is not None:
-                leaves[role] = once(name, "head", partial(_divided, src, float(divisor), fam.logit_divisor_key))
+                leaves[role] = once(name, "head", partial(_divided, src, float(divisor), fam.run.logit_divisor_key))
             else:
                 leaves[role] = src
         block = {rel: once(full, "stored", partial(stored, ckpt, full))
@@ -235,7 +235,7 @@ def _check_blocks(ckpt: Checkpoint, m: MTPMatch, modules: list[ModuleWeights]) -
     them (built on the meta device: no memory): a layout read under the wrong row (a config naming a row whose
     templates its tensors also fit) is refused here, in one line, instead of becoming a drafter no engine runs right."""
     fam = m.family
-    if fam.kind != "mtp" or fam.block_class is None or fam.runtime is not None:
+    if fam.kind != "mtp" or fam.run.block_class is None or fam.run.runtime is not None:
         return
     from recycle.mtp import MTP, family_config, misfit, to_runtime_layout
 
@@ -244,14 +244,14 @@ def _check_blocks(ckpt: Checkpoint, m: MTPMatch, modules: list[ModuleWeights]) -
         with torch.device("meta"):
             model = MTP(config, fam, len(modules))
     except (IndexError, KeyError, TypeError, ValueError, AttributeError, RuntimeError) as e:
-        raise RecycleError(f"{ckpt.path}: cannot build {fam.block_class} from this config "
+        raise RecycleError(f"{ckpt.path}: cannot build {fam.run.block_class} from this config "
                            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
     for mw, layer in zip(modules, model.layers):
         stored_ = {rel: torch.empty(lazy.shape, device="meta") for rel, lazy in mw.block.items()}
-        why = misfit(to_runtime_layout(stored_, model.config, fam.block_renames, fam.block_conversions),
+        why = misfit(to_runtime_layout(stored_, model.config, fam.run.block_renames, fam.run.block_conversions),
                      layer.block.state_dict())
         if why is not None:
-            raise RecycleError(f"{ckpt.path}: MTP module {mw.index}'s block does not fit {fam.block_class} (the "
+            raise RecycleError(f"{ckpt.path}: MTP module {mw.index}'s block does not fit {fam.run.block_class} (the "
                                f"{fam.name} row): {why}")
 
 
@@ -311,7 +311,7 @@ def same_values(ckpt: Checkpoint, a: str, b: str) -> bool:
 
 def block_norm(weights: RoleWeights, lazy: Lazy) -> Lazy:
     """A norm weight from inside the block, in plain-`w` form (for formats with their own layers)."""
-    return _canonical_norm(lazy, weights.family.norm)
+    return _canonical_norm(lazy, weights.family.run.norm)
 
 
 @dataclass
@@ -328,9 +328,9 @@ class Plan:
 
 def require_sequential(w: RoleWeights, to: str) -> None:
     """Formats built on the MTP block itself (EAGLE, EAGLE-3) need sequential modules with an embedding input."""
-    if w.family.mtp_block:
+    if w.family.exports.mtp_block:
         return
-    if w.family.reads_target:
+    if w.family.exports.reads_target:
         raise RecycleError(f"{w.ckpt.path}: a {w.family.title} has no MTP block for --to {to}; use --to eagle3 "
                            "or --to medusa")
     raise RecycleError(f"{w.ckpt.path}: family '{w.family.name}' holds {w.family.kind.replace('_', ' ')}, not "

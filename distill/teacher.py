@@ -57,7 +57,7 @@ def target_io(target_dir: str | os.PathLike, device: torch.device, dtype: torch.
 
     ck = Checkpoint(target_dir)
     try:
-        trunk = match(ck, strict=False).family.trunk  # trunk names only
+        trunk = match(ck, strict=False).family.layout.trunk  # trunk names only
     except RecycleError:  # a target without MTP modules (a drafter's target need not carry any)
         trunk = LLAMA_TRUNK
     found = {}

@@ -196,7 +196,7 @@ class EagleUnroller(Unroller):
         for k in range(m.depth):
             prefix = f"layers.{k}.block."
             block = {n[len(prefix):]: v for n, v in state.items() if n.startswith(prefix)}
-            out.update({prefix + n: v for n, v in to_checkpoint_layout(block, m.config, m.family.block_renames).items()})
+            out.update({prefix + n: v for n, v in to_checkpoint_layout(block, m.config, m.family.run.block_renames).items()})
         return out
 
 

@@ -47,13 +47,14 @@ from __future__ import annotations
 import math
 import re
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
+from operator import attrgetter
 from pathlib import Path
 
 import numpy as np
 
-from recycle.checkpoint import Checkpoint
+from recycle.checkpoint import FP8_DTYPES, Checkpoint
 from recycle.errors import RecycleError
 from recycle.families import SHARED_ROLES, MTPMatch, MTPModule, eval_shape, match
 from recycle.quant import SCALE_SUFFIX, expected_scale_shape
@@ -76,9 +77,10 @@ KINDS = {
                        "eagle3|medusa --target TARGET_DIR rewrites it for the engines that read those formats"},
 }
 NORM_ROLES = ("embed_norm", "hidden_norm", "final_norm")
-MTP_WORDS = r"(?:mtp|nextn|eh_proj|enorm|hnorm|shared_head|extra_heads)"
-# tensor names that look like MTP (a word starting the name or after a dot), found in a newline-joined name list in
-# one scan (a full checkpoint has 92k–145k names)
+MTP_WORD_LIST = ("mtp", "nextn", "eh_proj", "enorm", "hnorm", "shared_head", "extra_heads")
+MTP_WORDS = "(?:" + "|".join(MTP_WORD_LIST) + ")"
+# tensor names that look like MTP (a word starting the name or after a dot), as one pattern over the newline-joined
+# names: the rule, which `_mtp_looking` applies by `str.find` (a full checkpoint has 92k–145k names)
 MTP_LOOKING_LINES = re.compile(r"(?m)^(?:[^\n]*\.)?" + MTP_WORDS + r"[^\n]*$")
 
 
@@ -169,8 +171,8 @@ def _module_summary(ckpt: Checkpoint, m: MTPMatch, mod: MTPModule) -> dict:
         "bytes": ckpt.nbytes(names),
         "dtypes": dict(Counter(ckpt.tensors[n].dtype for n in names)),
         "fp8": sum(ckpt.tensors[n].is_fp8 for n in names),
-        "concat_order": m.family.concat_order,
-        "norm": m.family.norm,
+        "concat_order": m.family.run.concat_order,
+        "norm": m.family.run.norm,
     }
 
 
@@ -186,31 +188,31 @@ def _check_modules(ckpt: Checkpoint, m: MTPMatch, rep: Report) -> None:
     elif found > m.declared and fam.kind != "drafter":
         rep.add("warning", "mtp_undeclared",
                 f"{found} MTP module(s) stored but config declares {m.declared} "
-                f"({'/'.join(fam.depth_keys) or 'no depth key'}); engines will ignore them")
+                f"({'/'.join(fam.keys.depth_keys) or 'no depth key'}); engines will ignore them")
     if fam.kind == "drafter":
         rep.add("info", "already_drafter", f"{fam.title}: already a drafter, with no MTP modules to extract; bench "
                 "and distill use it as it is, and convert --to eagle3|medusa --target TARGET_DIR rewrites it")
 
     # A role is required when the family names it and the trunk cannot stand in for it; a trunk entry of () says the
     # module may go without it (Inkling's chain norm, present only with mtp_config.chain_hidden_post_norm).
-    required = [r for r in fam.roles if r not in fam.trunk] + ["block"]
+    required = [r for r in fam.layout.roles if r not in fam.layout.trunk] + ["block"]
     for mod in m.modules:
         for role in required:
             if role not in mod.roles:
                 rep.add("error", "role_missing", f"module {mod.index} has no '{role}' tensor")
         for role in SHARED_ROLES:
-            if role in mod.roles or not fam.trunk.get(role):
+            if role in mod.roles or not fam.layout.trunk.get(role):
                 continue
             trunk = mod.shared.get(role)
             if trunk is None:
                 rep.add("error", "shared_copy_absent",
                         f"module {mod.index} stores no {role} and the trunk has none either "
-                        f"(looked for {', '.join(fam.trunk[role])})")
-            elif role in fam.stores_copies:
+                        f"(looked for {', '.join(fam.layout.trunk[role])})")
+            elif role in fam.layout.stores_copies:
                 rep.add("warning", "shared_copy_absent",
                         f"module {mod.index} stores no {role} copy; engines must take the trunk's {trunk}")
         # role shapes
-        for role, spec in fam.shapes.items():
+        for role, spec in fam.layout.shapes.items():
             name = mod.tensor(role)
             if name is None or name not in ckpt.tensors:
                 continue
@@ -222,7 +224,7 @@ def _check_modules(ckpt: Checkpoint, m: MTPMatch, rep: Report) -> None:
         # block shapes and expert count
         block = mod.block_names()
         for rel, name in block.items():
-            for suffix, spec in fam.block_shapes.items():
+            for suffix, spec in fam.layout.block_shapes.items():
                 if rel == suffix or rel.endswith("." + suffix):
                     want = eval_shape(spec, dims)
                     got = ckpt.tensors[name].shape
@@ -251,23 +253,40 @@ def _check_modules(ckpt: Checkpoint, m: MTPMatch, rep: Report) -> None:
     _check_copies(ckpt, m, rep)
     _check_quantization(ckpt, m, rep)
     claimed = set(m.mtp_names)
-    stray = [mt.group(0) for mt in MTP_LOOKING_LINES.finditer("\n".join(ckpt.tensors)) if mt.group(0) not in claimed]
+    stray = [name for name in _mtp_looking(ckpt.tensors) if name not in claimed]
     if stray:
         rep.add("warning", "unknown_layout",
                 f"{len(stray)} MTP-looking tensor(s) fit no role of {fam.name}: {', '.join(stray[:3])}"
                 + (" ..." if len(stray) > 3 else ""), stray[0])
 
 
+def _mtp_looking(names: Iterable[str]) -> list[str]:
+    """The names that look like MTP (`MTP_LOOKING_LINES`: an MTP word starting the name or after a dot), in order:
+    each word found in the joined names by `str.find`, so the cost is the few names that hold one, not a regular
+    expression tried at every character of 145k names (DeepSeek-V4-Pro)."""
+    text = "\n" + "\n".join(names) + "\n"
+    starts: set[int] = set()
+    for word in MTP_WORD_LIST:
+        at = text.find(word)
+        while at != -1:
+            if text[at - 1] in "\n.":
+                starts.add(text.rfind("\n", 0, at) + 1)
+            at = text.find(word, at + 1)
+    return [text[s:text.index("\n", s)] for s in sorted(starts)]
+
+
 def _check_block_fp8(ckpt: Checkpoint, m: MTPMatch, rep: Report) -> None:
     """The layouts that load silently wrong in an FP8 engine (recycle.quant says what an engine builds as FP8)."""
     from recycle.quant import engine_fp8, ignore_entries, scheme
+    from recycle.quant.fp8 import any_engine_fp8_part
 
     try:
         fp8 = scheme(ckpt.config, str(ckpt.path))
     except RecycleError as e:
         rep.add("info", "quant_unsupported", str(e).split(": ", 1)[-1])
         return
-    for name in ckpt.tensors:
+    text = "\n".join(ckpt.tensors) + "\n"  # whether any name ends with a scale's suffix: one search, not 145k calls
+    for name in ckpt.tensors if SCALE_SUFFIX + "\n" in text else ():
         if name.endswith(SCALE_SUFFIX):  # TensorInfo.is_scale, without a property call a tensor
             weight = ckpt.tensors.get(name[: -len(SCALE_SUFFIX)])
             if weight is None or not weight.is_fp8:
@@ -282,8 +301,9 @@ def _check_block_fp8(ckpt: Checkpoint, m: MTPMatch, rep: Report) -> None:
                     f"quantization_config to read them by (first: {stored[0]})", stored[0])
         return
     ignored = set(fp8.ignored)
-    unscaled = [n for n, i in ckpt.tensors.items() if not i.is_fp8 and engine_fp8(n, i.shape)
-                and not set(ignore_entries([n])) <= ignored]
+    linear_parts = any_engine_fp8_part(ckpt.tensors)  # else no name is one an engine builds FP8
+    unscaled = [n for n, i in (ckpt.tensors.items() if linear_parts else ()) if i.dtype not in FP8_DTYPES
+                and engine_fp8(n, i.shape) and not set(ignore_entries([n])) <= ignored]
     for n in unscaled[:3]:
         rep.add("error", "fp8_unscaled_weight", f"{n}: {ckpt.tensors[n].dtype} under the FP8 config, not in its ignore "
                 "list: the engine casts it to e4m3 without a scale", n)
@@ -633,7 +653,7 @@ def _check_copies(ckpt: Checkpoint, m: MTPMatch, rep: Report) -> None:
     for mod in m.modules:
         for role in ("embed", "head"):
             own = mod.tensor(role) if role in mod.roles else None
-            trunk = next((n for n in fam.trunk.get(role, ()) if n in ckpt.tensors), None)
+            trunk = next((n for n in fam.layout.trunk.get(role, ()) if n in ckpt.tensors), None)
             if own is None or trunk is None or ckpt.tensors[own].shape != ckpt.tensors[trunk].shape:
                 continue
             a, b = ckpt.sample_rows(own), ckpt.sample_rows(trunk)
@@ -703,7 +723,7 @@ def inspect_checkpoint(
         shards_count=len(ckpt.files),
         shards_bytes_total=ckpt.bytes_total,
         tensors_total=len(ckpt.tensors),
-        fp8_tensors=sum(i.is_fp8 for i in ckpt.tensors.values()),
+        fp8_tensors=sum(map(FP8_DTYPES.__contains__, map(attrgetter("dtype"), ckpt.tensors.values()))),
     )
     if m.conflict:  # the tensors say one row, config.json another (or none): not taken without --family
         rep.add("error", "family_conflict", m.conflict.split(": ", 1)[1])
@@ -720,14 +740,14 @@ def inspect_checkpoint(
         for i, (mod, name) in enumerate(todo):
             role = _role_of(mod, name)
             try:
-                st = _tensor_stats(ckpt, name, role, m.family.norm)
+                st = _tensor_stats(ckpt, name, role, m.family.run.norm)
             except (ValueError, RuntimeError, IndexError) as e:  # a codec's arithmetic on corrupt parts: one line
                 raise RecycleError(f"{name}: its stored parts do not decode ({type(e).__name__}: "
                                    f"{str(e).splitlines()[0] if str(e) else ''})") from None
             rep.stats.append(st)
             if not st.finite:
                 rep.add("error", "nan_or_inf", f"{name} holds NaN or inf values", name)
-            elif st.all_zero and not name.endswith("bias") and not (st.norm and m.family.norm == "1+w"):
+            elif st.all_zero and not name.endswith("bias") and not (st.norm and m.family.run.norm == "1+w"):
                 rep.add("warning", "all_zero", f"{name} is all zeros (untrained or wiped weights?)", name)
             if progress:
                 progress(i + 1, len(todo))

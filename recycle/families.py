@@ -3,7 +3,11 @@
 A row says how to recognise a family (config `model_type`/`architectures`, and the tensors an MTP
 module must hold), where module k's tensors live (name templates per role), what the module shares
 with the trunk, how its input is concatenated ([e; h] or [h; e]), how its norms are parametrised
-(`w·x̂` or zero-centred `(1+w)·x̂`), and which transformers decoder-layer class runs its block.
+(`w·x̂` or zero-centred `(1+w)·x̂`), and which transformers decoder-layer class runs its block. A row is its
+identity (name, title, model types, architectures, kind, notes) and one record per concern, each read by the code
+that needs it: `layout` (ModuleLayout: where the tensors live), `keys` (ConfigKeys: how config.json is read), `run`
+(Runtime: what the engines compute, read by recycle.mtp) and `exports` (Exports: what convert builds). A row like
+another is `derive(OTHER, name=..., run=dict(...))`.
 
 Name templates are `str.format` strings over:
   {k}      module index, 0-based
@@ -80,30 +84,16 @@ META_LLAMA = HFLayout(
 
 
 @dataclass(frozen=True)
-class Family:
-    """One MTP layout, as data."""
+class ModuleLayout:
+    """Where the tensors live: module k's roles (name templates), its block's prefixes, what the trunk lends, and
+    the whole checkpoint's names where they are another codebase's."""
 
-    name: str
-    title: str
-    model_types: tuple[str, ...]
-    architectures: tuple[str, ...]
-    roles: Mapping[str, tuple[str, ...]]  # role -> name templates inside the module (first match wins)
-    block: tuple[str, ...]  # block prefix templates; unclaimed tensors under them are the block
-    trunk: Mapping[str, tuple[str, ...]]  # role -> trunk tensor names used when the module stores none
+    roles: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # role -> templates (first match wins)
+    block: tuple[str, ...] = ()  # block prefix templates; unclaimed tensors under them are the block
+    trunk: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # role -> trunk names when the module has none
     anchor: str = "proj"  # the role whose presence says module k exists
     stores_copies: tuple[str, ...] = ()  # roles the release is expected to store inside the module
-    concat_order: str | None = "eh"  # "eh": cat[embed, hidden]; "he": hidden first; None: no concat
-    norm: str = "w"  # "w": w·x̂ ; "1+w": zero-centred
-    depth_keys: tuple[str, ...] = ("num_nextn_predict_layers",)
-    depth_offset: int = 0  # added to the declared count (Meta counts the next-token head too)
-    default_depth: int = 0  # what engines assume when no depth key is present (vLLM: 1 for Qwen3-Next)
-    switch_key: str | None = None  # a boolean config key that turns MTP off when false (MiniMax `use_mtp`)
-    sublayers: tuple[str, ...] = ()  # config keys giving sublayers per module (len of str/list, or int)
     prefixes: tuple[str, ...] = ("",)  # optional outer prefixes (multimodal wrappers)
-    hidden_keys: tuple[str, ...] = ("hidden_size",)
-    vocab_keys: tuple[str, ...] = ("vocab_size",)
-    expert_keys: tuple[str, ...] = ("n_routed_experts", "num_experts", "moe_num_experts", "num_local_experts")
-    backbone_keys: tuple[str, ...] = ()  # Gemma 4 assistant: the target's hidden size
     shapes: Mapping[str, tuple[str, ...]] = field(
         default_factory=lambda: {
             "embed_norm": ("H",),
@@ -115,27 +105,43 @@ class Family:
         }
     )
     block_shapes: Mapping[str, tuple[str, ...]] = field(default_factory=lambda: COMMON_BLOCK_SHAPES)
-    kind: str = "mtp"  # "mtp" (sequential modules), "parallel_heads" (Meta), "drafter" (Gemma 4 assistant)
-    # What `recycle convert` builds on (the converters read these, never `kind`):
-    mtp_block: bool = True  # sequential modules with an embedding input, the block EAGLE, EAGLE-3 and GGUF are built on
-    # already a drafter of its own target (reads the target's states, norm and head): convert takes `--target` as
-    # its backbone, folds it into EAGLE-3 (converters/assistant.py) and builds Medusa heads at the target's width
-    reads_target: bool = False
-    # Runtime semantics (what vLLM/SGLang compute), used by recycle.mtp:
+    # checkpoints stored under another codebase's names (Meta's reference Llama): how transformers runs them
+    hf_layout: HFLayout | None = None
+
+
+@dataclass(frozen=True)
+class ConfigKeys:
+    """How config.json is read: the MTP depth, the shape symbols, and the block config's extra entries."""
+
+    depth_keys: tuple[str, ...] = ("num_nextn_predict_layers",)
+    depth_offset: int = 0  # added to the declared count (Meta counts the next-token head too)
+    default_depth: int = 0  # what engines assume when no depth key is present (vLLM: 1 for Qwen3-Next)
+    switch_key: str | None = None  # a boolean config key that turns MTP off when false (MiniMax `use_mtp`)
+    sublayers: tuple[str, ...] = ()  # config keys giving sublayers per module (len of str/list, or int)
+    hidden_keys: tuple[str, ...] = ("hidden_size",)
+    vocab_keys: tuple[str, ...] = ("vocab_size",)
+    expert_keys: tuple[str, ...] = ("n_routed_experts", "num_experts", "moe_num_experts", "num_local_experts")
+    backbone_keys: tuple[str, ...] = ()  # Gemma 4 assistant: the target's hidden size
+    # shape symbols beyond H/V/E/Hb, each read from the first config key present (DeepSeek-V4: {"C": ("hc_mult",)})
+    dim_keys: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    # the config's per-layer lists and per-layer overrides run over the MTP layers after the trunk's (Step pads
+    # layer_types, swiglu limits, rope lists): the block config is built with them counted as layers
+    config_counts_mtp: bool = False
+    # block-config key → the config.json key (dotted: a nested block) it is read from, where config.json has no such
+    # key of its own (Inkling's `mtp_config`: transformers' text config takes num_mtp_layers, mtp_local_layer_ids)
+    block_config_keys: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """What the engines compute (vLLM/SGLang), as recycle.mtp runs it; no code names a family."""
+
+    concat_order: str | None = "eh"  # "eh": cat[embed, hidden]; "he": hidden first; None: no concat
+    norm: str = "w"  # "w": w·x̂ ; "1+w": zero-centred
     block_class: str | None = None  # transformers decoder-layer class running the block (or recycle.mtp.blocks')
     block_model_type: str | None = None  # transformers model_type for the block's config, if not the family's own
     chained_state: str = "pre_norm"  # state fed to depth k+1: "pre_norm" (y+r) or "post_norm"
     zero_embed_at_pos0: bool = False
-    # SGLang's stand-alone NextN draft class for this family (its `export_*_nextn.py` layout:
-    # module 0 renamed to layer 0, `num_hidden_layers: 1`); None where SGLang has no such export.
-    nextn_architecture: str | None = None
-    # Checkpoints stored under another codebase's names (Meta's reference Llama): how transformers runs them.
-    hf_layout: HFLayout | None = None
-    # llama.cpp's names for the module and its hyper-parameters (`convert --to gguf`); None: no MTP graph there
-    # that recycle writes for (recycle.ggufarch)
-    gguf: GGUFArch | None = None
-    notes: str = ""
-    # Block semantics beyond the decoder-layer class (recycle.mtp reads these; no code names a family):
     attn_implementation: str | None = None  # forced for the block (e.g. "eager": a class without sdpa, attention sinks)
     # the block indexes its attention mask (a sparse-attention indexer): always a mask, never the None that sdpa's
     # causal shortcut gives (transformers' own DSA models force it the same way)
@@ -144,8 +150,6 @@ class Family:
     block_renames: tuple[tuple[str, str], ...] = ()
     # an MTP runtime registered in recycle.mtp.RUNTIMES under this name, for a layout the common forward cannot run
     runtime: str | None = None
-    # shape symbols beyond H/V/E/Hb, each read from the first config key present (DeepSeek-V4: {"C": ("hc_mult",)})
-    dim_keys: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     # per-layer config lists (`layer_types`, `mlp_layer_types`, ...) → the value for the MTP layers, where the config
     # has no `mtp_<key>` list of its own (which wins); unlisted keys repeat the trunk's last value (attention: full)
     mtp_layer_types: Mapping[str, str] = field(default_factory=dict)
@@ -159,12 +163,50 @@ class Family:
     # trunk norm weights the shared embedding passes through before the module's embed_norm (a trunk whose embedding
     # carries its own norm, as the engines run its MTP); folded into the embedding at load
     embed_trunk_norm: tuple[str, ...] = ()
-    # the config's per-layer lists and per-layer overrides run over the MTP layers after the trunk's (Step pads
-    # layer_types, swiglu limits, rope lists): the block config is built with them counted as layers
-    config_counts_mtp: bool = False
-    # block-config key → the config.json key (dotted: a nested block) it is read from, where config.json has no such
-    # key of its own (Inkling's `mtp_config`: transformers' text config takes num_mtp_layers, mtp_local_layer_ids)
-    block_config_keys: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Exports:
+    """What `recycle convert` builds on and writes (the converters read these, never `kind`)."""
+
+    mtp_block: bool = True  # sequential modules with an embedding input, the block EAGLE, EAGLE-3 and GGUF are built on
+    # already a drafter of its own target (reads the target's states, norm and head): convert takes `--target` as
+    # its backbone, folds it into EAGLE-3 (converters/assistant.py) and builds Medusa heads at the target's width
+    reads_target: bool = False
+    # SGLang's stand-alone NextN draft class for this family (its `export_*_nextn.py` layout:
+    # module 0 renamed to layer 0, `num_hidden_layers: 1`); None where SGLang has no such export.
+    nextn_architecture: str | None = None
+    # llama.cpp's names for the module and its hyper-parameters (`convert --to gguf`); None: no MTP graph there
+    # that recycle writes for (recycle.ggufarch)
+    gguf: GGUFArch | None = None
+
+
+@dataclass(frozen=True)
+class Family:
+    """One MTP layout, as data: its identity, and one record per concern (each reader reads the one it needs)."""
+
+    name: str
+    title: str
+    model_types: tuple[str, ...]
+    architectures: tuple[str, ...]
+    layout: ModuleLayout
+    keys: ConfigKeys = field(default_factory=ConfigKeys)
+    run: Runtime = field(default_factory=Runtime)
+    exports: Exports = field(default_factory=Exports)
+    kind: str = "mtp"  # "mtp" (sequential modules), "parallel_heads" (Meta), "drafter" (Gemma 4 assistant)
+    notes: str = ""
+
+
+RECORDS = {"layout": ModuleLayout, "keys": ConfigKeys, "run": Runtime, "exports": Exports}
+
+
+def derive(base: Family, **changes) -> Family:
+    """`base` with some fields changed: identity fields as given, a nested record's as a dict of its own fields
+    (`derive(DEEPSEEK_V3, name="x", run=dict(mask_required=True), exports=dict(gguf=None))`)."""
+    for group in RECORDS.keys() & changes.keys():
+        if isinstance(changes[group], Mapping):
+            changes[group] = dataclasses.replace(getattr(base, group), **changes[group])
+    return dataclasses.replace(base, **changes)
 
 
 DEEPSEEK_ROLES = {
@@ -182,29 +224,34 @@ DEEPSEEK_V3 = Family(
     title="DeepSeek-V3 / R1 / V3.1 (and GLM-4.7-Flash: MLA trunk)",
     model_types=("deepseek_v3", "glm4_moe_lite", "pangu_ultra_moe"),
     architectures=("DeepseekV3ForCausalLM",),
-    roles=DEEPSEEK_ROLES,
-    block=("model.layers.{layer}.",),
-    trunk=LLAMA_TRUNK,
-    stores_copies=("embed", "head"),
-    block_class="transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3DecoderLayer",
-    zero_embed_at_pos0=True,
-    nextn_architecture="DeepseekV3ForCausalLMNextN",
-    gguf=DEEPSEEK2,
+    layout=ModuleLayout(
+        roles=DEEPSEEK_ROLES,
+        block=("model.layers.{layer}.",),
+        trunk=LLAMA_TRUNK,
+        stores_copies=("embed", "head"),
+    ),
+    run=Runtime(
+        block_class="transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3DecoderLayer",
+        zero_embed_at_pos0=True,
+    ),
+    exports=Exports(nextn_architecture="DeepseekV3ForCausalLMNextN", gguf=DEEPSEEK2),
     notes="MTP module k at model.layers.{L+k}; embed/head copies stored in the release",
 )
 
 FAMILIES: tuple[Family, ...] = (
     DEEPSEEK_V3,
     # V3.2 is V3's layout with the DSA indexer in the block's attention: only the block class differs.
-    dataclasses.replace(
+    derive(
         DEEPSEEK_V3,
         name="deepseek_v32",
         title="DeepSeek-V3.2 (MLA + DSA indexer)",
         model_types=("deepseek_v32",),
         architectures=("DeepseekV32ForCausalLM",),
-        block_class="transformers.models.deepseek_v32.modeling_deepseek_v32.DeepseekV32DecoderLayer",
-        mask_required=True,
-        gguf=None,  # llama.cpp's deepseek32 graph has the indexer: not written by recycle yet
+        run=dict(
+            block_class="transformers.models.deepseek_v32.modeling_deepseek_v32.DeepseekV32DecoderLayer",
+            mask_required=True,
+        ),
+        exports=dict(gguf=None),  # llama.cpp's deepseek32 graph has the indexer: not written by recycle yet
         notes="DeepSeek's layout; the block's attention carries the sparse-attention indexer (self_attn.indexer.*)",
     ),
     Family(
@@ -212,14 +259,17 @@ FAMILIES: tuple[Family, ...] = (
         title="GLM-4.5 / 4.6 / 4.7",
         model_types=("glm4_moe",),
         architectures=("Glm4MoeForCausalLM",),
-        roles=DEEPSEEK_ROLES,
-        block=("model.layers.{layer}.",),
-        trunk=LLAMA_TRUNK,
-        stores_copies=("embed", "head"),
-        block_class="transformers.models.glm4_moe.modeling_glm4_moe.Glm4MoeDecoderLayer",
-        zero_embed_at_pos0=True,
-        nextn_architecture="Glm4MoeForCausalLMNextN",
-        gguf=GLM4MOE,
+        layout=ModuleLayout(
+            roles=DEEPSEEK_ROLES,
+            block=("model.layers.{layer}.",),
+            trunk=LLAMA_TRUNK,
+            stores_copies=("embed", "head"),
+        ),
+        run=Runtime(
+            block_class="transformers.models.glm4_moe.modeling_glm4_moe.Glm4MoeDecoderLayer",
+            zero_embed_at_pos0=True,
+        ),
+        exports=Exports(nextn_architecture="Glm4MoeForCausalLMNextN", gguf=GLM4MOE),
         notes="GLM-4.6 ships the MTP layer in mtp.safetensors without the embed/head copies",
     ),
     QWEN3_NEXT := Family(
@@ -227,49 +277,52 @@ FAMILIES: tuple[Family, ...] = (
         title="Qwen3-Next",
         model_types=("qwen3_next",),
         architectures=("Qwen3NextForCausalLM",),
-        roles={
-            "embed_norm": ("mtp.pre_fc_norm_embedding.weight",),
-            "hidden_norm": ("mtp.pre_fc_norm_hidden.weight",),
-            "proj": ("mtp.fc.weight",),
-            "final_norm": ("mtp.norm.weight",),
-        },
-        block=("mtp.layers.{k}.",),
-        anchor="block",
-        trunk={
-            "head": ("lm_head.weight", "model.embed_tokens.weight", "model.language_model.embed_tokens.weight"),
-            "embed": ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight"),
-        },
-        norm="1+w",
-        depth_keys=("num_nextn_predict_layers", "mtp_num_hidden_layers"),
-        default_depth=1,
-        block_shapes={**COMMON_BLOCK_SHAPES, "mlp.shared_expert_gate.weight": ("1", "H")},
-        block_class="transformers.models.qwen3_next.modeling_qwen3_next.Qwen3NextDecoderLayer",
-        chained_state="post_norm",
-        gguf=QWEN3NEXT,
+        layout=ModuleLayout(
+            roles={
+                "embed_norm": ("mtp.pre_fc_norm_embedding.weight",),
+                "hidden_norm": ("mtp.pre_fc_norm_hidden.weight",),
+                "proj": ("mtp.fc.weight",),
+                "final_norm": ("mtp.norm.weight",),
+            },
+            block=("mtp.layers.{k}.",),
+            anchor="block",
+            trunk={
+                "head": ("lm_head.weight", "model.embed_tokens.weight", "model.language_model.embed_tokens.weight"),
+                "embed": ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight"),
+            },
+            block_shapes={**COMMON_BLOCK_SHAPES, "mlp.shared_expert_gate.weight": ("1", "H")},
+        ),
+        keys=ConfigKeys(depth_keys=("num_nextn_predict_layers", "mtp_num_hidden_layers"), default_depth=1),
+        run=Runtime(
+            norm="1+w",
+            block_class="transformers.models.qwen3_next.modeling_qwen3_next.Qwen3NextDecoderLayer",
+            chained_state="post_norm",
+        ),
+        exports=Exports(gguf=QWEN3NEXT),
         notes="fc and the pre-fc/final norms are shared by every depth; norms are zero-centred (1+w)",
     ),
     # Qwen3.5 / 3.6: Qwen3-Next's MTP layout over their own decoder layers (a gated full-attention layer with
     # a dense MLP, or the MoE one); released as the multimodal class (trunk under model.language_model.) or
     # text-only (Qwen3_5ForCausalLM, which vLLM and llama.cpp's converter also take).
-    dataclasses.replace(
+    derive(
         QWEN3_NEXT,
         name="qwen3_5",
         title="Qwen3.5 / Qwen3.6 (dense)",
         model_types=("qwen3_5", "qwen3_5_text"),
         architectures=("Qwen3_5ForConditionalGeneration", "Qwen3_5ForCausalLM"),
-        block_shapes={k: v for k, v in COMMON_BLOCK_SHAPES.items() if k != "mlp.gate.weight"},
-        block_class="transformers.models.qwen3_5.modeling_qwen3_5.Qwen3_5DecoderLayer",
-        gguf=QWEN35,
+        layout=dict(block_shapes={k: v for k, v in COMMON_BLOCK_SHAPES.items() if k != "mlp.gate.weight"}),
+        run=dict(block_class="transformers.models.qwen3_5.modeling_qwen3_5.Qwen3_5DecoderLayer"),
+        exports=dict(gguf=QWEN35),
         notes="Qwen3-Next's mtp.* layout; the MTP layer is a gated full-attention layer with a dense MLP",
     ),
-    dataclasses.replace(
+    derive(
         QWEN3_NEXT,
         name="qwen3_5_moe",
         title="Qwen3.5 / Qwen3.6 (MoE)",
         model_types=("qwen3_5_moe", "qwen3_5_moe_text"),
         architectures=("Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeForCausalLM"),
-        block_class="transformers.models.qwen3_5_moe.modeling_qwen3_5_moe.Qwen3_5MoeDecoderLayer",
-        gguf=QWEN35MOE,
+        run=dict(block_class="transformers.models.qwen3_5_moe.modeling_qwen3_5_moe.Qwen3_5MoeDecoderLayer"),
+        exports=dict(gguf=QWEN35MOE),
         notes="Qwen3-Next's mtp.* layout; the MTP layer is a gated full-attention layer with the MoE MLP",
     ),
     Family(
@@ -277,19 +330,23 @@ FAMILIES: tuple[Family, ...] = (
         title="Xiaomi MiMo",
         model_types=("mimo",),
         architectures=("MiMoForCausalLM",),
-        roles={
-            "embed_norm": ("model.mtp_layers.{k}.token_layernorm.weight",),
-            "hidden_norm": ("model.mtp_layers.{k}.hidden_layernorm.weight",),
-            "proj": ("model.mtp_layers.{k}.input_proj.weight",),
-            "final_norm": ("model.mtp_layers.{k}.final_layernorm.weight",),
-        },
-        block=("model.mtp_layers.{k}.",),
-        trunk=LLAMA_TRUNK,
-        concat_order="he",
-        block_class="transformers.models.qwen2.modeling_qwen2.Qwen2DecoderLayer",
-        block_model_type="qwen2",
-        chained_state="post_norm",
-        zero_embed_at_pos0=True,
+        layout=ModuleLayout(
+            roles={
+                "embed_norm": ("model.mtp_layers.{k}.token_layernorm.weight",),
+                "hidden_norm": ("model.mtp_layers.{k}.hidden_layernorm.weight",),
+                "proj": ("model.mtp_layers.{k}.input_proj.weight",),
+                "final_norm": ("model.mtp_layers.{k}.final_layernorm.weight",),
+            },
+            block=("model.mtp_layers.{k}.",),
+            trunk=LLAMA_TRUNK,
+        ),
+        run=Runtime(
+            concat_order="he",
+            block_class="transformers.models.qwen2.modeling_qwen2.Qwen2DecoderLayer",
+            block_model_type="qwen2",
+            chained_state="post_norm",
+            zero_embed_at_pos0=True,
+        ),
         notes="hidden state first in the concat: input_proj(cat[hidden_layernorm(h), token_layernorm(e)])",
     ),
     Family(
@@ -297,16 +354,20 @@ FAMILIES: tuple[Family, ...] = (
         title="Baidu ERNIE 4.5",
         model_types=("ernie4_5_moe", "ernie4_5"),
         architectures=("Ernie4_5_MoeForCausalLM", "Ernie4_5_ForCausalLM"),
-        roles={
-            "embed_norm": ("model.mtp_emb_norm.{k}.weight",),
-            "hidden_norm": ("model.mtp_hidden_norm.{k}.weight",),
-            "proj": ("model.mtp_linear_proj.{k}.weight",),
-        },
-        block=("model.mtp_block.{k}.",),
-        trunk={**LLAMA_TRUNK, "final_norm": ()},
-        block_class="transformers.models.ernie4_5.modeling_ernie4_5.Ernie4_5DecoderLayer",
-        block_model_type="ernie4_5",
-        zero_embed_at_pos0=True,
+        layout=ModuleLayout(
+            roles={
+                "embed_norm": ("model.mtp_emb_norm.{k}.weight",),
+                "hidden_norm": ("model.mtp_hidden_norm.{k}.weight",),
+                "proj": ("model.mtp_linear_proj.{k}.weight",),
+            },
+            block=("model.mtp_block.{k}.",),
+            trunk={**LLAMA_TRUNK, "final_norm": ()},
+        ),
+        run=Runtime(
+            block_class="transformers.models.ernie4_5.modeling_ernie4_5.Ernie4_5DecoderLayer",
+            block_model_type="ernie4_5",
+            zero_embed_at_pos0=True,
+        ),
         notes="no final norm before the shared lm_head (vLLM's reading)",
     ),
     Family(
@@ -314,18 +375,20 @@ FAMILIES: tuple[Family, ...] = (
         title="Meituan LongCat-Flash",
         model_types=("longcat_flash",),
         architectures=("LongcatFlashForCausalLM", "LongcatCausalLM"),
-        roles={
-            "embed_norm": ("model.mtp.layers.{k}.enorm.m.weight",),
-            "hidden_norm": ("model.mtp.layers.{k}.hnorm.m.weight",),
-            "proj": ("model.mtp.layers.{k}.eh_proj.weight",),
-            "final_norm": ("model.mtp.norm.weight",),
-            "embed": ("model.mtp.embed_tokens.weight",),
-        },
-        block=("model.mtp.layers.{k}.",),
-        anchor="embed_norm",  # its '.m.' norm: MiMo-V2-Flash stores eh_proj under the same prefix
-        trunk=LLAMA_TRUNK,
-        stores_copies=("embed",),
-        chained_state="post_norm",
+        layout=ModuleLayout(
+            roles={
+                "embed_norm": ("model.mtp.layers.{k}.enorm.m.weight",),
+                "hidden_norm": ("model.mtp.layers.{k}.hnorm.m.weight",),
+                "proj": ("model.mtp.layers.{k}.eh_proj.weight",),
+                "final_norm": ("model.mtp.norm.weight",),
+                "embed": ("model.mtp.embed_tokens.weight",),
+            },
+            block=("model.mtp.layers.{k}.",),
+            anchor="embed_norm",  # its '.m.' norm: MiMo-V2-Flash stores eh_proj under the same prefix
+            trunk=LLAMA_TRUNK,
+            stores_copies=("embed",),
+        ),
+        run=Runtime(chained_state="post_norm"),
         notes="MLA attention with a dense MLP; note the extra '.m.' in enorm/hnorm",
     ),
     Family(
@@ -333,19 +396,23 @@ FAMILIES: tuple[Family, ...] = (
         title="NVIDIA Nemotron-H (Nemotron 3 Super)",
         model_types=("nemotron_h", "nemotron_h_puzzle"),
         architectures=("NemotronHForCausalLM",),
-        roles={
-            "embed_norm": ("mtp.layers.{first}.enorm.weight",),
-            "hidden_norm": ("mtp.layers.{first}.hnorm.weight",),
-            "proj": ("mtp.layers.{first}.eh_proj.weight",),
-            "final_norm": ("mtp.layers.{last}.final_layernorm.weight",),
-        },
-        block=("mtp.layers.{s}.",),
-        trunk={"head": ("lm_head.weight",), "embed": ("backbone.embeddings.weight",)},
-        sublayers=("mtp_hybrid_override_pattern", "mtp_layers_block_type"),
-        prefixes=("", "language_model."),
-        expert_keys=("n_routed_experts", "mtp_n_routed_experts"),
-        block_shapes={"mixer.gate.weight": ("E", "H"), "norm.weight": ("H",)},
-        chained_state="post_norm",
+        layout=ModuleLayout(
+            roles={
+                "embed_norm": ("mtp.layers.{first}.enorm.weight",),
+                "hidden_norm": ("mtp.layers.{first}.hnorm.weight",),
+                "proj": ("mtp.layers.{first}.eh_proj.weight",),
+                "final_norm": ("mtp.layers.{last}.final_layernorm.weight",),
+            },
+            block=("mtp.layers.{s}.",),
+            trunk={"head": ("lm_head.weight",), "embed": ("backbone.embeddings.weight",)},
+            prefixes=("", "language_model."),
+            block_shapes={"mixer.gate.weight": ("E", "H"), "norm.weight": ("H",)},
+        ),
+        keys=ConfigKeys(
+            sublayers=("mtp_hybrid_override_pattern", "mtp_layers_block_type"),
+            expert_keys=("n_routed_experts", "mtp_n_routed_experts"),
+        ),
+        run=Runtime(chained_state="post_norm"),
         notes="module k = sublayers k·p .. k·p+p-1 of the MTP pattern (e.g. '*E': attention then MoE)",
     ),
     Family(
@@ -353,11 +420,8 @@ FAMILIES: tuple[Family, ...] = (
         title="MiniMax-M2 / M2.5 / M2.7",
         model_types=("minimax_m2", "minimax"),
         architectures=("MiniMaxM2ForCausalLM",),
-        roles=DEEPSEEK_ROLES,
-        block=("model.layers.{layer}.",),
-        trunk=LLAMA_TRUNK,
-        depth_keys=("num_mtp_modules",),
-        switch_key="use_mtp",
+        layout=ModuleLayout(roles=DEEPSEEK_ROLES, block=("model.layers.{layer}.",), trunk=LLAMA_TRUNK),
+        keys=ConfigKeys(depth_keys=("num_mtp_modules",), switch_key="use_mtp"),
         notes="config declares MTP (use_mtp, num_mtp_modules) but the public releases store none",
     ),
     Family(
@@ -365,19 +429,17 @@ FAMILIES: tuple[Family, ...] = (
         title="Meta multi-token-prediction (parallel heads)",
         model_types=("llama_mtp",),
         architectures=(),
-        roles={},
-        block=("extra_heads.{k}.",),
-        anchor="block",
-        trunk={"final_norm": ("norm.weight",), "head": ("output.weight",), "embed": ("tok_embeddings.weight",)},
-        concat_order=None,
-        depth_keys=("n_future_tokens",),
-        depth_offset=-1,
-        hidden_keys=("dim", "hidden_size"),
-        block_shapes={"attention_norm.weight": ("H",), "ffn_norm.weight": ("H",)},
+        layout=ModuleLayout(
+            block=("extra_heads.{k}.",),
+            anchor="block",
+            trunk={"final_norm": ("norm.weight",), "head": ("output.weight",), "embed": ("tok_embeddings.weight",)},
+            block_shapes={"attention_norm.weight": ("H",), "ffn_norm.weight": ("H",)},
+            hf_layout=META_LLAMA,
+        ),
+        keys=ConfigKeys(depth_keys=("n_future_tokens",), depth_offset=-1, hidden_keys=("dim", "hidden_size")),
+        run=Runtime(concat_order=None, block_class="transformers.models.llama.modeling_llama.LlamaDecoderLayer"),
+        exports=Exports(mtp_block=False),
         kind="parallel_heads",
-        mtp_block=False,
-        hf_layout=META_LLAMA,
-        block_class="transformers.models.llama.modeling_llama.LlamaDecoderLayer",
         notes="extra_heads.{k} are transformer blocks reading the trunk state in parallel; no embedding input",
     ),
     Family(
@@ -386,21 +448,20 @@ FAMILIES: tuple[Family, ...] = (
         # the unified assistant (transformers' gemma4_unified_assistant) holds exactly these tensors
         model_types=("gemma4_assistant", "gemma4_unified_assistant"),
         architectures=("Gemma4AssistantForCausalLM", "Gemma4UnifiedAssistantForCausalLM"),
-        roles={
-            "proj": ("pre_projection.weight",),
-            "final_norm": ("model.norm.weight",),
-            "head": ("lm_head.weight",),
-            "embed": ("model.embed_tokens.weight",),
-        },
-        block=("model.layers.{s}.", "post_projection.", "masked_embedding."),
-        trunk={"head": ("model.embed_tokens.weight",)},
-        depth_keys=(),
-        sublayers=("num_hidden_layers",),
-        backbone_keys=("backbone_hidden_size",),
-        shapes={"proj": ("H", "2Hb"), "final_norm": ("H",), "head": ("V", "H"), "embed": ("V", "H")},
+        layout=ModuleLayout(
+            roles={
+                "proj": ("pre_projection.weight",),
+                "final_norm": ("model.norm.weight",),
+                "head": ("lm_head.weight",),
+                "embed": ("model.embed_tokens.weight",),
+            },
+            block=("model.layers.{s}.", "post_projection.", "masked_embedding."),
+            trunk={"head": ("model.embed_tokens.weight",)},
+            shapes={"proj": ("H", "2Hb"), "final_norm": ("H",), "head": ("V", "H"), "embed": ("V", "H")},
+        ),
+        keys=ConfigKeys(depth_keys=(), sublayers=("num_hidden_layers",), backbone_keys=("backbone_hidden_size",)),
+        exports=Exports(mtp_block=False, reads_target=True),
         kind="drafter",
-        mtp_block=False,
-        reads_target=True,
         notes="already a drafter (Q-only layers attending the target's KV cache): drafts as it is; convert --to "
               "eagle3|medusa --target rewrites it",
     ),
@@ -412,31 +473,36 @@ FAMILIES: tuple[Family, ...] = (
         title="DeepSeek-V4 (Pro / Flash): hyper-connection streams, separate e/h projections",
         model_types=("deepseek_v4",),
         architectures=("DeepseekV4ForCausalLM",),
-        roles={
-            "embed_norm": ("mtp.{k}.enorm.weight",),
-            "hidden_norm": ("mtp.{k}.hnorm.weight",),
-            "e_proj": ("mtp.{k}.e_proj.weight",),
-            "h_proj": ("mtp.{k}.h_proj.weight",),
-            "hc_head_fn": ("mtp.{k}.hc_head_fn",),
-            "hc_head_base": ("mtp.{k}.hc_head_base",),
-            "hc_head_scale": ("mtp.{k}.hc_head_scale",),
-            "final_norm": ("mtp.{k}.norm.weight",),
-        },
-        block=("mtp.{k}.",),
-        anchor="e_proj",
-        trunk={"head": ("head.weight",), "embed": ("embed.weight",)},
-        shapes={"embed_norm": ("H",), "hidden_norm": ("H",), "e_proj": ("H", "H"), "h_proj": ("H", "H"),
-                "hc_head_fn": ("C", "C*H"), "hc_head_base": ("C",), "hc_head_scale": ("1",), "final_norm": ("H",),
-                "head": ("V", "H"), "embed": ("V", "H")},
-        block_shapes={"attn_norm.weight": ("H",), "ffn_norm.weight": ("H",), "ffn.gate.weight": ("E", "H")},
-        block_class="transformers.models.deepseek_v4.modeling_deepseek_v4.DeepseekV4DecoderLayer",
-        zero_embed_at_pos0=True,
-        attn_implementation="eager",  # V4 ships eager only (attention sinks; head_dim 512)
-        runtime="deepseek_v4",
-        dim_keys={"C": ("hc_mult",)},
-        # the releases' MTP layer: compress ratio 0 (sliding window only), a top-k routed MoE (hash routing is the
-        # first trunk layers'); the config's `compress_ratios` past the trunk say so where present (recycle.mtp.deepseek_v4)
-        mtp_layer_types={"layer_types": "sliding_attention", "mlp_layer_types": "moe"},
+        layout=ModuleLayout(
+            roles={
+                "embed_norm": ("mtp.{k}.enorm.weight",),
+                "hidden_norm": ("mtp.{k}.hnorm.weight",),
+                "e_proj": ("mtp.{k}.e_proj.weight",),
+                "h_proj": ("mtp.{k}.h_proj.weight",),
+                "hc_head_fn": ("mtp.{k}.hc_head_fn",),
+                "hc_head_base": ("mtp.{k}.hc_head_base",),
+                "hc_head_scale": ("mtp.{k}.hc_head_scale",),
+                "final_norm": ("mtp.{k}.norm.weight",),
+            },
+            block=("mtp.{k}.",),
+            anchor="e_proj",
+            trunk={"head": ("head.weight",), "embed": ("embed.weight",)},
+            shapes={"embed_norm": ("H",), "hidden_norm": ("H",), "e_proj": ("H", "H"), "h_proj": ("H", "H"),
+                    "hc_head_fn": ("C", "C*H"), "hc_head_base": ("C",), "hc_head_scale": ("1",), "final_norm": ("H",),
+                    "head": ("V", "H"), "embed": ("V", "H")},
+            block_shapes={"attn_norm.weight": ("H",), "ffn_norm.weight": ("H",), "ffn.gate.weight": ("E", "H")},
+        ),
+        keys=ConfigKeys(dim_keys={"C": ("hc_mult",)}),
+        run=Runtime(
+            block_class="transformers.models.deepseek_v4.modeling_deepseek_v4.DeepseekV4DecoderLayer",
+            zero_embed_at_pos0=True,
+            attn_implementation="eager",  # V4 ships eager only (attention sinks; head_dim 512)
+            runtime="deepseek_v4",
+            # the releases' MTP layer: compress ratio 0 (sliding window only), a top-k routed MoE (hash routing is
+            # the first trunk layers'); the config's `compress_ratios` past the trunk say so where present
+            # (recycle.mtp.deepseek_v4)
+            mtp_layer_types={"layer_types": "sliding_attention", "mlp_layer_types": "moe"},
+        ),
         notes="x = e_proj(enorm(e)) + h_proj(hnorm(h)) per stream, h = the trunk's hc_mult hyper-connection streams "
               "before its hc_head; a V4 block (mHC, compressed sparse attention, sinks, MoE), then the module's own "
               "hc_head and norm; embed and head are the trunk's. FP8 (e8m0 `.scale`) attention, FP4 routed experts",
@@ -447,21 +513,25 @@ FAMILIES: tuple[Family, ...] = (
         title="Xiaomi MiMo-V2-Flash / V2.5 / V2.5-Pro",
         model_types=("mimo_v2_flash", "mimo_v2"),
         architectures=("MiMoV2FlashForCausalLM", "MiMoV2ForCausalLM", "MiMoV2OmniForCausalLM"),
-        roles={
-            "embed_norm": ("model.mtp.layers.{k}.enorm.weight",),
-            "hidden_norm": ("model.mtp.layers.{k}.hnorm.weight",),
-            "proj": ("model.mtp.layers.{k}.eh_proj.weight",),
-            "final_norm": ("model.mtp.layers.{k}.final_layernorm.weight",),
-        },
-        block=("model.mtp.layers.{k}.",),
-        anchor="embed_norm",  # plain enorm: LongCat stores eh_proj under the same prefix, with '.m.' norms
-        trunk=LLAMA_TRUNK,
-        default_depth=3,  # the config has no depth key; the releases store 3 modules
-        block_class="transformers.models.mimo_v2_flash.modeling_mimo_v2_flash.MiMoV2FlashDecoderLayer",
-        chained_state="post_norm",
-        attn_implementation="eager",  # attention sinks: the class has no sdpa path
-        block_renames=(("pre_mlp_layernorm.", "post_attention_layernorm."),),  # attention_sink_bias: transformers'
-        mtp_layer_types={"layer_types": "sliding_attention", "mlp_layer_types": "dense"},
+        layout=ModuleLayout(
+            roles={
+                "embed_norm": ("model.mtp.layers.{k}.enorm.weight",),
+                "hidden_norm": ("model.mtp.layers.{k}.hnorm.weight",),
+                "proj": ("model.mtp.layers.{k}.eh_proj.weight",),
+                "final_norm": ("model.mtp.layers.{k}.final_layernorm.weight",),
+            },
+            block=("model.mtp.layers.{k}.",),
+            anchor="embed_norm",  # plain enorm: LongCat stores eh_proj under the same prefix, with '.m.' norms
+            trunk=LLAMA_TRUNK,
+        ),
+        keys=ConfigKeys(default_depth=3),  # the config has no depth key; the releases store 3 modules
+        run=Runtime(
+            block_class="transformers.models.mimo_v2_flash.modeling_mimo_v2_flash.MiMoV2FlashDecoderLayer",
+            chained_state="post_norm",
+            attn_implementation="eager",  # attention sinks: the class has no sdpa path
+            block_renames=(("pre_mlp_layernorm.", "post_attention_layernorm."),),  # attention_sink_bias: transformers'
+            mtp_layer_types={"layer_types": "sliding_attention", "mlp_layer_types": "dense"},
+        ),
         notes="3 separately trained modules, each a sliding-window attention layer with sinks and a dense MLP; "
               "vLLM's MiMoV2MTP runs only module 0. V2.5/Pro (model_type mimo_v2) have no transformers config class",
     ),
@@ -470,40 +540,46 @@ FAMILIES: tuple[Family, ...] = (
         title="inclusionAI Ling-2.6 / Ling-3.0 (bailing_hybrid)",
         model_types=("bailing_hybrid",),
         architectures=("BailingHybridForCausalLM", "BailingMoeV3ForCausalLM", "BailingMoeV2_5ForCausalLM"),
-        roles={
-            "embed_norm": ("model.layers.{layer}.enorm.weight",),
-            "hidden_norm": ("model.layers.{layer}.hnorm.weight",),
-            "proj": ("model.layers.{layer}.eh_proj.weight",),
-            "final_norm": ("model.layers.{layer}.final_layernorm.weight",),
-        },
-        block=("model.layers.{layer}.",),
-        anchor="final_norm",  # final_layernorm, where DeepSeek's layout stores shared_head.norm
-        trunk={"head": ("lm_head.weight",), "embed": ("model.word_embeddings.weight",)},
-        depth_keys=("num_nextn_predict_layers", "num_mtp_layers"),
-        block_class="transformers.models.bailing_hybrid.modeling_bailing_hybrid.BailingHybridDecoderLayer",
-        chained_state="post_norm",
-        # transformers' own renames need the full name's leading dot; the block's names are relative to its prefix
-        block_renames=(("attention.dense.", "self_attn.o_proj."), ("attention.", "self_attn."),
-                       ("mlp.gate.expert_bias", "mlp.gate.e_score_correction_bias")),
+        layout=ModuleLayout(
+            roles={
+                "embed_norm": ("model.layers.{layer}.enorm.weight",),
+                "hidden_norm": ("model.layers.{layer}.hnorm.weight",),
+                "proj": ("model.layers.{layer}.eh_proj.weight",),
+                "final_norm": ("model.layers.{layer}.final_layernorm.weight",),
+            },
+            block=("model.layers.{layer}.",),
+            anchor="final_norm",  # final_layernorm, where DeepSeek's layout stores shared_head.norm
+            trunk={"head": ("lm_head.weight",), "embed": ("model.word_embeddings.weight",)},
+        ),
+        keys=ConfigKeys(depth_keys=("num_nextn_predict_layers", "num_mtp_layers")),
+        run=Runtime(
+            block_class="transformers.models.bailing_hybrid.modeling_bailing_hybrid.BailingHybridDecoderLayer",
+            chained_state="post_norm",
+            # transformers' own renames need the full name's leading dot; the block's names are relative to its prefix
+            block_renames=(("attention.dense.", "self_attn.o_proj."), ("attention.", "self_attn."),
+                           ("mlp.gate.expert_bias", "mlp.gate.e_score_correction_bias")),
+        ),
         notes="MTP module k at model.layers.{L+k}: an MLA (gated) attention layer with the MoE MLP and its own "
               "final_layernorm; embedding and head are the trunk's (vLLM BailingMoeV3MTP). Ling-2.6's MLA has no "
               "g_proj: transformers' layer cannot run it",
     ),
     # glm_moe_dsa (GLM-5 / 5.1 / 5.2) and glm5_next (GLM-5.3-Flash): DeepSeek's NextN wrapper around GLM's DSA blocks
-    dataclasses.replace(
+    derive(
         DEEPSEEK_V3,
         name="glm_moe_dsa",
         title="GLM-5 / 5.1 / 5.2 (MLA + DSA indexer)",
         model_types=("glm_moe_dsa",),
         architectures=("GlmMoeDsaForCausalLM",),
-        stores_copies=(),
-        # GLM's indexer applies interleaved RoPE (V3.2's: half-split): past index_topk tokens the blocks differ
-        block_class="transformers.models.glm_moe_dsa.modeling_glm_moe_dsa.GlmMoeDsaDecoderLayer",
-        mask_required=True,
-        gguf=None,  # llama.cpp's glm-dsa converter writes the NextN tensors, its loader skips them
-        # GLM-5.2's indexer_types marks trunk layers "shared" (reusing the previous top-k); the MTP layer stores and
-        # runs its own indexer
-        mtp_layer_types={"layer_types": "indexed_attention", "indexer_types": "full"},
+        layout=dict(stores_copies=()),
+        run=dict(
+            # GLM's indexer applies interleaved RoPE (V3.2's: half-split): past index_topk tokens the blocks differ
+            block_class="transformers.models.glm_moe_dsa.modeling_glm_moe_dsa.GlmMoeDsaDecoderLayer",
+            mask_required=True,
+            # GLM-5.2's indexer_types marks trunk layers "shared" (reusing the previous top-k); the MTP layer stores and
+            # runs its own indexer
+            mtp_layer_types={"layer_types": "indexed_attention", "indexer_types": "full"},
+        ),
+        exports=dict(gguf=None),  # llama.cpp's glm-dsa converter writes the NextN tensors, its loader skips them
         notes="MTP module k at model.layers.{L+k} without embed/head copies; GLM-5.2's one layer was trained as 7 "
               "recurrent steps (chain it deeper than stored)",
     ),
@@ -512,16 +588,21 @@ FAMILIES: tuple[Family, ...] = (
         title="GLM-5.3-Flash (glm5_next)",
         model_types=("glm5_next", "glm5_next_text"),
         architectures=("Glm5NextForConditionalGeneration",),
-        roles={role: tuple("model.language_model." + t[len("model."):] for t in ts) for role, ts in DEEPSEEK_ROLES.items()},
-        block=("model.language_model.layers.{layer}.",),
-        trunk={"head": ("lm_head.weight", "model.language_model.embed_tokens.weight"),
-               "embed": ("model.language_model.embed_tokens.weight",)},
-        zero_embed_at_pos0=True,
-        # transformers' Glm5NextTextDecoderLayer always mixes hyper-connection streams; the MTP layer has none: its
-        # block is composed of that model file's attention, MoE and norms with a plain residual
-        block_class="recycle.mtp.blocks.Glm5NextPlainDecoderLayer",
-        mask_required=True,
-        mtp_layer_types={"layer_types": "indexed_attention", "mlp_layer_types": "sparse", "indexer_types": "full"},
+        layout=ModuleLayout(
+            roles={role: tuple("model.language_model." + t[len("model."):] for t in ts)
+                   for role, ts in DEEPSEEK_ROLES.items()},
+            block=("model.language_model.layers.{layer}.",),
+            trunk={"head": ("lm_head.weight", "model.language_model.embed_tokens.weight"),
+                   "embed": ("model.language_model.embed_tokens.weight",)},
+        ),
+        run=Runtime(
+            zero_embed_at_pos0=True,
+            # transformers' Glm5NextTextDecoderLayer always mixes hyper-connection streams; the MTP layer has none: its
+            # block is composed of that model file's attention, MoE and norms with a plain residual
+            block_class="recycle.mtp.blocks.Glm5NextPlainDecoderLayer",
+            mask_required=True,
+            mtp_layer_types={"layer_types": "indexed_attention", "mlp_layer_types": "sparse", "indexer_types": "full"},
+        ),
         notes="MTP module k at model.language_model.layers.{L+k}: DeepSeek's NextN wrapper around a plain-residual "
               "NoPE-MLA + k-pool DSA + MoE block (no hyper-connections), run as transformers' Glm5Next attention "
               "and MoE composed with a plain residual (recycle/mtp/blocks.py)",
@@ -536,30 +617,32 @@ FAMILIES: tuple[Family, ...] = (
         model_types=("minimax_m3_vl", "minimax_m3_vl_text", "minimax_m3", "minimax_m3_mtp"),
         architectures=("MiniMaxM3SparseForConditionalGeneration", "MiniMaxM3SparseForCausalLM",
                        "MiniMaxM3VLForCausalLM", "MiniMaxM3MTP"),
-        roles={
-            "embed_norm": ("model.mtp.layers.{k}.enorm.weight",),
-            "hidden_norm": ("model.mtp.layers.{k}.hnorm.weight",),
-            "proj": ("model.mtp.layers.{k}.eh_proj.weight",),
-            "final_norm": ("model.mtp.layers.{k}.final_layernorm.weight",),
-        },
-        block=("model.mtp.layers.{k}.transformer_layer.",),
-        trunk={"head": ("lm_head.weight",), "embed": ("model.embed_tokens.weight",)},
-        prefixes=("language_model.", ""),
-        norm="1+w",
-        depth_keys=("num_mtp_modules",),
-        switch_key="use_mtp",
-        expert_keys=("num_local_experts",),
-        block_shapes={"input_layernorm.weight": ("H",), "post_attention_layernorm.weight": ("H",),
-                      "block_sparse_moe.gate.weight": ("E", "H")},
-        block_class="transformers.models.minimax_m3_vl.modeling_minimax_m3_vl.MiniMaxM3VLDecoderLayer",
-        block_model_type="minimax_m3_vl_text",
-        zero_embed_at_pos0=True,
-        # the conversion's MoE and indexer renames are anchored on a leading '.', which block-relative names lack
-        block_renames=(("block_sparse_moe.e_score_correction_bias", "mlp.gate.e_score_correction_bias"),
-                       ("block_sparse_moe.", "mlp."), ("self_attn.index_", "self_attn.indexer.")),
-        # vLLM builds the MTP layer with force_sparse_attn and force_moe, whatever the trunk's last layer is
-        mtp_layer_types={"layer_types": "minimax_m3_sparse", "mlp_layer_types": "sparse"},
-        block_conversions="minimax_m3_vl",
+        layout=ModuleLayout(
+            roles={
+                "embed_norm": ("model.mtp.layers.{k}.enorm.weight",),
+                "hidden_norm": ("model.mtp.layers.{k}.hnorm.weight",),
+                "proj": ("model.mtp.layers.{k}.eh_proj.weight",),
+                "final_norm": ("model.mtp.layers.{k}.final_layernorm.weight",),
+            },
+            block=("model.mtp.layers.{k}.transformer_layer.",),
+            trunk={"head": ("lm_head.weight",), "embed": ("model.embed_tokens.weight",)},
+            prefixes=("language_model.", ""),
+            block_shapes={"input_layernorm.weight": ("H",), "post_attention_layernorm.weight": ("H",),
+                          "block_sparse_moe.gate.weight": ("E", "H")},
+        ),
+        keys=ConfigKeys(depth_keys=("num_mtp_modules",), switch_key="use_mtp", expert_keys=("num_local_experts",)),
+        run=Runtime(
+            norm="1+w",
+            block_class="transformers.models.minimax_m3_vl.modeling_minimax_m3_vl.MiniMaxM3VLDecoderLayer",
+            block_model_type="minimax_m3_vl_text",
+            zero_embed_at_pos0=True,
+            # the conversion's MoE and indexer renames are anchored on a leading '.', which block-relative names lack
+            block_renames=(("block_sparse_moe.e_score_correction_bias", "mlp.gate.e_score_correction_bias"),
+                           ("block_sparse_moe.", "mlp."), ("self_attn.index_", "self_attn.indexer.")),
+            # vLLM builds the MTP layer with force_sparse_attn and force_moe, whatever the trunk's last layer is
+            mtp_layer_types={"layer_types": "minimax_m3_sparse", "mlp_layer_types": "sparse"},
+            block_conversions="minimax_m3_vl",
+        ),
         notes="enorm/hnorm/final_layernorm zero-centred (1+w); the block is sparse (MSA indexer) attention + MoE; "
               "whether the public MiniMax-M3 weights ship these modules is disputed (rtp-llm loads module 0, a "
               "deployment note finds none in the NVFP4 export)",
@@ -572,34 +655,42 @@ FAMILIES: tuple[Family, ...] = (
         title="Thinking Machines Inkling",
         model_types=("inkling_mm_model", "inkling_text"),
         architectures=("InklingForConditionalGeneration", "InklingForCausalLM"),
-        roles={
-            "embed_norm": ("model.mtp.layers.{k}.embed_norm.weight",),
-            "hidden_norm": ("model.mtp.layers.{k}.hidden_norm.weight",),
-            "proj": ("model.mtp.layers.{k}.input_proj.weight",),
-            "final_norm": ("model.mtp.chain_norm.weight",),  # only with mtp_config.chain_hidden_post_norm
-        },
-        block=("model.mtp.layers.{k}.transformer_block.",),
-        trunk={"head": ("model.llm.unembed.weight",), "embed": ("model.llm.embed.weight",), "final_norm": ()},
-        concat_order="he",
-        depth_keys=("num_mtp_layers", "mtp_config.num_nextn_predict_layers"),
-        expert_keys=("n_routed_experts",),
-        block_shapes={"attn_norm.weight": ("H",), "mlp_norm.weight": ("H",)},
-        block_class="transformers.models.inkling.modeling_inkling.InklingDecoderLayer",
-        block_model_type="inkling_text",
-        chained_state="post_norm",  # transformers' MtpModel, vLLM, SGLang: the chain norm's output (or the raw block's)
-        block_renames=(("attn.q_norm.", "self_attn.q_norm."), ("attn.k_norm.", "self_attn.k_norm."),
-                       ("attn.k_sconv.", "self_attn.k_sconv.conv1d."), ("attn.v_sconv.", "self_attn.v_sconv.conv1d."),
-                       ("attn.rel_logits_proj.", "self_attn.rel_logits_proj.")),
-        # transformers' mtp_layer_types / mtp_mlp_layer_types without mtp_config.local_layer_ids: full attention with
-        # its short convolutions ("hybrid", whose cache layer holds conv states), a dense MLP
-        mtp_layer_types={"layer_types": "hybrid", "mlp_layer_types": "dense"},
-        # with them the text config's own mtp_layer_types marks mtp_config.local_layer_ids "hybrid_sliding"
-        block_config_keys={"num_mtp_layers": "mtp_config.num_nextn_predict_layers",
-                           "mtp_local_layer_ids": "mtp_config.local_layer_ids"},
-        block_conversions="inkling_mm_model",
-        logit_divisor_key="logits_mup_width_multiplier",
-        logit_rows_key="unpadded_vocab_size",
-        embed_trunk_norm=("model.llm.embed_norm.weight",),
+        layout=ModuleLayout(
+            roles={
+                "embed_norm": ("model.mtp.layers.{k}.embed_norm.weight",),
+                "hidden_norm": ("model.mtp.layers.{k}.hidden_norm.weight",),
+                "proj": ("model.mtp.layers.{k}.input_proj.weight",),
+                "final_norm": ("model.mtp.chain_norm.weight",),  # only with mtp_config.chain_hidden_post_norm
+            },
+            block=("model.mtp.layers.{k}.transformer_block.",),
+            trunk={"head": ("model.llm.unembed.weight",), "embed": ("model.llm.embed.weight",), "final_norm": ()},
+            block_shapes={"attn_norm.weight": ("H",), "mlp_norm.weight": ("H",)},
+        ),
+        keys=ConfigKeys(
+            depth_keys=("num_mtp_layers", "mtp_config.num_nextn_predict_layers"),
+            expert_keys=("n_routed_experts",),
+            # with these, the text config's own mtp_layer_types marks mtp_config.local_layer_ids "hybrid_sliding"
+            block_config_keys={"num_mtp_layers": "mtp_config.num_nextn_predict_layers",
+                               "mtp_local_layer_ids": "mtp_config.local_layer_ids"},
+        ),
+        run=Runtime(
+            concat_order="he",
+            block_class="transformers.models.inkling.modeling_inkling.InklingDecoderLayer",
+            block_model_type="inkling_text",
+            # transformers' MtpModel, vLLM, SGLang: the chain norm's output (or the raw block's)
+            chained_state="post_norm",
+            block_renames=(("attn.q_norm.", "self_attn.q_norm."), ("attn.k_norm.", "self_attn.k_norm."),
+                           ("attn.k_sconv.", "self_attn.k_sconv.conv1d."),
+                           ("attn.v_sconv.", "self_attn.v_sconv.conv1d."),
+                           ("attn.rel_logits_proj.", "self_attn.rel_logits_proj.")),
+            # transformers' mtp_layer_types / mtp_mlp_layer_types without mtp_config.local_layer_ids: full attention
+            # with its short convolutions ("hybrid", whose cache layer holds conv states), a dense MLP
+            mtp_layer_types={"layer_types": "hybrid", "mlp_layer_types": "dense"},
+            block_conversions="inkling_mm_model",
+            logit_divisor_key="logits_mup_width_multiplier",
+            logit_rows_key="unpadded_vocab_size",
+            embed_trunk_norm=("model.llm.embed_norm.weight",),
+        ),
         notes="hidden state first; the head is the trunk's unembed on h / logits_mup_width_multiplier, sliced to "
               "unpadded_vocab_size; the embedding passes the trunk's embed_norm first, as vLLM and SGLang run it "
               "(transformers' MtpModel drops it); no final norm unless mtp_config.chain_hidden_post_norm",
@@ -613,29 +704,36 @@ FAMILIES: tuple[Family, ...] = (
         title="StepFun Step-3.5-Flash / Step-3.7-Flash",
         model_types=("step3p7", "step3p5"),
         architectures=("Step3p7ForConditionalGeneration", "Step3p5ForCausalLM"),
-        roles={
-            "embed_norm": ("model.layers.{layer}.enorm.weight",),
-            "hidden_norm": ("model.layers.{layer}.hnorm.weight",),
-            "proj": ("model.layers.{layer}.eh_proj.weight",),
-            # released under `transformer.`; vLLM's loader also takes them without it
-            "final_norm": ("model.layers.{layer}.transformer.shared_head.norm.weight",
-                           "model.layers.{layer}.shared_head.norm.weight"),
-            "head": ("model.layers.{layer}.transformer.shared_head.output.weight",
-                     "model.layers.{layer}.shared_head.output.weight"),
-        },
-        block=("model.layers.{layer}.",),
-        trunk={"head": ("lm_head.weight",), "embed": ("model.embed_tokens.weight",)},
-        stores_copies=("head",),
-        norm="1+w",  # Step3p7RMSNorm: (1 + w)·x̂, as vLLM's GemmaRMSNorm
-        depth_keys=("num_nextn_predict_layers", "num_mtp_layers"),
-        default_depth=3,  # the releases store 3 modules (layers 45-47)
-        block_shapes={"input_layernorm.weight": ("H",), "post_attention_layernorm.weight": ("H",)},
-        block_class="transformers.models.step3p7.modeling_step3p7.Step3p7DecoderLayer",
-        # vLLM's Step3p5MTP (and NeMo's trainer): the block's output goes on to the next module before the module's
-        # own shared_head.norm, and position 0 keeps its embedding; transformers' MtpModel chains the normed state
-        # and reads the trunk's lm_head instead (it also misses the `transformer.` names): recycle follows the engine
-        chained_state="pre_norm",
-        config_counts_mtp=True,
+        layout=ModuleLayout(
+            roles={
+                "embed_norm": ("model.layers.{layer}.enorm.weight",),
+                "hidden_norm": ("model.layers.{layer}.hnorm.weight",),
+                "proj": ("model.layers.{layer}.eh_proj.weight",),
+                # released under `transformer.`; vLLM's loader also takes them without it
+                "final_norm": ("model.layers.{layer}.transformer.shared_head.norm.weight",
+                               "model.layers.{layer}.shared_head.norm.weight"),
+                "head": ("model.layers.{layer}.transformer.shared_head.output.weight",
+                         "model.layers.{layer}.shared_head.output.weight"),
+            },
+            block=("model.layers.{layer}.",),
+            trunk={"head": ("lm_head.weight",), "embed": ("model.embed_tokens.weight",)},
+            stores_copies=("head",),
+            block_shapes={"input_layernorm.weight": ("H",), "post_attention_layernorm.weight": ("H",)},
+        ),
+        keys=ConfigKeys(
+            depth_keys=("num_nextn_predict_layers", "num_mtp_layers"),
+            default_depth=3,  # the releases store 3 modules (layers 45-47)
+            config_counts_mtp=True,
+        ),
+        run=Runtime(
+            norm="1+w",  # Step3p7RMSNorm: (1 + w)·x̂, as vLLM's GemmaRMSNorm
+            block_class="transformers.models.step3p7.modeling_step3p7.Step3p7DecoderLayer",
+            # vLLM's Step3p5MTP (and NeMo's trainer): the block's output goes on to the next module before the
+            # module's own shared_head.norm, and position 0 keeps its embedding; transformers' MtpModel chains the
+            # normed state and reads the trunk's lm_head instead (it also misses the `transformer.` names): recycle
+            # follows the engine
+            chained_state="pre_norm",
+        ),
         notes="3 separately trained modules; each block is a dense sliding-window (or full) Step layer (gated GQA, "
               "q/k norms; moe_layers_enum lists trunk layers only) with the release's per-layer config entries for "
               "its index; its own head transformer.shared_head.output (released as a copy of lm_head; after the trunk "
@@ -643,18 +741,21 @@ FAMILIES: tuple[Family, ...] = (
     ),
     # Mellum2: Qwen3-Next's mtp.* names over Mellum's sliding-window MoE layer, with plain `w` norms where Qwen3-Next's
     # are zero-centred: the names alone cannot tell the two apart (config.json's model_type does)
-    dataclasses.replace(
+    derive(
         QWEN3_NEXT,
         name="mellum",
         title="JetBrains Mellum2",
         model_types=("mellum",),
         architectures=("MellumForCausalLM",),
-        norm="w",  # MellumRMSNorm: w·x̂
-        depth_keys=("num_nextn_predict_layers", "num_mtp_layers"),
-        block_shapes=COMMON_BLOCK_SHAPES,
-        block_class="transformers.models.mellum.modeling_mellum.MellumDecoderLayer",
-        gguf=None,  # llama.cpp runs Mellum2 without its MTP layer
-        mtp_layer_types={"layer_types": "sliding_attention", "mlp_layer_types": "sparse"},  # MellumConfig's defaults
+        layout=dict(block_shapes=COMMON_BLOCK_SHAPES),
+        keys=dict(depth_keys=("num_nextn_predict_layers", "num_mtp_layers")),
+        run=dict(
+            norm="w",  # MellumRMSNorm: w·x̂
+            block_class="transformers.models.mellum.modeling_mellum.MellumDecoderLayer",
+            # MellumConfig's defaults
+            mtp_layer_types={"layer_types": "sliding_attention", "mlp_layer_types": "sparse"},
+        ),
+        exports=dict(gguf=None),  # llama.cpp runs Mellum2 without its MTP layer
         notes="one sliding-window MoE MTP layer; fc and the pre-fc/final norms as Qwen3-Next's, norms plain (w)",
     ),
 )
@@ -739,11 +840,11 @@ class MTPMatch:
 
     def dims(self) -> dict[str, int]:
         """Symbols the shape specs use: H, V, E, Hb and the row's `dim_keys` (those the config gives)."""
-        fam, cfg = self.family, self.config
+        keys, cfg = self.family.keys, self.config
         out = {}
-        for sym, keys in (("H", fam.hidden_keys), ("V", fam.vocab_keys), ("E", fam.expert_keys), ("Hb", fam.backbone_keys),
-                          *fam.dim_keys.items()):
-            v = first_value(cfg, keys)
+        for sym, names in (("H", keys.hidden_keys), ("V", keys.vocab_keys), ("E", keys.expert_keys),
+                           ("Hb", keys.backbone_keys), *keys.dim_keys.items()):
+            v = first_value(cfg, names)
             if isinstance(v, int) and not isinstance(v, bool):
                 out[sym] = v
         return out
@@ -783,14 +884,15 @@ def eval_shape(spec: tuple[str, ...], dims: Mapping[str, int]) -> tuple[int, ...
 
 
 def declared_depth(family: Family, cfg: Mapping) -> int:
-    if family.switch_key and cfg.get(family.switch_key) is False:
+    keys = family.keys
+    if keys.switch_key and cfg.get(keys.switch_key) is False:
         return 0
-    v = first_value(cfg, family.depth_keys)
-    return max(0, int(v) + family.depth_offset) if isinstance(v, int) else family.default_depth
+    v = first_value(cfg, keys.depth_keys)
+    return max(0, int(v) + keys.depth_offset) if isinstance(v, int) else keys.default_depth
 
 
 def _sublayers(family: Family, cfg: Mapping) -> int:
-    v = first_value(cfg, family.sublayers)
+    v = first_value(cfg, family.keys.sublayers)
     if isinstance(v, (str, list, tuple)):
         return max(1, len(v))
     return int(v) if isinstance(v, int) and v > 0 else 1
@@ -827,13 +929,13 @@ def _modules(names: NameIndex, family: Family, outer: str, cfg: Mapping, limit: 
     for k in range(limit):
         ctx = {"k": k, "layer": trunk_layers + k, "first": k * p, "last": k * p + p - 1}
         roles: dict[str, list[str]] = {}
-        for role, templates in family.roles.items():
+        for role, templates in family.layout.roles.items():
             for t in templates:
                 name = outer + t.format(**ctx)
                 if name in names:
                     roles[role] = [name] + [s for s in scale_names(name) if s in names][:1]
                     break
-        prefixes = [outer + t.format(s=s, **ctx) for t in family.block for s in range(k * p, k * p + p)]
+        prefixes = [outer + t.format(s=s, **ctx) for t in family.layout.block for s in range(k * p, k * p + p)]
         prefixes = list(dict.fromkeys(prefixes))
         claimed = {n for ns in roles.values() for n in ns}
         block = names.under(prefixes, claimed)
@@ -841,15 +943,15 @@ def _modules(names: NameIndex, family: Family, outer: str, cfg: Mapping, limit: 
             roles["block"] = block
         # A module needs an anchor tensor of its own: templates without {k} (Gemma's pre_projection,
         # Qwen's shared mtp.fc) match again at every k and must not conjure further modules.
-        anchor = set(roles.get(family.anchor, ()))
+        anchor = set(roles.get(family.layout.anchor, ()))
         if not anchor - used:
             break
         used |= anchor
         shared = {}
         for role in SHARED_ROLES:
-            if role not in roles and role in family.trunk:
-                shared[role] = next((outer + t for t in family.trunk[role] if outer + t in names), None)
-        first_name = next(iter(roles[family.anchor]))
+            if role not in roles and role in family.layout.trunk:
+                shared[role] = next((outer + t for t in family.layout.trunk[role] if outer + t in names), None)
+        first_name = next(iter(roles[family.layout.anchor]))
         prefix = next((pf for pf in prefixes if first_name.startswith(pf)), prefixes[0])
         modules.append(MTPModule(k, prefix, roles, shared, prefixes))
     return modules
@@ -890,7 +992,7 @@ def match(ckpt: Checkpoint, family: str | None = None, *, strict: bool = True) -
     for fam in candidates:
         config_match = model_type in fam.model_types or bool(archs & set(fam.architectures))
         declared = declared_depth(fam, cfg)
-        for outer in fam.prefixes:
+        for outer in fam.layout.prefixes:
             mods = _modules(names, fam, outer, cfg, limit=max(declared, 0) + 64)
             if not mods and not config_match:
                 continue

@@ -96,7 +96,7 @@ def load_causal_lm(ckpt: Checkpoint, m: MTPMatch, dtype: torch.dtype, attn: str 
     """The checkpoint's trunk as a transformers causal LM (its extra heads are not part of it)."""
     from transformers import AutoModelForCausalLM
 
-    layout = m.family.hf_layout
+    layout = m.family.layout.hf_layout
     assert layout is not None
     config = _transformers_config(layout, hf_config(layout, m.config, ckpt))
     config._attn_implementation = attn

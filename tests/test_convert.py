@@ -182,15 +182,15 @@ def test_formats_on_families(family_dir, converted, variant, fmt):
     mod = m.modules[0]
     if fmt == "eagle":
         stored = {r: src.get(mod.tensor(r), torch.float32) for r in ("embed_norm", "proj")}
-        want_norm = stored["embed_norm"] + (1 if m.family.norm == "1+w" else 0)
+        want_norm = stored["embed_norm"] + (1 if m.family.run.norm == "1+w" else 0)
         torch.testing.assert_close(state["layers.0.embed_norm.weight"].float(), want_norm.to(torch.bfloat16).float())
         p = stored["proj"]
-        want_proj = torch.cat([p[:, h:], p[:, :h]], 1) if m.family.concat_order == "he" else p
+        want_proj = torch.cat([p[:, h:], p[:, :h]], 1) if m.family.run.concat_order == "he" else p
         assert torch.equal(state["layers.0.proj.weight"], want_proj.to(torch.bfloat16))
         for rel, full in mod.block_names().items():
             if not rel.endswith("_scale_inv"):
                 assert torch.equal(state[f"layers.0.block.{rel}"], src.get(full).to(torch.bfloat16)), rel
-        assert (d / "nextn").is_dir() == (m.family.nextn_architecture is not None)
+        assert (d / "nextn").is_dir() == (m.family.exports.nextn_architecture is not None)
         overlay = safe_open(d / "mtp_overlay" / "mtp.safetensors", "pt")
         assert set(overlay.keys()) == set(m.mtp_names)  # FP8 weights keep their scales, byte for byte
         if variant == "deepseek_v3_fp8":

@@ -360,7 +360,7 @@ def test_block_tensors(matched, variant):
 def test_concat_order_norm_and_kind(matched, variant):
     _, m = matched(variant)
     e = EXPECT[variant]
-    assert (m.family.concat_order, m.family.norm, m.family.kind) == (e.concat, e.norm, e.kind)
+    assert (m.family.run.concat_order, m.family.run.norm, m.family.kind) == (e.concat, e.norm, e.kind)
 
 
 @pytest.mark.parametrize("variant", sorted(v for v in VARIANTS if v != "deepseek_v3_bad_shape"))
@@ -370,7 +370,7 @@ def test_role_shapes_follow_the_config(matched, variant):
     dims = m.dims()
     assert dims.items() >= EXPECT[variant].dims.items()
     for mod in m.modules:
-        for role, spec in m.family.shapes.items():
+        for role, spec in m.family.layout.shapes.items():
             name = mod.tensor(role)
             if name is not None:
                 assert ckpt.tensors[name].shape == eval_shape(spec, dims), name
@@ -406,7 +406,7 @@ def test_norm_weights_follow_the_convention(matched, variant):
     ckpt, m = matched(variant)
     names = _norm_names(m.modules[0])
     assert len(names) >= 4
-    centre = 0.0 if m.family.norm == "1+w" else 1.0
+    centre = 0.0 if m.family.run.norm == "1+w" else 1.0
     for name in names:
         w = ckpt.get(name).float()
         assert (w - centre).abs().max() < 0.2, name
@@ -557,3 +557,16 @@ def test_cli_writes_each_named_variant(tmp_path: Path, capsys):
     with pytest.raises(SystemExit) as exc:
         main([str(tmp_path), "no_such_variant"])
     assert exc.value.code == 2
+
+
+def test_derive_replaces_inside_the_nested_records_only_what_it_names():
+    from recycle.families import BY_NAME, Exports, derive
+
+    base = BY_NAME["deepseek_v3"]
+    row = derive(base, name="x", run=dict(mask_required=True), exports=dict(gguf=None))
+    assert (row.name, row.title, row.layout) == ("x", base.title, base.layout)
+    assert row.run.mask_required and not base.run.mask_required
+    assert row.run.block_class == base.run.block_class and row.run.zero_embed_at_pos0 == base.run.zero_embed_at_pos0
+    assert row.exports.gguf is None and row.exports.nextn_architecture == base.exports.nextn_architecture
+    whole = derive(base, exports=Exports())  # a record, not a dict: taken as given
+    assert whole.exports == Exports() and whole.run == base.run

@@ -10,7 +10,6 @@ with its hyper-connections made the identity.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import pytest
@@ -18,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from recycle.checkpoint import Checkpoint
+from recycle.families import derive
 from recycle.mtp import MTP
 
 from tests.cli_helpers import run_cli
@@ -81,7 +81,7 @@ def test_glm5_runs_its_own_block_and_the_v32_block_differs_past_index_topk(famil
     and not past it: GLM's indexer rotates interleaved pairs, V3.2's half-split ones."""
     glm = MTP.from_checkpoint(family_dir("glm5"))
     assert (glm.family.name, type(glm.layers[0].block).__name__) == ("glm_moe_dsa", "GlmMoeDsaDecoderLayer")
-    v32 = MTP(glm.config, dataclasses.replace(glm.family, block_class=V32_LAYER), 1).eval()
+    v32 = MTP(glm.config, derive(glm.family, run=dict(block_class=V32_LAYER)), 1).eval()
     v32.load_state_dict(glm.state_dict())
     assert type(v32.layers[0].block).__name__ == "DeepseekV32DecoderLayer"
     topk = glm.config.index_topk

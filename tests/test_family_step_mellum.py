@@ -14,7 +14,6 @@ through `MtpModel.from_pretrained`; its one MTP layer is sliding-window attentio
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import pytest
@@ -23,7 +22,7 @@ import torch.nn.functional as F
 
 from recycle.checkpoint import Checkpoint
 from recycle.errors import RecycleError
-from recycle.families import BY_NAME, match
+from recycle.families import BY_NAME, derive, match
 from recycle.mtp import MTP
 
 from fixtures.families import make
@@ -144,7 +143,7 @@ def test_step_matches_transformers_layers_every_depth(step, step_mtp):
         torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-4)
     # the chaining matters from depth 2 on: chaining the normed state would give other logits
     post = MTP.from_checkpoint(step)
-    post.family = dataclasses.replace(post.family, chained_state="post_norm")
+    post.family = derive(post.family, run=dict(chained_state="post_norm"))
     with torch.no_grad():
         other = post(h, ids).logits
     torch.testing.assert_close(other[0], got[0])
@@ -207,7 +206,7 @@ def test_mellum_is_matched_as_mellum_not_qwen3_next(mellum):
     ck = Checkpoint(mellum)
     m = match(ck)
     assert (m.family.name, m.declared, len(m.modules), m.conflict) == ("mellum", 1, 1, None)
-    assert (m.family.norm, BY_NAME["qwen3_next"].norm) == ("w", "1+w")
+    assert (m.family.run.norm, BY_NAME["qwen3_next"].run.norm) == ("w", "1+w")
     # the names are Qwen3-Next's: forced through that row the same tensors fill the same roles
     forced = match(ck, "qwen3_next")
     assert forced.modules[0].roles == m.modules[0].roles and forced.modules[0].shared == m.modules[0].shared
@@ -234,7 +233,7 @@ def test_mellum_matches_transformers_mtp_model(mellum):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         # Qwen3-Next's reading of the same weights, (1+w) norms: every norm about 2x, other logits
         as_qwen = MTP.from_checkpoint(mellum)
-        as_qwen.family = dataclasses.replace(as_qwen.family, norm=BY_NAME["qwen3_next"].norm)
+        as_qwen.family = derive(as_qwen.family, run=dict(norm=BY_NAME["qwen3_next"].run.norm))
         for layer in as_qwen.layers:
             for norm in (layer.embed_norm, layer.hidden_norm, layer.final_norm):
                 norm.style = "1+w"

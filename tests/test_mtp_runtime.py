@@ -8,15 +8,13 @@ where transformers differs from the engines).
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from recycle.checkpoint import Checkpoint
 from recycle.errors import RecycleError
-from recycle.families import BY_NAME
+from recycle.families import BY_NAME, derive
 from recycle.mtp import MTP, Norm, block_config
 
 from fixtures.fp8 import QUANTIZATION_CONFIG, is_fp8_weight, make_fp8
@@ -119,7 +117,7 @@ def test_concat_order_and_zero_centred_norm():
     fam = BY_NAME["deepseek_v3"]
     torch.manual_seed(0)
     a = MTP(cfg, fam, 1).eval()
-    b = MTP(cfg, dataclasses.replace(fam, concat_order="he", norm="1+w"), 1).eval()
+    b = MTP(cfg, derive(fam, run=dict(concat_order="he", norm="1+w")), 1).eval()
     state = a.state_dict()
     hsz = cfg.hidden_size
     w = state["layers.0.proj.weight"]

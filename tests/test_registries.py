@@ -93,18 +93,18 @@ def test_every_family_row_resolves(family: str) -> None:
     from recycle.mtp import MTP, RUNTIMES
 
     fam = BY_NAME[family]
-    if fam.runtime is not None:
-        runtime = RUNTIMES.get(fam.runtime, fam.title)
+    if fam.run.runtime is not None:
+        runtime = RUNTIMES.get(fam.run.runtime, fam.title)
         assert inspect.isclass(runtime) and issubclass(runtime, MTP) and runtime is not MTP, runtime
-    if fam.block_class is not None:
-        block = import_object(fam.block_class)
-        assert inspect.isclass(block) and issubclass(block, nn.Module), fam.block_class
+    if fam.run.block_class is not None:
+        block = import_object(fam.run.block_class)
+        assert inspect.isclass(block) and issubclass(block, nn.Module), fam.run.block_class
 
 
 def test_every_runtime_belongs_to_a_row_naming_it() -> None:
     from recycle.mtp import RUNTIMES
 
-    named = {f.runtime for f in FAMILIES if f.runtime is not None}
+    named = {f.run.runtime for f in FAMILIES if f.run.runtime is not None}
     assert set(RUNTIMES.names()) == named
     with pytest.raises(RecycleError, match="recycle has no MTP runtime for it"):
         RUNTIMES.get("nope")

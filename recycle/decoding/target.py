@@ -29,7 +29,7 @@ def layout_family(path: Path) -> str | None:
     from recycle.preflight import load_json
 
     model_type = load_json(path / "config.json", "config.json").get("model_type")
-    return next((f.name for f in FAMILIES if f.hf_layout is not None and model_type in f.model_types), None)
+    return next((f.name for f in FAMILIES if f.layout.hf_layout is not None and model_type in f.model_types), None)
 
 
 def load_target(

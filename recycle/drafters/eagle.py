@@ -19,18 +19,17 @@ module 0's stores `layers.{k}.head.weight` / `layers.{k}.embed.weight`.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 
 import torch
 from torch import nn
 
 from recycle.drafters.registry import BUILDERS
-from recycle.families import BY_NAME, Family
+from recycle.families import BY_NAME, Family, derive
 from recycle.formats.eagle import source_model_type
 from recycle.mtp import MTP, family_config, to_runtime_layout
 
-CANONICAL = {"norm": "w", "concat_order": "eh"}
+CANONICAL = {"norm": "w", "concat_order": "eh"}  # fields of the row's `run`
 
 
 def canonical_family(name: str, chained_state: str | None = None, zero_embed_at_pos0: bool | None = None) -> Family:
@@ -41,7 +40,7 @@ def canonical_family(name: str, chained_state: str | None = None, zero_embed_at_
         changes["chained_state"] = chained_state
     if zero_embed_at_pos0 is not None:
         changes["zero_embed_at_pos0"] = zero_embed_at_pos0
-    return dataclasses.replace(fam, **changes)
+    return derive(fam, run=changes)
 
 
 class EagleDrafter(MTP):
@@ -114,8 +113,8 @@ def build_eagle(config_dict: Mapping, state: Mapping[str, torch.Tensor], dtype: 
         else:
             runtime[name] = t
     for k, block in blocks.items():
-        runtime.update({f"layers.{k}.block.{n}": v for n, v in to_runtime_layout(block, config, fam.block_renames,
-                                                                                       fam.block_conversions).items()})
+        runtime.update({f"layers.{k}.block.{n}": v for n, v in to_runtime_layout(block, config, fam.run.block_renames,
+                                                                                       fam.run.block_conversions).items()})
     model.load_state_dict(runtime, strict=True)
     return model.to(dtype or torch.float32).eval()
 

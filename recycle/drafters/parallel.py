@@ -53,15 +53,15 @@ class ParallelHeads(nn.Module):
         ckpt = Checkpoint(path)
         m = match(ckpt)
         fam = m.family
-        if fam.kind != "parallel_heads" or fam.hf_layout is None or fam.block_class is None:
+        if fam.kind != "parallel_heads" or fam.layout.hf_layout is None or fam.run.block_class is None:
             raise RecycleError(f"{ckpt.path}: family '{fam.name}' has no parallel heads to draft with")
         if not m.modules:
             raise RecycleError(f"{ckpt.path}: declares {m.declared} extra head(s) but stores none")
         decoder = target_model.get_decoder()
-        model = cls(target_model.config, len(m.modules), fam.block_class, decoder.norm,
+        model = cls(target_model.config, len(m.modules), fam.run.block_class, decoder.norm,
                     target_model.get_output_embeddings())
         for block, mod in zip(model.blocks, m.modules):
-            state = block_state(fam.hf_layout, target_model.config, ckpt, mod.block_prefixes[0])
+            state = block_state(fam.layout.hf_layout, target_model.config, ckpt, mod.block_prefixes[0])
             try:
                 block.load_state_dict(state, strict=True)
             except RuntimeError as e:

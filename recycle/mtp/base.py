@@ -3,11 +3,11 @@
 It computes what the serving engines compute (vLLM/SGLang `*_mtp.py`, see formats-source §0.2):
 
     depth k at position i:  e = Embed(t_{i+k})            (zeroed at position 0 where the family says so)
-                            x = Proj(cat[Norm_e(e), Norm_h(h_i^{k-1})])   (order: family.concat_order)
+                            x = Proj(cat[Norm_e(e), Norm_h(h_i^{k-1})])   (order: family.run.concat_order)
                             h_i^k = Block(x, positions i)  (the block adds its own residuals)
                             logits_k = Head(FinalNorm(h_i^k))             predicts t_{i+k+1}
     h^0 is the trunk's output *after* its final norm; depth k+1 reads h^k before or after the final
-    norm per family.chained_state.
+    norm per family.run.chained_state.
 
 Nothing here names a DeepSeek tensor: weights arrive by role through `families.match`, the block
 is the family's transformers decoder-layer class, and transformers' own conversion mapping turns
@@ -59,7 +59,7 @@ def mtp_layer_types(config: PretrainedConfig, family: Family, base: int, depth: 
     """
     for key, value in list(vars(config).items()):
         # per-layer lists: `*layer_types`, and any the row names (GLM-5.2's `indexer_types`: the MTP layer runs its own)
-        listed = key.endswith("layer_types") or key in family.mtp_layer_types
+        listed = key.endswith("layer_types") or key in family.run.mtp_layer_types
         if not listed or key.startswith("mtp_") or not isinstance(value, list) or not value:
             continue
         own = getattr(config, f"mtp_{key}", None)
@@ -67,7 +67,7 @@ def mtp_layer_types(config: PretrainedConfig, family: Family, base: int, depth: 
             value = (value + [value[-1]] * base)[:base]
             setattr(config, key, value + [own[min(k, len(own) - 1)] for k in range(depth)])
         elif len(value) < base + depth:
-            fill = family.mtp_layer_types.get(key, "full_attention" if key == "layer_types" else value[-1])
+            fill = family.run.mtp_layer_types.get(key, "full_attention" if key == "layer_types" else value[-1])
             setattr(config, key, value + [fill] * (base + depth - len(value)))
 
 
@@ -115,19 +115,19 @@ def family_config(config: Mapping, family: Family, attn_implementation: str = "s
     With the row's `config_counts_mtp` (per-layer lists that run over the MTP layers), the config class lays out the
     MTP layers' entries itself: built with them counted as layers and no MTP count, then given the trunk's count back.
     """
-    config = {**{key: first_value(config, (src,)) for key, src in family.block_config_keys.items()
+    config = {**{key: first_value(config, (src,)) for key, src in family.keys.block_config_keys.items()
                  if first_value(config, (src,)) is not None}, **config}  # the config's own keys win
-    if family.model_types and config.get("model_type") not in family.model_types and not family.block_model_type:
+    if family.model_types and config.get("model_type") not in family.model_types and not family.run.block_model_type:
         # read as this row (`--family`) under another name: the row's own config class builds its block
         config = {**config, "model_type": family.model_types[0]}
-    attn, trunk = family.attn_implementation or attn_implementation, int(config.get("num_hidden_layers") or 0)
+    attn, trunk = family.run.attn_implementation or attn_implementation, int(config.get("num_hidden_layers") or 0)
     n = declared_depth(family, config)
     lists = [v for k, v in config.items() if k.endswith("layer_types") and isinstance(v, list)]
-    if not family.config_counts_mtp or not n or any(len(v) != trunk + n for v in lists):
-        return block_config(config, attn, family.block_model_type)
-    counts = {k: config[k] for k in family.depth_keys if k in config}
+    if not family.keys.config_counts_mtp or not n or any(len(v) != trunk + n for v in lists):
+        return block_config(config, attn, family.run.block_model_type)
+    counts = {k: config[k] for k in family.keys.depth_keys if k in config}
     out = block_config({**config, "num_hidden_layers": trunk + n, **dict.fromkeys(counts, 0)}, attn,
-                       family.block_model_type)
+                       family.run.block_model_type)
     out.num_hidden_layers = trunk
     for key, value in counts.items():
         setattr(out, key, value)
@@ -216,18 +216,18 @@ def _fold_trunk_semantics(state: dict[str, torch.Tensor], m: MTPMatch, ckpt: Che
     embedding passes first (`embed_trunk_norm`), a divisor of the head's input (`logit_divisor_key`, muP) and the
     head's real rows (`logit_rows_key`, a padded unembedding)."""
     fam = m.family
-    norm = next((m.outer_prefix + n for n in fam.embed_trunk_norm if m.outer_prefix + n in ckpt.tensors), None)
+    norm = next((m.outer_prefix + n for n in fam.run.embed_trunk_norm if m.outer_prefix + n in ckpt.tensors), None)
     if norm is not None and "embed.weight" in state:
-        trunk_norm = Norm(config.hidden_size, float(getattr(config, "rms_norm_eps", 1e-6)), fam.norm)
+        trunk_norm = Norm(config.hidden_size, float(getattr(config, "rms_norm_eps", 1e-6)), fam.run.norm)
         trunk_norm.weight.data = ckpt.get(norm, torch.float32)
         with torch.no_grad():
             state["embed.weight"] = trunk_norm(state["embed.weight"].float())
     if "head.weight" not in state:
         return
-    divisor = first_value(m.config, (fam.logit_divisor_key,)) if fam.logit_divisor_key else None
+    divisor = first_value(m.config, (fam.run.logit_divisor_key,)) if fam.run.logit_divisor_key else None
     if divisor is not None:
         state["head.weight"] = state["head.weight"].float() / float(divisor)
-    rows = first_value(m.config, (fam.logit_rows_key,)) if fam.logit_rows_key else None
+    rows = first_value(m.config, (fam.run.logit_rows_key,)) if fam.run.logit_rows_key else None
     if isinstance(rows, int) and 0 < rows < state["head.weight"].shape[0]:
         state["head.weight"] = state["head.weight"][:rows]
 
@@ -249,14 +249,14 @@ class MTPDepth(nn.Module):
         super().__init__()
         h, v = config.hidden_size, config.vocab_size
         eps = float(getattr(config, "rms_norm_eps", 1e-6))
-        self.embed_norm = Norm(h, eps, family.norm)
-        self.hidden_norm = Norm(h, eps, family.norm)
+        self.embed_norm = Norm(h, eps, family.run.norm)
+        self.hidden_norm = Norm(h, eps, family.run.norm)
         self.proj = nn.Linear(2 * h, h, bias=False)
-        self.block = import_object(family.block_class)(config, layer_idx)
+        self.block = import_object(family.run.block_class)(config, layer_idx)
         types_ = getattr(config, "layer_types", None) or []
         self.layer_type = types_[layer_idx] if layer_idx < len(types_) else "full_attention"  # its mask and rotary
-        self.final_norm = Norm(h, eps, family.norm) if "final_norm" in roles else None
-        rows = getattr(config, family.logit_rows_key, None) if family.logit_rows_key else None
+        self.final_norm = Norm(h, eps, family.run.norm) if "final_norm" in roles else None
+        rows = getattr(config, family.run.logit_rows_key, None) if family.run.logit_rows_key else None
         rows = rows if isinstance(rows, int) and 0 < rows < v else v  # a padded unembedding: its real tokens only
         self.head = nn.Linear(h, rows, bias=False) if "head" in roles else None
         self.embed = nn.Embedding(v, h) if "embed" in roles else None
@@ -288,7 +288,7 @@ class MTP(nn.Module):
         # recompute each step's decoder layer in backward instead of keeping its activations (distill's
         # --activation-checkpointing: the layers keep their inputs only)
         self.checkpoint_blocks = False
-        if family.block_class is None or family.kind != "mtp" or family.concat_order is None:
+        if family.run.block_class is None or family.kind != "mtp" or family.run.concat_order is None:
             raise RecycleError(f"family '{family.name}' has no sequential MTP runtime (kind {family.kind})")
         # a copy: the caller's config (a trunk's, when a fixture trains them together) keeps its own layer lists
         config = copy.copy(config)
@@ -296,7 +296,7 @@ class MTP(nn.Module):
         base = int(getattr(config, "num_hidden_layers", 0) or 0)
         mtp_layer_types(config, family, base, depth)  # MTP blocks sit after the trunk's layers: the lists must reach them
         layers = config
-        if family.config_counts_mtp:  # the layers' per-layer config views (config.per_layer_config[i]) reach them too
+        if family.keys.config_counts_mtp:  # the layers' per-layer config views (config.per_layer_config[i]) reach them too
             layers = copy.copy(config)
             layers.num_hidden_layers = base + depth
         self.layers = nn.ModuleList(MTPDepth(layers, family, base + k, roles) for k in range(depth))
@@ -306,7 +306,7 @@ class MTP(nn.Module):
         unfilled = [r for r in ("embed", "head") if r not in roles and r not in self._shared]
         if unfilled:
             raise ValueError(f"MTP roles {unfilled} are neither held nor shared")
-        self.rotary = block_rotary(family.block_class, config)
+        self.rotary = block_rotary(family.run.block_class, config)
         # rotary classes of models with several attention types take the layer's type (MiMo-V2, Step-3.7, Mellum)
         self._typed_rope = self.rotary is not None and "layer_type" in inspect.signature(self.rotary.forward).parameters
 
@@ -367,7 +367,7 @@ class MTP(nn.Module):
                 # blocks that index the mask (DeepSeek-V3.2's sparse-attention indexer) get one, never None
                 mask = MASKS.get(layer_type, create_causal_mask)(
                     config=self.config, inputs_embeds=hidden, attention_mask=attention_mask, past_key_values=None,
-                    position_ids=position_ids, allow_is_causal_skip=not self.family.mask_required)
+                    position_ids=position_ids, allow_is_causal_skip=not self.family.run.mask_required)
                 context[layer_type] = mask, self.rope(hidden, position_ids, layer_type)
             return context[layer_type]
 
@@ -378,10 +378,10 @@ class MTP(nn.Module):
             mask, rope = for_type(layer.layer_type)
             embed, head, final_norm = (self.role(layer, r) for r in ("embed", "head", "final_norm"))
             e = embed(input_ids[:, k + 1 : k + 1 + t])
-            if self.family.zero_embed_at_pos0:
+            if self.family.run.zero_embed_at_pos0:
                 e = e.masked_fill(at_start, 0.0)
             e, s = layer.embed_norm(e), layer.hidden_norm(state)
-            x = layer.proj(torch.cat([e, s] if self.family.concat_order == "eh" else [s, e], dim=-1))
+            x = layer.proj(torch.cat([e, s] if self.family.run.concat_order == "eh" else [s, e], dim=-1))
             if self.checkpoint_blocks and torch.is_grad_enabled():  # distill --activation-checkpointing
                 y = torch.utils.checkpoint.checkpoint(layer.block, x, use_reentrant=False, attention_mask=mask,
                                                       position_ids=position_ids, position_embeddings=rope)
@@ -393,7 +393,7 @@ class MTP(nn.Module):
                 logits.append(head(normed))
             states.append(y)
             normeds.append(normed)
-            state = y if self.family.chained_state == "pre_norm" else normed
+            state = y if self.family.run.chained_state == "pre_norm" else normed
         return MTPOutput(logits, states, normeds)
 
     # -- checkpoints ------------------------------------------------------------------------------
@@ -410,8 +410,8 @@ class MTP(nn.Module):
     ) -> MTP:
         """Build from a checkpoint's stored MTP tensors (FP8 dequantized; borrowed roles from the trunk)."""
         ckpt, m = stored_modules(source, family)
-        if m.family.runtime is not None and cls is MTP:  # a layout the forward above cannot run: its own runtime
-            return RUNTIMES.get(m.family.runtime, m.family.title).from_checkpoint(
+        if m.family.run.runtime is not None and cls is MTP:  # a layout the forward above cannot run: its own runtime
+            return RUNTIMES.get(m.family.run.runtime, m.family.title).from_checkpoint(
                 ckpt, depth=depth, dtype=dtype, family=m.family.name, attn_implementation=attn_implementation)
         modules = m.modules[: depth or None]
         config = family_config(m.config, m.family, attn_implementation)
@@ -426,17 +426,17 @@ class MTP(nn.Module):
             model = cls(config, m.family, len(modules), roles)
         except (IndexError, KeyError, TypeError, ValueError, AttributeError, RuntimeError) as e:
             raise RecycleError(
-                f"{ckpt.path}: cannot build {m.family.block_class} from this config ({type(e).__name__}: {e})"
+                f"{ckpt.path}: cannot build {m.family.run.block_class} from this config ({type(e).__name__}: {e})"
             ) from None
         for mod, layer in zip(modules, model.layers):
             state = {f"{r}.weight": ckpt.get(mod.tensor(r)) for r in LEAF_ROLES if r in roles}
             block = {rel: ckpt.get(full) for rel, full in mod.block_names().items() if not rel.endswith(SCALE_SUFFIX)}
             state.update({f"block.{k}": v for k, v in to_runtime_layout(
-                block, config, m.family.block_renames, m.family.block_conversions).items()})
+                block, config, m.family.run.block_renames, m.family.run.block_conversions).items()})
             _fold_trunk_semantics(state, m, ckpt, config)
             why = misfit(state, layer.state_dict())
             if why is not None:
-                raise RecycleError(f"{ckpt.path}: MTP module {mod.index} does not fit {m.family.block_class}: {why}")
+                raise RecycleError(f"{ckpt.path}: MTP module {mod.index} does not fit {m.family.run.block_class}: {why}")
             layer.load_state_dict(state, strict=True)
         return model.to(dtype).eval()
 
@@ -446,23 +446,23 @@ class MTP(nn.Module):
         Borrowed roles are written as copies where the family's releases store copies.
         """
         fam = self.family
-        stored_norm = BY_NAME[fam.name].norm if fam.name in BY_NAME else fam.norm  # an EAGLE drafter runs `w`
+        stored_norm = BY_NAME[fam.name].run.norm if fam.name in BY_NAME else fam.run.norm  # an EAGLE drafter runs `w`
         base = int(num_hidden_layers if num_hidden_layers is not None else self.config.num_hidden_layers)
         out: dict[str, torch.Tensor] = {}
         for k, layer in enumerate(self.layers):
             ctx = {"k": k, "layer": base + k, "first": k, "last": k}
             for role in LEAF_ROLES:
                 module = getattr(layer, role)
-                if module is None and role in fam.stores_copies:
+                if module is None and role in fam.layout.stores_copies:
                     module = self._shared.get(role)
-                if module is None or role not in fam.roles:
+                if module is None or role not in fam.layout.roles:
                     continue
                 w = module.weight.detach().clone()
                 if isinstance(module, Norm) and module.style == "w" and stored_norm == "1+w":
                     w = w.float() - 1.0  # a plain `w` (an EAGLE drafter's) stored zero-centred, as the family stores it
-                out[fam.roles[role][0].format(**ctx)] = w
-            prefix = fam.block[0].format(s=k, **ctx)
+                out[fam.layout.roles[role][0].format(**ctx)] = w
+            prefix = fam.layout.block[0].format(s=k, **ctx)
             state = {n: t.detach().clone() for n, t in layer.block.state_dict().items()}
-            for rel, t in to_checkpoint_layout(state, self.config, fam.block_renames, fam.block_conversions).items():
+            for rel, t in to_checkpoint_layout(state, self.config, fam.run.block_renames, fam.run.block_conversions).items():
                 out[prefix + rel] = t.contiguous()
         return out

@@ -63,7 +63,7 @@ class DeepseekV4Depth(nn.Module):
         self.hidden_norm = v4.DeepseekV4RMSNorm(h, eps)
         self.e_proj = nn.Linear(h, h, bias=False)
         self.h_proj = nn.Linear(h, h, bias=False)
-        self.block = import_object(family.block_class)(config, layer_idx)
+        self.block = import_object(family.run.block_class)(config, layer_idx)
         self.layer_type = config.layer_types[layer_idx]
         self.hc_head = v4.DeepseekV4HyperHead(config)
         self.final_norm = v4.DeepseekV4RMSNorm(h, eps)
@@ -214,7 +214,7 @@ class DeepseekV4MTP(MTP):
             model = cls(config, m.family, len(modules), roles=("head", "embed"))
         except (IndexError, KeyError, TypeError, ValueError, AttributeError) as e:
             raise RecycleError(
-                f"{ckpt.path}: cannot build {m.family.block_class} from this config ({type(e).__name__}: {e})"
+                f"{ckpt.path}: cannot build {m.family.run.block_class} from this config ({type(e).__name__}: {e})"
             ) from None
         for k, (mod, layer) in enumerate(zip(modules, model.layers)):
             state = {param: ckpt.get(mod.tensor(role)) for role, param in LEAVES.items()}
@@ -222,13 +222,13 @@ class DeepseekV4MTP(MTP):
             at = f"layers.{base + k}."
             block = {at + rel: ckpt.get(full) for rel, full in mod.block_names().items()
                      if ckpt.tensors[full].dtype != "F8_E8M0"}
-            for name, value in to_runtime_layout(block, model.config, m.family.block_renames).items():
+            for name, value in to_runtime_layout(block, model.config, m.family.run.block_renames).items():
                 state["block." + name.removeprefix(at)] = value
             own = layer.state_dict()
             unknown, absent = sorted(set(state) - set(own)), sorted(set(own) - set(state))
             if unknown or absent:
                 raise RecycleError(
-                    f"{ckpt.path}: MTP module {mod.index} does not fit {m.family.block_class}"
+                    f"{ckpt.path}: MTP module {mod.index} does not fit {m.family.run.block_class}"
                     + (f"; unexpected: {', '.join(unknown[:5])}" if unknown else "")
                     + (f"; missing: {', '.join(absent[:5])}" if absent else ""))
             for name, value in state.items():
@@ -247,12 +247,12 @@ class DeepseekV4MTP(MTP):
             ctx = {"k": k, "layer": base + k, "first": k, "last": k}
             params = layer.state_dict()
             for role, param in LEAVES.items():
-                if role in fam.roles:
-                    out[fam.roles[role][0].format(**ctx)] = params[param].detach().clone()
+                if role in fam.layout.roles:
+                    out[fam.layout.roles[role][0].format(**ctx)] = params[param].detach().clone()
             at = f"layers.{self.config.num_hidden_layers + k}."
             state = {at + n: t.detach().clone() for n, t in layer.block.state_dict().items()}
-            prefix = fam.block[0].format(s=k, **ctx)
-            for name, t in to_checkpoint_layout(state, self.config, fam.block_renames).items():
+            prefix = fam.layout.block[0].format(s=k, **ctx)
+            for name, t in to_checkpoint_layout(state, self.config, fam.run.block_renames).items():
                 for wrong, right in NATIVE_FIXES:
                     name = name.replace(wrong, right)
                 out[prefix + name.removeprefix(at)] = t.contiguous()

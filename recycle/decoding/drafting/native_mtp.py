@@ -94,9 +94,9 @@ class MTPStack(Drafter):
             shape = self.steps
         self.shape = shape
         fam = mtp.family
-        self.eh = fam.concat_order != "he"
-        self.pre_norm = fam.chained_state == "pre_norm"
-        self.zero_pos0 = bool(fam.zero_embed_at_pos0)
+        self.eh = fam.run.concat_order != "he"
+        self.pre_norm = fam.run.chained_state == "pre_norm"
+        self.zero_pos0 = bool(fam.run.zero_embed_at_pos0)
         pick = self.REUSE[reuse or "last"]
         picked = [pick(j, mtp.depth) for j in range(self.steps)]
         self.layers = [mtp.layers[i] for i in picked]
