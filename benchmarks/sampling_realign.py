@@ -16,10 +16,19 @@ on two prompt sets: in-domain held-out prompts and a held-out domain neither sid
 files); and, on the post-trained target, context buckets (0-256, 256-1k, 1k-2k) of long prompts cut from the
 in-domain held-out text (paired across buckets: recycle/contexts.py).
 
+The post-trained fixture's trunk was trained on 256-token windows, and its own loss rises past them, so phase `extend`
+builds a third target, `long` (under --work, not bundled): the post-trained target trained further on 2,048-token
+windows of its domain (EXTEND; its MTP tensors stay the base's, stale), on which the context buckets test whether a
+drafter trained with long windows keeps its acceptance across the context.
+
     python benchmarks/sampling_realign.py distill --tokens 256k --work /tmp/s50
     python benchmarks/sampling_realign.py bench --work /tmp/s50
     python benchmarks/sampling_realign.py tables --work /tmp/s50      # BENCHMARKS.md's tables
     python benchmarks/sampling_realign.py trunk                       # the target's own loss by position
+    python benchmarks/sampling_realign.py extend --extend-steps 150 --targets long --work /tmp/s50
+    python benchmarks/sampling_realign.py trunk --targets deepseek,long --work /tmp/s50
+    python benchmarks/sampling_realign.py distill --targets long --losses kl --long both --work /tmp/s50
+    python benchmarks/sampling_realign.py bench --targets long --context-prompts 8 --work /tmp/s50
 """
 
 from __future__ import annotations
@@ -33,14 +42,23 @@ from _common import FIXTURE, FIXTURES, POSTTRAINED, parser, stamp, write_json
 CHAT = FIXTURES / "deepseek_v3_mtp_chat"
 LOSSES = {"kl": "kl,ce=0.1", "tv": "tv,ce=0.1", "kl+tv": "kl,tv,ce=0.1"}
 TARGETS = {"deepseek": POSTTRAINED, "chat": CHAT}
+# the post-trained target extended to its whole context (phase `extend`): built under --work, not bundled
+EXTENDED = "long"
+# its extension: 2,048-token windows of the post-training domain, 2 rows per step (4,096 tokens per step, the
+# post-training's), a lower peak LR than post-training's 1e-3; the trunk trains, the MTP tensors are copied as stored
+EXTEND = {"seq": 2048, "batch": 2, "lr": 3e-4, "eval_windows": 16}
 HELDOUT_DOMAIN = "py:pip"  # neither target nor drafter trained on it; chosen before any measurement, never tuned on
 # whole-context windows: a 256, 1024 curriculum, then 2048; one row per step (2048 = 8 × 256 tokens per step, the short
 # runs' schedule); 4 held-out rows (the target writes each row's last 192 tokens at 2048 positions: slow on a CPU)
 LONG = {"seq_len": 2048, "curriculum": "256,1024", "batch": 1, "eval_rows": 4}
 
 
+def target_dir(name: str, work: Path) -> Path:
+    return work / "target-long" if name == EXTENDED else TARGETS[name]
+
+
 def data_for(name: str, work: Path) -> str:
-    if name == "deepseek":
+    if name in ("deepseek", EXTENDED):
         return "py:transformers"
     path = work / "chat_train.jsonl"
     if not path.is_file():
@@ -54,11 +72,12 @@ def stale(work: Path, target: str = "deepseek") -> Path:
     """The stale modules as an EAGLE drafter (what every run starts from): the base fixture's for the post-trained
     target (as the stale-MTP experiments of issue 13), the chat target's own for the chat target (its tokenizer has
     the chat template's tokens, the base's has not)."""
-    out = work / ("stale-eagle" if target == "deepseek" else f"stale-eagle-{target}")
+    base = target in ("deepseek", EXTENDED)  # both descend from the base fixture; its modules are their stale ones
+    out = work / ("stale-eagle" if base else f"stale-eagle-{target}")
     if not (out / "config.json").is_file():
         from recycle.converters.api import convert_checkpoint
 
-        convert_checkpoint(FIXTURE if target == "deepseek" else TARGETS[target], "eagle", out)
+        convert_checkpoint(FIXTURE if base else TARGETS[target], "eagle", out)
     return out
 
 
@@ -83,7 +102,7 @@ def distill_all(a, work: Path) -> dict:
                     continue
                 extra = dict(LONG) if long else {}
                 t0 = time.perf_counter()
-                rec = distill(DistillOptions(drafter=str(start), target=str(TARGETS[target]),
+                rec = distill(DistillOptions(drafter=str(start), target=str(target_dir(target, work)),
                                              tokens=parse_tokens(a.tokens), data=data_for(target, work), out=str(out),
                                              loss=LossConfig(loss=LOSSES[loss]), threads=a.threads, overwrite=True,
                                              **extra))
@@ -98,11 +117,13 @@ BUCKETS = ((0, 256), (256, 1024), (1024, 2048))
 
 def drafters(target: str, a, work: Path) -> dict[str, tuple[str | None, Path]]:
     """name -> (drafter directory, or None for the target's own modules; the target it drafts for)."""
-    out: dict[str, tuple[str | None, Path]] = {"original": (None, FIXTURE), "native": (None, TARGETS[target]),
-                                               "stale": (str(stale(work, target)), TARGETS[target])}
+    tdir = target_dir(target, work)
+    out: dict[str, tuple[str | None, Path]] = {"native": (None, tdir), "stale": (str(stale(work, target)), tdir)}
+    if target != EXTENDED:  # the extended target is measured by context bucket only
+        out["original"] = (None, FIXTURE)
     for d in sorted(work.glob(f"{target}-*")):  # every finished run: TARGET-LOSS-TOKENS[-long]
         if (d / "recycle.json").is_file():
-            out[d.name.removeprefix(f"{target}-")] = (str(d), TARGETS[target])
+            out[d.name.removeprefix(f"{target}-")] = (str(d), tdir)
     return out
 
 
@@ -122,12 +143,13 @@ def bench_one(drafter: str | None, target: Path, prompts, a, temperatures: str, 
     return out
 
 
-CONTEXT_DRAFTERS = ("native", "stale", "kl-256k", "kl-256k-long")  # the buckets' rows (deepseek)
+CONTEXT_DRAFTERS = ("native", "stale", "kl-256k", "kl-256k-long")  # the buckets' rows (deepseek, long)
 
 
 def bench_all(a, work: Path) -> dict:
     """Every drafter on the in-domain and held-out-domain prompt sets at every temperature; then, on the post-trained
-    target, CONTEXT_DRAFTERS by context bucket at T = 0 and 1 (their sweep over the first in-domain prompt only)."""
+    target and on its extension to the whole context, CONTEXT_DRAFTERS by context bucket at T = 0 and 1 (their sweep
+    over the first in-domain prompt only)."""
     from recycle.prompts import prompt_set, read_jsonl
 
     sets = {"deepseek": {"in-domain": prompt_set("py:transformers", a.prompts)},
@@ -148,6 +170,8 @@ def bench_all(a, work: Path) -> dict:
         write_json(path, results)
 
     for target in a.targets.split(","):
+        if target == EXTENDED:
+            continue
         for name, (drafter, tdir) in drafters(target, a, work).items():
             if a.drafters and name not in a.drafters.split(","):
                 continue
@@ -155,12 +179,14 @@ def bench_all(a, work: Path) -> dict:
                 if name == "original" and target == "chat" and pset == "in-domain":
                     continue  # the base target has no chat template: its pairing is judged on the held-out domain
                 once(f"{target}/{name}/{pset}", drafter, tdir, prompts, a, a.temperatures)
-    if "deepseek" in a.targets.split(","):
-        found = drafters("deepseek", a, work)
+    for target in ("deepseek", EXTENDED):
+        if target not in a.targets.split(","):
+            continue
+        found = drafters(target, a, work)
         for name in CONTEXT_DRAFTERS:
             if name in found and (not a.drafters or name in a.drafters.split(",")):
                 drafter, tdir = found[name]
-                once(f"deepseek/{name}/contexts", drafter, tdir, sets["deepseek"]["in-domain"][:1], a, "0,1.0",
+                once(f"{target}/{name}/contexts", drafter, tdir, sets["deepseek"]["in-domain"][:1], a, "0,1.0",
                      contexts=True)
     return results
 
@@ -194,9 +220,9 @@ def tables(work: Path) -> str:
                                f"{_iv(row)} |")
     keys = [k for k in results if k.endswith("/contexts")]
     if keys:
-        out += ["\ncontext buckets (deepseek, in-domain text):\n",
-                "| drafter | T | " + " | ".join(f"α1 {lo}-{hi}" for lo, hi in BUCKETS)
-                + " | slope of α1 per 1k positions [95%] |", "|---|---:|" + "---|" * (len(BUCKETS) + 1)]
+        out += ["\ncontext buckets (in-domain text; target `long`: the post-trained target extended to 2,048):\n",
+                "| target | drafter | T | " + " | ".join(f"α1 {lo}-{hi}" for lo, hi in BUCKETS)
+                + " | slope of α1 per 1k positions [95%] |", "|---|---|---:|" + "---|" * (len(BUCKETS) + 1)]
         for k in keys:
             for run in results[k]["contexts"]:
                 d = run["decay"]
@@ -204,25 +230,25 @@ def tables(work: Path) -> str:
                          for b in run["buckets"]]
                 slope = (f"{d['slope_per_1k']:+.3f} [{d['low']:+.3f}, {d['high']:+.3f}]" if d["low"] is not None
                          else "–")
-                out.append(f"| {k.split('/')[1]} | {run['temperature']:g} | " + " | ".join(cells) + f" | {slope} |")
+                out.append(f"| {k.split('/')[0]} | {k.split('/')[1]} | {run['temperature']:g} | " + " | ".join(cells) + f" | {slope} |")
     return "\n".join(out)
 
 
-def trunk_by_position(windows: int = 8) -> dict:
-    """Why acceptance may fall with position on these fixtures: the post-trained target's own held-out loss and its
-    top-1 agreement with the text, per context bucket, on `windows` windows of 2,048 py:transformers held-out tokens."""
+def trunk_by_position(target: Path = POSTTRAINED, windows: int = 8) -> dict:
+    """Why acceptance may fall with position on these fixtures: the target's own held-out loss and its top-1
+    agreement with the text, per context bucket, on `windows` windows of 2,048 py:transformers held-out tokens."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from recycle.corpus import documents
 
-    tok = AutoTokenizer.from_pretrained(POSTTRAINED)
+    tok = AutoTokenizer.from_pretrained(target)
     ids: list[int] = []
     for doc in documents("heldout", source="py:transformers"):
         ids += tok(doc.text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
         if len(ids) >= windows * 2048 + 1:
             break
-    model = AutoModelForCausalLM.from_pretrained(POSTTRAINED, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
     x = torch.tensor(ids[: windows * 2048]).view(windows, 2048)
     with torch.no_grad():
         logits = model(x).logits[:, :-1].float()
@@ -235,10 +261,28 @@ def trunk_by_position(windows: int = 8) -> dict:
     return out
 
 
+def extend(a, work: Path) -> dict:
+    """The post-trained target trained further on whole-context windows (EXTEND, --extend-steps steps), so that its
+    own loss no longer rises past the 256 positions the fixtures were trained on; its MTP tensors stay as stored
+    (the base's: stale). Built beside, then renamed; kept when built before."""
+    from fixtures.build_posttrained import main as posttrain
+
+    out = target_dir(EXTENDED, work)
+    if not (out / "build_report.json").is_file():
+        part = out.with_name(out.name + ".part")
+        posttrain(["--base", str(POSTTRAINED), "--out", str(part), "--steps", str(a.extend_steps),
+                   "--seq", str(EXTEND["seq"]), "--batch", str(EXTEND["batch"]), "--lr", str(EXTEND["lr"]),
+                   "--eval-windows", str(EXTEND["eval_windows"]), "--threads", str(a.threads)])
+        part.rename(out)
+    report = json.loads((out / "build_report.json").read_text())
+    return {k: report[k] for k in ("steps", "tokens", "train_tokens_per_s", "wall_s", "before", "after")}
+
+
 def main() -> None:
     ap = parser(__doc__, work="/tmp/s50", threads=2, json=True)
-    ap.add_argument("phase", choices=("distill", "bench", "tables", "trunk"))
+    ap.add_argument("phase", choices=("extend", "distill", "bench", "tables", "trunk"))
     ap.add_argument("--tokens", default="256k")
+    ap.add_argument("--extend-steps", type=int, default=300, help="phase extend: optimizer steps of 4,096 tokens")
     ap.add_argument("--targets", default="deepseek,chat")
     ap.add_argument("--losses", default=",".join(LOSSES))
     ap.add_argument("--long", choices=("no", "only", "both"), default="no",
@@ -257,7 +301,10 @@ def main() -> None:
         print(tables(work))
         return
     if a.phase == "trunk":
-        result["trunk_by_position"] = trunk_by_position()
+        result["trunk_by_position"] = {t: trunk_by_position(target_dir(t, work)) for t in a.targets.split(",")
+                                       if t in ("deepseek", EXTENDED)}
+    elif a.phase == "extend":
+        result["extend"] = extend(a, work)
     elif a.phase == "distill":
         result["runs"] = distill_all(a, work)
     else:

@@ -87,7 +87,6 @@ def vllm_generate(target: str, parallel: dict | None = None, gpu_memory_utilizat
             return []
         res = run_job({"target": target, "prompt_ids": prompts, "max_new_tokens": max_new, "temperature": temperature,
                        "seed": seed, "stop_token_ids": stops, **job_engine(parallel, gpu_memory_utilization),
-                       "max_model_len": max(len(p) for p in prompts) + max_new + 8,
                        "runs": [{"name": "turns", "speculative_config": None}]})["turns"]
         if "error" in res:
             raise RecycleError(f"vLLM: {res['error']}")
@@ -191,7 +190,7 @@ def final_norm(target: str | os.PathLike):
         m = None
     if m is not None and m.conflict:  # the norm's parametrisation would be a guess
         raise RecycleError(m.conflict)
-    zero_centred = m is not None and m.family.norm == "1+w"
+    zero_centred = m is not None and m.family.run.norm == "1+w"
     w = w + 1 if zero_centred else w
     eps = float(ck.config.get("rms_norm_eps", 1e-6))
 
@@ -234,7 +233,7 @@ class _Job:
             return
         ev, p = self.eval, self.prompt
         gen = run_job({"target": self.target, "prompt_ids": ev[:, :p].tolist(), "max_new_tokens": ev.shape[1] - p,
-                       "max_model_len": ev.shape[1] + 8, "runs": [{"name": "eval", "speculative_config": None}],
+                       "runs": [{"name": "eval", "speculative_config": None}],
                        **self.engine()})["eval"]
         if "error" in gen:
             raise RecycleError(f"vLLM: {gen['error']}")
@@ -270,7 +269,7 @@ class _Job:
         gen = run_job({"target": self.target, "prompt_ids": [row[:p].tolist() for _, row in todo],
                        "max_new_tokens_each": [len(row) - p for _, row in todo], "temperature": self.opts.sd_temperature,
                        "seed": self.opts.seed, "seed_each": [self.opts.seed + r for r, _ in todo],
-                       "max_model_len": self.opts.seq_len + 8, "runs": [{"name": "windows", "speculative_config": None}],
+                       "runs": [{"name": "windows", "speculative_config": None}],
                        **self.engine()})["windows"]
         if "error" in gen:
             raise RecycleError(f"vLLM: {gen['error']}")

@@ -70,7 +70,7 @@ from recycle.errors import RecycleError
 from recycle.formats import BENCH_REPORT
 from recycle.hardware import detect, resolve_device, sync
 from recycle.options import BenchOptions
-from recycle.preflight import DRAFTER_RECORD, load_json
+from recycle.preflight import DRAFTER_RECORD, OutputLock, load_json
 from recycle.preflight import max_positions as _positions
 from recycle.resample import interval, resamples
 
@@ -247,7 +247,22 @@ def check_positions(encoded: list[list[int]], max_new: int, extra: int, position
 
 
 def run_bench(opts: BenchOptions, progress: Progress | None = None) -> BenchResult:
-    """Benchmark one drafter against AR decoding of its target; its `to_json()` is the `--json` report."""
+    """Benchmark one drafter against AR decoding of its target; its `to_json()` is the `--json` report. With --save,
+    the drafter directory's output lock is held from before anything loads until the report is written: a second
+    `bench --save`, or a distill/convert into the same directory, refuses in one line instead of the two
+    read-modify-writes of recycle.json losing one, or a report landing on the weights another run just replaced."""
+    if not opts.save:
+        return measure_bench(opts, progress)
+    lock = OutputLock(Path(opts.drafter)).acquire()
+    try:
+        result = measure_bench(opts, progress)
+        return replace(result, saved=str(save_report(result, Path(opts.drafter)).resolve()))
+    finally:
+        lock.release()
+
+
+def measure_bench(opts: BenchOptions, progress: Progress | None = None) -> BenchResult:
+    """run_bench's measurement, without --save's write."""
     from recycle.prompts import default_prompts, prompt_text
 
     ses = open_session(opts)
@@ -299,7 +314,7 @@ def run_bench(opts: BenchOptions, progress: Progress | None = None) -> BenchResu
                                     engine=engine, masks=masks, eos=eos, temperatures=opts.temperatures,
                                     draft_samples=rules, seed=opts.seed, max_new=opts.max_new_tokens,
                                     extra=shape_tokens(engine.shape), progress=progress)
-    result = BenchResult(
+    return BenchResult(
         target=str(tdir),
         drafter=opts.drafter if not opts.native else None,
         drafter_kind=engine.kind,
@@ -320,9 +335,6 @@ def run_bench(opts: BenchOptions, progress: Progress | None = None) -> BenchResu
         sweep=sweep,
         contexts=contexts,
     )
-    if opts.save:
-        result = replace(result, saved=str(save_report(result, Path(opts.drafter)).resolve()))
-    return result
 
 
 def draft_rules(given: tuple[str, ...], engine: Drafter) -> tuple[str, ...]:

@@ -434,16 +434,6 @@ class DataOptions:
             raise RecycleError(f"--seq-len {self.seq_len} is past the target's context: {self.target} has "
                                f"{context} positions (max_position_embeddings)")
 
-    def vllm_window(self, what: str) -> None:
-        """vLLM computes a window's features as a prompt with one token generated after it, and refuses a prompt as
-        long as its max_model_len, which may not pass the target's context (vllm/v1/engine/input_processor.py:593,
-        vllm/config/model.py:2639): its windows end one position before the context."""
-        context = target_context(self.target)
-        if context is not None and self.seq_len >= context:
-            raise RecycleError(f"{what}: vLLM needs --seq-len below the target's context ({context} positions): a "
-                               f"window is a prompt plus one generated token; pass --seq-len {context - 1} or less, "
-                               "or distill with the target in process")
-
 
 def parse_curriculum(text: str | None, seq_len: int, rows: int) -> tuple[tuple[int, float], ...]:
     """--curriculum: window lengths run before --seq-len, in order, each `LEN` or `LEN:SHARE` (a share of the
@@ -586,7 +576,6 @@ class DistillOptions(DataOptions):
             if self.self_distill:
                 raise RecycleError("--online trains on the data's own text: not with --self-distill "
                                    "(harvest --self-distill ahead instead)")
-            self.vllm_window("--online")
         if self.teacher is not None:
             _teacher_url(self)
         self.stages()
@@ -644,7 +633,6 @@ class HarvestOptions(DataOptions):
 
     def validate(self) -> None:
         super().validate()
-        self.vllm_window("recycle harvest")
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
             raise RecycleError(f"--gpu-memory-utilization {self.gpu_memory_utilization}: a share in (0, 1]")
         if self.convert_workers < 0:

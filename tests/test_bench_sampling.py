@@ -242,3 +242,23 @@ def test_saved_sweep_reaches_recycle_json_push_and_the_card(swept):
     a1, iv = row["acceptance"][0], row["acceptance_interval"][0]
     assert f"| 1 | probabilistic | {a1:.2f} [{iv['low']:.2f}–{iv['high']:.2f}]" in card
     assert "| temperature | rule | α pos 1" in card
+
+
+def test_save_into_a_drafter_another_run_is_writing_refuses_before_loading(converted, tmp_path, monkeypatch):
+    """bench --save holds the drafter directory's output lock from before anything loads: with another run holding it
+    (a second bench --save, a distill into that directory), one line, exit 2, and nothing written."""
+    import recycle.bench
+    from recycle.preflight import OutputLock
+
+    d = tmp_path / "eagle"
+    shutil.copytree(converted("eagle"), d)
+    before = {p.name: p.read_bytes() for p in d.iterdir() if p.is_file()}
+    monkeypatch.setattr(recycle.bench, "load_target", lambda *a, **k: pytest.fail("a model loaded"))
+    other = OutputLock(d).acquire()
+    try:
+        res = runner.invoke(app, ["bench", str(d), "--target", str(FIXTURE), "--save", "--threads", "1"])
+    finally:
+        other.release()
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert res.exit_code == 2 and len(lines) == 1 and "another recycle run" in lines[0], res.output
+    assert {p.name: p.read_bytes() for p in d.iterdir() if p.is_file()} == before

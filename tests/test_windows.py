@@ -71,8 +71,6 @@ def test_seq_len_past_the_context_exits_2_before_any_model_loads(tmp_path: Path,
     assert not out.exists() and not (tmp_path / "out.distill").exists()
     res = run_cli("harvest", "--target", str(FIXTURE), "--tokens", "64k", "--seq-len", "2049", "-o", str(out))
     assert_bad_input(res, "2048 positions")
-    res = run_cli("harvest", "--target", str(FIXTURE), "--tokens", "64k", "--seq-len", "2048", "-o", str(out))
-    assert_bad_input(res, "vLLM needs --seq-len below the target's context (2048 positions)")
     cache = tmp_path / "cache"
     cache.mkdir()
     (cache / "manifest.json").write_text(json.dumps({"seq_len": 256}))
@@ -255,3 +253,22 @@ def test_resume_inside_stage_two_matches_an_uninterrupted_run(converted, tmp_pat
     a, b = load_file(str(out / "model.safetensors")), load_file(str(tmp_path / "ref" / "model.safetensors"))
     for k in a:
         assert torch.equal(a[k], b[k]), k
+
+
+def test_vllm_jobs_allow_only_the_slack_past_the_context(tmp_path, monkeypatch):
+    """A job whose rows reach the context exactly (a window of 2,048 positions) needs max_model_len past it for the
+    slack alone: the override is set then, and never for rows that compute a position past the context, nor for
+    rows that leave room."""
+    from recycle.engines import vllm_job
+
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 2048}))
+    job = {"target": str(tmp_path)}
+    for computed, allowed in ((2048, True), (2049, False), (2000, False), (2040, False), (2041, True)):
+        monkeypatch.delenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", raising=False)
+        assert vllm_job.model_len(job, computed) == computed + vllm_job.SLACK
+        assert (os.environ.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN") == "1") is allowed, computed
+    monkeypatch.delenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", raising=False)
+    assert vllm_job.model_len({**job, "max_model_len": 4096}, 100) == 4096  # a job's own, larger: kept
+    (tmp_path / "config.json").write_text(json.dumps({"text_config": {"max_position_embeddings": 512}}))
+    monkeypatch.delenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", raising=False)
+    assert vllm_job.model_len(job, 512) == 520 and os.environ.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN") == "1"

@@ -7,7 +7,7 @@ imports only the standard library and vLLM. `recycle.engines.vllm_env` writes th
             "temperature": T (0: greedy), "seed": S (row i samples with S + i, or "seed_each": [int]),
             "stop_token_ids": [int] (optional: a row ends at the first of them, which it keeps; without them rows
             run to their length, EOS ignored),
-            "runs": [{"name": str, "speculative_config": {...} | null}], "max_model_len": int,
+            "runs": [{"name": str, "speculative_config": {...} | null}], "max_model_len": int (optional: `model_len`),
             "dtype": str, "gpu_memory_utilization": float, "parallel": {vLLM's own names: tensor_parallel_size,
             pipeline_parallel_size, enable_expert_parallel, ...}} (`vllm_env.job_engine`: every job carries them)
     result {name: {"tokens": [[int]], "seconds": float, "accepted_per_pos": [int], "drafts": int,
@@ -51,12 +51,33 @@ def cpu_mla(target: str, dtype: str) -> dict:
     return {}
 
 
-def engine(job: dict, max_model_len: int) -> dict:
+SLACK = 8  # positions max_model_len keeps past the last one a job computes
+
+
+def model_len(job: dict, computed: int) -> int:
+    """max_model_len for a job whose rows compute at most `computed` positions (a prompt, every generated token but the
+    last, which is never fed back, and a speculative run's drafts): the job's own if larger, else computed + SLACK.
+
+    vLLM refuses a max_model_len past the target's context without VLLM_ALLOW_LONG_MAX_MODEL_LEN, which it warns
+    lets RoPE positions past the context compute NaN (vllm/config/model.py:2639-2664); and a prompt needs
+    max_model_len above its length (vllm/v1/engine/input_processor.py:593). So a window as long as the context, which
+    computes no position past it, needs the override for the slack alone: it is set here, for this process and the
+    engine processes it starts, exactly when every row stays within the context. A row past it is left to vLLM's
+    refusal."""
+    want = max(int(job.get("max_model_len") or 0), computed + SLACK)
+    config = json.loads((Path(job["target"]) / "config.json").read_text())
+    context = config.get("max_position_embeddings") or (config.get("text_config") or {}).get("max_position_embeddings")
+    if context and want > int(context) >= computed:
+        os.environ["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] = "1"
+    return want
+
+
+def engine(job: dict, computed: int) -> dict:
     """The LLM kwargs every job shares: the job's dtype, memory share and parallel options (vLLM's own names,
-    `vllm_env.engine_args`), eager, no tokenizer, this file's CPU workarounds."""
+    `vllm_env.engine_args`), eager, no tokenizer, `model_len`, this file's CPU workarounds."""
     dtype = job.get("dtype", "float32")
     return dict(model=job["target"], skip_tokenizer_init=True, enforce_eager=True, dtype=dtype, seed=0,
-                max_model_len=max_model_len, gpu_memory_utilization=job.get("gpu_memory_utilization", 0.5),
+                max_model_len=model_len(job, computed), gpu_memory_utilization=job.get("gpu_memory_utilization", 0.5),
                 compilation_config={"custom_ops": ["all", "-rotary_embedding"]}, **cpu_mla(job["target"], dtype),
                 **job.get("parallel", {}))
 
@@ -88,7 +109,8 @@ def run(job: dict) -> dict:
     params = [SamplingParams(temperature=t, max_tokens=n, ignore_eos=stops is None, stop_token_ids=stops,
                              seed=s if t > 0 else None)
               for s, n in zip(seeds, each)]
-    common = engine(job, job.get("max_model_len", 1024))
+    drafts = max([int((r.get("speculative_config") or {}).get("num_speculative_tokens") or 0) for r in job["runs"]])
+    common = engine(job, max(len(ids) + n - 1 for ids, n in zip(job["prompt_ids"], each)) + drafts)
     common["disable_log_stats"] = False
     result: dict = {}
     for spec in job["runs"]:
@@ -126,7 +148,7 @@ def harvest(job: dict) -> dict:
 
     longest = job["max_window"] if "feed_dir" in job else max(len(w) for w in job["windows"])
     kv = connector()
-    llm = LLM(**engine(job, longest + 8),
+    llm = LLM(**engine(job, longest),
               speculative_config={"method": "extract_hidden_states", "num_speculative_tokens": 1,
                                   "draft_model_config": {"hf_config": {
                                       "eagle_aux_hidden_state_layer_ids": job["layers"]}}},

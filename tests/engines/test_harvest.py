@@ -54,6 +54,31 @@ def test_vllm_states_equal_transformers_at_every_position(family):
     hook.remove()
 
 
+def test_a_window_as_long_as_the_context_is_extracted():
+    """A window of the target's whole context (2,048 positions): vLLM takes it (the slack past the context is allowed,
+    `vllm_job.model_len`, since no position past it is computed) and its last layer's states at the far end equal
+    transformers' fp32 forward."""
+    import tempfile
+
+    d = TRAINED["deepseek_v3"]
+    config = json.loads((d / "config.json").read_text())
+    n, context = config["num_hidden_layers"], config["max_position_embeddings"]
+    window = [(7 * i) % 4000 + 3 for i in range(context)]
+    with tempfile.TemporaryDirectory() as tmp:
+        res = run_job({"mode": "harvest", "target": str(d), "windows": [window], "layers": [n], "out_dir": tmp},
+                      env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
+        hs = load_file(res["files"][0])["hidden_states"]
+    assert hs.shape[0] == context and bool(torch.isfinite(hs).all())
+    teacher = Teacher(d, torch.device("cpu"), [], "fp32")
+    pre: dict = {}
+    hook = teacher.decoder.norm.register_forward_hook(lambda m, i, o: pre.__setitem__("x", i[0]))
+    teacher.features(torch.tensor([window]))
+    hook.remove()
+    far = slice(context - 256, context)
+    scale = float(pre["x"][0, far].abs().max())
+    assert float((hs[far, 0] - pre["x"][0, far]).abs().max()) <= 1e-5 * max(scale, 1.0) + 1e-4
+
+
 def test_distilling_from_a_harvested_cache_matches_in_process(tmp_path, converted):
     """Same windows, same options: the loss curve from vLLM's features equals the in-process teacher's (both
     caches hold bf16 features; the harvested one is read at every step)."""
