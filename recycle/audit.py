@@ -49,12 +49,11 @@ import re
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
-from operator import attrgetter
 from pathlib import Path
 
 import numpy as np
 
-from recycle.checkpoint import FP8_DTYPES, Checkpoint
+from recycle.checkpoint import Checkpoint
 from recycle.errors import RecycleError
 from recycle.families import SHARED_ROLES, MTPMatch, MTPModule, eval_shape, match
 from recycle.quant import SCALE_SUFFIX, expected_scale_shape
@@ -302,7 +301,7 @@ def _check_block_fp8(ckpt: Checkpoint, m: MTPMatch, rep: Report) -> None:
         return
     ignored = set(fp8.ignored)
     linear_parts = any_engine_fp8_part(ckpt.tensors)  # else no name is one an engine builds FP8
-    unscaled = [n for n, i in (ckpt.tensors.items() if linear_parts else ()) if i.dtype not in FP8_DTYPES
+    unscaled = [n for n, i in (ckpt.tensors.items() if linear_parts else ()) if not i.is_fp8
                 and engine_fp8(n, i.shape) and not set(ignore_entries([n])) <= ignored]
     for n in unscaled[:3]:
         rep.add("error", "fp8_unscaled_weight", f"{n}: {ckpt.tensors[n].dtype} under the FP8 config, not in its ignore "
@@ -723,7 +722,7 @@ def inspect_checkpoint(
         shards_count=len(ckpt.files),
         shards_bytes_total=ckpt.bytes_total,
         tensors_total=len(ckpt.tensors),
-        fp8_tensors=sum(map(FP8_DTYPES.__contains__, map(attrgetter("dtype"), ckpt.tensors.values()))),
+        fp8_tensors=sum(i.is_fp8 for i in ckpt.tensors.values()),
     )
     if m.conflict:  # the tensors say one row, config.json another (or none): not taken without --family
         rep.add("error", "family_conflict", m.conflict.split(": ", 1)[1])

@@ -31,7 +31,7 @@ import struct
 from collections import deque
 from collections.abc import Iterable, Iterator
 from itertools import chain
-from operator import attrgetter, eq, itemgetter, methodcaller
+from operator import attrgetter, itemgetter, methodcaller
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -382,11 +382,6 @@ class Checkpoint:
 
     def _check_index(self) -> None:
         weight_map: dict = self.index["weight_map"]  # type: ignore[index]
-        try:  # every name stored in the file the index names, compared in C; the walk below names the first mismatch
-            if all(map(eq, map(attrgetter("file"), map(self.stored.__getitem__, weight_map)), weight_map.values())):
-                return
-        except KeyError:
-            pass
         for name, file in weight_map.items():
             info = self.stored.get(name)
             if info is None:
