@@ -231,26 +231,19 @@ class MXFP4Native(Codec):
 
     def group(self, stored: Mapping[str, Any], config: Mapping) -> dict[str, Packed]:
         out: dict[str, Packed] = {}
-        get, new = stored.get, tuple.__new__  # Packed's own __new__ is a Python frame per call (71k in V4-Pro)
+        get = stored.get
         for name, info in [(n, i) for n, i in stored.items() if i.dtype in FP4_CODES and n.endswith(".weight")]:
             scale_name = name[:-6] + "scale"  # `X.weight` → `X.scale`
             scale = get(scale_name)
             if scale is None or scale.dtype != "F8_E8M0":
                 continue
-            w, s = tuple(info.shape), tuple(scale.shape)
-            if len(w) == 2 and len(s) == 2 and w[0] == s[0]:  # [out, in/2] with [out, in/32]: the weights as stored
-                cols = w[1] * FP4_CODES[info.dtype]
-                if cols and cols == s[1] * MX_BLOCK:
-                    out[name] = new(Packed, (name, self.name, self.tag, (w[0], cols),
-                                             {"codes": name, "scale": scale_name}))
-                    continue
-            dt = info.dtype
-            cols = (w[-1] if dt == "F4" else 2 * w[-1]) if w else 0
+            w, s, dt = tuple(info.shape), tuple(scale.shape), info.dtype
+            cols = w[-1] * FP4_CODES[dt] if w else 0
             if len(w) < 2 or w[:-1] != s[:-1] or cols != s[-1] * MX_BLOCK or not cols:
                 raise RecycleError(f"{name}: {dt} {list(w)} with {scale_name} {list(s)}, but FP4 codes "
                                    f"[out, in/2] need an e8m0 scale [out, in/{MX_BLOCK}] (corrupt or mislabelled "
                                    "FP4 tensors)")
-            out[name] = new(Packed, (name, self.name, self.tag, (*w[:-1], cols), {"codes": name, "scale": scale_name}))
+            out[name] = Packed(name, self.name, self.tag, (*w[:-1], cols), {"codes": name, "scale": scale_name})
         return out
 
     def dequantize(self, parts: Mapping[str, torch.Tensor], packed: Packed, config: Mapping,
