@@ -25,6 +25,12 @@ What the calibration costs at DeepSeek-V3's widths (the real config; the drafter
 
     python benchmarks/eagle3_calibrated.py --scale --calibrate 64k
 
+Trained on a lent GPU, benched here (`--train-only` writes the calibrated fold, the runs and their snapshots; the
+second run distils nothing again and benches every snapshot):
+
+    python benchmarks/eagle3_calibrated.py --fixtures glm5_mtp --train-only --work W ...
+    python benchmarks/eagle3_calibrated.py --fixtures glm5_mtp --converted W/glm5_mtp/eagle3-converted --work W ...
+
 Writes WORK/<fixture>/experiment.json and WORK/summary.json, the plot, and prints the tables BENCHMARKS.md holds.
 """
 
@@ -51,7 +57,7 @@ def fixture_run(name: str, a, work: Path) -> dict:
     target = str(FIXTURES / name)
     prompts = [("code", p) for p in code_prompts(a.prompts, source=a.prompt_source)]
     out: dict = {"fixture": name, "tree": a.tree}
-    for fmt, label in (("eagle", "module"), ("eagle3", "fold")):
+    for fmt, label in (("eagle", "module"), ("eagle3", "fold")) if not a.train_only else ():
         d = work / f"{label}"
         convert_checkpoint(target, fmt, d, overwrite=True)
         out[label] = bench_tau(str(d), target, prompts, a.max_new_tokens, tree=a.tree)
@@ -64,7 +70,7 @@ def fixture_run(name: str, a, work: Path) -> dict:
                              tree=a.tree, inits=("recycled",),
                              lr=a.lr, scratch_tokens=parse_tokens(a.scratch_tokens) if a.scratch_tokens != "0" else None,
                              scratch_marks=counts(a.scratch_marks),
-                             converted={"eagle3": a.converted} if a.converted else {})
+                             converted={"eagle3": a.converted} if a.converted else {}, bench=not a.train_only)
     out["experiment"] = run_experiment(opts, log=lambda s: print(s, flush=True))
     return out
 
@@ -258,6 +264,9 @@ def main() -> None:
     ap.add_argument("--calibrate-steps", type=int, default=None, help="--calibrate-steps (default: convert's)")
     ap.add_argument("--converted", default=None, help="an EAGLE-3 directory calibrated already (e.g. by --variants): "
                     "distilled as it is, one fixture")
+    ap.add_argument("--train-only", action="store_true", help="convert and distill only, no bench (on a lent GPU); "
+                    "a later run with the same --work and --converted WORK/FIXTURE/eagle3-converted benches the "
+                    "snapshots and distils nothing again")
     ap.add_argument("--tokens", default="1M")
     ap.add_argument("--marks", default="0,64k,256k,1M")
     ap.add_argument("--scratch-tokens", default="4M")
@@ -290,6 +299,9 @@ def main() -> None:
     for name in a.fixtures.split(","):
         results.append(fixture_run(name, a, Path(a.work) / name))
         write_json(Path(a.work, "summary.json"), results)
+    if a.train_only:
+        print(f"\nwall time {time.perf_counter() - t0:.0f} s; trained, nothing benched")
+        return
     plot(results, a.plot)
     print(f"\nwall time {time.perf_counter() - t0:.0f} s; plot {a.plot}\n")
     print(markdown(results))

@@ -70,6 +70,7 @@ class ExperimentOptions:
     seed: int = 0
     extra: dict = field(default_factory=dict)  # further DistillOptions fields
     converted: dict = field(default_factory=dict)  # format -> a directory converted already (not converted again)
+    bench: bool = True  # False: convert and distill only (e.g. on a lent GPU), every bench left to a later run
 
 
 def bench_tau(drafter: str | None, target: str, prompts: list[tuple[str, str]], max_new_tokens: int,
@@ -121,6 +122,16 @@ def snapshots(marks: tuple[int, ...] | list[int], root: Path, init: str) -> Call
     return on_step
 
 
+def finished(out: Path, snap: Path, marks) -> dict | None:
+    """The distillation record of a run done before (its output and a snapshot at every mark written, e.g. by a
+    `bench=False` run on a GPU), else None: the run is distilled again."""
+    if not (out / "recycle.json").is_file() or not all((snap / f"tokens_{m}" / "recycle.json").is_file() for m in marks):
+        return None
+    rec = json.loads((out / "recycle.json").read_text())["distillation"][-1]
+    # the file keeps no wall time (distill returns it): its setup and training stand in, with a mark that it was read
+    return rec | {"wall_s": rec["train_s"] + sum(rec["setup_s"].values()), "distilled_before": True}
+
+
 def _estimate(snapshot: Path) -> list[float] | None:
     """The distiller's held-out agreement per draft step when it wrote this snapshot."""
     rec = json.loads((snapshot / "recycle.json").read_text()).get("distillation", [{}])[-1]
@@ -144,14 +155,16 @@ def run_experiment(opts: ExperimentOptions, log: Callable[[str], None] = print) 
     # A source that is itself a drafter (Gemma 4's separate assistant) is the native chain here, and the
     # converters read the target for what it does not store
     assistant = opts.source if opts.source and of_config(checkpoint_dir(opts.source)) is not None else None
-    native = bench_tau(assistant, opts.target, prompts, opts.max_new_tokens,
-                       tree=f"chain:{opts.chain or 3}" if assistant else None)
-    chain = opts.chain or len(native["acceptance"])
-    if chain != len(native["acceptance"]):
-        native = bench_tau(assistant, opts.target, prompts, opts.max_new_tokens, tree=f"chain:{chain}")
-    result["native"] = native
-    log(f"native MTP of the target {native['tree']}: tau {native['tau']:.3f} acc {_r(native['acceptance'])}")
-    if opts.reference:
+    chain = opts.chain
+    if opts.bench:
+        native = bench_tau(assistant, opts.target, prompts, opts.max_new_tokens,
+                           tree=f"chain:{opts.chain or 3}" if assistant else None)
+        chain = opts.chain or len(native["acceptance"])
+        if chain != len(native["acceptance"]):
+            native = bench_tau(assistant, opts.target, prompts, opts.max_new_tokens, tree=f"chain:{chain}")
+        result["native"] = native
+        log(f"native MTP of the target {native['tree']}: tau {native['tau']:.3f} acc {_r(native['acceptance'])}")
+    if opts.reference and opts.bench:
         ref = bench_tau(assistant, opts.reference, prompts, opts.max_new_tokens, tree=f"chain:{chain}")
         result["reference"] = {"checkpoint": opts.reference, **ref}
         log(f"reference pairing {ref['tree']}: tau {ref['tau']:.3f} acc {_r(ref['acceptance'])}")
@@ -182,9 +195,16 @@ def run_experiment(opts: ExperimentOptions, log: Callable[[str], None] = print) 
                                   lr=opts.lr, threads=opts.threads, seed=opts.seed, overwrite=True, eval_every=32,
                                   checkpoint_every=10**9)
             run = replace(base, **opts.extra)
-            rec = distill(run, on_step=snapshots(marks, snap, run.init))
-            log(f"{name}: {rec['tokens']} tokens in {rec['wall_s']:.0f} s ({rec['tokens_per_s']:.0f} tok/s), "
-                f"target forward {100 * rec['target_forward_share']:.1f}%, overhead {100 * rec['overhead_share']:.1f}%")
+            rec = finished(work / name, snap, marks)
+            if rec is None:
+                rec = distill(run, on_step=snapshots(marks, snap, run.init))
+            log(f"{name}: {rec['tokens']} tokens in {rec['wall_s']:.0f} s ({rec['tokens_per_s']:.0f} tok/s, "
+                f"{rec['device']}), target forward {100 * rec['target_forward_share']:.1f}%, overhead "
+                f"{100 * rec['overhead_share']:.1f}%" + (" (distilled before)" if rec.get("distilled_before") else ""))
+            if not opts.bench:
+                result["runs"][name] = {"record": rec, "curve": []}
+                save()
+                continue
             curve = []
             for mark in marks:
                 d = snap / f"tokens_{mark}"
@@ -199,7 +219,7 @@ def run_experiment(opts: ExperimentOptions, log: Callable[[str], None] = print) 
             result["runs"][name] = {"record": rec, "curve": curve}
             save()
     result["wall_s"] = time.perf_counter() - t0
-    result["summary"] = summarize(result)
+    result["summary"] = summarize(result) if opts.bench else None
     save()
     return result
 

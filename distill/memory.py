@@ -50,6 +50,7 @@ from recycle.distill.experts import EXCHANGE, EXCHANGE_ENV, expert_modules, expe
 from recycle.distill.freeze import freeze
 from recycle.distill.losses import LOSS_CHUNK_ROWS
 from recycle.errors import RecycleError
+from recycle.formats import of_config
 from recycle.preflight import load_json
 
 GB = 1e9
@@ -133,6 +134,14 @@ def _drafter_config(path: Path) -> tuple[dict, str, int]:
     if depth < 1:
         raise RecycleError(f"{path}: its config declares no MTP modules")
     return merged, fam.name, depth
+
+
+def plans(path: str | Path) -> bool:
+    """Whether the plan covers this drafter: an EAGLE drafter, or a source checkpoint to convert --to eagle. distill's
+    check on a GPU runs for these; other formats (EAGLE-3, Medusa) start without it, as on a CPU."""
+    cfg = load_json(Path(path) / "config.json", "config.json")
+    rc = cfg.get("recycle")
+    return rc.get("format") == "eagle" if isinstance(rc, dict) else of_config(cfg) is None
 
 
 def config_drafter(path: Path):

@@ -41,7 +41,7 @@ from recycle.distill.data import (
 )
 from recycle.distill.freeze import check_groups, freeze, lower_frozen
 from recycle.distill.harvest import OnlineFollower, OnlineHarvest, check_manifest
-from recycle.distill.memory import check, for_options
+from recycle.distill.memory import check, for_options, plans
 from recycle.distill.remote import Remote, check_online_fits, connect
 from recycle.distill.schedule import EVAL_KEY, Schedule, eval_prompt_len
 from recycle.distill.sharding import Ranks, Sharding, join, shard
@@ -368,7 +368,7 @@ def build(run: Run) -> Prepared:
         torch.set_num_threads(o.threads)
     device = ranks.device  # join's: resolve_device, made current under torchrun
     precision = o.precision or default_precision(device)
-    if device.type == "cuda":  # refuse at once, with the advice, what the device cannot hold
+    if device.type == "cuda" and plans(o.drafter):  # refuse at once, with the advice, what the device cannot hold
         total = torch.cuda.get_device_properties(device).total_memory
         check(for_options(replace(o, precision=precision), ranks.world, device_bytes=total,
                           fsdp=dist.is_initialized()))

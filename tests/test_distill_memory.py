@@ -166,3 +166,13 @@ def test_plan_cli_fits_or_refuses_with_advice(drafters: dict[str, Path], tmp_pat
     assert res.exit_code == 2 and "recycle harvest" in res.stderr and "--freeze experts" in res.stderr, res.output
     assert len([ln for ln in res.stderr.splitlines() if ln.strip()]) == 1
     assert not any(tmp_path.iterdir())
+
+
+def test_the_gpu_check_plans_eagle_drafters_and_sources_only(converted) -> None:
+    """distill's memory check on a GPU runs where the plan covers the drafter (EAGLE, or a source to convert); an
+    EAGLE-3 or Medusa drafter starts without it. Before, such a run stopped in the plan on a GPU ("model_type 'llama'
+    is no MTP family recycle converts": seen on a lent H200, issue 47), while the same run on a CPU trained."""
+    from recycle.distill.memory import plans
+
+    assert plans(converted("eagle")) and plans(FIXTURE)
+    assert not plans(converted("eagle3")) and not plans(converted("medusa"))
