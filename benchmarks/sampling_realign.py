@@ -29,6 +29,8 @@ drafter trained with long windows keeps its acceptance across the context.
     python benchmarks/sampling_realign.py trunk --targets deepseek,long --work /tmp/s50
     python benchmarks/sampling_realign.py distill --targets long --losses kl --long both --work /tmp/s50
     python benchmarks/sampling_realign.py bench --targets long --context-prompts 8 --work /tmp/s50
+    python benchmarks/sampling_realign.py distill --tokens 1M --targets chat,deepseek --work /tmp/s50   # a lent H200
+    python benchmarks/sampling_realign.py bench --targets chat --drafters kl-1M,tv-1M,kl+tv-1M --work /tmp/s50
 """
 
 from __future__ import annotations
@@ -296,7 +298,7 @@ def main() -> None:
     a = ap.parse_args()
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
-    result = {**stamp(), "phase": a.phase, "tokens": a.tokens}
+    result = {"phase": a.phase, "tokens": a.tokens}
     if a.phase == "tables":
         print(tables(work))
         return
@@ -309,6 +311,7 @@ def main() -> None:
         result["runs"] = distill_all(a, work)
     else:
         result["benches"] = bench_all(a, work)
+    result = {**stamp(), **result}  # stamped after the runs: torch is imported by then, so the GPU is named if any
     if a.json:
         write_json(a.json, result)
     print(json.dumps(result, indent=1))
