@@ -158,6 +158,12 @@ def convert(w: RoleWeights, req) -> Plan:
         plan.tensors[f"mtp_overlay/{OVERLAY_WEIGHTS}"] = tensors
         plan.jsons[f"mtp_overlay/{OVERLAY_INDEX}"] = index
         plan.jsons["mtp_overlay/config.json"] = dict(w.ckpt.config)  # the target's config, as stored
+        runs = w.family.exports.vllm_modules
+        if runs is not None and len(w.modules) > runs:
+            first = "module 0" if runs == 1 else f"modules 0-{runs - 1}"
+            plan.notes.append(f"mtp_overlay/ holds all {len(w.modules)} modules, but vLLM's MTP model for "
+                              f"'{w.family.name}' runs {first} only, at every draft step; recycle bench and the "
+                              f"EAGLE layout chain each module at its own depth")
     return plan
 
 

@@ -235,3 +235,20 @@ def test_eagle3_folds_both_under_their_layers_names(family_dir, converted):
     names = set(load_file(str(d / "model.safetensors")))
     assert "midlayer.self_attn.kv_b_proj.weight" in names and "midlayer.self_attn.g_proj.weight" not in names
     assert any("g_proj" in n for n in json.loads((d / "recycle.json").read_text())["notes"])
+
+
+def test_a_card_says_vllm_runs_only_mimos_first_module(family_dir, converted):
+    """Issue 47: MiMo-V2 stores 3 modules; vLLM's MiMoV2MTP runs module 0 only (mimo_v2_mtp.py: num_mtp_layers = 1).
+    The conversion's notes say so, and push's card carries them; a one-module checkpoint gets no such note."""
+    from typer.testing import CliRunner
+
+    from recycle.cli import app
+
+    three = converted("eagle", source=family_dir("mimo_v2_flash"))
+    notes = json.loads((three / "recycle.json").read_text())["notes"]
+    assert any("vLLM's MTP model for 'mimo_v2_flash' runs module 0 only" in n for n in notes), notes
+    res = CliRunner().invoke(app, ["push", str(three), "--repo", "me/x", "--dry-run", "--json"])
+    assert res.exit_code == 0, res.output
+    assert "runs module 0 only" in json.loads(res.stdout)["card"]
+    one = converted("eagle", source=family_dir("mimo_v2_flash", mtp=1))
+    assert not any("vLLM" in n for n in json.loads((one / "recycle.json").read_text())["notes"])
