@@ -26,7 +26,7 @@ from transformers.masking_utils import create_sliding_window_causal_mask
 import recycle.decoding.cache as kv
 from recycle.decoding import MaskCache, Target, generate, load_target
 from recycle.decoding.drafting import Drafter, load_engine
-from recycle.decoding.drafting.native_mtp import _windowed
+from recycle.decoding.tree import windowed
 from recycle.errors import RecycleError
 from recycle.mtp import MTP
 from recycle.prompts import default_prompts
@@ -174,7 +174,7 @@ def test_windowed_mask_is_transformers_sliding_mask():
     config = LlamaConfig(hidden_size=8, num_attention_heads=1, sliding_window=w)
     config._attn_implementation = "sdpa"
     masks = MaskCache(torch.float32, "cpu")
-    ours = _windowed(masks.causal(n, s), list(range(s, s + n)), s, w)[0, 0] == 0
+    ours = windowed(masks.causal(n, s), list(range(s, s + n)), s, w)[0, 0] == 0
     ref = create_sliding_window_causal_mask(config=config, inputs_embeds=torch.zeros(1, s + n, 8), attention_mask=None,
                                             past_key_values=None, position_ids=torch.arange(s + n)[None],
                                             allow_is_causal_skip=False)

@@ -18,9 +18,22 @@ from pathlib import Path
 import torch
 from torch import nn
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
+from recycle.decoding.tree import windowed
 from recycle.encode import quiet_transformers
 from recycle.errors import RecycleError
+
+
+def forced_attention(path: Path, attn: str) -> str:
+    """The attention the trunk loads with: the family row's forced one where it has one (MiMo-V2, DeepSeek-V4: their
+    attention sinks have no sdpa path in transformers, in the trunk as in the MTP block), else `attn`."""
+    from recycle.families import FAMILIES
+    from recycle.preflight import load_json
+
+    model_type = load_json(path / "config.json", "config.json").get("model_type")
+    fam = next((f for f in FAMILIES if model_type in f.model_types), None)
+    return (fam.run.attn_implementation if fam is not None else None) or attn
 
 
 def layout_family(path: Path) -> str | None:
@@ -42,6 +55,7 @@ def load_target(
     if not (path / "config.json").is_file():
         raise RecycleError(f"{path}: not a model directory (no config.json)")
     layout = layout_family(path)
+    attn = forced_attention(path, attn)
     try:
         with quiet_transformers():
             if layout is not None:  # another codebase's names (Meta's Llama): mapped onto transformers' model
@@ -134,6 +148,11 @@ class Target:
         self._hooks: list = []
         self.taps: tuple[str, ...] = ()
         self.set_taps(taps)
+        # sliding-window layers (MiMo-V2, Step-3.7, Gemma 4): their cache keeps every token and the window is applied
+        # in the mask, since a layer that evicted cannot be cut back to the accepted tokens (its whole history costs
+        # what a full layer's does: bench's contexts are short)
+        types = getattr(self.config, "layer_types", None) or ()
+        self.window = getattr(self.config, "sliding_window", None) if "sliding_attention" in types else None
         from recycle.decoding.cache import recurrent_layers
 
         # a hybrid (Gated DeltaNet / Mamba layers): verifies chains, its states rolled back on rejection
@@ -182,7 +201,9 @@ class Target:
         return hook
 
     def new_cache(self) -> DynamicCache:
-        return DynamicCache(config=self.config)
+        cache = DynamicCache(config=self.config)
+        cache.layers = [DynamicLayer() if isinstance(lyr, DynamicSlidingWindowLayer) else lyr for lyr in cache.layers]
+        return cache
 
     def forward(
         self,
@@ -197,6 +218,10 @@ class Target:
         Returns logits [N', V] (float32; N' rows selected by `logits_for`, default all) and taps
         {name: [N, H]} (views, valid until the next forward).
         """
+        if mask is not None and self.window:  # each layer type its own mask (the model takes them by type)
+            prefix = mask.shape[-1] - ids.shape[1]
+            mask = {"full_attention": mask,
+                    "sliding_attention": windowed(mask, positions[0].tolist(), prefix, self.window)}
         out = self.decoder(input_ids=ids, position_ids=positions, attention_mask=mask, past_key_values=cache, use_cache=True)
         hidden = out.last_hidden_state[0]
         feats = {}

@@ -77,6 +77,16 @@ def ancestor_matrix(parents: Sequence[int]) -> torch.Tensor:
     return anc
 
 
+def windowed(mask: torch.Tensor, positions: list[int], prefix: int, window: int) -> torch.Tensor:
+    """A sliding-window layer's mask: rows at `positions` also blocked from keys `window` or more positions back
+    (transformers' `sliding_window_overlay`: key k visible from query q iff k > q - window); the keys are the cache's
+    positions 0..prefix-1, then the rows' own."""
+    dev = mask.device
+    rows = torch.tensor(positions, device=dev)
+    cols = torch.cat([torch.arange(prefix, device=dev), rows])
+    return mask.masked_fill(cols[None, :] <= rows[:, None] - window, torch.finfo(mask.dtype).min)
+
+
 class MaskCache:
     """Tree masks and depth offsets, built once per tree shape and reused (static trees hit every step).
 

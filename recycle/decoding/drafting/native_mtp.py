@@ -19,7 +19,7 @@ from transformers.cache_utils import (
 
 from recycle.decoding.cache import crop, token_state
 from recycle.decoding.drafting.base import ENGINES, Drafter, EngineRequest
-from recycle.decoding.tree import Expander, MaskCache, Shape, Tree, parse_shape
+from recycle.decoding.tree import Expander, MaskCache, Shape, Tree, parse_shape, windowed
 from recycle.errors import RecycleError
 from recycle.mtp import MTP
 
@@ -34,16 +34,6 @@ def _rows_mask(n_true: int, anc: torch.Tensor, prefix: int, masks: MaskCache) ->
     allow[n_true:, n_true:] = anc
     allow = torch.cat([torch.ones(n_true + m, prefix, dtype=torch.bool), allow], dim=1).to(masks.device)
     return torch.zeros(allow.shape, dtype=masks.dtype, device=masks.device).masked_fill_(~allow, masks.neg)[None, None]
-
-
-def _windowed(mask: torch.Tensor, positions: list[int], prefix: int, window: int) -> torch.Tensor:
-    """A sliding-window layer's mask: rows at `positions` also blocked from keys `window` or more positions back
-    (transformers' `sliding_window_overlay`: key k visible from query q iff k > q - window); the keys are the cache's
-    positions 0..prefix-1, then the rows' own."""
-    dev = mask.device
-    rows = torch.tensor(positions, device=dev)
-    cols = torch.cat([torch.arange(prefix, device=dev), rows])
-    return mask.masked_fill(cols[None, :] <= rows[:, None] - window, torch.finfo(mask.dtype).min)
 
 
 @dataclass
@@ -143,7 +133,7 @@ class MTPStack(Drafter):
 
     def _cache(self, j: int) -> DynamicCache:
         """Step j's cache: empty plain layers below the block's index, then the block's own kind (a sliding-window
-        block a plain layer: `_windowed` masks its window)."""
+        block a plain layer: `windowed` masks its window)."""
         kind, kw = self.kinds[j]
         cache = DynamicCache()
         cache.layers[:] = [DynamicLayer() for _ in range(self.slots[j])]
@@ -168,7 +158,7 @@ class MTPStack(Drafter):
         x = layer.proj(torch.cat([e, h] if self.eh else [h, e], dim=-1))[None]
         pos = pos[None]
         if self.windows[j] is not None:
-            mask = _windowed(mask, positions, self.done[j], self.windows[j])
+            mask = windowed(mask, positions, self.done[j], self.windows[j])
         y = layer.block(x, attention_mask=mask, position_ids=pos, past_key_values=self.caches[j], use_cache=True,
                         position_embeddings=self.mtp.rope(x, pos, layer.layer_type))
         y = (y[0] if isinstance(y, tuple) else y)[0]
