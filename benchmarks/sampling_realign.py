@@ -31,6 +31,8 @@ drafter trained with long windows keeps its acceptance across the context.
     python benchmarks/sampling_realign.py bench --targets long --context-prompts 8 --work /tmp/s50
     python benchmarks/sampling_realign.py distill --tokens 1M --targets chat,deepseek --work /tmp/s50   # a lent H200
     python benchmarks/sampling_realign.py bench --targets chat --drafters kl-1M,tv-1M,kl+tv-1M --work /tmp/s50
+    python benchmarks/sampling_realign.py distill --targets deepseek --losses kl --mix --work /tmp/s50
+    python benchmarks/sampling_realign.py entropy          # the targets' own entropy on the two prompt sets
 """
 
 from __future__ import annotations
@@ -59,7 +61,9 @@ def target_dir(name: str, work: Path) -> Path:
     return work / "target-long" if name == EXTENDED else TARGETS[name]
 
 
-def data_for(name: str, work: Path) -> str:
+def data_for(name: str, work: Path, mix: bool = False) -> str:
+    if name in ("deepseek", EXTENDED) and mix:
+        return mixed(work)
     if name in ("deepseek", EXTENDED):
         return "py:transformers"
     path = work / "chat_train.jsonl"
@@ -67,6 +71,21 @@ def data_for(name: str, work: Path) -> str:
         from fixtures.build_chat import conversations, write_jsonl
 
         write_jsonl(path, conversations("train"))
+    return str(path)
+
+
+def mixed(work: Path) -> str:
+    """--mix: the post-training domain and the base fixture's own (the stdlib), their train splits' files taken in
+    turn, one JSONL row each: broader text at the same budget, pip still held out."""
+    path = work / "mix_train.jsonl"
+    if not path.is_file():
+        from itertools import chain, zip_longest
+
+        from recycle.corpus import documents
+
+        pairs = zip_longest(documents("train", source="py:transformers"), documents("train"))
+        rows = (json.dumps({"text": d.text}) for d in chain.from_iterable(pairs) if d is not None)
+        path.write_text("\n".join(rows) + "\n")
     return str(path)
 
 
@@ -83,8 +102,8 @@ def stale(work: Path, target: str = "deepseek") -> Path:
     return out
 
 
-def run_name(target: str, loss: str, tokens: str, long: bool) -> str:
-    return f"{target}-{loss}-{tokens}" + ("-long" if long else "")
+def run_name(target: str, loss: str, tokens: str, long: bool, mix: bool = False) -> str:
+    return f"{target}-{loss}-{tokens}" + ("-long" if long else "") + ("-mix" if mix else "")
 
 
 def distill_all(a, work: Path) -> dict:
@@ -97,7 +116,7 @@ def distill_all(a, work: Path) -> dict:
         start = stale(work, target)
         for loss in a.losses.split(","):
             for long in ([False, True] if a.long == "both" else [a.long == "only"]):
-                name = run_name(target, loss, a.tokens, long)
+                name = run_name(target, loss, a.tokens, long, a.mix and target != "chat")
                 out = work / name
                 if (out / "recycle.json").is_file():
                     print(f"{name}: done before", flush=True)
@@ -105,7 +124,7 @@ def distill_all(a, work: Path) -> dict:
                 extra = dict(LONG) if long else {}
                 t0 = time.perf_counter()
                 rec = distill(DistillOptions(drafter=str(start), target=str(target_dir(target, work)),
-                                             tokens=parse_tokens(a.tokens), data=data_for(target, work), out=str(out),
+                                             tokens=parse_tokens(a.tokens), data=data_for(target, work, a.mix), out=str(out),
                                              loss=LossConfig(loss=LOSSES[loss]), threads=a.threads, overwrite=True,
                                              **extra))
                 done[name] = {"wall_s": round(time.perf_counter() - t0, 1), "tokens_per_s": rec.get("tokens_per_s"),
@@ -236,6 +255,34 @@ def tables(work: Path) -> str:
     return "\n".join(out)
 
 
+def entropy(prompts: int = 8, tokens: int = 256) -> dict:
+    """The base and post-trained targets' own next-token entropy and loss (nats per token, T = 1) on the bench's
+    prompt sets (each prompt's first `tokens`): whether the post-trained target is harder to draft on the held-out
+    domain than the base target the original pairing drafts for."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from recycle.prompts import prompt_set
+
+    out = {}
+    for source in (HELDOUT_DOMAIN, "py:transformers"):
+        texts = [text for _, text in prompt_set(source, prompts)]
+        for target in (FIXTURE, POSTTRAINED):
+            tok = AutoTokenizer.from_pretrained(target)
+            model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+            ent = nll = n = 0.0
+            with torch.no_grad():
+                for text in texts:
+                    ids = tok(text, return_tensors="pt").input_ids[:, :tokens]
+                    logp = model(ids).logits[0, :-1].log_softmax(-1)
+                    ent += -(logp.exp() * logp).sum().item()
+                    nll += -logp.gather(-1, ids[0, 1:, None]).sum().item()
+                    n += ids.shape[1] - 1
+            out[f"{source} {target.name}"] = {"entropy": round(ent / n, 3), "loss": round(nll / n, 3), "tokens": int(n)}
+            print(source, target.name, out[f"{source} {target.name}"], flush=True)
+    return out
+
+
 def trunk_by_position(target: Path = POSTTRAINED, windows: int = 8) -> dict:
     """Why acceptance may fall with position on these fixtures: the target's own held-out loss and its top-1
     agreement with the text, per context bucket, on `windows` windows of 2,048 py:transformers held-out tokens."""
@@ -282,11 +329,13 @@ def extend(a, work: Path) -> dict:
 
 def main() -> None:
     ap = parser(__doc__, work="/tmp/s50", threads=2, json=True)
-    ap.add_argument("phase", choices=("extend", "distill", "bench", "tables", "trunk"))
+    ap.add_argument("phase", choices=("extend", "distill", "bench", "tables", "trunk", "entropy"))
     ap.add_argument("--tokens", default="256k")
     ap.add_argument("--extend-steps", type=int, default=300, help="phase extend: optimizer steps of 4,096 tokens")
     ap.add_argument("--targets", default="deepseek,chat")
     ap.add_argument("--losses", default=",".join(LOSSES))
+    ap.add_argument("--mix", action="store_true", help="phase distill, the post-trained targets: distil on "
+                    "transformers' and the stdlib's train files in turn (run names end in -mix)")
     ap.add_argument("--long", choices=("no", "only", "both"), default="no",
                     help="also (both) or only distil with windows of the whole context (--seq-len 2048)")
     ap.add_argument("--temperatures", default="0,0.7,1.0")
@@ -305,6 +354,8 @@ def main() -> None:
     if a.phase == "trunk":
         result["trunk_by_position"] = {t: trunk_by_position(target_dir(t, work)) for t in a.targets.split(",")
                                        if t in ("deepseek", EXTENDED)}
+    elif a.phase == "entropy":
+        result["entropy"] = entropy(a.prompts)
     elif a.phase == "extend":
         result["extend"] = extend(a, work)
     elif a.phase == "distill":
