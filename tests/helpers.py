@@ -394,3 +394,28 @@ def distill_rank(rank: int, world: int, port: int, run: dict, queue) -> None:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def native_chain_past_the_window(target_dir: Path, modules: int, new: int = 12) -> None:
+    """A sliding-window target (issue 47: MiMo-V2, Step-3.7; the generators' window is 4) decodes `new` tokens past
+    its window with its own MTP modules chained (`chain:MODULES`) and gives plain decoding's tokens, each step
+    verifying every module's draft; with one mask for every layer type (the control) the sliding layers see past
+    their window and the outputs part."""
+    import torch
+
+    from recycle.decoding import MaskCache, Target, generate, load_target
+    from recycle.decoding.drafting import Drafter, load_engine
+
+    target = Target(load_target(target_dir))
+    assert target.window == 4
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 200, (12,), generator=gen).tolist() for _ in range(3)]
+    masks = MaskCache(torch.float32, "cpu")
+    plain = [generate(target, Drafter(), ids, new, masks=masks).tokens for ids in prompts]
+    engine = load_engine(None, target, masks, tree=f"chain:{modules}", native=True, target_dir=str(target_dir))
+    target.set_taps(engine.taps)
+    runs = [generate(target, engine, ids, new, masks=masks) for ids in prompts]
+    assert [r.tokens for r in runs] == plain
+    assert all(r.stats.tree_nodes == modules * r.stats.steps for r in runs)  # every module drafts, every step
+    target.window = None
+    assert [generate(target, engine, ids, new, masks=masks).tokens for ids in prompts] != plain

@@ -23,6 +23,8 @@ from recycle.errors import RecycleError
 from recycle.families import match
 from recycle.mtp import MTP
 
+from tests.helpers import native_chain_past_the_window
+
 T = 10  # positions: longer than MiMo's 4-token window
 
 
@@ -255,24 +257,6 @@ def test_a_card_says_vllm_runs_only_mimos_first_module(family_dir, converted):
 
 
 def test_native_chain_is_lossless_past_the_targets_sliding_window(family_dir):
-    """Issue 47: MiMo-V2's trunk alternates full and sliding-window layers (window 4 here). Its cache keeps every token
-    (a layer that evicted cannot be cut back to the accepted ones) and each layer type gets its own mask, so verifying
-    the 3 modules' drafts 12 tokens past the window gives plain decoding's tokens. With one mask for every layer type
-    the sliding layers would see past their window: the outputs part (checked below as the control)."""
-    from recycle.decoding import MaskCache, Target, generate, load_target
-    from recycle.decoding.drafting import Drafter, load_engine
-
-    d = family_dir("mimo_v2_flash")
-    target = Target(load_target(d))
-    assert target.window == 4
-    gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, 200, (12,), generator=gen).tolist() for _ in range(3)]
-    masks = MaskCache(torch.float32, "cpu")
-    plain = [generate(target, Drafter(), ids, 12, masks=masks).tokens for ids in prompts]
-    engine = load_engine(None, target, masks, tree="chain:3", native=True, target_dir=str(d))
-    target.set_taps(engine.taps)
-    runs = [generate(target, engine, ids, 12, masks=masks) for ids in prompts]
-    assert [r.tokens for r in runs] == plain
-    assert all(r.stats.tree_nodes == 3 * r.stats.steps for r in runs)  # the 3 modules' drafts, every step
-    target.window = None
-    assert [generate(target, engine, ids, 12, masks=masks).tokens for ids in prompts] != plain
+    """Issue 47: MiMo-V2's trunk alternates full and sliding-window layers. Its cache keeps every token (a layer that
+    evicted cannot be cut back to the accepted ones) and each layer type gets its own mask."""
+    native_chain_past_the_window(family_dir("mimo_v2_flash"), 3)

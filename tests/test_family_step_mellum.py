@@ -26,6 +26,7 @@ from recycle.families import BY_NAME, derive, match
 from recycle.mtp import MTP
 
 from fixtures.families import make
+from tests.helpers import native_chain_past_the_window
 
 T = 10  # positions: longer than both fixtures' 4-token sliding windows
 
@@ -164,6 +165,13 @@ def test_step_drafts_with_each_modules_own_head(tmp_path):
     assert not torch.equal(mtp.layers[1].head.weight, ck.get("lm_head.weight", torch.float32))
     assert torch.equal(mtp.layers[0].head.weight, ck.get("lm_head.weight", torch.float32))
     assert torch.equal(mtp.checkpoint_tensors()[name], ck.raw(name).float())
+
+
+def test_step_target_decodes_past_its_window_with_its_three_modules(step):
+    """Issue 47: Step-3.7 is a multimodal release with no causal-LM class in transformers: the decoder loads its
+    image-text-to-text class and runs it on token ids; its trunk's sliding layers (window 4) and its 3 modules chain
+    past the window as plain decoding does."""
+    native_chain_past_the_window(step, 3)
 
 
 def test_step_checkpoint_tensors_round_trip(step, step_mtp):

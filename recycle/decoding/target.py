@@ -68,13 +68,25 @@ def load_target(
             elif _quantized(path):
                 model = _load_dequantized(path, dtype, attn)
             else:
-                model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn)
+                model = _auto_class(path).from_pretrained(path, dtype=dtype, attn_implementation=attn)
     except RecycleError:
         raise
     except Exception as e:  # whatever a corrupt directory makes transformers raise is bad input
         raise RecycleError(f"{path}: transformers cannot load it as a causal LM ({type(e).__name__}: "
                            f"{_first_sentence(e)})") from None
     return model.to(device).eval()
+
+
+def _auto_class(path: Path):
+    """AutoModelForCausalLM, or, for a multimodal release that transformers gives no causal-LM class (Step-3.7), its
+    image-text-to-text class: run on token ids alone, its decoder and head are the text model's."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
+
+    config = type(AutoConfig.from_pretrained(path))
+    if config not in MODEL_FOR_CAUSAL_LM_MAPPING and config in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING:
+        return AutoModelForImageTextToText
+    return AutoModelForCausalLM
 
 
 def _quantized(path: Path) -> bool:
@@ -151,8 +163,9 @@ class Target:
         # sliding-window layers (MiMo-V2, Step-3.7, Gemma 4): their cache keeps every token and the window is applied
         # in the mask, since a layer that evicted cannot be cut back to the accepted tokens (its whole history costs
         # what a full layer's does: bench's contexts are short)
-        types = getattr(self.config, "layer_types", None) or ()
-        self.window = getattr(self.config, "sliding_window", None) if "sliding_attention" in types else None
+        text = self.config.get_text_config()  # a multimodal release keeps them in its text config
+        types = getattr(text, "layer_types", None) or ()
+        self.window = getattr(text, "sliding_window", None) if "sliding_attention" in types else None
         from recycle.decoding.cache import recurrent_layers
 
         # a hybrid (Gated DeltaNet / Mamba layers): verifies chains, its states rolled back on rejection
