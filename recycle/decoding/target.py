@@ -48,9 +48,8 @@ def layout_family(path: Path) -> str | None:
 def load_target(
     path: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, attn: str = "sdpa"
 ) -> nn.Module:
-    """AutoModelForCausalLM from a directory, eval mode, on `device`."""
-    from transformers import AutoModelForCausalLM
-
+    """AutoModelForCausalLM (or a multimodal release's image-text-to-text class, `_auto_class`) from a directory,
+    eval mode, on `device`."""
     path = Path(path)
     if not (path / "config.json").is_file():
         raise RecycleError(f"{path}: not a model directory (no config.json)")
