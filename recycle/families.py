@@ -257,22 +257,15 @@ FAMILIES: tuple[Family, ...] = (
         exports=dict(gguf=None),  # llama.cpp's deepseek32 graph has the indexer: not written by recycle yet
         notes="DeepSeek's layout; the block's attention carries the sparse-attention indexer (self_attn.indexer.*)",
     ),
-    Family(
+    # GLM-4.5 stores DeepSeek-V3's layout: only its block class and its engines' names differ.
+    derive(
+        DEEPSEEK_V3,
         name="glm4_moe",
         title="GLM-4.5 / 4.6 / 4.7",
         model_types=("glm4_moe",),
         architectures=("Glm4MoeForCausalLM",),
-        layout=ModuleLayout(
-            roles=DEEPSEEK_ROLES,
-            block=("model.layers.{layer}.",),
-            trunk=LLAMA_TRUNK,
-            stores_copies=("embed", "head"),
-        ),
-        run=Runtime(
-            block_class="transformers.models.glm4_moe.modeling_glm4_moe.Glm4MoeDecoderLayer",
-            zero_embed_at_pos0=True,
-        ),
-        exports=Exports(nextn_architecture="Glm4MoeForCausalLMNextN", gguf=GLM4MOE),
+        run=dict(block_class="transformers.models.glm4_moe.modeling_glm4_moe.Glm4MoeDecoderLayer"),
+        exports=dict(nextn_architecture="Glm4MoeForCausalLMNextN", gguf=GLM4MOE),
         notes="GLM-4.6 ships the MTP layer in mtp.safetensors without the embed/head copies",
     ),
     QWEN3_NEXT := Family(

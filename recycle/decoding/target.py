@@ -25,36 +25,22 @@ from recycle.encode import quiet_transformers
 from recycle.errors import RecycleError
 
 
-def forced_attention(path: Path, attn: str) -> str:
-    """The attention the trunk loads with: the family row's forced one where it has one (MiMo-V2, DeepSeek-V4: their
-    attention sinks have no sdpa path in transformers, in the trunk as in the MTP block), else `attn`."""
-    from recycle.families import FAMILIES
-    from recycle.preflight import load_json
-
-    model_type = load_json(path / "config.json", "config.json").get("model_type")
-    fam = next((f for f in FAMILIES if model_type in f.model_types), None)
-    return (fam.run.attn_implementation if fam is not None else None) or attn
-
-
-def layout_family(path: Path) -> str | None:
-    """The family whose `hf_layout` says how to run this directory, when its config names one."""
-    from recycle.families import FAMILIES
-    from recycle.preflight import load_json
-
-    model_type = load_json(path / "config.json", "config.json").get("model_type")
-    return next((f.name for f in FAMILIES if f.layout.hf_layout is not None and model_type in f.model_types), None)
-
-
 def load_target(
     path: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, attn: str = "sdpa"
 ) -> nn.Module:
     """AutoModelForCausalLM (or a multimodal release's image-text-to-text class, `_auto_class`) from a directory,
     eval mode, on `device`."""
+    from recycle.families import config_rows
+    from recycle.preflight import load_json
+
     path = Path(path)
     if not (path / "config.json").is_file():
         raise RecycleError(f"{path}: not a model directory (no config.json)")
-    layout = layout_family(path)
-    attn = forced_attention(path, attn)
+    # the rows the config names say how to run the trunk: another codebase's names (`layout.hf_layout`), an attention
+    # the row forces (MiMo-V2, DeepSeek-V4: their attention sinks have no sdpa path in transformers, trunk as block)
+    rows = config_rows(load_json(path / "config.json", "config.json").get("model_type"), set())
+    layout = next((f.name for f in rows if f.layout.hf_layout is not None), None)
+    attn = next((f.run.attn_implementation for f in rows if f.run.attn_implementation), attn)
     try:
         with quiet_transformers():
             if layout is not None:  # another codebase's names (Meta's Llama): mapped onto transformers' model

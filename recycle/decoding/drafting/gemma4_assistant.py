@@ -43,8 +43,8 @@ class AssistantEngine(Drafter):
         C = self.n
         depth = self.shape if isinstance(self.shape, int) else self.shape.depth
         if self.window is not None and "sliding_attention" in self.sources and C + depth >= self.window:
-            raise RecycleError(f"position {C}: past the target's sliding window ({self.window}); recycle's decoder "
-                               "keeps whole sliding-layer caches only within it")
+            raise RecycleError(f"position {C}: past the target's sliding window ({self.window}); the assistant reads "
+                               "the target's sliding-layer keys itself, which recycle checks only within the window")
         layers = self.cache.layers
         kv = {t: (layers[i].keys[..., :C, :], layers[i].values[..., :C, :]) for t, i in self.sources.items()}
         ex = Expander(root, self.shape, temperature, gen, self.draft_sample)
