@@ -258,7 +258,7 @@ def run_plan(opts: PlanOptions, progress: Progress | None = None) -> dict:
     k_max = chain_max.shape
     fmt = ses.engine.format
     # a hybrid target (recurrent layers) verifies chains only: its default engine is already a chain
-    trees = [None] if fmt.static_tree or ses.target.recurrent else [None, *DYNAMIC_TREES]
+    trees = [None] if fmt.static_tree or ses.target.rolls_back else [None, *DYNAMIC_TREES]
     engines: list[tuple[str, Drafter]] = [("ar", Drafter()), ("chain:1", ses.engine_for("chain:1", bopts)),
                                           (f"chain:{k_max}", chain_max)]
     for t in trees:

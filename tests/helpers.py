@@ -396,6 +396,35 @@ def distill_rank(rank: int, world: int, port: int, run: dict, queue) -> None:
             dist.destroy_process_group()
 
 
+def oracle(truth: list[int], length: int, wrong: int, vocab: int):
+    """A drafter proposing `length` tokens of a known continuation (`truth`: plain decoding's tokens), the last `wrong`
+    of them corrupted: chains rejected in the middle (accepted, accepted, rejected) at every step, as no trained
+    drafter does so reliably. For targets whose state is rolled back on rejection (hybrids, DeepSeek-V4)."""
+    from recycle.decoding.drafting import Drafter
+    from recycle.decoding.tree import Tree
+
+    class Oracle(Drafter):
+        kind = "oracle"
+        shape = length
+
+        def start(self, ids, feats) -> None:
+            self.at = 1  # truth[0] is the prefill's token: the first root
+
+        def propose(self, root, temperature=0.0, gen=None) -> Tree:
+            tree = Tree.root(root)
+            for d in range(length):
+                tok = truth[min(self.at + d, len(truth) - 1)]
+                if d >= length - wrong:
+                    tok = (tok + 1) % vocab
+                tree.add(tok, d)
+            return tree
+
+        def commit(self, tokens, feats) -> None:
+            self.at += len(tokens)
+
+    return Oracle()
+
+
 def native_chain_past_the_window(target_dir: Path, modules: int, new: int = 12) -> None:
     """A sliding-window target (issue 47: MiMo-V2, Step-3.7; the generators' window is 4) decodes `new` tokens past
     its window with its own MTP modules chained (`chain:MODULES`) and gives plain decoding's tokens, each step

@@ -185,3 +185,112 @@ def test_fixture_loads_in_transformers_without_missing_tensors(loaded):
     """The generator's trunk names are exactly what transformers' V4 conversion reads: nothing missing."""
     info = loaded[1]
     assert not info["missing_keys"] and not info["mismatched_keys"] and not info["unexpected_keys"]
+
+
+# -- decoding: a V4 target and its own modules in recycle's decoder --------------------------------------------------
+# The generator's trunk: layer 0 compressed sparse attention (ratio 4, with the indexer), layer 1 heavily compressed
+# (ratio 128); sliding window 8. Prompts of 126 tokens make the ratio-128 compressor close its first window mid-decode.
+
+
+@pytest.fixture(scope="module")
+def target(two):
+    from recycle.decoding import Target, load_target
+
+    return Target(load_target(two))
+
+
+def _prompt(n: int, seed: int = 0) -> list[int]:
+    return torch.randint(3, 250, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_cached_decoding_equals_full_forwards(target):
+    """The target's cache as transformers builds it (compressor layers kept, not flattened to plain layers) decodes
+    what forwards over the whole sequence give, past the window and both compress ratios."""
+    from recycle.decoding import generate
+    from recycle.decoding.drafting import Drafter
+
+    prompt = _prompt(120)
+    got = generate(target, Drafter(), prompt, 16).tokens
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(16):
+            ids.append(int(target.model(torch.tensor([ids])).logits[0, -1].argmax()))
+    assert got == ids[len(prompt):]
+
+
+@pytest.mark.parametrize("length,wrong", [(3, 1), (4, 2), (2, 2)], ids=["reject-last", "reject-middle", "reject-all"])
+def test_rejections_roll_the_compressors_back(target, length, wrong):
+    from recycle.decoding import generate
+    from recycle.decoding.drafting import Drafter
+
+    from tests.helpers import oracle
+
+    assert target.rolls_back
+    prompt = _prompt(126)
+    plain = generate(target, Drafter(), prompt, 16).tokens
+    spec = generate(target, oracle(plain, length, wrong, 256), prompt, 16)
+    assert spec.tokens == plain
+    assert spec.stats.rollbacks == spec.stats.steps > 0
+    assert sum(spec.stats.accepted) >= (length - wrong) * (spec.stats.steps - 1)
+
+
+def test_without_the_rollback_rejections_are_refused_not_decoded(target, monkeypatch):
+    """The test above can fail: with the compressor caches not put back, the evicted window cannot be cut to the
+    accepted tokens, and the decoder says so in one line instead of decoding from rejected drafts' state."""
+    from recycle.decoding import cache as kv
+    from recycle.decoding import generate
+    from recycle.decoding.drafting import Drafter
+
+    from tests.helpers import oracle
+
+    prompt = _prompt(126)
+    plain = generate(target, Drafter(), prompt, 16).tokens
+    monkeypatch.setattr(kv, "restore", lambda snap: None)
+    with pytest.raises(RecycleError, match="already evicted"):
+        generate(target, oracle(plain, 3, 1, 256), prompt, 16)
+
+
+def test_native_chain_is_lossless_and_a_tree_is_refused(two, target):
+    from recycle.decoding import MaskCache, generate
+    from recycle.decoding.drafting import Drafter, load_engine
+    from recycle.decoding.drafting.hyper_mtp import StreamChain
+
+    masks = MaskCache(torch.float32, "cpu")
+    with pytest.raises(RecycleError, match="chains only"):
+        load_engine(None, target, masks, tree="dynamic", native=True, target_dir=str(two))
+    engine = load_engine(None, target, masks, tree="chain:3", native=True, target_dir=str(two))
+    assert isinstance(engine, StreamChain) and engine.shape == 3 and engine.tail == 3 * 7 + 1
+    target.set_taps(engine.taps)
+    prompt = _prompt(40, seed=1)
+    run = generate(target, engine, prompt, 24)
+    assert run.tokens == generate(target, Drafter(), prompt, 24).tokens
+    assert run.stats.tree_nodes == 3 * run.stats.steps  # every module drafts (the third is module 0 again), every step
+
+
+def test_drafts_are_the_runtime_over_the_whole_sequence(two, target):
+    """A chain drafted from the tail of the streams (n·(W−1)+1 rows) is what `DeepseekV4MTP.forward` computes over
+    every position; with a tail too short for the window (the control) the second draft changes."""
+    from recycle.decoding import MaskCache
+    from recycle.decoding.drafting import load_engine
+
+    engine = load_engine(None, target, MaskCache(torch.float32, "cpu"), tree="chain:2", native=True,
+                         target_dir=str(two))
+    target.set_taps(engine.taps)
+
+    def drafts(prompt: list[int], tail: int) -> tuple[int, list[int], torch.Tensor]:
+        engine.tail = tail
+        logits, feats = target.forward(torch.tensor([prompt]), torch.arange(len(prompt))[None], None,
+                                       target.new_cache(), logits_for=slice(-1, None))
+        root = int(logits[0].argmax())
+        engine.start(prompt, feats)
+        return root, engine.propose(root).tokens[1:], feats["streams"]
+
+    short = []
+    for seed in range(4):
+        prompt = _prompt(60, seed)
+        root, got, streams = drafts(prompt, 2 * 7 + 1)
+        with torch.no_grad():
+            out = engine.mtp(streams[None], torch.tensor([prompt + [root] + got[:1]]))
+        assert got == [int(lg[0, -1].argmax()) for lg in out.logits]
+        short.append(drafts(prompt, 3)[1] != got)
+    assert any(short)

@@ -20,13 +20,13 @@ from recycle.decoding.drafting import Drafter, load_engine
 from recycle.decoding.drafting.native_mtp import MTPStack
 from recycle.decoding.loop import generate
 from recycle.decoding.target import Target, load_target
-from recycle.decoding.tree import MaskCache, Tree
+from recycle.decoding.tree import MaskCache
 from recycle.encode import quiet_transformers
 from recycle.errors import RecycleError
 from recycle.families import BY_NAME, match
 from recycle.mtp import MTP
 
-from tests.helpers import chi2_sf, exact_marginals
+from tests.helpers import chi2_sf, exact_marginals, oracle
 
 
 @pytest.fixture(scope="module")
@@ -60,33 +60,7 @@ def test_layout_is_the_family_row_s_and_transformers_ignores_the_mtp(qwen_dir: P
     mtp = MTP.from_checkpoint(qwen_dir)
     with safe_open(str(qwen_dir / "model.safetensors"), "pt") as f:
         assert torch.equal(mtp.layers[0].proj.weight, f.get_tensor("mtp.fc.weight").float())
-    assert Target(model).recurrent
-
-
-class Oracle(Drafter):
-    """Proposes `length` tokens of a known continuation, the last `wrong` of them corrupted: chains rejected in
-    the middle (accepted, accepted, rejected) at every step, as no trained drafter does so reliably."""
-
-    kind = "oracle"
-
-    def __init__(self, truth: list[int], prompt_len: int, length: int, wrong: int, vocab: int) -> None:
-        self.truth, self.at, self.length, self.wrong, self.vocab = truth, 0, length, wrong, vocab
-        self.shape = length
-
-    def start(self, ids, feats) -> None:
-        self.at = 1  # truth[0] is the prefill's token: the first root
-
-    def propose(self, root, temperature=0.0, gen=None) -> Tree:
-        tree = Tree.root(root)
-        for d in range(self.length):
-            tok = self.truth[min(self.at + d, len(self.truth) - 1)]
-            if d >= self.length - self.wrong:
-                tok = (tok + 1) % self.vocab
-            tree.add(tok, d)
-        return tree
-
-    def commit(self, tokens, feats) -> None:
-        self.at += len(tokens)
+    assert Target(model).rolls_back
 
 
 @pytest.mark.parametrize("length,wrong", [(3, 1), (4, 2), (2, 2)], ids=["reject-last", "reject-middle", "reject-all"])
@@ -95,7 +69,7 @@ def test_rejections_mid_chain_roll_the_recurrent_state_back(qwen_dir: Path, leng
         target = Target(load_target(qwen_dir))
     prompt = list(range(200, 230))
     plain = generate(target, Drafter(), prompt, 20).tokens
-    spec = generate(target, Oracle(plain, len(prompt), length, wrong, target.config.vocab_size), prompt, 20)
+    spec = generate(target, oracle(plain, length, wrong, target.config.vocab_size), prompt, 20)
     assert spec.tokens == plain
     assert spec.stats.rollbacks == spec.stats.steps > 0
     assert sum(spec.stats.accepted) >= (length - wrong) * (spec.stats.steps - 1)
@@ -110,7 +84,7 @@ def test_without_the_rollback_drafts_would_corrupt_the_output(qwen_dir: Path, mo
     prompt = list(range(200, 230))
     plain = generate(target, Drafter(), prompt, 20).tokens
     monkeypatch.setattr(kv, "restore", lambda snap: None)
-    spec = generate(target, Oracle(plain, len(prompt), 3, 1, target.config.vocab_size), prompt, 20)
+    spec = generate(target, oracle(plain, 3, 1, target.config.vocab_size), prompt, 20)
     assert spec.tokens != plain
 
 
@@ -155,7 +129,7 @@ def test_speculative_sampling_on_a_hybrid_follows_the_target_law() -> None:
         mtp.layers[0].head.weight.copy_(model.lm_head.weight * 0.05)
         mtp.layers[0].embed.weight.copy_(model.model.embed_tokens.weight)
     target = Target(model)
-    assert target.recurrent
+    assert target.rolls_back
     masks = MaskCache(torch.float32, "cpu")
     engine = MTPStack(mtp, 2, masks, reuse="cycle")
     target.set_taps(engine.taps)

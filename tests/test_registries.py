@@ -92,10 +92,14 @@ def test_every_family_row_resolves(family: str) -> None:
     from recycle.imports import import_object
     from recycle.mtp import MTP, RUNTIMES
 
+    from recycle.decoding.drafting import CHAINS, Drafter
+
     fam = BY_NAME[family]
     if fam.run.runtime is not None:
         runtime = RUNTIMES.get(fam.run.runtime, fam.title)
         assert inspect.isclass(runtime) and issubclass(runtime, MTP) and runtime is not MTP, runtime
+        chain = CHAINS.get(fam.run.runtime, fam.title)  # its own modules draft with the runtime's own engine
+        assert inspect.isclass(chain) and issubclass(chain, Drafter), chain
     if fam.run.block_class is not None:
         block = import_object(fam.run.block_class)
         assert inspect.isclass(block) and issubclass(block, nn.Module), fam.run.block_class
@@ -104,8 +108,10 @@ def test_every_family_row_resolves(family: str) -> None:
 def test_every_runtime_belongs_to_a_row_naming_it() -> None:
     from recycle.mtp import RUNTIMES
 
+    from recycle.decoding.drafting import CHAINS
+
     named = {f.run.runtime for f in FAMILIES if f.run.runtime is not None}
-    assert set(RUNTIMES.names()) == named
+    assert set(RUNTIMES.names()) == named == set(CHAINS.names())
     with pytest.raises(RecycleError, match="recycle has no MTP runtime for it"):
         RUNTIMES.get("nope")
 

@@ -17,6 +17,13 @@ DeepSeek-V3.2 / GLM-5 (transformers' `DynamicIndexedLayer`). `crop` and `keep` c
 along with the keys, by attribute (`TOKEN_STATE`); a layer holding anything else they do not know how to cut (a
 compressor's running entries, a prefill kept apart, a sliding window that already evicted, MiniMax-M3's index keys:
 see `TOKEN_STATE`) is refused in one line rather than left stale.
+
+DeepSeek-V4's cache layers (`DeepseekV4HCACache`, `DeepseekV4CSACache`: a sliding-window K=V that evicts, and beside it
+each compressor's buffer of tokens not yet pooled, its pooled entries, their count and the overlap window) cannot be
+cut back either, and a tree breaks their pooling windows (siblings side by side). transformers replaces every piece of
+that state with a new tensor (`torch.cat`, slices, `.clone()`) and never writes one in place, so a V4 target's whole
+cache is snapshotted by reference (`snapshot`: the layers' attributes, no tensor copied) and put back on rejection, as
+a hybrid's recurrent states are: such a target verifies chains (`rolls_back`).
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from collections.abc import Sequence
 import torch
 from transformers import Cache
 from transformers.cache_utils import DynamicSlidingWindowLayer, LinearAttentionCacheLayerMixin, LinearAttentionLayer
+from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4HCACache
 
 from recycle.errors import RecycleError
 
@@ -48,6 +56,9 @@ TOKEN_STATE = {"indexer_keys": 1, "indexer_position_ids": -1}
 _KNOWN = (frozenset(vars(DynamicSlidingWindowLayer(sliding_window=2))) | frozenset(vars(LinearAttentionLayer()))
           | {"dtype", "device"} | TOKEN_STATE.keys())
 _SCALAR = (bool, int, float, str, torch.dtype, torch.device)
+# cache layers whose state is only ever replaced, never written in place, and cannot be cut: a cache holding one is
+# rolled back whole, by reference (the module docstring)
+WHOLE = (DeepseekV4HCACache,)
 _PLANS: dict[type, tuple[tuple[str, int], ...]] = {}
 
 
@@ -70,6 +81,8 @@ def _cut(lyr: object, length: int, src: torch.Tensor | None = None, prefix: int 
     tokens at `src` (along each tensor's token dimension) just after `prefix`."""
     window = getattr(lyr, "cumulative_length", None)
     if isinstance(window, int) and window != lyr.keys.shape[-2]:
+        if src is None and window <= length:  # it has seen no token past `length`: nothing to cut
+            return
         raise RecycleError(f"{type(lyr).__name__}: its sliding window already evicted tokens ({window} seen, "
                            f"{lyr.keys.shape[-2]} kept); recycle's tree decoder cannot cut it back")
     for name, dim in (("keys", -2), ("values", -2), *token_state(lyr)):
@@ -118,11 +131,29 @@ def recurrent_layers(cache: Cache) -> list:
     return [lyr for lyr in getattr(cache, "layers", ()) if isinstance(lyr, LinearAttentionCacheLayerMixin)]
 
 
-Snapshot = list[tuple[object, dict, dict, dict]]
+def whole(cache: Cache) -> bool:
+    """Whether the cache holds a layer that is rolled back whole (`WHOLE`: DeepSeek-V4's)."""
+    return any(isinstance(lyr, WHOLE) for lyr in getattr(cache, "layers", ()))
+
+
+def rolls_back(cache: Cache) -> bool:
+    """Whether a target with this cache verifies chains, its state put back after a rejection (`snapshot`)."""
+    return bool(recurrent_layers(cache)) or whole(cache)
+
+
+Snapshot = list[tuple[object, dict, dict, dict] | tuple[object, dict]]
+
+
+def _attributes(attrs: dict) -> dict:
+    """A layer's attributes, the dicts among them copied (their tensors shared: they are replaced, never written)."""
+    return {k: dict(v) if isinstance(v, dict) else v for k, v in attrs.items()}
 
 
 def snapshot(cache: Cache) -> Snapshot:
-    """Copies of every recurrent layer's conv and recurrent states (and whether it has seen a token)."""
+    """Copies of every recurrent layer's conv and recurrent states (and whether it has seen a token); where the
+    cache is rolled back whole (`whole`), every layer's attributes by reference."""
+    if whole(cache):
+        return [(lyr, _attributes(vars(lyr))) for lyr in cache.layers]
     out = []
     for lyr in recurrent_layers(cache):
         clone = lambda states: {i: None if t is None else t.clone() for i, t in states.items()}
@@ -131,8 +162,14 @@ def snapshot(cache: Cache) -> Snapshot:
 
 
 def restore(snap: Snapshot) -> None:
-    """Put the recurrent states back as `snapshot` found them (in place: the layers keep their tensors)."""
-    for lyr, conv, rec, seen in snap:
+    """Put the states back as `snapshot` found them (recurrent states in place: the layers keep their tensors)."""
+    for entry in snap:
+        if len(entry) == 2:
+            lyr, saved = entry
+            vars(lyr).clear()
+            vars(lyr).update(_attributes(saved))
+            continue
+        lyr, conv, rec, seen = entry
         for states, saved in ((lyr.conv_states, conv), (lyr.recurrent_states, rec)):
             for i, t in saved.items():
                 if t is None or states[i] is None:

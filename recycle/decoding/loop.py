@@ -27,7 +27,7 @@ class DecodeStats:
 
     new_tokens: int = 0
     forwards: int = 0  # target forwards, prefill included (and a hybrid target's re-runs after a rejection)
-    rollbacks: int = 0  # hybrid targets: verifications whose rejected drafts sent the recurrent states back
+    rollbacks: int = 0  # hybrid and V4 targets: verifications whose rejected drafts sent their states back
     steps: int = 0  # speculative steps (forwards after the prefill)
     tree_nodes: int = 0  # draft nodes verified, summed over steps
     prefill_s: float = 0.0
@@ -86,7 +86,7 @@ def generate(
     sync(dev)
     t0 = time.perf_counter()
     cache = target.new_cache()
-    recurrent = target.recurrent  # a hybrid target: states rolled back on rejection
+    rolls_back = target.rolls_back  # a hybrid or DeepSeek-V4 target: states rolled back on rejection
     drafter.bind(cache)
     ids = torch.tensor([prompt], device=dev)
     pos = torch.arange(len(prompt), device=dev)[None]
@@ -108,16 +108,17 @@ def generate(
             mask, pos = None, torch.tensor([[prefix]], device=dev)
         else:
             mask, pos = masks.mask(tree.parents, tree.depths, prefix)
-        if recurrent:
+        if rolls_back:
             if mask is not None and tree.parents != list(range(-1, len(tree) - 1)):
-                raise RecycleError("a hybrid target (recurrent layers) verifies chains only: use --tree chain:N")
+                raise RecycleError("this target (recurrent layers, or DeepSeek-V4's compressors) verifies chains only: "
+                                   "use --tree chain:N")
             saved = kv.snapshot(cache)
             mask = None  # a chain is causal
         logits, feats = target.forward(ids, pos, mask, cache)
         path, tok = verify(tree, logits if dev.type == "cpu" or temperature <= 0 else logits.cpu(), temperature, rng, gen)
         accepted = [tree.tokens[i] for i in path]
-        if recurrent and len(path) < len(tree):
-            # the recurrent states absorbed the rejected drafts: back to before the chain, then the accepted tokens
+        if rolls_back and len(path) < len(tree):
+            # the recurrent states (or V4's compressors) absorbed the rejected drafts: back to before the chain, then the accepted tokens
             # again (their logits are not needed: `tok` came from this verification)
             kv.restore(saved)
             kv.crop(cache, prefix)

@@ -8,6 +8,8 @@ Feature names ("taps"):
   "last"     the decoder's output after its final norm (what MTP modules and Medusa heads read)
   "prenorm"  the input of the final norm (the last layer's raw output)
   "layer:i"  the input of decoder layer i, i.e. transformers' `hidden_states[i]` (EAGLE-3 aux states)
+  "streams"  the last decoder layer's output as it leaves the layer: DeepSeek-V4's hyper-connection streams
+             [N, C, H], before its hc_head and norm (what V4's MTP modules read)
 """
 
 from __future__ import annotations
@@ -148,13 +150,15 @@ class Target:
         # sliding-window layers (MiMo-V2, Step-3.7, Gemma 4): their cache keeps every token and the window is applied
         # in the mask, since a layer that evicted cannot be cut back to the accepted tokens (its whole history costs
         # what a full layer's does: bench's contexts are short)
+        from recycle.decoding.cache import rolls_back, whole
+
         text = self.config.get_text_config()  # a multimodal release keeps them in its text config
         types = getattr(text, "layer_types", None) or ()
-        self.window = getattr(text, "sliding_window", None) if "sliding_attention" in types else None
-        from recycle.decoding.cache import recurrent_layers
-
-        # a hybrid (Gated DeltaNet / Mamba layers): verifies chains, its states rolled back on rejection
-        self.recurrent = bool(recurrent_layers(self.new_cache()))
+        cache = self.new_cache()
+        self.window = getattr(text, "sliding_window", None) if "sliding_attention" in types and not whole(cache) else None
+        # a hybrid (Gated DeltaNet / Mamba layers) or DeepSeek-V4 (compressor caches): verifies chains, its states
+        # rolled back on rejection (recycle.decoding.cache)
+        self.rolls_back = rolls_back(cache)
 
     @property
     def device(self) -> torch.device:
@@ -177,6 +181,9 @@ class Target:
         for tap in self.taps:
             if tap == "last":
                 continue
+            if tap == "streams":
+                self._hooks.append(self.decoder.layers[-1].register_forward_hook(self._grab_output(tap)))
+                continue
             if tap == "prenorm":
                 module = getattr(self.decoder, "norm", None)
                 if module is None:
@@ -198,9 +205,20 @@ class Target:
 
         return hook
 
+    def _grab_output(self, name: str):
+        def hook(module: nn.Module, args: tuple, out) -> None:
+            self._captured[name] = out[0] if isinstance(out, tuple) else out
+
+        return hook
+
     def new_cache(self) -> DynamicCache:
+        """transformers' cache for the target, its plain sliding-window layers keeping every token (the window is in
+        the mask); a cache rolled back whole (DeepSeek-V4's) as transformers builds it."""
+        from recycle.decoding.cache import whole
+
         cache = DynamicCache(config=self.config)
-        cache.layers = [DynamicLayer() if isinstance(lyr, DynamicSlidingWindowLayer) else lyr for lyr in cache.layers]
+        if not whole(cache):
+            cache.layers = [DynamicLayer() if type(lyr) is DynamicSlidingWindowLayer else lyr for lyr in cache.layers]
         return cache
 
     def forward(

@@ -146,31 +146,44 @@ class DeepseekV4MTP(MTP):
             raise ValueError(f"input_ids must hold at least T+1 = {t + 1} tokens, got {input_ids.shape[1]}")
         if position_ids is None:
             position_ids = torch.arange(t, device=hidden.device).unsqueeze(0).expand(b, t)
-        flat = hidden[:, :, 0]
-        # every V4 attention type reads the sliding-window mask (DeepseekV4Model); an explicit one, never None
-        mask = create_sliding_window_causal_mask(config=self.config, inputs_embeds=flat, attention_mask=attention_mask,
-                                                 past_key_values=None, position_ids=position_ids,
-                                                 allow_is_causal_skip=False)
-        rope = {kind: self.rotary(flat, position_ids=position_ids, layer_type=kind) for kind in ("main", "compress")}
-        at_start = (position_ids == 0).unsqueeze(-1)
+        context = self.context(hidden, position_ids, attention_mask)
         state, logits, states, normeds = hidden, [], [], []
         for k in range(n):
-            layer = self.layer_for(k)
-            tokens = input_ids[:, k + 1 : k + 1 + t]
-            e = self.role(layer, "embed")(tokens).masked_fill(at_start, 0.0)
-            x = layer.h_proj(layer.hidden_norm(state)) + layer.e_proj(layer.embed_norm(e)).unsqueeze(-2)
-            kwargs = dict(input_ids=tokens, position_embeddings=rope, position_ids=position_ids, attention_mask=mask)
-            if self.checkpoint_blocks and torch.is_grad_enabled():
-                y = torch.utils.checkpoint.checkpoint(layer.block, x, use_reentrant=False, **kwargs)
-            else:
-                y = layer.block(x, **kwargs)
-            normed = layer.final_norm(layer.hc_head(y))
+            y, normed, logit = self.step(self.layer_for(k), state, input_ids[:, k + 1 : k + 1 + t], context, heads)
             if heads:
-                logits.append(self.role(layer, "head")(normed))
+                logits.append(logit)
             states.append(y)
             normeds.append(normed)
             state = y
         return MTPOutput(logits, states, normeds)
+
+    def context(self, streams: torch.Tensor, position_ids: torch.Tensor,
+                attention_mask: torch.Tensor | None = None) -> dict:
+        """What every module reads at these positions: the mask, the rotary embeddings, where position 0 is.
+        Positions may start past 0 (a drafter's tail of the sequence): the mask is built on positions relative to
+        the first row (rows are consecutive), the rotary embeddings at the absolute ones."""
+        flat = streams[:, :, 0]
+        # every V4 attention type reads the sliding-window mask (DeepseekV4Model); an explicit one, never None
+        mask = create_sliding_window_causal_mask(config=self.config, inputs_embeds=flat, attention_mask=attention_mask,
+                                                 past_key_values=None, position_ids=position_ids - position_ids[:, :1],
+                                                 allow_is_causal_skip=False)
+        rope = {kind: self.rotary(flat, position_ids=position_ids, layer_type=kind) for kind in ("main", "compress")}
+        return {"mask": mask, "rope": rope, "position_ids": position_ids, "at_start": (position_ids == 0).unsqueeze(-1)}
+
+    def step(self, layer: DeepseekV4Depth, state: torch.Tensor, tokens: torch.Tensor, context: dict,
+             heads: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """One module over rows: state [B, T, C, H] (the trunk's streams, or the previous module's), tokens [B, T]
+        (t_{i+k} at row i); returns its streams [B, T, C, H], what its head reads [B, T, H] and the logits (or None)."""
+        e = self.role(layer, "embed")(tokens).masked_fill(context["at_start"], 0.0)
+        x = layer.h_proj(layer.hidden_norm(state)) + layer.e_proj(layer.embed_norm(e)).unsqueeze(-2)
+        kwargs = dict(input_ids=tokens, position_embeddings=context["rope"], position_ids=context["position_ids"],
+                      attention_mask=context["mask"])
+        if self.checkpoint_blocks and torch.is_grad_enabled():
+            y = torch.utils.checkpoint.checkpoint(layer.block, x, use_reentrant=False, **kwargs)
+        else:
+            y = layer.block(x, **kwargs)
+        normed = layer.final_norm(layer.hc_head(y))
+        return y, normed, self.role(layer, "head")(normed) if heads else None
 
     def keep_fp32(self) -> DeepseekV4MTP:
         """Back to float32 what the V4 model keeps there at any dtype (hyper-connections, sinks, norms, biases), the

@@ -9,6 +9,7 @@ and never keeps a cache entry computed from a token the target did not accept.
 Engines, one module each, registered in `ENGINES` under their format's name (`recycle/formats/NAME.py`):
   Drafter          no drafts (the baseline, `AutoRegressive`; the tree is the root alone)
   native_mtp       `MTPStack`: the native MTP modules (`recycle.mtp.MTP`)
+  hyper_mtp        `StreamChain`: DeepSeek-V4's native modules, over the trunk's hyper-connection streams
   eagle            `MTPStack` over the `--to eagle` drafter (`recycle.drafters.EagleDrafter`: the same
                    computation, any number of steps)
   eagle3           the EAGLE-3 layer run recursively, EAGLE-2 style
@@ -23,8 +24,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from recycle.checkpoint import Checkpoint
-from recycle.decoding.drafting import eagle, eagle3, gemma4_assistant, medusa, native_mtp, parallel_heads  # register
+from recycle.decoding.drafting import (  # register
+    eagle,
+    eagle3,
+    gemma4_assistant,
+    hyper_mtp,
+    medusa,
+    native_mtp,
+    parallel_heads,
+)
 from recycle.decoding.drafting.base import (
+    CHAINS,
     DEFAULT_DYNAMIC,
     ENGINES,
     HYBRID_CHAIN,
@@ -85,19 +95,19 @@ def _drafter_request(d: Path, target: Target, masks: MaskCache, tree: str | None
 
 
 def _make_engine(fmt: DrafterFormat, req: EngineRequest) -> Drafter:
-    """The format's engine; on a target with recurrent (linear-attention) layers, which cannot take a tree mask, its
+    """The format's engine; on a target that verifies chains only (recurrent layers, DeepSeek-V4's compressors), its
     default tree becomes a chain of HYBRID_CHAIN."""
     make = ENGINES.get(fmt.name, fmt.title)
     engine = make(req)
-    if req.target.recurrent and not isinstance(engine.shape, int):
+    if req.target.rolls_back and not isinstance(engine.shape, int):
         if req.tree is not None:
-            raise RecycleError(f"--tree {req.tree}: this target has recurrent (linear-attention) layers, which verify "
-                               "chains only: use --tree chain:N")
+            raise RecycleError(f"--tree {req.tree}: this target has recurrent (linear-attention) layers or DeepSeek-V4's "
+                               "compressors, which verify chains only: use --tree chain:N")
         req.tree = f"chain:{HYBRID_CHAIN}"
         engine = make(req)
     return engine
 
 
 
-__all__ = ["AutoRegressive", "DEFAULT_DYNAMIC", "Drafter", "ENGINES", "EngineFactory", "EngineRequest", "HYBRID_CHAIN",
-           "load_engine", "eagle", "eagle3", "gemma4_assistant", "medusa", "native_mtp", "parallel_heads"]
+__all__ = ["AutoRegressive", "CHAINS", "DEFAULT_DYNAMIC", "Drafter", "ENGINES", "EngineFactory", "EngineRequest", "HYBRID_CHAIN",
+           "load_engine", "eagle", "eagle3", "gemma4_assistant", "hyper_mtp", "medusa", "native_mtp", "parallel_heads"]

@@ -1,6 +1,6 @@
 """What every drafting engine shares: the `Drafter` interface (the autoregressive baseline), the request an engine
 is made from, and `ENGINES`, the registry of engine factories keyed by format name (each engine's module registers
-its own, `@ENGINES.register("eagle3")`)."""
+its own, `@ENGINES.register("eagle3")`), and `CHAINS`, native drafting for MTP runtimes of their own."""
 
 from __future__ import annotations
 
@@ -70,3 +70,6 @@ class EngineFactory(Protocol):
 
 
 ENGINES: Registry[EngineFactory] = Registry("decoding engine")
+# drafting with a checkpoint's own modules where its family runs them with a runtime of its own (`Family.run.runtime`,
+# `recycle.mtp.RUNTIMES`), keyed by the runtime's name: a class taking (the loaded MTP, the draft shape)
+CHAINS: Registry[type] = Registry("native drafting engine")

@@ -18,7 +18,7 @@ from transformers.cache_utils import (
 )
 
 from recycle.decoding.cache import crop, token_state
-from recycle.decoding.drafting.base import ENGINES, Drafter, EngineRequest
+from recycle.decoding.drafting.base import CHAINS, ENGINES, Drafter, EngineRequest
 from recycle.decoding.tree import Expander, MaskCache, Shape, Tree, parse_shape, windowed
 from recycle.errors import RecycleError
 from recycle.mtp import MTP
@@ -225,5 +225,9 @@ class MTPStack(Drafter):
 @ENGINES.register("native-mtp")
 def native_mtp_engine(r: EngineRequest) -> Drafter:
     mtp = MTP.from_checkpoint(r.source, dtype=r.target.dtype).to(r.target.device)
+    shape = parse_shape(r.tree, mtp.depth)
+    runtime = mtp.family.run.runtime
+    if runtime is not None:  # a runtime of its own (DeepSeek-V4's streams): its own drafting, `CHAINS`
+        return CHAINS.get(runtime, mtp.family.title)(mtp, shape)
     # Past the stored depth the modules are chained again, module k mod n, as vLLM's `mtp` does.
-    return MTPStack(mtp, parse_shape(r.tree, mtp.depth), r.masks, kind="native-mtp", reuse="cycle")
+    return MTPStack(mtp, shape, r.masks, kind="native-mtp", reuse="cycle")
