@@ -29,12 +29,15 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import torch
+
 from recycle.checkpoint import STORAGE_KEYS
 from recycle.converters.registry import CONVERTERS, REWRITERS
 from recycle.converters.roles import Plan, RoleWeights, raw, require_sequential, same_values
 from recycle.errors import RecycleError, did_you_mean
 from recycle.formats.eagle import MODEL_TYPE
 from recycle.io.writer import Lazy
+from recycle.mtp import RUNTIMES
 
 ARCHITECTURE = "RecycleEagleDrafter"
 WEIGHTS = "model.safetensors"
@@ -50,20 +53,45 @@ def model_config(w: RoleWeights) -> dict:
     return {k: v for k, v in w.config.items() if k not in DROP_KEYS}
 
 
+# role → the drafter's parameter name within module k (`layers.{k}.`), for the common layout; a family with a
+# runtime of its own names its own (`leaves` of its class in recycle.mtp.RUNTIMES: DeepSeek-V4's e/h projections
+# and hc_head)
+LEAVES = {role: f"{role}.weight" for role in ("embed_norm", "hidden_norm", "proj", "final_norm")}
+
+
+def _leaves(w: RoleWeights) -> dict[str, str]:
+    if w.family.run.runtime is None:
+        return LEAVES
+    own = RUNTIMES.get(w.family.run.runtime, w.family.title).leaves
+    return {role: param for role, param in own.items() if role not in ("head", "embed")}
+
+
+def _as_stored(w: RoleWeights, lazy: Lazy) -> Lazy:
+    """A runtime row's tensor the release stores in float32 (DeepSeek-V4's hyper-connection mixing, sinks,
+    compressor biases) stays float32 whatever --dtype says, as the release keeps it; others as given."""
+    if w.family.run.runtime is None or lazy.dtype is not None or len(lazy.sources) != 1:
+        return lazy
+    info = w.ckpt.tensors.get(lazy.sources[0])
+    if info is None or info.dtype != "F32":
+        return lazy
+    return Lazy(lazy.shape, lazy.make, lazy.sources, lazy.kind, lazy.note, dtype=torch.float32, reads=lazy.reads)
+
+
 def drafter_tensors(w: RoleWeights) -> dict[str, Lazy]:
     m0 = w.modules[0]
     out: dict[str, Lazy] = {"embed.weight": m0.leaves["embed"], "head.weight": m0.leaves["head"]}
+    leaves = _leaves(w)
     for k, mod in enumerate(w.modules):
-        for role in ("embed_norm", "hidden_norm", "proj", "final_norm"):
+        for role, param in leaves.items():
             if role in mod.leaves:
-                out[f"layers.{k}.{role}.weight"] = mod.leaves[role]
+                out[f"layers.{k}.{param}"] = _as_stored(w, mod.leaves[role])
         if k > 0:  # a module with its own, different head/embedding keeps it (fine-tuned copies)
             for role in ("head", "embed"):
                 a, b = mod.leaves[role].sources[0], m0.leaves[role].sources[0]
                 if not same_values(w.ckpt, a, b):
                     out[f"layers.{k}.{role}.weight"] = mod.leaves[role]
         for rel, lazy in mod.block.items():
-            out[f"layers.{k}.block.{rel}"] = lazy
+            out[f"layers.{k}.block.{rel}"] = _as_stored(w, lazy)
     return out
 
 

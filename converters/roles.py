@@ -22,7 +22,7 @@ import torch
 
 from recycle.checkpoint import DTYPES, Checkpoint
 from recycle.errors import RecycleError
-from recycle.families import Family, MTPMatch, MTPModule, first_value, match, merged_config
+from recycle.families import Family, MTPMatch, MTPModule, eval_shape, first_value, match, merged_config
 from recycle.io.writer import Lazy
 from recycle.quant import SCALE_SUFFIX
 
@@ -163,11 +163,12 @@ def gather(ckpt: Checkpoint, family: str | None = None) -> RoleWeights:
     if fam.kind not in REQUIRED:
         raise RecycleError(f"{ckpt.path}: family '{fam.name}' is {fam.kind}, neither sequential MTP modules nor "
                            "parallel heads; there is nothing recycle convert can map")
-    unmapped = [r for r in REQUIRED[fam.kind] if r not in fam.layout.roles and r not in fam.layout.trunk]
-    if unmapped or fam.run.runtime is not None:  # e.g. DeepSeek-V4: split e/h projections over hyper-connection streams
-        what = f"has no {', '.join(unmapped)} role" if unmapped else "runs on its own runtime"
-        raise RecycleError(f"{ckpt.path}: the {fam.name} MTP layout {what} (it stores {', '.join(sorted(fam.layout.roles))}): "
-                           "no drafter format recycle writes carries it yet; its MTP runs as it is (recycle.mtp)")
+    required = runtime_roles(fam) or REQUIRED[fam.kind]
+    unmapped = [r for r in required if r not in fam.layout.roles and r not in fam.layout.trunk]
+    if unmapped:
+        raise RecycleError(f"{ckpt.path}: the {fam.name} MTP layout has no {', '.join(unmapped)} role (it stores "
+                           f"{', '.join(sorted(fam.layout.roles))}): no drafter format recycle writes carries it yet; "
+                           "its MTP runs as it is (recycle.mtp)")
     if fam.kind == "parallel_heads" and len(m.modules) < m.declared:
         raise RecycleError(f"{ckpt.path}: config declares {m.declared} extra head(s) ({', '.join(fam.keys.depth_keys)}), "
                            f"{len(m.modules)} stored: a parallel-heads checkpoint missing a head is incomplete")
@@ -195,16 +196,16 @@ def gather(ckpt: Checkpoint, family: str | None = None) -> RoleWeights:
         return cache[(name, form)]
 
     for mod in m.modules:
-        missing = [r for r in REQUIRED[fam.kind] if mod.tensor(r) is None]
+        missing = [r for r in required if mod.tensor(r) is None]
         if missing:
             raise RecycleError(f"{ckpt.path}: MTP module {mod.index} has no tensor for {', '.join(missing)}")
         leaves: dict[str, Lazy] = {}
         plain: dict[str, Lazy] = {}
-        for role in LEAF_SHAPES:
+        for role in dict.fromkeys((*LEAF_SHAPES, *required)):  # a runtime row's own roles too (V4's e_proj, ...)
             name = mod.tensor(role)
             if name is None:
                 continue
-            want = tuple(dims[s] for s in fam.layout.shapes.get(role, LEAF_SHAPES[role]))
+            want = eval_shape(fam.layout.shapes.get(role) or LEAF_SHAPES[role], dims)
             got = ckpt.tensors[name].shape
             if got != want:
                 raise RecycleError(f"{ckpt.path}: {name} ({role}) has shape {list(got)}, config.json implies {list(want)}")
@@ -326,8 +327,20 @@ class Plan:
     gguf: dict[str, object] = field(default_factory=dict)  # relative .gguf file -> its header (converters.gguf.Header)
 
 
+def runtime_roles(fam: Family) -> tuple[str, ...]:
+    """The roles a module of a family with a runtime of its own fills (every role its row names, then the trunk's
+    embedding and head: DeepSeek-V4's e_proj, h_proj, hc_head_*), or () for the common layout."""
+    if fam.run.runtime is None:
+        return ()
+    return (*fam.layout.roles, "head", "embed")
+
+
 def require_sequential(w: RoleWeights, to: str) -> None:
-    """Formats built on the MTP block itself (EAGLE, EAGLE-3) need sequential modules with an embedding input."""
+    """Formats built on the MTP block itself (EAGLE, EAGLE-3) need sequential modules with an embedding input; a
+    family whose modules run on a runtime of their own (DeepSeek-V4's streams) only as themselves (`--to eagle`)."""
+    if w.family.run.runtime is not None and to != "eagle":
+        raise RecycleError(f"{w.ckpt.path}: the {w.family.name} modules run on their own runtime (recycle.mtp."
+                           f"{w.family.run.runtime}); of recycle's formats only --to eagle carries them")
     if w.family.exports.mtp_block:
         return
     if w.family.exports.reads_target:

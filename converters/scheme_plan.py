@@ -48,9 +48,18 @@ def as_float(ov: Checkpoint, n: str, want: torch.dtype) -> tuple[Lazy, dict]:
 
 
 def trunk_dtype(tgt: Checkpoint, name: str, fallback: torch.dtype) -> torch.dtype:
-    """The float dtype the target stores for the trunk's tensor of the same kind as MTP tensor `name` (the same
-    name after its layer index: norms, router weights, biases), else `fallback` (the target's embedding dtype)."""
-    suffix = name.split(".", 3)[-1] if name.count(".") >= 3 else name
+    """The float dtype the target stores for MTP tensor `name` itself (its own module, stale), else for the trunk's
+    tensor of the same kind (the same name after its first index: norms, router weights, biases; DeepSeek-V4's
+    float32 hyper-connection mixing `mtp.0.hc_attn_fn` as `layers.3.hc_attn_fn`), else `fallback` (the target's
+    embedding dtype)."""
+    own = tgt.tensors.get(name)
+    if own is not None and not own.quantized and not own.is_scale:
+        dt = DTYPES[own.dtype][1]
+        if dt is not None and dt.is_floating_point:
+            return dt
+    parts = name.split(".")
+    first = next((i for i, p in enumerate(parts) if p.isdigit()), None)
+    suffix = ".".join(parts[first + 1:]) if first is not None and first + 1 < len(parts) else name
     for other, info in tgt.tensors.items():
         if other.endswith(suffix) and other != name and not info.quantized and not info.is_scale:
             dt = DTYPES[info.dtype][1]

@@ -50,6 +50,7 @@ from recycle.distill.experts import EXCHANGE, EXCHANGE_ENV, expert_modules, expe
 from recycle.distill.freeze import freeze
 from recycle.distill.losses import LOSS_CHUNK_ROWS
 from recycle.errors import RecycleError
+from recycle.families import BY_NAME, config_rows
 from recycle.formats import of_config
 from recycle.preflight import load_json
 
@@ -124,24 +125,39 @@ def _drafter_config(path: Path) -> tuple[dict, str, int]:
             raise RecycleError(f"{path}: --plan covers EAGLE drafters (and sources to convert --to eagle); this is "
                                f"a {rc.get('format')} drafter")
         body = {k: v for k, v in cfg.items() if k != "recycle"} | {"model_type": rc.get("model_type")}
+        _modelled(path, BY_NAME.get(rc.get("family", "")))
         return body, rc["family"], int(rc["depth"])
     merged = merged_config(cfg)
     mt = merged.get("model_type")
     fam = next((f for f in FAMILIES if mt in f.model_types), None)
     if fam is None:
         raise RecycleError(f"{path}: model_type {mt!r} is no MTP family recycle converts")
+    _modelled(path, fam)
     depth = declared_depth(fam, merged)
     if depth < 1:
         raise RecycleError(f"{path}: its config declares no MTP modules")
     return merged, fam.name, depth
 
 
+def _modelled(path: Path, fam) -> None:
+    """Refuse, in one line, a family whose modules the plan's model does not cover (DeepSeek-V4's own runtime)."""
+    if fam is not None and fam.run.runtime is not None:
+        raise RecycleError(f"{path}: --plan models the common MTP layout; {fam.title}'s modules run on their own "
+                           "runtime (hyper-connection streams), which it does not model yet")
+
+
 def plans(path: str | Path) -> bool:
-    """Whether the plan covers this drafter: an EAGLE drafter, or a source checkpoint to convert --to eagle. distill's
-    check on a GPU runs for these; other formats (EAGLE-3, Medusa) start without it, as on a CPU."""
+    """Whether the plan covers this drafter: an EAGLE drafter, or a source checkpoint to convert --to eagle, of the
+    common layout. distill's check on a GPU runs for these; other formats (EAGLE-3, Medusa) and DeepSeek-V4's
+    modules start without it, as on a CPU."""
     cfg = load_json(Path(path) / "config.json", "config.json")
     rc = cfg.get("recycle")
-    return rc.get("format") == "eagle" if isinstance(rc, dict) else of_config(cfg) is None
+    # a family whose modules run on a runtime of their own (DeepSeek-V4's streams) is not in the plan's model
+    if isinstance(rc, dict):
+        fam = BY_NAME.get(rc.get("family", ""))
+        return rc.get("format") == "eagle" and (fam is None or fam.run.runtime is None)
+    rows = config_rows(cfg.get("model_type"), set(cfg.get("architectures") or ()))
+    return of_config(cfg) is None and not any(f.run.runtime is not None for f in rows)
 
 
 def config_drafter(path: Path):

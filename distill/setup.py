@@ -402,7 +402,8 @@ def _models(run: Run, device: torch.device, precision: str, model: torch.nn.Modu
     trunk = harvested is None and remote is None
     with run.phase("loading the target" if trunk else "loading the target's embedding and head"):
         teacher = Teacher(o.target, device, aux, precision, o.cache_hidden, trunk=trunk,
-                          producer=None if remote else producer, kv=run.unroller.needs_kv, remote=remote)
+                          producer=None if remote else producer, kv=run.unroller.needs_kv, remote=remote,
+                          streams=getattr(model, "reads", None) == "streams")
     if remote is not None:  # the probe: the server's greedy token from its last state, normed and projected here
         remote.probe(teacher.logits, int(teacher.embed.weight.shape[1]))
     from_meta = next(model.parameters()).is_meta  # sharded from the start (`build`): materialised once sharded

@@ -11,7 +11,8 @@ they would be most of the cache.
 Features: "last" = the decoder's output after its final norm (what MTP modules, the EAGLE drafter
 and Medusa heads read); aux layer i = transformers' `hidden_states[i]`, the input of decoder layer i
 (EAGLE-3's `eagle_aux_hidden_state_layer_ids`), the same taps the decoder uses
-(`recycle.decoding.target`).
+(`recycle.decoding.target`); for a drafter of DeepSeek-V4's modules, in place of aux layers, the last decoder
+layer's output: the trunk's hyper-connection streams (the decoder's "streams" tap).
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ from recycle.errors import RecycleError
 @dataclass
 class TeacherOut:
     last: torch.Tensor  # [B, L, H] final-normed hidden states
-    aux: torch.Tensor | None  # [B, L, A·H] concatenated aux layers (EAGLE-3), else None
+    aux: torch.Tensor | None  # [B, L, A·H] concatenated aux layers (EAGLE-3); a drafter of DeepSeek-V4's modules:
+    # the last layer's hyper-connection streams [B, L, C, H] (what they chain: `Teacher(streams=True)`); else None
     logits: Callable[..., torch.Tensor]  # (rows [N, H], vocab ids or None) -> the target's logits [N, V] float32:
     # computed a chunk of rows at a time by the loss, never for a whole batch (8.5 GB at 129k words × 16k rows)
     kv: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None  # Gemma 4 assistants: {attention type: (K, V)}
@@ -82,7 +84,7 @@ class Teacher:
 
     def __init__(self, target_dir: str | os.PathLike, device: torch.device, aux_layers: list[int] | None = None,
                  precision: str = "bf16", cache_dir: str | os.PathLike | None = None, trunk: bool = True,
-                 producer=None, kv: bool = False, remote=None) -> None:
+                 producer=None, kv: bool = False, remote=None, streams: bool = False) -> None:
         """`kv`: also return the K/V a Gemma 4 assistant attends (`recycle.formats.gemma4_assistant.kv_source_layers`);
         they are never cached, so it needs the trunk. `remote` (`distill --teacher URL`): a `distill.remote.Remote`
         gives every key's features (it deletes their files once read)."""
@@ -119,6 +121,15 @@ class Teacher:
             self.kv_layers = kv_source_layers(self.config)
             window = getattr(self.config, "sliding_window", None)
             self.max_len = window - 1 if window and "sliding_attention" in self.kv_layers else None
+        self.streams: dict[str, torch.Tensor] | None = None
+        if streams:  # DeepSeek-V4's modules chain the last layer's output: kept by a hook, never cached or served
+            if self.decoder is None or cache_dir is not None or remote is not None or producer is not None:
+                raise RecycleError("a DeepSeek-V4 drafter trains on the target's hyper-connection streams, which "
+                                   "neither a harvested cache nor a teacher server holds: run it with the target "
+                                   "loaded, without --cache-hidden or --teacher")
+            self.streams = {}
+            self.decoder.layers[-1].register_forward_hook(
+                lambda module, args, out: self.streams.__setitem__("last", out[0] if isinstance(out, tuple) else out))
         self.aux_layers = list(aux_layers or [])
         for i in self.aux_layers:
             if not 0 <= i <= self.num_layers:
@@ -139,6 +150,8 @@ class Teacher:
         with autocast(self.device, self.precision):
             out = self.decoder(input_ids=ids, use_cache=False, output_hidden_states=bool(self.aux_layers))
         last = out.last_hidden_state
+        if self.streams is not None:
+            return last, self.streams.pop("last")
         aux = torch.cat([out.hidden_states[i] for i in self.aux_layers], dim=-1) if self.aux_layers else None
         return last, aux
 

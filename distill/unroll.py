@@ -9,7 +9,8 @@ be fed when drafting:
 
   eagle   `EagleDrafter.forward` already chains: step k runs module min(k, n−1) on its step-(k−1)
           state and t_{i+k+1}, over all anchors at once with step k's own causal attention, which
-          is exactly the cache the decoder's MTPStack builds.
+          is exactly the cache the decoder's MTPStack builds. DeepSeek-V4's (`HyperEagleDrafter`) the same
+          over the target's hyper-connection streams (the teacher's aux), as the decoder's StreamChain.
   eagle3  step 0 runs the midlayer on fc(aux_i) and emb(t_{i+1}) at position i; step k feeds the
           step-(k−1) output of the same anchor at position i+k with emb(t_{i+k+1}). Its queries see
           the step-0 keys of positions ≤ i plus the anchor's own step-1..k keys (one KV cache
@@ -178,7 +179,11 @@ class EagleUnroller(Unroller):
     def unroll(self, ids, last, aux, logits, with_features=False, kv=None):
         m: EagleDrafter = self.model
         k_steps, t = self.steps, self.positions(ids.shape[1])
-        out = m(last[:, :t], ids[:, :t + k_steps], steps=k_steps, heads=False)
+        # DeepSeek-V4's modules (HyperEagleDrafter) chain the target's streams, which the teacher hands over as aux
+        state = aux if getattr(m, "reads", None) == "streams" else last
+        if state is None:
+            raise ValueError("a DeepSeek-V4 drafter needs the target's streams (Teacher(streams=True))")
+        out = m(state[:, :t], ids[:, :t + k_steps], steps=k_steps, heads=False)
         shared, where = _scored(last, t, k_steps, logits)
         steps = []
         for k in range(k_steps):
@@ -191,6 +196,8 @@ class EagleUnroller(Unroller):
 
     def file_state(self):
         m: EagleDrafter = self.model
+        if hasattr(m, "file_state"):  # a runtime's drafter names its own blocks (HyperEagleDrafter)
+            return m.file_state()
         state = {k: v.detach() for k, v in m.state_dict().items()}
         out = {k: v for k, v in state.items() if ".block." not in k}
         for k in range(m.depth):

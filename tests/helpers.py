@@ -396,6 +396,25 @@ def distill_rank(rank: int, world: int, port: int, run: dict, queue) -> None:
             dist.destroy_process_group()
 
 
+@contextmanager
+def stable_topk():
+    """torch.topk with equal values returned lowest index first. A sparse-attention indexer (DeepSeek-V3.2's and
+    GLM-5's DSA, DeepSeek-V4's compressed sparse attention) with few heads leaves many keys tied at a ReLU'd score
+    of 0, and `torch.topk` orders ties by the row's length and layout: a chain's verification then picks other keys
+    than one-token decoding, both the target's computation, not bit-equal. With this tie-break greedy decoding is a
+    function of the prompt alone (tests/test_glm5_trained.py's docstring)."""
+    import pytest
+    import torch
+
+    def topk(self, k, dim=-1, largest=True, sorted=True):
+        values, idx = self.sort(dim=dim, descending=largest, stable=True)
+        return torch.return_types.topk((values.narrow(dim, 0, k), idx.narrow(dim, 0, k)))
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.Tensor, "topk", topk)
+        yield
+
+
 def oracle(truth: list[int], length: int, wrong: int, vocab: int):
     """A drafter proposing `length` tokens of a known continuation (`truth`: plain decoding's tokens), the last `wrong`
     of them corrupted: chains rejected in the middle (accepted, accepted, rejected) at every step, as no trained

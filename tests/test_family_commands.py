@@ -1,6 +1,7 @@
 """Every command on every 2026 row (issue 47), on each generator's exact layout: inspect names the row with no
 error, `convert --to eagle` writes a drafter that computes what the source's MTP modules compute (every depth), the
-other formats write or refuse in one line, and `--to gguf` refuses where recycle writes no llama.cpp MTP graph."""
+other formats write or refuse in one line, and `--to gguf` refuses where recycle writes no llama.cpp MTP graph.
+DeepSeek-V4's modules, which chain hyper-connection streams, go only --to eagle (as `HyperEagleDrafter`)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ ROWS = {
     "mellum": ("mellum", 1, None),
     "minimax_m3": ("minimax_m3", 1, None),
     "inkling": ("inkling", 2, "no drafter format carries the real row count"),  # its head is padded
-    "deepseek_v4": ("deepseek_v4", 1, "no drafter format recycle writes carries it yet"),
+    "deepseek_v4": ("deepseek_v4", 1, None),  # its own drafter: recycle.drafters.HyperEagleDrafter
 }
 
 
@@ -53,13 +54,24 @@ def test_eagle_drafter_computes_the_source_modules(family_dir, tmp_path, variant
     drafter = load_drafter(out, dtype=torch.float32)
     g = torch.Generator().manual_seed(0)
     t = 6
-    hidden = torch.randn(1, t, native.config.hidden_size, generator=g)
+    # what the modules chain: one state, or DeepSeek-V4's hyper-connection streams [B, T, C, H]
+    streams = (native.config.hc_mult,) if getattr(native, "reads", None) == "streams" else ()
+    hidden = torch.randn(1, t, *streams, native.config.hidden_size, generator=g)
     ids = torch.randint(0, native.config.vocab_size, (1, t + modules), generator=g)
     with torch.no_grad():
         want, got = native(hidden, ids).logits, drafter(hidden, ids).logits
     assert len(want) == modules
     for k in range(modules):
         torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-4)
+
+
+def test_deepseek_v4_goes_to_eagle_only(family_dir, tmp_path):
+    """EAGLE-3 folds a block that reads one state; V4's modules read four streams: refused in one line, nothing
+    written."""
+    out = tmp_path / "e3"
+    assert_bad_input(run_cli("convert", str(family_dir("deepseek_v4")), "--to", "eagle3", "-o", str(out)),
+                     "only --to eagle carries them")
+    assert not out.exists()
 
 
 @pytest.mark.parametrize("variant", sorted(ROWS))

@@ -192,6 +192,16 @@ def test_fixture_loads_in_transformers_without_missing_tensors(loaded):
 # (ratio 128); sliding window 8. Prompts of 126 tokens make the ratio-128 compressor close its first window mid-decode.
 
 
+@pytest.fixture(scope="module", autouse=True)
+def stable_ties():
+    """The generator's compressed sparse attention (4 indexer heads, index_topk 4) ties many entries at a score of 0;
+    with ties broken by index, greedy decoding is a function of the prompt alone (`tests.helpers.stable_topk`)."""
+    from tests.helpers import stable_topk
+
+    with stable_topk():
+        yield
+
+
 @pytest.fixture(scope="module")
 def target(two):
     from recycle.decoding import Target, load_target
@@ -294,3 +304,54 @@ def test_drafts_are_the_runtime_over_the_whole_sequence(two, target):
         assert got == [int(lg[0, -1].argmax()) for lg in out.logits]
         short.append(drafts(prompt, 3)[1] != got)
     assert any(short)
+
+
+# -- the --to eagle drafter in the decoder and in distill --------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def v4_eagle(two, tmp_path_factory):
+    from recycle.converters.api import convert_checkpoint
+
+    out = tmp_path_factory.mktemp("v4eagle") / "eagle"
+    convert_checkpoint(two, "eagle", out, dtype="fp32")
+    return out
+
+
+def test_eagle_drafter_decodes_losslessly_in_chains(two, target, v4_eagle):
+    from recycle.decoding import MaskCache, generate
+    from recycle.decoding.drafting import Drafter, load_engine
+    from recycle.decoding.drafting.hyper_mtp import StreamChain
+
+    masks = MaskCache(torch.float32, "cpu")
+    engine = load_engine(str(v4_eagle), target, masks, target_dir=str(two))
+    assert isinstance(engine, StreamChain) and engine.shape == 3 and engine.kind == "eagle"
+    assert [lyr is engine.mtp.layers[min(k, 1)] for k, lyr in enumerate(engine.layers)] == [True] * 3  # last repeats
+    with pytest.raises(RecycleError, match="chains only"):
+        load_engine(str(v4_eagle), target, masks, tree="dynamic", target_dir=str(two))
+    target.set_taps(engine.taps)
+    prompt = _prompt(40, seed=2)
+    assert generate(target, engine, prompt, 24).tokens == generate(target, Drafter(), prompt, 24).tokens
+
+
+def test_distill_unrolls_the_drafter_over_the_teachers_streams(two, v4_eagle, tmp_path):
+    """The teacher hands the target's last-layer streams to the unroller (as aux), and step k of the unroll is the
+    source modules' depth k on them; where the streams cannot come from (a cache, a server) the teacher refuses."""
+    from recycle.distill.teacher import Teacher
+    from recycle.distill.unroll import unroller_for
+    from recycle.drafters import load_drafter
+    from recycle.formats import get
+
+    drafter = load_drafter(v4_eagle)
+    teacher = Teacher(two, torch.device("cpu"), precision="fp32", streams=True)
+    ids = torch.randint(3, 250, (2, 20), generator=torch.Generator().manual_seed(3))
+    te = teacher(ids)
+    assert te.aux.shape == (2, 20, 4, 64) and te.last.shape == (2, 20, 64)
+    steps = unroller_for(get("eagle")).make(drafter, 2).unroll(ids, te.last, te.aux, te.logits)
+    t = 20 - 2 - 1
+    with torch.no_grad():
+        want = MTP.from_checkpoint(two)(te.aux[:, :t], ids[:, :t + 2]).normed
+    for k in range(2):
+        torch.testing.assert_close(steps[k].draft, want[k].reshape(-1, 64), rtol=1e-4, atol=1e-4)
+    with pytest.raises(RecycleError, match="hyper-connection streams"):
+        Teacher(two, torch.device("cpu"), precision="fp32", streams=True, cache_dir=tmp_path / "cache")

@@ -31,6 +31,7 @@ from recycle.errors import RecycleError
 from recycle.mtp import MTP
 from recycle.prompts import default_prompts
 
+from tests.helpers import stable_topk
 from tests.trained import FIXTURE
 
 GLM5 = FIXTURE.parent / "glm5_mtp"
@@ -52,15 +53,9 @@ def prompts(target: Target) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module", autouse=True)
-def stable_topk():
+def stable_ties():
     """torch.topk with equal values returned lowest index first (see the module docstring)."""
-
-    def topk(self, k, dim=-1, largest=True, sorted=True):
-        values, idx = self.sort(dim=dim, descending=largest, stable=True)
-        return torch.return_types.topk((values.narrow(dim, 0, k), idx.narrow(dim, 0, k)))
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(torch.Tensor, "topk", topk)
+    with stable_topk():
         yield
 
 

@@ -88,11 +88,10 @@ def test_a_record_names_only_known_hooks() -> None:
 def test_every_family_row_resolves(family: str) -> None:
     from torch import nn
 
+    from recycle.decoding.drafting import CHAINS, Drafter
     from recycle.families import BY_NAME
     from recycle.imports import import_object
     from recycle.mtp import MTP, RUNTIMES
-
-    from recycle.decoding.drafting import CHAINS, Drafter
 
     fam = BY_NAME[family]
     if fam.run.runtime is not None:
@@ -100,18 +99,23 @@ def test_every_family_row_resolves(family: str) -> None:
         assert inspect.isclass(runtime) and issubclass(runtime, MTP) and runtime is not MTP, runtime
         chain = CHAINS.get(fam.run.runtime, fam.title)  # its own modules draft with the runtime's own engine
         assert inspect.isclass(chain) and issubclass(chain, Drafter), chain
+        from recycle.drafters import RUNTIME_BUILDERS
+
+        assert callable(RUNTIME_BUILDERS.get(fam.run.runtime, fam.title))  # and its --to eagle drafter builds
+        assert runtime.leaves and {"head", "embed"} <= set(runtime.leaves)  # the roles a converter writes
     if fam.run.block_class is not None:
         block = import_object(fam.run.block_class)
         assert inspect.isclass(block) and issubclass(block, nn.Module), fam.run.block_class
 
 
 def test_every_runtime_belongs_to_a_row_naming_it() -> None:
+    from recycle.decoding.drafting import CHAINS
     from recycle.mtp import RUNTIMES
 
-    from recycle.decoding.drafting import CHAINS
-
     named = {f.run.runtime for f in FAMILIES if f.run.runtime is not None}
-    assert set(RUNTIMES.names()) == named == set(CHAINS.names())
+    from recycle.drafters import RUNTIME_BUILDERS
+
+    assert set(RUNTIMES.names()) == named == set(CHAINS.names()) == set(RUNTIME_BUILDERS.names())
     with pytest.raises(RecycleError, match="recycle has no MTP runtime for it"):
         RUNTIMES.get("nope")
 

@@ -15,11 +15,12 @@ from pathlib import Path
 import torch
 
 # The members register their builders in BUILDERS as they are imported.
-from recycle.drafters import eagle, eagle3, gemma4, medusa
+from recycle.drafters import eagle, eagle3, gemma4, hyper_eagle, medusa
 from recycle.drafters.eagle import EagleDrafter
 from recycle.drafters.eagle3 import Eagle3Drafter
+from recycle.drafters.hyper_eagle import HyperEagleDrafter
 from recycle.drafters.medusa import MedusaDrafter
-from recycle.drafters.registry import BUILDERS, Builder
+from recycle.drafters.registry import BUILDERS, RUNTIME_BUILDERS, Builder
 from recycle.errors import RecycleError
 from recycle.formats import of_directory
 from recycle.io.weights import load_weights
@@ -50,10 +51,13 @@ __all__ = [
     "Builder",
     "Eagle3Drafter",
     "EagleDrafter",
+    "HyperEagleDrafter",
+    "RUNTIME_BUILDERS",
     "MedusaDrafter",
     "eagle",
     "eagle3",
     "gemma4",
+    "hyper_eagle",
     "load_drafter",
     "medusa",
 ]

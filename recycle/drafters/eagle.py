@@ -24,7 +24,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from recycle.drafters.registry import BUILDERS
+from recycle.drafters.registry import BUILDERS, RUNTIME_BUILDERS
 from recycle.families import BY_NAME, Family, derive
 from recycle.formats.eagle import source_model_type
 from recycle.mtp import MTP, family_config, to_runtime_layout
@@ -94,6 +94,9 @@ def build_eagle(config_dict: Mapping, state: Mapping[str, torch.Tensor], dtype: 
                 attn_implementation: str = "sdpa") -> EagleDrafter:
     """An EagleDrafter from its config.json dict and its checkpoint-layout state dict."""
     rc = config_dict["recycle"]
+    runtime = BY_NAME[rc["family"]].run.runtime if rc.get("family") in BY_NAME else None
+    if runtime is not None:  # a family with a runtime of its own (DeepSeek-V4): its own drafter (RUNTIME_BUILDERS)
+        return RUNTIME_BUILDERS.get(runtime, rc["family"])(None, config_dict, state, dtype, attn_implementation)
     # The block's own model type: the `recycle` block's (the top level names recycle's, which transformers does
     # not know), or the top level's in directories written before the two were split.
     cfg = {k: v for k, v in config_dict.items() if k != "recycle"} | {"model_type": source_model_type(config_dict)}

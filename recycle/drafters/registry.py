@@ -23,3 +23,6 @@ class Builder(Protocol):
 
 
 BUILDERS: Registry[Builder] = Registry("module builder")
+# the `--to eagle` drafter of a family whose MTP runs on a runtime of its own (`Family.run.runtime`: DeepSeek-V4),
+# keyed by the runtime's name: a Builder taking the drafter's config.json and stored tensors
+RUNTIME_BUILDERS: Registry[Builder] = Registry("EAGLE drafter builder")

@@ -107,6 +107,9 @@ class DeepseekV4MTP(MTP):
     depth's streams [B, T, C, H] and `normed` what the head reads (after the module's hc_head and norm) [B, T, H].
     """
 
+    leaves = LEAVES  # role → parameter of a module: what a converter writes each role as (`--to eagle`)
+    reads = "streams"  # the target feature its modules chain (the decoder's tap; the teacher's streams)
+
     def __init__(self, config: PretrainedConfig, family: Family, depth: int, roles=(), shared=None) -> None:
         nn.Module.__init__(self)
         self.checkpoint_blocks = False

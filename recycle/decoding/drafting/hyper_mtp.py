@@ -27,16 +27,17 @@ TAP = "streams"
 
 @CHAINS.register("deepseek_v4")
 class StreamChain(Drafter):
-    """Chains of V4's MTP modules, module k mod n at step k past the stored depth (vLLM's `mtp`)."""
+    """Chains of V4's MTP modules: past the stored depth n, step k runs module k mod n (`reuse="cycle"`, vLLM's `mtp`)
+    or module n−1 (`"last"`, the `--to eagle` drafter, as distill trains it)."""
 
-    kind = "native-mtp"
     taps = (TAP,)
+    REUSE = {"cycle": lambda k, n: k % n, "last": lambda k, n: min(k, n - 1)}
 
-    def __init__(self, mtp: DeepseekV4MTP, shape: Shape) -> None:
+    def __init__(self, mtp: DeepseekV4MTP, shape: Shape, kind: str = "native-mtp", reuse: str = "cycle") -> None:
         if not isinstance(shape, int):
             raise RecycleError("DeepSeek-V4's MTP modules draft chains only (its target verifies chains): use --tree chain:N")
-        self.mtp, self.shape = mtp, shape
-        self.layers = [mtp.layers[k % mtp.depth] for k in range(shape)]
+        self.mtp, self.shape, self.kind = mtp, shape, kind
+        self.layers = [mtp.layers[self.REUSE[reuse](k, mtp.depth)] for k in range(shape)]
         types = mtp.config.mtp_layer_types if getattr(mtp.config, "mtp_layer_types", None) else ["sliding_attention"]
         window = int(mtp.config.sliding_window)
         self.tail = None if any(t != "sliding_attention" for t in types) else shape * (window - 1) + 1

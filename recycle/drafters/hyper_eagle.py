@@ -1,0 +1,91 @@
+"""DeepSeek-V4's MTP modules as a `--to eagle` drafter directory's module (`HyperEagleDrafter`): the runtime
+`recycle.mtp.deepseek_v4.DeepseekV4MTP` with an embedding and a head of its own (copies of the trunk's), and any
+number of steps, step k running module min(k, n−1), as `EagleDrafter` does for the common layout. It reads the
+target's hyper-connection streams [B, T, C, H] (the decoder's "streams" tap, the teacher's streams), never one state.
+
+Directory layout (`recycle.converters.eagle` writes it; `RUNTIME_BUILDERS["deepseek_v4"]` reads it): config.json
+(the source's config, `compress_ratios` included, under recycle's model type), model.safetensors with `embed.weight`,
+`head.weight`, `layers.{k}.{embed_norm,hidden_norm,e_proj,h_proj,final_norm}.weight`,
+`layers.{k}.hc_head.{hc_fn,hc_base,hc_scale}` and `layers.{k}.block.*` in DeepSeek's own names (`attn.wq_a.weight`,
+`ffn.experts.3.w2.weight`, ...), the module's tensors as the release stores them under `mtp.{k}.`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+from recycle.drafters.registry import RUNTIME_BUILDERS
+from recycle.families import Family
+from recycle.formats.eagle import source_model_type
+from recycle.mtp import family_config, to_checkpoint_layout, to_runtime_layout
+from recycle.mtp.deepseek_v4 import NATIVE_FIXES, DeepseekV4MTP, mtp_types_from_ratios
+
+
+class HyperEagleDrafter(DeepseekV4MTP):
+    """DeepSeek-V4's modules chained for any number of steps, with their own embedding and head."""
+
+    def __init__(self, config, family: Family, depth: int) -> None:
+        embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        super().__init__(config, family, depth, shared={"embed": embed, "head": head})
+        self.embed, self.head = embed, head
+
+    def layer_for(self, step: int):
+        """Step k (0-based) runs module min(k, n-1): past the stored depth the last module repeats."""
+        return self.layers[min(step, self.depth - 1)]
+
+    @property
+    def max_steps(self) -> int | None:
+        return None
+
+    def forward(self, hidden: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None, steps: int | None = None, heads: bool = True):
+        """`DeepseekV4MTP.forward` with no cap on the number of steps (n = input_ids.shape[1] - T, or `steps`)."""
+        return super().forward(hidden, input_ids, position_ids, attention_mask, depth=steps, heads=heads)
+
+    def file_state(self) -> dict[str, torch.Tensor]:
+        """The weights under the names model.safetensors stores (blocks in DeepSeek's own names)."""
+        state = {k: v.detach() for k, v in self.state_dict().items()}
+        out = {k: v for k, v in state.items() if ".block." not in k}
+        base = int(self.config.num_hidden_layers)
+        for k in range(self.depth):
+            prefix, at = f"layers.{k}.block.", f"layers.{base + k}."
+            block = {at + n[len(prefix):]: v for n, v in state.items() if n.startswith(prefix)}
+            for name, t in to_checkpoint_layout(block, self.config, self.family.run.block_renames).items():
+                for wrong, right in NATIVE_FIXES:
+                    name = name.replace(wrong, right)
+                out[prefix + name.removeprefix(at)] = t
+        return out
+
+
+@RUNTIME_BUILDERS.register("deepseek_v4")
+def build(directory, config_dict: Mapping, state: Mapping[str, torch.Tensor], dtype: torch.dtype | None = None,
+          attn_implementation: str = "eager") -> HyperEagleDrafter:
+    """A HyperEagleDrafter from its config.json dict and its stored tensors (RuntimeError/KeyError where they do
+    not fit: `load_drafter` makes that one line)."""
+    from recycle.drafters.eagle import canonical_family
+
+    rc = config_dict["recycle"]
+    raw = {k: v for k, v in config_dict.items() if k != "recycle"} | {"model_type": source_model_type(config_dict)}
+    fam = canonical_family(rc["family"])
+    config = family_config(raw, fam, fam.run.attn_implementation or attn_implementation)
+    base = int(config.num_hidden_layers)
+    mtp_types_from_ratios(config, raw, base)
+    model = HyperEagleDrafter(config, fam, int(rc["depth"]))
+    runtime: dict[str, torch.Tensor] = {}
+    blocks: dict[int, dict[str, torch.Tensor]] = {}
+    for name, t in state.items():
+        parts = name.split(".", 3)
+        if parts[0] == "layers" and parts[2] == "block":
+            blocks.setdefault(int(parts[1]), {})[f"layers.{base + int(parts[1])}.{parts[3]}"] = t
+        else:
+            runtime[name] = t
+    for k, block in blocks.items():
+        at = f"layers.{base + k}."
+        for name, value in to_runtime_layout(block, model.config, fam.run.block_renames).items():
+            runtime[f"layers.{k}.block.{name.removeprefix(at)}"] = value
+    model.load_state_dict(runtime, strict=True)
+    return model.to(dtype or torch.float32).keep_fp32().eval()
