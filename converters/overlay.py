@@ -65,13 +65,26 @@ def _read_index(overlay: Path) -> dict:
         raise RecycleError(f"{overlay}: not an MTP overlay (no readable {OVERLAY_INDEX}: {e})") from None
 
 
-def _raise_depth(config: dict, key: str | None, modules: int) -> dict:
+def _raise_depth(config: dict, key: str | None, modules: int, source: dict | None = None) -> dict:
+    """The target's config with its MTP depth key raised to the overlay's module count, and its per-layer lists that
+    stop at the trunk (a release that shipped no MTP: DeepSeek-V4-Flash-0731's `compress_ratios`) given the MTP
+    layers' entries from the overlay's source config, where the source's list runs exactly `modules` past its trunk."""
     config = dict(config)
     if not key:
         return config
-    for scope in (config, config.get("text_config")):
-        if isinstance(scope, dict) and isinstance(scope.get(key), int) and scope[key] < modules:
+    for scope, theirs in ((config, source or {}), (config.get("text_config"), (source or {}).get("text_config"))):
+        if not isinstance(scope, dict):
+            continue
+        if isinstance(scope.get(key), int) and scope[key] < modules:
             scope[key] = modules
+        layers = scope.get("num_hidden_layers")
+        if not isinstance(theirs, dict) or not isinstance(layers, int) or theirs.get("num_hidden_layers") != layers:
+            continue
+        for name, value in theirs.items():
+            mine = scope.get(name)
+            if (isinstance(value, list) and isinstance(mine, list) and len(value) == layers + modules
+                    and len(mine) == layers and value[:layers] == mine):
+                scope[name] = mine + value[layers:]
     return config
 
 
@@ -222,7 +235,7 @@ def stitch(overlay: str | os.PathLike, target: str | os.PathLike, out: str | os.
         total += sum(nbytes(t.shape, t.dtype or torch.bfloat16) for t in tensors.values())
         d.write_json(INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))})
         config = _raise_depth(cfg.config if cfg is not None else tgt.config, meta.get("depth_key"),
-                              int(meta.get("modules") or 0))
+                              int(meta.get("modules") or 0), ov.config)
         if ignored and cfg is None:
             config = with_ignored(config, ignored)
         d.write_json("config.json", config)

@@ -81,3 +81,36 @@ def test_the_transplant_end_to_end(tmp_path):
         assert res.exit_code == 0, res.output
         taus[name] = json.loads(res.stdout)["overall"]["spec"]["tau"]
     assert taus["stitched"] == taus["tuned"]
+
+
+def test_stitch_into_a_release_that_ships_no_mtp(tmp_path):
+    """The V4-Flash-0731 case: a post-trained V4 with no MTP tensors, no depth and `compress_ratios` for its trunk
+    only. The base's module goes in; the config gains the depth and the MTP layer's compress ratio from the module's
+    source config, and the stitched checkpoint's module is the base's, tensor for tensor."""
+    from safetensors.torch import load_file, save_file
+
+    from recycle.mtp import MTP
+
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    tensors = load_file(str(POST / "model.safetensors"))
+    save_file({k: v for k, v in tensors.items() if not k.startswith("mtp.")}, str(bare / "model.safetensors"))
+    cfg = json.loads((POST / "config.json").read_text())
+    layers = cfg["num_hidden_layers"]
+    cfg |= {"num_nextn_predict_layers": 0, "compress_ratios": cfg["compress_ratios"][:layers]}
+    (bare / "config.json").write_text(json.dumps(cfg))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (bare / name).write_bytes((POST / name).read_bytes())
+    eagle, out = tmp_path / "eagle", tmp_path / "stitched"
+    assert run_cli("convert", str(V4), "--to", "eagle", "--layouts", "overlay", "-o", str(eagle)).exit_code == 0
+    res = run_cli("stitch", str(eagle / "mtp_overlay"), "--target", str(bare), "-o", str(out), "--json")
+    assert res.exit_code == 0, res.output
+    got = json.loads((out / "config.json").read_text())
+    assert got["num_nextn_predict_layers"] == 1
+    assert got["compress_ratios"] == cfg["compress_ratios"] + [0]  # the MTP layer's, from the base's config
+    base, stitched = MTP.from_checkpoint(V4), MTP.from_checkpoint(out)
+    assert stitched.config.mtp_layer_types == ["sliding_attention"]
+    theirs = stitched.state_dict()
+    for name, a in base.state_dict().items():
+        if name.split(".")[-2] not in ("head", "embed"):  # those are the trunk's, post-trained, in the stitched one
+            assert torch.equal(a, theirs[name]), name
