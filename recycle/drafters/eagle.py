@@ -43,7 +43,25 @@ def canonical_family(name: str, chained_state: str | None = None, zero_embed_at_
     return derive(fam, run=changes)
 
 
-class EagleDrafter(MTP):
+class ChainedSteps:
+    """What makes MTP modules a drafter, mixed in before the runtime's class: any number of steps, step k running
+    module min(k, n-1) (past the stored depth the last module repeats, as distill trains it)."""
+
+    def layer_for(self, step: int):
+        """Step k (0-based) runs module min(k, n-1): past the stored depth the last module repeats."""
+        return self.layers[min(step, self.depth - 1)]
+
+    @property
+    def max_steps(self) -> int | None:
+        return None
+
+    def forward(self, hidden: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None, steps: int | None = None, heads: bool = True):
+        """The runtime's forward with no cap on the number of steps (n = input_ids.shape[1] - T, or `steps`)."""
+        return super().forward(hidden, input_ids, position_ids, attention_mask, depth=steps, heads=heads)
+
+
+class EagleDrafter(ChainedSteps, MTP):
     """MTP modules run as an EAGLE-style autoregressive drafter (any number of steps)."""
 
     def __init__(self, config, family: Family, depth: int, roles=("embed_norm", "hidden_norm", "proj", "final_norm"),
@@ -56,19 +74,6 @@ class EagleDrafter(MTP):
             self.layers[k].head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         for k in own_embeds:
             self.layers[k].embed = nn.Embedding(config.vocab_size, config.hidden_size)
-
-    def layer_for(self, step: int):
-        """Step k (0-based) runs module min(k, n-1): past the stored depth the last module repeats."""
-        return self.layers[min(step, self.depth - 1)]
-
-    @property
-    def max_steps(self) -> int | None:
-        return None
-
-    def forward(self, hidden: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
-                attention_mask: torch.Tensor | None = None, steps: int | None = None, heads: bool = True):
-        """MTP.forward with no cap on the number of steps (n = input_ids.shape[1] - T, or `steps`)."""
-        return super().forward(hidden, input_ids, position_ids, attention_mask, depth=steps, heads=heads)
 
     @torch.no_grad()
     def draft(self, hidden: torch.Tensor, input_ids: torch.Tensor, steps: int,

@@ -17,6 +17,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
+from recycle.drafters.eagle import ChainedSteps, canonical_family
 from recycle.drafters.registry import RUNTIME_BUILDERS
 from recycle.families import Family
 from recycle.formats.eagle import source_model_type
@@ -24,7 +25,7 @@ from recycle.mtp import family_config, to_checkpoint_layout, to_runtime_layout
 from recycle.mtp.deepseek_v4 import NATIVE_FIXES, DeepseekV4MTP, mtp_types_from_ratios
 
 
-class HyperEagleDrafter(DeepseekV4MTP):
+class HyperEagleDrafter(ChainedSteps, DeepseekV4MTP):
     """DeepSeek-V4's modules chained for any number of steps, with their own embedding and head."""
 
     def __init__(self, config, family: Family, depth: int) -> None:
@@ -32,19 +33,6 @@ class HyperEagleDrafter(DeepseekV4MTP):
         head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         super().__init__(config, family, depth, shared={"embed": embed, "head": head})
         self.embed, self.head = embed, head
-
-    def layer_for(self, step: int):
-        """Step k (0-based) runs module min(k, n-1): past the stored depth the last module repeats."""
-        return self.layers[min(step, self.depth - 1)]
-
-    @property
-    def max_steps(self) -> int | None:
-        return None
-
-    def forward(self, hidden: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
-                attention_mask: torch.Tensor | None = None, steps: int | None = None, heads: bool = True):
-        """`DeepseekV4MTP.forward` with no cap on the number of steps (n = input_ids.shape[1] - T, or `steps`)."""
-        return super().forward(hidden, input_ids, position_ids, attention_mask, depth=steps, heads=heads)
 
     def file_state(self) -> dict[str, torch.Tensor]:
         """The weights under the names model.safetensors stores (blocks in DeepSeek's own names)."""
@@ -66,8 +54,6 @@ def build(directory, config_dict: Mapping, state: Mapping[str, torch.Tensor], dt
           attn_implementation: str = "eager") -> HyperEagleDrafter:
     """A HyperEagleDrafter from its config.json dict and its stored tensors (RuntimeError/KeyError where they do
     not fit: `load_drafter` makes that one line)."""
-    from recycle.drafters.eagle import canonical_family
-
     rc = config_dict["recycle"]
     raw = {k: v for k, v in config_dict.items() if k != "recycle"} | {"model_type": source_model_type(config_dict)}
     fam = canonical_family(rc["family"])
