@@ -6,6 +6,8 @@ embedding/head copy and its trunk original), so auditing a 690 GB checkpoint rea
   mtp_declared_missing  config declares MTP modules that are not stored (MiniMax-M2, merged fine-tunes; in a
                         quantized build, its quantizer dropped them: the message says so, and what vLLM does)
   mtp_undeclared        MTP modules are stored but the config does not declare them
+  mtp_absent            (info) the family's layout with no MTP module stored or declared (a release that ships
+                        none, DeepSeek-V4-Flash-0731; an export that dropped them): `recycle stitch` puts one in
   role_missing          a module lacks a tensor its family requires
   shared_copy_absent    the module stores no embedding/head copy (it must come from the trunk, or is missing)
   shape_mismatch        a tensor's shape disagrees with config (hidden size, vocab, experts)
@@ -184,6 +186,10 @@ def _check_modules(ckpt: Checkpoint, m: MTPMatch, rep: Report) -> None:
                 f"config declares {m.declared} MTP module(s) but no MTP tensors are stored")
     elif found < m.declared:
         rep.add("warning", "mtp_declared_missing", f"config declares {m.declared} MTP module(s), {found} stored")
+    elif not found and fam.kind == "mtp":
+        rep.add("info", "mtp_absent", f"{fam.title} layout with no MTP module stored or declared: a release that "
+                "ships none, or an export that dropped them; `recycle stitch OVERLAY --target THIS` puts one in from "
+                "a checkpoint of the same family (convert it --to eagle, distill against this one: docs/stale-mtp.md)")
     elif found > m.declared and fam.kind != "drafter":
         rep.add("warning", "mtp_undeclared",
                 f"{found} MTP module(s) stored but config declares {m.declared} "

@@ -101,6 +101,10 @@ def test_stitch_into_a_release_that_ships_no_mtp(tmp_path):
     (bare / "config.json").write_text(json.dumps(cfg))
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (bare / name).write_bytes((POST / name).read_bytes())
+    from recycle.audit import inspect_checkpoint
+
+    rep = inspect_checkpoint(bare)  # inspect says what is missing, and the way back
+    assert [f.code for f in rep.findings] == ["mtp_absent"] and rep.worst == "info"
     eagle, out = tmp_path / "eagle", tmp_path / "stitched"
     assert run_cli("convert", str(V4), "--to", "eagle", "--layouts", "overlay", "-o", str(eagle)).exit_code == 0
     res = run_cli("stitch", str(eagle / "mtp_overlay"), "--target", str(bare), "-o", str(out), "--json")

@@ -70,9 +70,8 @@ class StreamChain(Drafter):
         context = self.mtp.context(state, positions)
         for k, layer in enumerate(self.layers):
             tokens = torch.tensor([seq[lo + k + 1 : C + k + 1]], device=dev)
-            state, _, _ = self.mtp.step(layer, state, tokens, context, heads=False)
-            normed = layer.final_norm(layer.hc_head(state[:, -1:]))
-            ex.expand(self.mtp.role(layer, "head")(normed[0]))
+            state, normed, _ = self.mtp.step(layer, state, tokens, context, heads=False)
+            ex.expand(self.mtp.role(layer, "head")(normed[0, -1:]))  # the last row's draft: the next token
             seq.append(ex.tok[ex.frontier()[0]])
             if ex.done():
                 break
