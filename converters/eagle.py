@@ -142,10 +142,12 @@ def nextn(w: RoleWeights, dtype_name: str) -> tuple[dict[str, Lazy], dict] | Non
 
 
 def overlay(w: RoleWeights) -> tuple[dict[str, Lazy], dict]:
-    """Every stored MTP tensor under its original name, raw, and the index fragment naming them."""
-    names = sorted(w.match.mtp_names)
+    """Every stored MTP tensor under its original name, raw, and the index fragment naming them. A packed weight
+    (DeepSeek-V4's FP4 experts: codes and an e8m0 `.scale`) is every one of its stored parts."""
+    packed = w.ckpt.packed
+    names = sorted({part for n in w.match.mtp_names for part in (packed[n].parts.values() if n in packed else (n,))})
     tensors = {n: raw(w.ckpt, n) for n in names}
-    total = sum(w.ckpt.tensors[n].nbytes for n in names)
+    total = sum(w.ckpt.stored[n].nbytes for n in names)
     index = {
         "metadata": {"total_size": total, "format": "recycle-mtp-overlay", "family": w.family.name,
                      "modules": len(w.modules), "depth_key": (w.family.keys.depth_keys or (None,))[0],
@@ -219,7 +221,7 @@ def rewrite(src, main: dict, model) -> tuple[dict, list[str], list[str]]:
     whose key set cannot be rebuilt exactly (a family whose stored norms or concatenation are not canonical, a
     quantization recycle cannot write) is dropped with a note rather than shipped stale."""
     from recycle.converters.rewrite import canonical_concat, overlay_layouts
-    from recycle.quant import SCALE_SUFFIX, requantize
+    from recycle.quant import CODECS, NATIVE_SCALE_SUFFIX, SCALE_SUFFIX, requantize
 
     files: dict[str, dict] = {}
     dropped, notes = [], []
@@ -231,6 +233,16 @@ def rewrite(src, main: dict, model) -> tuple[dict, list[str], list[str]]:
             how = lay.rebuilt_as(k, tuple(named[k].shape) if k in named else None, canonical)
             if how == "fp8":
                 out[k], out[k + SCALE_SUFFIX], _ = requantize(named[k], lay.fp8.block)
+            elif how == "fp8_native":  # DeepSeek-V4's linears: e8m0 `.scale`, power-of-two scales
+                scale = k[: -len(".weight")] + NATIVE_SCALE_SUFFIX
+                out[k], s, _ = requantize(named[k], lay.fp8.block, pow2=True)
+                out[scale] = s.reshape(lay.head[scale][0]).to(torch.float8_e8m0fnu)
+            elif how == "codec":  # a packed weight (V4's FP4 experts): every part from its storage codec, once
+                logical, codec = lay.packed[k]
+                if k not in out and logical in named:
+                    out.update(CODECS.get(codec).quantize(named[logical].float(), logical, lay.quant))
+                elif k not in out:
+                    why = f"{logical} is not a trained weight"
             elif how == "plain":
                 out[k] = named[k]
             elif how != "scale":

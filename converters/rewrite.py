@@ -2,8 +2,9 @@
 
 Distillation trains the drafter module; its directory may hold more than the module's own file (an EAGLE
 drafter's `nextn/` and `mtp_overlay/`, Medusa's FasterDecoding file). A format whose record declares the
-"rewrite" hook has a rewriter in `REWRITERS` that rebuilds those other layouts from the trained weights, or drops
-a layout it cannot rebuild exactly (FP8 overlay tensors, say) with a note rather than ship it stale. Everything
+"rewrite" hook has a rewriter in `REWRITERS` that rebuilds those other layouts from the trained weights, in their
+stored form (block FP8 re-quantized in its blocks, DeepSeek-V4's e8m0-scaled FP8 and FP4 experts through their
+codecs), or drops a layout it cannot rebuild exactly with a note rather than ship it stale. Everything
 goes through the one atomic writer; `recycle.json` gets the run's record appended to its `distillation` list.
 """
 
@@ -11,13 +12,14 @@ from __future__ import annotations
 
 import contextlib
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from recycle.checkpoint import Checkpoint
 from recycle.converters.registry import REWRITERS
 from recycle.converters.roles import EXACT
 from recycle.drafters.sharded import block_name, local_rows, per_expert, shifted
@@ -29,7 +31,7 @@ from recycle.io.writer import Lazy
 from recycle.mtp import to_checkpoint_layout
 from recycle.mtp.base import LEAF_ROLES, Norm
 from recycle.preflight import load_json
-from recycle.quant import SCALE_SUFFIX, requantize, scheme
+from recycle.quant import CODECS, NATIVE_SCALE_SUFFIX, SCALE_SUFFIX, Codec, requantize, scheme
 
 WEIGHTS = "model.safetensors"
 
@@ -225,14 +227,28 @@ class OverlayLayout:
     parts: dict[str, dict[str, tuple[tuple[int, ...], torch.dtype]]]
     head: dict[str, tuple[tuple[int, ...], torch.dtype]]
     fp8: object | None
+    # stored part → (its logical weight, the storage codec that packs it): DeepSeek-V4's FP4 experts (`mxfp4_native`)
+    packed: dict[str, tuple[str, str]] = field(default_factory=dict)
+    quant: dict = field(default_factory=dict)  # the layout's quantization_config (block sizes, scale format)
 
     def rebuilt_as(self, k: str, shape: tuple[int, ...] | None, canonical: bool) -> str:
         """How tensor `k` is rebuilt from a trained weight of `shape` (None: no trained weight is it): "scale" (made
-        with its FP8 weight), "fp8" (re-quantized in the layout's blocks), "plain", or why it cannot be."""
+        with its FP8 weight), "fp8" (re-quantized in the layout's blocks), "fp8_native" (the same with DeepSeek-V4's
+        e8m0 `.scale`: power-of-two scales), "codec" (a packed part, written by its storage codec with the rest of its
+        weight), "plain", or why it cannot be."""
         shp, dt = self.head[k]
-        weight = k[: -len(SCALE_SUFFIX)] if k.endswith(SCALE_SUFFIX) else None
+        if k in self.packed:
+            codec = self.packed[k][1]
+            return "codec" if type(CODECS.get(codec)).quantize is not Codec.quantize else \
+                f"{k}: recycle does not write the {codec} storage"
+        weight = k[: -len(SCALE_SUFFIX)] if k.endswith(SCALE_SUFFIX) else \
+            k[: -len(NATIVE_SCALE_SUFFIX)] + ".weight" if k.endswith(NATIVE_SCALE_SUFFIX) else None
         if weight is not None and weight in self.head and self.head[weight][1].itemsize == 1:
             return "scale"
+        native = k.endswith(".weight") and self.head.get(k[: -len(".weight")] + NATIVE_SCALE_SUFFIX, ((), None))[1] \
+            == torch.float8_e8m0fnu
+        if dt.itemsize == 1 and dt.is_floating_point and native and shape is not None and tuple(shape) == tuple(shp):
+            return "fp8_native"
         if shape is None or tuple(shape) != tuple(shp) or not dt.is_floating_point:
             return "non-canonical concat" if not canonical else f"{k} is not a trained weight"
         if dt.itemsize == 1:
@@ -252,11 +268,17 @@ def overlay_layouts(src: Path) -> list[OverlayLayout]:
             if (src / sub).is_dir() else {}
         if not parts:
             continue
+        config = load_json(src / sub / "config.json", f"{sub}/config.json")
         try:
-            fp8 = scheme(load_json(src / sub / "config.json", f"{sub}/config.json"), f"{src / sub}")
+            fp8 = scheme(config, f"{src / sub}")
         except RecycleError:
             fp8 = None
-        out.append(OverlayLayout(sub, base, parts, {k: v for part in parts.values() for k, v in part.items()}, fp8))
+        packed = {}
+        if fp8 is not None or config.get("quantization_config"):  # the codecs' groups, from the headers alone
+            ck = Checkpoint(src / sub)
+            packed = {part: (logical, p.codec) for logical, p in ck.packed.items() for part in p.parts.values()}
+        out.append(OverlayLayout(sub, base, parts, {k: v for part in parts.values() for k, v in part.items()}, fp8,
+                                 packed, dict(config.get("quantization_config") or {})))
     return out
 
 def _overlay_sources(model: torch.nn.Module, base: int) -> dict[str, tuple[str, bool]] | None:

@@ -64,19 +64,19 @@ def test_inspect_is_clean(family_dir):
     assert rep.worst != "error", [f.message for f in rep.findings]
 
 
-def test_native_scales_pair_and_fp4_experts_refuse(family_dir, tmp_path):
-    """The release's layout: FP8 e_proj with an e8m0 `.scale`, FP4 experts packed in I8 with `.scale` per 32.
-    Scales join their weight's role (not the block), inspect finds no error, and the runtime refuses in one line."""
-    src = family_dir("deepseek_v4")
+def _release_storage(src, out, codes=None):
+    """The generator's checkpoint in the release's storage: FP8 e_proj with an e8m0 `.scale`, FP4 experts packed in
+    I8 with an e8m0 `.scale` per 32 (codes: zeros, or drawn from `codes`, a generator)."""
     tensors = load_file(str(src / "model.safetensors"))
     w = tensors["mtp.0.e_proj.weight"]
     tensors["mtp.0.e_proj.weight"] = w.float().to(torch.float8_e4m3fn)
     tensors["mtp.0.e_proj.scale"] = torch.ones(1, 1).to(torch.float8_e8m0fnu)
     for name in [n for n in tensors if ".experts." in n]:
         rows, cols = tensors[name].shape
-        tensors[name] = torch.zeros(rows, cols // 2, dtype=torch.int8)
-        tensors[name.removesuffix(".weight") + ".scale"] = torch.ones(rows, cols // 32).to(torch.float8_e8m0fnu)
-    out = tmp_path / "v4_fp"
+        tensors[name] = torch.zeros(rows, cols // 2, dtype=torch.int8) if codes is None else \
+            torch.randint(-128, 128, (rows, cols // 2), dtype=torch.int8, generator=codes)
+        scale = 1.0 if codes is None else 2.0 ** -7
+        tensors[name.removesuffix(".weight") + ".scale"] = torch.full((rows, cols // 32), scale).to(torch.float8_e8m0fnu)
     out.mkdir()
     save_file(tensors, str(out / "model.safetensors"))
     cfg = json.loads((src / "config.json").read_text())
@@ -84,6 +84,13 @@ def test_native_scales_pair_and_fp4_experts_refuse(family_dir, tmp_path):
                                   "scale_fmt": "ue8m0", "weight_block_size": [128, 128]}
     cfg["expert_dtype"] = "fp4"
     (out / "config.json").write_text(json.dumps(cfg))
+    return out, tensors
+
+
+def test_native_scales_pair_and_fp4_experts_refuse(family_dir, tmp_path):
+    """The release's layout: FP8 e_proj with an e8m0 `.scale`, FP4 experts packed in I8 with `.scale` per 32.
+    Scales join their weight's role (not the block), inspect finds no error, and the runtime refuses in one line."""
+    out, tensors = _release_storage(family_dir("deepseek_v4"), tmp_path / "v4_fp")
     ckpt = Checkpoint(out)
     m = match(ckpt)
     mod = m.modules[0]
@@ -355,3 +362,45 @@ def test_distill_unrolls_the_drafter_over_the_teachers_streams(two, v4_eagle, tm
         torch.testing.assert_close(steps[k].draft, want[k].reshape(-1, 64), rtol=1e-4, atol=1e-4)
     with pytest.raises(RecycleError, match="hyper-connection streams"):
         Teacher(two, torch.device("cpu"), precision="fp32", streams=True, cache_dir=tmp_path / "cache")
+
+
+def test_the_release_storage_round_trips_through_convert_and_distills_rewrite(family_dir, tmp_path):
+    """From the FP8 + FP4 release layout: `mtp_overlay/` holds every stored part (each FP4 expert's codes and its
+    e8m0 scale: stitch needs both), and after training distill's rewriter writes it back in that storage, the same
+    tensors and dtypes: each FP4 expert as the codec encodes its trained values, the FP8 `e_proj` with power-of-two
+    e8m0 scales. The stale overlay is far from the trained values; the rewritten one is within the storage's error."""
+    from recycle.converters.api import convert_checkpoint
+    from recycle.converters.registry import REWRITERS
+    from recycle.drafters import load_drafter
+    from recycle.quant import CODECS
+
+    src, _ = _release_storage(family_dir("deepseek_v4"), tmp_path / "v4_fp", codes=torch.Generator().manual_seed(5))
+    eagle = tmp_path / "eagle"
+    convert_checkpoint(src, "eagle", eagle, dtype="fp32")
+    stored = Checkpoint(eagle / "mtp_overlay")
+    expert = "mtp.0.ffn.experts.3.w2.weight"
+    assert stored.packed[expert].parts == {"codes": expert, "scale": "mtp.0.ffn.experts.3.w2.scale"}
+    assert set(stored.stored) == set(Checkpoint(src).stored) - {n for n in Checkpoint(src).stored
+                                                               if not n.startswith("mtp.")}
+    drafter = load_drafter(eagle)
+    with torch.no_grad():  # training, in miniature: every weight moves
+        for p in drafter.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.01)
+    files, dropped, notes = REWRITERS.get("eagle")(eagle, {}, drafter)
+    assert not dropped and not notes
+    new = files["mtp_overlay/mtp.safetensors"]
+    assert {k: tuple(v.shape) for k, v in new.items()} == {k: tuple(i.shape) for k, i in stored.stored.items()}
+    codes = {"I8": torch.int8, "F8_E8M0": torch.float8_e8m0fnu, "F8_E4M3": torch.float8_e4m3fn}  # made final here
+    assert {k: new[k].dtype for k, i in stored.stored.items() if i.dtype in codes} == \
+        {k: codes[i.dtype] for k, i in stored.stored.items() if i.dtype in codes}  # (floats: the writer casts)
+    trained = drafter.checkpoint_tensors()
+    codec = CODECS.get("mxfp4_native")
+    packed = stored.packed[expert]
+    back = codec.dequantize({"codes": new[expert], "scale": new["mtp.0.ffn.experts.3.w2.scale"]}, packed, {},
+                            torch.float32)
+    want = trained[expert].float()
+    err, stale = (back - want).abs().max(), (stored.get(expert, torch.float32) - want).abs().max()
+    assert err <= want.abs().max() / 4 and err < stale  # FP4: within a quarter of the range; the stale one is not
+    assert new["mtp.0.e_proj.scale"].float().log2().frac().abs().max() == 0  # power-of-two scales, as V4 stores
+    e = new["mtp.0.e_proj.weight"].float() * new["mtp.0.e_proj.scale"].float()
+    torch.testing.assert_close(e, trained["mtp.0.e_proj.weight"].float(), rtol=0.07, atol=1e-3)
