@@ -404,3 +404,20 @@ def test_the_release_storage_round_trips_through_convert_and_distills_rewrite(fa
     assert new["mtp.0.e_proj.scale"].float().log2().frac().abs().max() == 0  # power-of-two scales, as V4 stores
     e = new["mtp.0.e_proj.weight"].float() * new["mtp.0.e_proj.scale"].float()
     torch.testing.assert_close(e, trained["mtp.0.e_proj.weight"].float(), rtol=0.07, atol=1e-3)
+
+
+def test_medusa_heads_from_v4_decode_in_chains(two, target, tmp_path):
+    """Medusa heads read the target's final-normed state, which V4 has like any model: `--to medusa` writes them,
+    and on a V4 target (chains only) their default tree becomes a chain, lossless."""
+    from recycle.converters.api import convert_checkpoint
+    from recycle.decoding import MaskCache, generate
+    from recycle.decoding.drafting import Drafter, load_engine
+
+    out = tmp_path / "medusa"
+    convert_checkpoint(two, "medusa", out, dtype="fp32")
+    masks = MaskCache(torch.float32, "cpu")
+    engine = load_engine(str(out), target, masks, target_dir=str(two))
+    assert engine.shape == 3  # the chain a target that verifies chains only gets (HYBRID_CHAIN)
+    target.set_taps(engine.taps)
+    prompt = _prompt(40, seed=4)
+    assert generate(target, engine, prompt, 16).tokens == generate(target, Drafter(), prompt, 16).tokens
