@@ -27,6 +27,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 
 import torch
@@ -74,7 +75,7 @@ def _as_stored(w: RoleWeights, lazy: Lazy) -> Lazy:
     info = w.ckpt.tensors.get(lazy.sources[0])
     if info is None or info.dtype != "F32":
         return lazy
-    return Lazy(lazy.shape, lazy.make, lazy.sources, lazy.kind, lazy.note, dtype=torch.float32, reads=lazy.reads)
+    return dataclasses.replace(lazy, dtype=torch.float32)
 
 
 def drafter_tensors(w: RoleWeights) -> dict[str, Lazy]:
