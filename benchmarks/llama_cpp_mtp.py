@@ -13,6 +13,11 @@
 
     python benchmarks/llama_cpp_mtp.py --distill-tokens 256k --json /tmp/llama_cpp_mtp.json
     python benchmarks/llama_cpp_mtp.py --fixtures Qwen3.5 --no-stale --embedded --json /tmp/llama_cpp_qwen.json
+    python benchmarks/llama_cpp_mtp.py --fixtures DeepSeek-V4 --json /tmp/llama_cpp_v4.json
+
+DeepSeek-V4 (`--fixtures DeepSeek-V4`): its trained fixtures as llama.cpp takes them (`v4_for_llama_cpp`: FP4
+routed experts, indexer heads widened, the same logits), parts 1 and 3, and part 2 on
+`fixtures/deepseek_v4_mtp_posttrained` (its module distilled as `convert --to eagle` → `distill` → `--to gguf`).
 
 Needs the managed llama.cpp (`recycle.engines.llama_cpp`: built on first use, 15-26 min on two cores).
 """
@@ -30,7 +35,7 @@ from recycle.preflight import parse_tokens
 from recycle.prompts import prompt_set
 
 from _common import POSTTRAINED, parser, stamp, write_json
-from tests.engines.llama_interop import FIXTURES, llama_runs, recycle_run, side_file, trunk_gguf
+from tests.engines.llama_interop import FIXTURES, V4, llama_runs, recycle_run, side_file, trunk_gguf, v4_for_llama_cpp
 
 
 def ids_of(fixture: Path, prompts) -> list[list[int]]:
@@ -71,7 +76,9 @@ def main() -> None:
                  "write_s": {}}
     code = prompt_set("stdlib", a.prompts)
     chosen = a.fixtures.split(",") if a.fixtures else list(FIXTURES)
-    for name, fx in ((n, FIXTURES[n]) for n in chosen):
+    v4 = "DeepSeek-V4" in chosen
+    targets = {n: v4_for_llama_cpp(V4[n], work) if n in V4 else FIXTURES[n] for n in chosen}
+    for name, fx in targets.items():
         trunk = trunk_gguf(fx, work)
         t0 = time.perf_counter()
         side = side_file(fx, work, f"{fx.name}-side")
@@ -90,30 +97,35 @@ def main() -> None:
             write_json(a.json, out)
     if a.no_stale:
         return _table(out)
-    budget = parse_tokens(a.distill_tokens)
-    trunk = trunk_gguf(POSTTRAINED, work)
-    stale = side_file(POSTTRAINED, work, "posttrained-stale")
-    eagle = convert_checkpoint(POSTTRAINED, "eagle", work / "pt-eagle", overwrite=True)["out"]
-    t0 = time.perf_counter()
-    rec = distill(DistillOptions(drafter=eagle, target=str(POSTTRAINED), tokens=budget, data="py:transformers",
-                                 out=str(work / "pt-eagle-d"), overwrite=True, checkpoint_every=10**9))
-    distill_s = time.perf_counter() - t0
-    realigned = side_file(Path(rec["out"]), work, "posttrained-realigned", trunk=trunk)
-    domain = prompt_set("py:transformers", a.prompts)
-    out["stale"] = {"distill_tokens": budget, "distill_s": round(distill_s, 1),
-                    "stale": compare(POSTTRAINED, trunk, stale, Path(eagle), domain, a.max_new_tokens, depths),
-                    "realigned": compare(POSTTRAINED, trunk, realigned, Path(rec["out"]), domain, a.max_new_tokens,
-                                         depths)}
+    posttrained = v4_for_llama_cpp(V4["DeepSeek-V4 post-trained"], work) if v4 else POSTTRAINED
+    out["stale"] = stale_case(posttrained, work, parse_tokens(a.distill_tokens), a.prompts, a.max_new_tokens, depths)
     if a.json:
         write_json(a.json, out)
     _table(out)
+
+
+def stale_case(target: Path, work: Path, budget: int, n_prompts: int, new_tokens: int, depths) -> dict:
+    """Part 2 on a post-trained target: its stale module's side file against its module distilled `budget` tokens
+    on the post-training domain and converted against the trunk GGUF, in both engines, on that domain."""
+    trunk = trunk_gguf(target, work)
+    stale = side_file(target, work, f"{target.name}-stale")
+    eagle = convert_checkpoint(target, "eagle", work / f"{target.name}-eagle", overwrite=True)["out"]
+    t0 = time.perf_counter()
+    rec = distill(DistillOptions(drafter=eagle, target=str(target), tokens=budget, data="py:transformers",
+                                 out=str(work / f"{target.name}-eagle-d"), overwrite=True, checkpoint_every=10**9))
+    distill_s = time.perf_counter() - t0
+    realigned = side_file(Path(rec["out"]), work, f"{target.name}-realigned", trunk=trunk)
+    domain = prompt_set("py:transformers", n_prompts)
+    return {"target": target.name, "distill_tokens": budget, "distill_s": round(distill_s, 1),
+            "stale": compare(target, trunk, stale, Path(eagle), domain, new_tokens, depths),
+            "realigned": compare(target, trunk, realigned, Path(rec["out"]), domain, new_tokens, depths)}
 
 
 def _table(out: dict) -> None:
     print("| fixture | side file | n_max | llama.cpp τ | recycle τ | llama.cpp accepted/drafted | recycle accepted/tried "
           "| lossless |")
     rows = [(n, "native", r) for n, r in out["agreement"].items()]
-    rows += [("post-trained", k, out["stale"][k]) for k in ("stale", "realigned") if "stale" in out]
+    rows += [(out["stale"]["target"], k, out["stale"][k]) for k in ("stale", "realigned") if "stale" in out]
     for fixture, what, by_n in rows:
         for n, r in by_n.items():
             ll, rc = r["llama_cpp"], r["recycle"]

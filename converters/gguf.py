@@ -37,11 +37,13 @@ from recycle.converters.roles import EXACT, Plan, RoleWeights, require_sequentia
 from recycle.errors import RecycleError
 from recycle.families import FAMILIES, merged_config
 from recycle.ggufarch import NEXTN, TRUNK, GGUFArch
-from recycle.io.writer import Q8_0, Lazy
+from recycle.io.writer import MXFP4, Q8_0, Lazy
+from recycle.quant.fp4 import ggml_mxfp4_blocks
 
 SIDE_FILE = "mtp.gguf"
 DTYPES = {**SHORT_DTYPES, Q8_0: Q8_0}  # `--dtype` → what the writer stores
-FILE_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 32, Q8_0: 7}  # general.file_type (LLAMA_FTYPE_*)
+FILE_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 32, Q8_0: 7, MXFP4: 38}  # general.file_type
+# (LLAMA_FTYPE_*; 38 is MOSTLY_MXFP4_MOE: the experts MXFP4, as llama.cpp's V4 converter labels its files)
 # Under q8_0 the head and the embeddings stay f16: what the module's acceptance rests on most (MTP heads quantized
 # hard reportedly accept nothing), and a small share of the file beside the experts.
 PRECISE = ("token_embd.weight", "output.weight")  # whole names
@@ -91,11 +93,15 @@ def arch_of(w: RoleWeights) -> GGUFArch:
     return arch
 
 
-def _block(arch: GGUFArch, block: Mapping[str, Lazy], n: int, cfg: Mapping) -> dict[str, Lazy]:
-    """The decoder block under llama.cpp's per-layer names (experts stacked, kv_b split)."""
+def _block(arch: GGUFArch, block: Mapping[str, Lazy], n: int, cfg: Mapping, ckpt=None) -> dict[str, Lazy]:
+    """The decoder block under llama.cpp's per-layer names (experts stacked, kv_b split; FP4 experts of `ckpt`
+    repacked where the record says so)."""
     out: dict[str, Lazy] = {}
     experts: dict[str, dict[int, Lazy]] = {}
     for rel, lazy in block.items():
+        if ckpt is not None and ckpt.tensors[lazy.sources[0]].dtype == "F8_E8M0" \
+                and rel.removesuffix(".scale") + ".weight" in block:
+            continue  # DeepSeek's native e8m0 `.scale` of an FP8 weight: read with that weight, which is dequantized
         if m := re.match(arch.experts, rel):
             experts.setdefault(m.group(2), {})[int(m.group(1))] = lazy
             continue
@@ -113,11 +119,35 @@ def _block(arch: GGUFArch, block: Mapping[str, Lazy], n: int, cfg: Mapping) -> d
         parts = [by_index[i] for i in sorted(by_index)]
         if sorted(by_index) != list(range(len(parts))):
             raise RecycleError(f"MTP block: routed experts {sorted(by_index)[:4]}... are not numbered 0..{len(parts) - 1}")
-        out[f"blk.{n}.ffn_{proj}_exps.weight"] = Lazy(
+        fp4 = arch.fp4_experts and ckpt is not None and all(
+            getattr(ckpt.packed.get(p.sources[0]), "codec", None) == "mxfp4_native" for p in parts)
+        if fp4:
+            parts = [_mxfp4(ckpt, p) for p in parts]
+        out[f"blk.{n}.ffn_{arch.expert_names[proj]}_exps.weight"] = Lazy(
             (len(parts), *parts[0].shape), lambda ps=parts: torch.stack([p.make() for p in ps]),
-            tuple(s for p in parts for s in p.sources), EXACT, f"{len(parts)} experts stacked (expert-major)",
-            parts=tuple(parts))
+            tuple(s for p in parts for s in p.sources), EXACT,
+            f"{len(parts)} experts stacked (expert-major){', FP4 repacked as MXFP4 blocks' if fp4 else ''}",
+            dtype=MXFP4 if fp4 else None, parts=tuple(parts))
     return out
+
+
+
+def _mxfp4(ckpt, lazy: Lazy) -> Lazy:
+    """An FP4-stored expert (`mxfp4_native`) as GGML MXFP4 block bytes, from its stored codes and scales."""
+    parts = ckpt.packed[lazy.sources[0]].parts
+    return Lazy(lazy.shape, lambda: ggml_mxfp4_blocks(ckpt.raw(parts["codes"]), ckpt.raw(parts["scale"])),
+                lazy.sources, EXACT, "FP4 repacked as MXFP4 blocks", dtype=MXFP4,
+                reads=tuple(ckpt.span(p) for p in parts.values()))
+
+
+def _concat(parts: list[Lazy], roles: tuple[str, ...]) -> Lazy:
+    """Several [out, in_i] leaves as one [out, Σ in_i] (DeepSeek-V4's e_proj and h_proj as llama.cpp's eh_proj)."""
+    if len({p.shape[0] for p in parts}) != 1 or any(len(p.shape) != 2 for p in parts):
+        raise RecycleError(f"{' + '.join(roles)}: shapes {[list(p.shape) for p in parts]} do not concatenate along "
+                           "their inputs")
+    return Lazy((parts[0].shape[0], sum(p.shape[1] for p in parts)), lambda: torch.cat([p.make() for p in parts], 1),
+                tuple(s for p in parts for s in p.sources), EXACT, f"{' and '.join(roles)} side by side",
+                reads=tuple(r for p in parts for r in p.reads))
 
 
 def _split_kv_b(lazy: Lazy, n: int, cfg: Mapping) -> dict[str, Lazy]:
@@ -140,8 +170,8 @@ def _split_kv_b(lazy: Lazy, n: int, cfg: Mapping) -> dict[str, Lazy]:
 
 def _trunk(w: RoleWeights, role: str) -> str | None:
     """The source trunk's tensor name for `embed` / `final_norm` (None when the source stores no trunk)."""
-    names = {"embed": w.family.layout.trunk.get("embed", ()), "final_norm": ("model.norm.weight",
-                                                                        "model.language_model.norm.weight")}[role]
+    names = {"embed": w.family.layout.trunk.get("embed", ()),
+             "final_norm": ("model.norm.weight", "model.language_model.norm.weight", "norm.weight")}[role]
     return next((n for n in names if n in w.ckpt.tensors), None)
 
 
@@ -186,7 +216,11 @@ def convert(w: RoleWeights, req) -> Plan:
                 continue
         name = arch.head.format(n=n) if role == "head" else f"blk.{n}.nextn.{suffix}.weight"
         tensors[name] = lazy
-    block = _block(arch, mod.block, n, cfg)
+    for role, name in arch.leaves.items():
+        tensors[name.format(n=n)] = mod.leaves[role]
+    for name, roles in arch.fused.items():
+        tensors[name.format(n=n)] = _concat([mod.leaves[r] for r in roles], roles)
+    block = _block(arch, mod.block, n, cfg, w.ckpt)
     tensors.update(block)
     if arch.norm_offset:  # zero-centred norms stored as llama.cpp multiplies by them: w + offset (the module's
         off = arch.norm_offset  # role leaves are plain `w` already: recycle's roles hold every norm that way)
@@ -196,7 +230,11 @@ def convert(w: RoleWeights, req) -> Plan:
                                             note=f"{lazy.note + '; ' if lazy.note else ''}stored +{off:g} "
                                                  "(zero-centred norm, as llama.cpp's converter stores it)")
     dtype = DTYPES[opts.dtype]
-    _metadata(header, arch, w, cfg, n, dtype, opts.source, trunk_gguf is not None)
+    file_type = dtype
+    if any(t.dtype == MXFP4 for t in block.values()):
+        notes.append("routed experts stored FP4: repacked bit for bit as MXFP4 blocks (whatever --dtype says)")
+        file_type = MXFP4
+    _metadata(header, arch, w, cfg, n, file_type, opts.source, trunk_gguf is not None)
     return Plan({SIDE_FILE: tensors}, {}, tokenizer_dirs=(), notes=notes, gguf={SIDE_FILE: header})
 
 
@@ -216,11 +254,31 @@ def _metadata(h: Header, arch: GGUFArch, w: RoleWeights, cfg: Mapping, n: int, d
             h.add(f"{a}.{key}", value, vtype, sub or None)
         for key, value, vtype, sub in tokenizer_kv(w.ckpt.path, int(cfg["vocab_size"]), arch):
             h.add(key, value, vtype, sub)
+    else:  # the trunk file's per-layer arrays cover its n blocks; the side file has n + 1
+        _extend_arrays(h, arch, cfg, n)
     h.add(f"{a}.block_count", n + 1, "UINT32")
     h.add(f"{a}.nextn_predict_layers", 1, "UINT32")
     h.add("general.file_type", FILE_TYPES[dtype], "UINT32")
     h.add("general.quantization_version", 2, "UINT32")
     h.add("recycle.source", Path(source).resolve().name, "STRING")
+
+
+def _extend_arrays(h: Header, arch: GGUFArch, cfg: Mapping, n: int) -> None:
+    """Per-layer arrays copied from a trunk GGUF of n blocks (DeepSeek-V4's swiglu clamps; llama.cpp's loader reads
+    one entry per block of the side file, n + 1): the record's value from the source's config where it has n + 1
+    entries, else the trunk's last entry repeated for the MTP block."""
+    have = {row[0]: row for row in h.kv}
+    for key, vtype, get in arch.hparams:
+        row = have.get(f"{arch.arch}.{key}")
+        if row is None or not vtype.startswith("ARRAY") or not isinstance(row[1], list) or len(row[1]) != n:
+            continue
+        try:
+            value = get(cfg)
+        except (KeyError, TypeError):
+            value = None
+        if not isinstance(value, list) or len(value) != n + 1 or value[:n] != list(row[1]):
+            value = [*row[1], row[1][-1]]
+        h.add(row[0], value, row[2], row[3])
 
 
 def tokenizer_kv(path: Path, vocab_size: int, arch: GGUFArch) -> list[tuple[str, object, str, str | None]]:

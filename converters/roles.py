@@ -338,9 +338,10 @@ def runtime_roles(fam: Family) -> tuple[str, ...]:
 def require_sequential(w: RoleWeights, to: str) -> None:
     """Formats built on the MTP block itself (EAGLE, EAGLE-3) need sequential modules with an embedding input; a
     family whose modules run on a runtime of their own (DeepSeek-V4's streams) only as themselves (`--to eagle`)."""
-    if w.family.run.runtime is not None and to != "eagle":
+    if w.family.run.runtime is not None and to != "eagle" and not (to == "gguf" and w.family.exports.gguf):
         raise RecycleError(f"{w.ckpt.path}: the {w.family.name} modules run on their own runtime (recycle.mtp."
-                           f"{w.family.run.runtime}); of recycle's formats only --to eagle carries them")
+                           f"{w.family.run.runtime}); of recycle's formats only --to eagle carries them"
+                           f"{' (and --to gguf, to llama.cpp)' if w.family.exports.gguf else ''}")
     if w.family.exports.mtp_block:
         return
     if w.family.exports.reads_target:

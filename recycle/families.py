@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 from recycle.checkpoint import Checkpoint
 from recycle.errors import RecycleError
-from recycle.ggufarch import DEEPSEEK2, GLM4MOE, QWEN3NEXT, QWEN35, QWEN35MOE, GGUFArch
+from recycle.ggufarch import DEEPSEEK2, DEEPSEEK4, GLM4MOE, QWEN3NEXT, QWEN35, QWEN35MOE, GGUFArch
 from recycle.quant import NATIVE_SCALE_SUFFIX, SCALE_SUFFIX, scale_names
 
 ROLES = ("embed_norm", "hidden_norm", "proj", "block", "final_norm", "head", "embed",
@@ -499,6 +499,7 @@ FAMILIES: tuple[Family, ...] = (
             # (recycle.mtp.deepseek_v4)
             mtp_layer_types={"layer_types": "sliding_attention", "mlp_layer_types": "moe"},
         ),
+        exports=Exports(gguf=DEEPSEEK4),
         notes="x = e_proj(enorm(e)) + h_proj(hnorm(h)) per stream, h = the trunk's hc_mult hyper-connection streams "
               "before its hc_head; a V4 block (mHC, compressed sparse attention, sinks, MoE), then the module's own "
               "hc_head and norm; embed and head are the trunk's. FP8 (e8m0 `.scale`) attention, FP4 routed experts",

@@ -27,12 +27,12 @@ the bundled fixtures (tests/engines/test_llama_cpp.py).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 # GGUF value types (gguf.GGUFValueType), by name: this module imports nothing heavy
 U32, F32, BOOL, STR = "UINT32", "FLOAT32", "BOOL", "STRING"
-I32_ARRAY, BOOL_ARRAY = "ARRAY:INT32", "ARRAY:BOOL"  # array values: "ARRAY:<element type>"
-SIGMOID, SOFTMAX = 2, 1  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_*
+I32_ARRAY, F32_ARRAY, BOOL_ARRAY = "ARRAY:INT32", "ARRAY:FLOAT32", "ARRAY:BOOL"  # "ARRAY:<element type>"
+SIGMOID, SOFTMAX, SQRT_SOFTPLUS = 2, 1, 4  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_* (src/llama-hparams.h)
 YARN = "yarn"
 
 Getter = Callable[[Mapping], object]
@@ -72,6 +72,15 @@ class GGUFArch:
     norms: tuple[str, ...] = ("norm.weight",)
     # where the module's LM head goes: its own nextn tensor, or the file's `output` (llama.cpp's Qwen3.5 export)
     head: str = "blk.{n}.nextn.shared_head_head.weight"
+    # routed experts' projection names (the `experts` regex's second group) → llama.cpp's ffn_{gate,up,down}_exps
+    expert_names: Mapping[str, str] = field(default_factory=lambda: {p: p for p in ("gate", "up", "down")})
+    # module roles beyond NEXTN's (a family runtime's own, DeepSeek-V4's hc_head) → their GGUF name
+    leaves: Mapping[str, str] = field(default_factory=dict)
+    # one GGUF tensor made of several roles, concatenated along the input (last) dim in this order
+    fused: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    # routed experts stored FP4 with e8m0 scales (DeepSeek-V4's `mxfp4_native`) are written as GGML MXFP4 blocks,
+    # repacked bit for bit whatever --dtype says (as llama.cpp's converter does; f32 would be 8x the bytes)
+    fp4_experts: bool = False
 
 
 # The trunk tensors the side file carries (llama.cpp creates them as required tensors), by GGUF name.
@@ -284,4 +293,89 @@ QWEN35MOE = GGUFArch(
     f32=(".bias", "norm.weight"),
     norm_offset=1.0,
     head="output.weight",
+)
+
+
+def _v4_layers(c: Mapping) -> int:
+    """The side file's block count: the trunk's layers and the one MTP block (llama.cpp's per-layer arrays)."""
+    return c["num_hidden_layers"] + 1
+
+
+# DeepSeek-V4 (`conversion/deepseek.py` DeepseekV4Model with `--mtp`; graph `src/models/deepseek4.cpp` graph_mtp):
+# DeepSeek's own names. The module's e_proj and h_proj become one `nextn.eh_proj` [H, 2H] (e's columns first: the
+# graph concatenates enorm(e) before hnorm(h) for each hyper-connection stream); its hc_head is the side file's
+# root `output_hc_*` (a -md file is a model of its own, whose MTP graph reads the model's hc_head); its norm is
+# `nextn.shared_head_norm`; the head is the trunk's, as `output`. Routed experts stored FP4 (the releases) are
+# repacked into GGML's MXFP4 blocks, bit for bit, as the converter does (`repack_mxfp4_blocks`, conversion/base.py).
+DEEPSEEK4 = GGUFArch(
+    arch="deepseek4",
+    block=(
+        (r"^attn\.attn_sink$", "blk.{n}.attn_sinks.weight"),
+        (r"^attn\.wq_a\.weight$", "blk.{n}.attn_q_a.weight"),
+        (r"^attn\.wq_b\.weight$", "blk.{n}.attn_q_b.weight"),
+        (r"^attn\.q_norm\.weight$", "blk.{n}.attn_q_a_norm.weight"),
+        (r"^attn\.wkv\.weight$", "blk.{n}.attn_kv.weight"),
+        (r"^attn\.kv_norm\.weight$", "blk.{n}.attn_kv_a_norm.weight"),
+        (r"^attn\.wo_(a|b)\.weight$", "blk.{n}.attn_output_{0}.weight"),
+        (r"^attn\.compressor\.(ape|norm)(\.weight)?$", "blk.{n}.attn_compressor_{0}.weight"),
+        (r"^attn\.compressor\.wkv\.weight$", "blk.{n}.attn_compressor_kv.weight"),
+        (r"^attn\.compressor\.wgate\.weight$", "blk.{n}.attn_compressor_gate.weight"),
+        (r"^attn\.indexer\.compressor\.(ape|norm)(\.weight)?$", "blk.{n}.indexer_compressor_{0}.weight"),
+        (r"^attn\.indexer\.compressor\.wkv\.weight$", "blk.{n}.indexer_compressor_kv.weight"),
+        (r"^attn\.indexer\.compressor\.wgate\.weight$", "blk.{n}.indexer_compressor_gate.weight"),
+        (r"^attn\.indexer\.wq_b\.weight$", "blk.{n}.indexer.attn_q_b.weight"),
+        (r"^attn\.indexer\.weights_proj\.weight$", "blk.{n}.indexer.proj.weight"),
+        (r"^(attn|ffn)_norm\.weight$", "blk.{n}.{0}_norm.weight"),
+        (r"^hc_(attn|ffn)_(fn|base|scale)$", "blk.{n}.hc_{0}_{1}.weight"),
+        (r"^ffn\.gate\.weight$", "blk.{n}.ffn_gate_inp.weight"),
+        (r"^ffn\.gate\.bias$", "blk.{n}.exp_probs_b.bias"),
+        (r"^ffn\.shared_experts\.w1\.weight$", "blk.{n}.ffn_gate_shexp.weight"),
+        (r"^ffn\.shared_experts\.w2\.weight$", "blk.{n}.ffn_down_shexp.weight"),
+        (r"^ffn\.shared_experts\.w3\.weight$", "blk.{n}.ffn_up_shexp.weight"),
+    ),
+    hparams=(
+        ("context_length", U32, lambda c: c.get("max_position_embeddings")),
+        ("embedding_length", U32, lambda c: c.get("hidden_size")),
+        ("attention.head_count", U32, lambda c: c.get("num_attention_heads")),
+        ("attention.head_count_kv", U32, lambda c: c.get("num_key_value_heads")),
+        *ROPE_AND_EXPERTS[:7],
+        ("expert_count", U32, lambda c: c.get("n_routed_experts")),
+        ("expert_used_count", U32, lambda c: c.get("num_experts_per_tok")),
+        ("expert_gating_func", U32, lambda c: {"sqrtsoftplus": SQRT_SOFTPLUS}.get(c.get("scoring_func"), _gating(c))),
+        ("attention.key_length", U32, lambda c: c.get("head_dim")),
+        ("attention.value_length", U32, lambda c: c.get("head_dim")),
+        ("rope.dimension_count", U32, lambda c: c["qk_rope_head_dim"]),
+        ("attention.q_lora_rank", U32, lambda c: c["q_lora_rank"]),
+        ("attention.sliding_window", U32, lambda c: c["sliding_window"]),
+        ("expert_feed_forward_length", U32, lambda c: c["moe_intermediate_size"]),
+        ("expert_shared_count", U32, lambda c: c["n_shared_experts"]),
+        ("expert_weights_scale", F32, lambda c: c["routed_scaling_factor"]),
+        ("expert_weights_norm", BOOL, lambda c: bool(c["norm_topk_prob"])),
+        ("swiglu_clamp_exp", F32_ARRAY, lambda c: [float(c["swiglu_limit"])] * _v4_layers(c)),
+        ("swiglu_clamp_shexp", F32_ARRAY, lambda c: [float(c["swiglu_limit"])] * _v4_layers(c)),
+        ("attention.indexer.head_count", U32, lambda c: c["index_n_heads"]),
+        ("attention.indexer.key_length", U32, lambda c: c["index_head_dim"]),
+        ("attention.indexer.top_k", U32, lambda c: c["index_topk"]),
+        ("attention.output_group_count", U32, lambda c: c["o_groups"]),
+        ("attention.output_lora_rank", U32, lambda c: c["o_lora_rank"]),
+        ("attention.compress_ratios", I32_ARRAY, lambda c: [int(r) for r in c["compress_ratios"]]),
+        ("attention.compress_rope_freq_base", F32, lambda c: c["compress_rope_theta"]),
+        ("hyper_connection.count", U32, lambda c: c["hc_mult"]),
+        ("hyper_connection.sinkhorn_iterations", U32, lambda c: c["hc_sinkhorn_iters"]),
+        ("hyper_connection.epsilon", F32, lambda c: c["hc_eps"]),
+        ("hash_layer_count", U32, lambda c: c["num_hash_layers"]),
+        ("embedding_length_out", U32, lambda c: c["hidden_size"] * c["hc_mult"]),
+    ),
+    tokenizer_pre="deepseek-v3",
+    source="src/models/deepseek4.cpp",
+    experts=r"^ffn\.experts\.(\d+)\.(w1|w2|w3)\.weight$",
+    expert_names={"w1": "gate", "w2": "down", "w3": "up"},
+    # float32 where the release stores float32 (the hyper-connection mixers, sinks, the compressors' position
+    # embeddings, the router bias), as the converter keeps them
+    f32=(".bias", "norm.weight", "attn_sinks.weight", "_fn.weight", "_base.weight", "_scale.weight", "_ape.weight"),
+    head="output.weight",
+    leaves={"hc_head_fn": "output_hc_fn.weight", "hc_head_base": "output_hc_base.weight",
+            "hc_head_scale": "output_hc_scale.weight"},
+    fused={"blk.{n}.nextn.eh_proj.weight": ("e_proj", "h_proj")},
+    fp4_experts=True,
 )

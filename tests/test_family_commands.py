@@ -1,11 +1,13 @@
 """Every command on every 2026 row (issue 47), on each generator's exact layout: inspect names the row with no
 error, `convert --to eagle` writes a drafter that computes what the source's MTP modules compute (every depth), the
 other formats write or refuse in one line, and `--to gguf` refuses where recycle writes no llama.cpp MTP graph.
-DeepSeek-V4's modules, which chain hyper-connection streams, go only --to eagle (as `HyperEagleDrafter`)."""
+DeepSeek-V4's modules, which chain hyper-connection streams, go only --to eagle (as `HyperEagleDrafter`) and
+--to gguf (llama.cpp's deepseek4 graph)."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -65,15 +67,25 @@ def test_eagle_drafter_computes_the_source_modules(family_dir, tmp_path, variant
         torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-4)
 
 
-def test_deepseek_v4_goes_to_eagle_only(family_dir, tmp_path):
+def test_deepseek_v4_goes_to_eagle_and_gguf_only(family_dir, tmp_path):
     """EAGLE-3 folds a block that reads one state; V4's modules read four streams: refused in one line, nothing
-    written."""
+    written. llama.cpp's deepseek4 graph runs them (`--to gguf`: the generator ships no vocabulary, the trained
+    fixture does; its experts are stored bf16, so they are written at --dtype (the source's), not as MXFP4)."""
     out = tmp_path / "e3"
     assert_bad_input(run_cli("convert", str(family_dir("deepseek_v4")), "--to", "eagle3", "-o", str(out)),
-                     "only --to eagle carries them")
+                     "only --to eagle carries them (and --to gguf, to llama.cpp)")
     assert not out.exists()
+    res = run_cli("convert", str(family_dir("deepseek_v4")), "--to", "gguf", "-o", str(tmp_path / "g"))
+    assert_bad_input(res, "no tokenizer.json for the side file's vocabulary")
+    trained = Path(__file__).resolve().parents[1] / "fixtures" / "deepseek_v4_mtp"
+    res = run_cli("convert", str(trained), "--to", "gguf", "-o", str(tmp_path / "g"), "--json")
+    assert res.exit_code == 0, res.output
+    from gguf import GGUFReader
+
+    types = {t.name: t.tensor_type.name for t in GGUFReader(str(tmp_path / "g" / "mtp.gguf")).tensors}
+    assert types["blk.4.ffn_up_exps.weight"] == types["blk.4.nextn.eh_proj.weight"] == "BF16"  # the source's
 
 
-@pytest.mark.parametrize("variant", sorted(ROWS))
+@pytest.mark.parametrize("variant", sorted(set(ROWS) - {"deepseek_v4"}))
 def test_gguf_refuses_in_one_line(family_dir, tmp_path, variant):
     assert_bad_input(run_cli("convert", str(family_dir(variant)), "--to", "gguf", "-o", str(tmp_path / "g")), "")

@@ -421,3 +421,29 @@ def test_medusa_heads_from_v4_decode_in_chains(two, target, tmp_path):
     target.set_taps(engine.taps)
     prompt = _prompt(40, seed=4)
     assert generate(target, engine, prompt, 16).tokens == generate(target, Drafter(), prompt, 16).tokens
+
+
+def test_the_release_storage_loads_as_a_target_with_its_stored_values(tmp_path):
+    """A V4 target as released (FP4 routed experts, an I64 hash-routing table, DeepSeek's names without transformers'
+    `model.` prefix, a declared quantization) loads through recycle's dequantizing reader, and computes exactly what
+    the same values stored as float32 compute through transformers' own from_pretrained."""
+    from pathlib import Path
+
+    from recycle.decoding.target import load_target
+
+    from fixtures.derive import fp4_experts
+
+    root = Path(__file__).resolve().parents[1]
+    fp4 = Path(fp4_experts(root / "fixtures" / "deepseek_v4_mtp", tmp_path / "fp4")["out"])
+    ckpt = Checkpoint(fp4)
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    state = {n: ckpt.raw(n) if i.dtype == "I64" else ckpt.get(n, torch.float32) for n, i in ckpt.tensors.items()}
+    save_file(state, str(plain / "model.safetensors"), metadata={"format": "pt"})
+    cfg = {k: v for k, v in ckpt.config.items() if k not in ("quantization_config", "expert_dtype")}
+    (plain / "config.json").write_text(json.dumps(cfg))
+    assert ckpt.tensors["layers.0.ffn.gate.tid2eid"].dtype == "I64" and "quantization_config" in ckpt.config
+    ids = torch.randint(5, 4000, (1, 96), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        got, want = (load_target(p)(ids).logits for p in (fp4, plain))
+    torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -267,3 +267,74 @@ def test_q8_0_side_file_quantizes_the_block_and_keeps_head_and_norms_precise(tmp
     assert (tmp_path / "q8_0" / "mtp.gguf").stat().st_size < 0.6 * (tmp_path / "fp32" / "mtp.gguf").stat().st_size
     res = run_cli("convert", str(qwen), "--to", "eagle", "--dtype", "q8_0", "-o", str(tmp_path / "e"))
     assert_bad_input(res, "unknown dtype 'q8_0' (choose from bf16, fp16, fp32)")
+
+
+V4_NAMES = {  # llama.cpp's own `--mtp` export of the FP4 V4 fixture (conversion/deepseek.py DeepseekV4Model)
+    "token_embd.weight", "output.weight", "output_norm.weight", "output_hc_fn.weight", "output_hc_base.weight",
+    "output_hc_scale.weight", "blk.4.nextn.eh_proj.weight", "blk.4.nextn.enorm.weight", "blk.4.nextn.hnorm.weight",
+    "blk.4.nextn.shared_head_norm.weight", "blk.4.attn_sinks.weight", "blk.4.attn_q_a.weight",
+    "blk.4.attn_q_a_norm.weight", "blk.4.attn_q_b.weight", "blk.4.attn_kv.weight", "blk.4.attn_kv_a_norm.weight",
+    "blk.4.attn_output_a.weight", "blk.4.attn_output_b.weight", "blk.4.attn_norm.weight", "blk.4.ffn_norm.weight",
+    "blk.4.hc_attn_fn.weight", "blk.4.hc_attn_base.weight", "blk.4.hc_attn_scale.weight", "blk.4.hc_ffn_fn.weight",
+    "blk.4.hc_ffn_base.weight", "blk.4.hc_ffn_scale.weight", "blk.4.ffn_gate_inp.weight", "blk.4.exp_probs_b.bias",
+    "blk.4.ffn_gate_shexp.weight", "blk.4.ffn_down_shexp.weight", "blk.4.ffn_up_shexp.weight",
+    "blk.4.ffn_gate_exps.weight", "blk.4.ffn_down_exps.weight", "blk.4.ffn_up_exps.weight"}
+
+
+def test_deepseek_v4_side_file_fuses_e_h_and_repacks_fp4_experts_bit_for_bit(tmp_path):
+    """V4's module as llama.cpp's deepseek4 graph reads it: e_proj and h_proj side by side as eh_proj, the module's
+    hc_head at the root, the trunk's head as `output`, its V4 header; FP4 experts as MXFP4 blocks whose values are
+    the stored ones (GGML's own dequantizer agrees with recycle's codec), whatever --dtype; float32 kept where the
+    release stores float32 under --dtype bf16."""
+    from gguf.quants import dequantize
+
+    from fixtures.derive import fp4_experts
+
+    src = Path(fp4_experts(ROOT / "fixtures" / "deepseek_v4_mtp", tmp_path / "fp4")["out"])
+    ckpt = Checkpoint(src)
+    for dt in ("fp32", "bf16"):
+        res = run_cli("convert", str(src), "--to", "gguf", "--dtype", dt, "-o", str(tmp_path / dt))
+        assert res.exit_code == 0, res.output
+    kv, ts = read(tmp_path / "fp32" / "mtp.gguf")
+    assert set(ts) == V4_NAMES
+    assert kv["general.architecture"] == "deepseek4" and kv["general.file_type"] == 38  # MOSTLY_MXFP4_MOE
+    assert (kv["deepseek4.block_count"], kv["deepseek4.nextn_predict_layers"]) == (5, 1)
+    assert kv["deepseek4.attention.compress_ratios"] == [4, 128, 4, 128, 0]
+    assert kv["deepseek4.swiglu_clamp_exp"] == [10.0] * 5 and kv["deepseek4.expert_gating_func"] == 4
+    assert kv["deepseek4.embedding_length_out"] == 512 and kv["deepseek4.hyper_connection.count"] == 4
+    eh = values(ts["blk.4.nextn.eh_proj.weight"])
+    assert torch.equal(eh, torch.cat([ckpt.get("mtp.0.e_proj.weight"), ckpt.get("mtp.0.h_proj.weight")], 1).float())
+    assert torch.equal(values(ts["output_hc_fn.weight"]), ckpt.get("mtp.0.hc_head_fn").float())
+    assert torch.equal(values(ts["output.weight"]), ckpt.get("head.weight").float())
+    for proj, w in (("gate", "w1"), ("down", "w2"), ("up", "w3")):
+        t = ts[f"blk.4.ffn_{proj}_exps.weight"]
+        assert t.tensor_type == GGMLQuantizationType.MXFP4
+        got = torch.from_numpy(dequantize(np.asarray(t.data), GGMLQuantizationType.MXFP4).copy())
+        want = torch.stack([ckpt.get(f"mtp.0.ffn.experts.{e}.{w}.weight", torch.float32) for e in range(8)])
+        assert torch.equal(got.reshape(want.shape), want), proj
+    _, bf = read(tmp_path / "bf16" / "mtp.gguf")
+    types = {n: t.tensor_type.name for n, t in bf.items()}
+    assert types["blk.4.attn_q_a.weight"] == types["blk.4.nextn.eh_proj.weight"] == "BF16"
+    assert types["blk.4.hc_attn_fn.weight"] == types["output_hc_fn.weight"] == types["blk.4.attn_sinks.weight"] == "F32"
+    assert types["blk.4.ffn_up_exps.weight"] == "MXFP4"
+
+
+def test_deepseek_v4_fp8_block_weights_go_in_dequantized_without_their_scales(tmp_path):
+    """The release stores the attention in FP8 with DeepSeek's native e8m0 `.scale` beside each weight: the side
+    file holds the dequantized weight under llama.cpp's name and no tensor for the scale."""
+    from safetensors.torch import load_file, save_file
+
+    from fixtures.derive import fp4_experts
+
+    src = Path(fp4_experts(ROOT / "fixtures" / "deepseek_v4_mtp", tmp_path / "fp4")["out"])
+    state = load_file(str(src / "model.safetensors"))
+    w = state["mtp.0.attn.wkv.weight"]
+    state["mtp.0.attn.wkv.weight"] = (w / 2).to(torch.float8_e4m3fn)
+    state["mtp.0.attn.wkv.scale"] = torch.full((1, 1), 2.0).to(torch.float8_e8m0fnu)  # one 128×128 block
+    save_file(state, str(src / "model.safetensors"), metadata={"format": "pt"})
+    res = run_cli("convert", str(src), "--to", "gguf", "--dtype", "fp32", "-o", str(tmp_path / "side"))
+    assert res.exit_code == 0, res.output
+    _, ts = read(tmp_path / "side" / "mtp.gguf")
+    assert set(ts) == V4_NAMES
+    want = state["mtp.0.attn.wkv.weight"].float() * 2
+    assert torch.equal(values(ts["blk.4.attn_kv.weight"]), want)

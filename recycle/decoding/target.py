@@ -101,7 +101,9 @@ def _load_dequantized(path: Path, dtype: torch.dtype, attn: str) -> nn.Module:
 
     ckpt = Checkpoint(path)
     scales = {s.name for n, i in ckpt.tensors.items() if i.is_fp8 and (s := ckpt.scale_for(n)) is not None}
-    odd = next((n for n, i in ckpt.tensors.items() if not i.quantized and i.dtype not in ("F32", "F16", "BF16")
+    # I64: index tables the model holds as integers (DeepSeek-V4's hash routing `tid2eid`), read as stored; no
+    # quantization stores codes in 64-bit integers
+    odd = next((n for n, i in ckpt.tensors.items() if not i.quantized and i.dtype not in ("F32", "F16", "BF16", "I64")
                 and not i.is_scale and n not in scales), None)  # an FP8 weight's native `.scale` (e8m0) is read
     if odd is not None:
         raise RecycleError(f"{path}: {odd} is stored as {ckpt.tensors[odd].dtype}, which no codec recycle knows reads "
@@ -111,8 +113,10 @@ def _load_dequantized(path: Path, dtype: torch.dtype, attn: str) -> nn.Module:
     config._attn_implementation = attn
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn)
     want = set(model.state_dict())
-    state = to_runtime_layout({n: ckpt.get(n, torch.float32) for n, i in ckpt.tensors.items()
-                               if not i.is_scale and n not in scales}, config)
+    state = to_runtime_layout({n: ckpt.raw(n) if i.dtype == "I64" else ckpt.get(n, torch.float32)
+                               for n, i in ckpt.tensors.items() if not i.is_scale and n not in scales}, config)
+    prefix = f"{model.base_model_prefix}."  # names stored without it (DeepSeek-V4's `embed`, `layers.{i}`), as
+    state = {k if k in want or prefix + k not in want else prefix + k: v for k, v in state.items()}  # from_pretrained
     missing, _ = model.load_state_dict({k: v for k, v in state.items() if k in want}, strict=False)
     missing = [k for k in missing if k not in (getattr(model, "_tied_weights_keys", None) or ())]
     if missing:

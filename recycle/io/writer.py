@@ -57,6 +57,9 @@ Progress = Callable[[int, int], None]
 COPY_STEP = 1 << 26  # bytes per copy_file_range / fallback read
 NO_KERNEL_COPY = frozenset({errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EPERM})
 Q8_0 = "q8_0"  # GGML's 8-bit blocks (32 weights + one f16 scale), as llama.cpp's Q8_0 stores them
+# GGML's MXFP4 blocks (one e8m0 byte + 16 bytes of e2m1 pairs per 32 weights): a Lazy whose `dtype` says so makes
+# these bytes itself (uint8 [..., in/32·17]; recycle.quant.fp4.ggml_mxfp4_blocks), whatever the file's type
+MXFP4 = "mxfp4"
 
 
 @dataclass(eq=False)
@@ -75,7 +78,7 @@ class Lazy:
     sources: tuple[str, ...]
     kind: str  # its provenance in recycle.json: "exact", "approx" or "fresh" (`recycle.converters.roles`)
     note: str = ""
-    dtype: torch.dtype | None = None
+    dtype: torch.dtype | str | None = None  # str: MXFP4, block bytes for a GGUF
     raw: bool = False  # written byte for byte in its stored dtype (the overlay)
     reads: tuple[Span, ...] = ()
     parts: tuple[Lazy, ...] = ()  # a stack of these along a new first dim: writers may stream them one by one
@@ -415,13 +418,14 @@ class OutputDir:
 
         ggml = {torch.float32: (GGMLQuantizationType.F32, np.float32), torch.float16: (GGMLQuantizationType.F16,
                 np.float16), torch.bfloat16: (GGMLQuantizationType.BF16, np.uint16),
-                Q8_0: (GGMLQuantizationType.Q8_0, np.uint8)}
+                Q8_0: (GGMLQuantizationType.Q8_0, np.uint8), MXFP4: (GGMLQuantizationType.MXFP4, np.uint8)}
+        block_bytes = {Q8_0: 34, MXFP4: 17}  # per 32 weights
+
+        def byte_shape(shape: tuple[int, ...], dt) -> tuple[int, ...]:  # the shape the gguf writer takes
+            return (*shape[:-1], shape[-1] // 32 * block_bytes[dt]) if dt in block_bytes else shape
 
         def size_of(shape: tuple[int, ...], dt) -> int:
-            return math.prod(shape[:-1]) * shape[-1] // 32 * 34 if dt == Q8_0 else nbytes(shape, dt)
-
-        def q8_shape(shape: tuple[int, ...]) -> tuple[int, ...]:  # the byte shape the gguf writer takes for Q8_0
-            return (*shape[:-1], shape[-1] // 32 * 34)
+            return math.prod(byte_shape(shape, dt)) if dt in block_bytes else nbytes(shape, dt)
         path = self.path(rel)
         w = GGUFWriter(path, header.arch)  # writes general.architecture itself
         for key, value, vtype, sub in header.kv:
@@ -432,10 +436,9 @@ class OutputDir:
             w.add_tensor_info(name, t.data.shape, t.data.dtype, int(t.n_bytes), raw_dtype=t.tensor_type)
             plan.append((name, t, None))
         for name, lazy in tensors.items():
-            dt = header.storage(name, lazy.shape, dtype)
+            dt = MXFP4 if lazy.dtype == MXFP4 else header.storage(name, lazy.shape, dtype)
             qtype, npt = ggml[dt]
-            shape = q8_shape(lazy.shape) if dt == Q8_0 else lazy.shape
-            w.add_tensor_info(name, shape, np.dtype(npt), size_of(lazy.shape, dt), raw_dtype=qtype)
+            w.add_tensor_info(name, byte_shape(lazy.shape, dt), np.dtype(npt), size_of(lazy.shape, dt), raw_dtype=qtype)
             plan.append((name, lazy, dt))
         w.write_header_to_file(path)
         w.write_kv_data_to_file()
@@ -454,9 +457,12 @@ class OutputDir:
                         if id(part) in ahead:
                             read_ahead(ahead[id(part)].reads)
                         t = part.make()
-                        if tuple(t.shape) != part.shape:
-                            raise RecycleError(f"{name}: made shape {list(t.shape)}, planned {list(part.shape)}")
-                        if dt == Q8_0:
+                        made = byte_shape(part.shape, dt) if dt == MXFP4 else part.shape  # MXFP4: its bytes
+                        if tuple(t.shape) != made:
+                            raise RecycleError(f"{name}: made shape {list(t.shape)}, planned {list(made)}")
+                        if dt == MXFP4:
+                            write_all(f, t.contiguous().reshape(-1).numpy())
+                        elif dt == Q8_0:
                             write_all(f, quantize(t.float().numpy(), GGMLQuantizationType.Q8_0).reshape(-1))
                         else:
                             write_all(f, t.to(dt).contiguous().reshape(-1).view(torch.uint8).numpy())

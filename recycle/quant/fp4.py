@@ -264,6 +264,23 @@ class MXFP4Native(Codec):
         return {name: codes.view(torch.int8), name[: -len("weight")] + "scale": exps.view(torch.float8_e8m0fnu)}
 
 
+def ggml_mxfp4_blocks(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """`mxfp4_native` storage ([rows, in/2] code pairs, element 2i in the low nibble; e8m0 [rows, in/32]) as GGML's
+    MXFP4 blocks: per 32 inputs one e8m0 byte, then 16 bytes whose byte j holds element j (low nibble) and j+16
+    (high). Bit for bit, no rounding: both index e2m1 codes in the same order, and GGML's doubled table with its
+    halved scale (`GGML_E8M0_TO_FP32_HALF`, ggml-impl.h) gives the same values. Returns uint8 [rows, in/32·17]."""
+    import torch
+
+    p, e = codes.contiguous().view(torch.uint8), scale.contiguous().view(torch.uint8)
+    rows, half = p.shape
+    groups = half * 2 // MX_BLOCK
+    if half * 2 % MX_BLOCK or tuple(e.shape) != (rows, groups):
+        raise RecycleError(f"FP4 codes {list(p.shape)} with scales {list(e.shape)}: not [rows, in/2] with "
+                           f"[rows, in/{MX_BLOCK}]")
+    vals = torch.stack((p & 0x0F, p >> 4), dim=-1).reshape(rows, groups, MX_BLOCK)
+    packed = vals[..., :16] | (vals[..., 16:] << 4)
+    return torch.cat((e.reshape(rows, groups, 1), packed), dim=-1).reshape(rows, groups * 17)
+
 # -- NVIDIA ModelOpt: weight + weight_scale + weight_scale_2 (+ input_scale) ----------------------------------------
 
 class NVFP4(Codec):

@@ -23,6 +23,24 @@ from recycle.prompts import prompt_set
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = {"DeepSeek-V3": ROOT / "fixtures" / "deepseek_v3_mtp", "GLM-4.5": ROOT / "fixtures" / "glm4_moe_mtp",
             "Qwen3.5": ROOT / "fixtures" / "qwen3_5_mtp"}
+V4 = {"DeepSeek-V4": ROOT / "fixtures" / "deepseek_v4_mtp",
+      "DeepSeek-V4 post-trained": ROOT / "fixtures" / "deepseek_v4_mtp_posttrained"}
+# llama.cpp's V4 lightning indexer rotates each head with a Hadamard matrix of at least 64 dims (llama-kv-cache.cpp
+# build_input_k_rot), and turns that rotation on for any cache whose head_dim equals the indexer's: the fixtures'
+# 32-dim indexer heads fail a reshape, and 64 (their head_dim) divides by zero on the MTP's cache. 128 runs.
+V4_INDEX_HEAD_DIM = 128
+
+
+def v4_for_llama_cpp(source: Path, work: Path) -> Path:
+    """A trained V4 fixture as llama.cpp's V4 converter and graph take it (fixtures/derive.py `fp4_experts`): routed
+    experts in FP4 (the converter repacks FP4 experts and no other storage) and indexer heads widened to
+    `V4_INDEX_HEAD_DIM` (the same logits: tests/engines/test_llama_cpp.py). recycle runs this copy too."""
+    from fixtures.derive import fp4_experts
+
+    out = work / f"{source.name}-fp4"
+    if not (out / "config.json").is_file():
+        fp4_experts(source, out, index_head_dim=V4_INDEX_HEAD_DIM)
+    return out
 
 
 @dataclass

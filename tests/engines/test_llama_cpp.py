@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from gguf import GGUFReader
 
 from recycle.distill.train import DistillOptions, distill
@@ -23,7 +24,16 @@ from recycle.engines.llama_cpp import convert_trunk
 
 from fixtures.derive import derive
 from tests.engines.interop import ar_tokens
-from tests.engines.llama_interop import FIXTURES, llama_runs, prompt_ids, recycle_run, side_file, trunk_gguf
+from tests.engines.llama_interop import (
+    FIXTURES,
+    V4,
+    llama_runs,
+    prompt_ids,
+    recycle_run,
+    side_file,
+    trunk_gguf,
+    v4_for_llama_cpp,
+)
 
 pytestmark = pytest.mark.slow
 # Keys whose values name the file, not the model
@@ -89,6 +99,61 @@ def test_llama_cpp_drafts_losslessly_with_the_side_file_and_counts_as_recycle(na
     assert 0 <= ours["tried"] - drafted["drafted"] <= len(ids)  # recycle also drafts at each prompt's last step
     rate_llama, rate_ours = drafted["accepted"] / drafted["drafted"], ours["accepted"] / ours["tried"]
     assert abs(rate_llama - rate_ours) <= 0.02 * rate_ours, (drafted, ours)
+
+
+def test_deepseek_v4_side_file_is_llama_cpps_export_and_drafts_as_recycle(tmp_path):
+    """DeepSeek-V4 (deepseek4 graph) on its trained fixture in the release's FP4 expert storage:
+    * the widened indexer leaves the model as it was (equal logits past `index_topk` compressed blocks);
+    * recycle's side file is llama.cpp's own `--mtp` export: the same header (less the chat template llama.cpp's
+      converter adds from its own repository), names and bytes, MXFP4 experts included, except eh_proj, which
+      llama.cpp's converter forces to Q8_0 and recycle writes at --dtype (values within Q8_0's rounding);
+    * llama.cpp drafts losslessly with it and its n_max = 1 acceptance is recycle's within 2%;
+    * llama.cpp's plain greedy output is recycle's where the two engines' arithmetic agrees: it runs FP4 experts
+      against Q8_0-quantized activations (ggml-cpu's MXFP4 vec_dot), recycle in float32, so a near-tie may flip;
+      at every first divergence recycle's logit for llama.cpp's token is within 0.5 of its own pick's."""
+    from gguf.quants import dequantize
+
+    from recycle.decoding.target import load_target
+
+    from fixtures.derive import fp4_experts
+
+    v4 = v4_for_llama_cpp(V4["DeepSeek-V4"], tmp_path)
+    narrow = Path(fp4_experts(V4["DeepSeek-V4"], tmp_path / "narrow")["out"])
+    ids = torch.randint(5, 4000, (1, 200), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        wide_logits, narrow_logits = (load_target(p)(ids).logits for p in (v4, narrow))
+    torch.testing.assert_close(wide_logits, narrow_logits, rtol=1e-5, atol=1e-5)
+
+    ours, theirs = side_file(v4, tmp_path, "v4"), convert_trunk(v4, tmp_path / "v4-mtp.gguf", mtp="only")
+    kv_a, ts_a = _contents(ours)
+    kv_b, ts_b = _contents(theirs)
+    kv_b.pop("tokenizer.chat_template")
+    assert kv_a == kv_b and set(ts_a) == set(ts_b)
+    for n, t in ts_a.items():
+        if n.endswith("nextn.eh_proj.weight"):
+            assert ts_b[n].tensor_type.name == "Q8_0" and t.tensor_type.name == "F32"
+            got, want = np.asarray(t.data), dequantize(np.asarray(ts_b[n].data), ts_b[n].tensor_type)
+            assert np.abs(got - want.reshape(got.shape)).max() <= np.abs(got).max() / 127, n
+            continue
+        assert t.tensor_type == ts_b[n].tensor_type and list(t.shape) == list(ts_b[n].shape), n
+        assert np.array_equal(np.asarray(t.data), np.asarray(ts_b[n].data)), n
+
+    prompts, ids = prompt_ids(v4, 4)
+    trunk = trunk_gguf(v4, tmp_path)
+    plain = llama_runs(trunk, None, ids, 48, 1)
+    drafted = llama_runs(trunk, ours, ids, 48, 1)
+    assert drafted["tokens"] == plain["tokens"]
+    model = load_target(v4)
+    for p, got, want in zip(ids, plain["tokens"], ar_tokens(v4, ids, 48)):
+        i = next((i for i, (x, y) in enumerate(zip(got, want)) if x != y), None)
+        if i is not None:
+            with torch.no_grad():
+                logits = model(torch.tensor([p + want[:i]])).logits[0, -1]
+            assert logits[want[i]] - logits[got[i]] < 0.5, (i, want[i], got[i])
+    rec = recycle_run(v4, None, prompts, 48, 1)
+    assert 0 <= rec["tried"] - drafted["drafted"] <= len(ids)
+    rate_llama, rate_ours = drafted["accepted"] / drafted["drafted"], rec["accepted"] / rec["tried"]
+    assert abs(rate_llama - rate_ours) <= 0.02 * rate_ours, (drafted, rec)
 
 
 def test_a_distilled_drafter_converts_against_the_trunk_gguf_and_drafts(tmp_path, converted):
