@@ -447,3 +447,28 @@ def test_the_release_storage_loads_as_a_target_with_its_stored_values(tmp_path):
     with torch.no_grad():
         got, want = (load_target(p)(ids).logits for p in (fp4, plain))
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_torchrun_refuses_a_v4_drafter_in_one_line_before_anything_is_written(tmp_path, monkeypatch):
+    """Under torchrun (here: the rank join standing in for two gloo ranks; the real two-rank run, tried by hand,
+    prints the same line on both ranks) a V4 drafter is refused before the target loads: its blocks are stored under
+    DeepSeek's names, which the per-rank reader does not map (before, it failed mid-set-up on `self_attn.sinks`)."""
+    from pathlib import Path
+
+    import recycle.distill.setup as setup
+    from recycle.distill.sharding import Ranks
+    from recycle.distill.train import DistillOptions, distill
+
+    from tests.cli_helpers import run_cli
+
+    root = Path(__file__).resolve().parents[1]
+    drafter = tmp_path / "v4e"
+    res = run_cli("convert", str(root / "fixtures" / "deepseek_v4_mtp"), "--to", "eagle", "-o", str(drafter),
+                  "--layouts", "recycle")
+    assert res.exit_code == 0, res.output
+    monkeypatch.setattr(setup, "join", lambda *a, **k: Ranks(0, 2, torch.device("cpu")))
+    out = tmp_path / "out"
+    with pytest.raises(RecycleError, match="a deepseek_v4 drafter distills in one process"):
+        distill(DistillOptions(drafter=str(drafter), target=str(root / "fixtures" / "deepseek_v4_mtp"), tokens=4096,
+                               seq_len=64, batch=4, out=str(out)))
+    assert not out.exists()
