@@ -59,6 +59,15 @@ def write_drafter(src_dir: str | os.PathLike, writer, fmt, main: dict[str, torch
     if "rewrite" in fmt.hooks:
         extra, dropped, notes = REWRITERS.get(fmt.name, fmt.title)(src, main, model)
         planned.update(extra)  # already by the files (shards) that hold them
+    tensors = _as_stored(src, layouts, planned)
+    with writer as d:
+        d.write_safetensors(tensors, torch.float32, metadata={"recycle_format": fmt.name, "recycle_distilled": "1",
+                                                               **(metadata or {})})
+        return _finish(src, d, set(tensors), dropped, notes, record)
+
+
+def _as_stored(src: Path, layouts: dict, planned: dict[str, dict[str, torch.Tensor]]) -> dict[str, dict[str, Lazy]]:
+    """Each planned file's tensors in its input's names, shapes and dtypes (refused where the key sets differ)."""
     tensors: dict[str, dict[str, Lazy]] = {}
     for rel, state in planned.items():
         head = layouts.get(rel) or stored_layout(src / rel)
@@ -68,10 +77,7 @@ def write_drafter(src_dir: str | os.PathLike, writer, fmt, main: dict[str, torch
                                f"(missing {missing[:3]}, unexpected {unknown[:3]})")
         tensors[rel] = {k: Lazy(shp, (lambda t=state[k], d=dt: t.detach().to("cpu", d).contiguous()), (k,), EXACT,
                                 dtype=dt) for k, (shp, dt) in head.items()}
-    with writer as d:
-        d.write_safetensors(tensors, torch.float32, metadata={"recycle_format": fmt.name, "recycle_distilled": "1",
-                                                               **(metadata or {})})
-        return _finish(src, d, set(tensors), dropped, notes, record)
+    return tensors
 
 
 def _finish(src: Path, d, written: set[str], dropped: list[str], notes: list[str], record: dict) -> dict[str, int]:
@@ -105,7 +111,10 @@ def _pieces(model: torch.nn.Module, name: str, t: torch.Tensor) -> dict[str, tor
     if split is None:
         return {name: t}
     prefix, rel = split
-    return {prefix + k: v for k, v in to_checkpoint_layout({rel: t}, model.config, model.family.run.block_renames).items()}
+    own = getattr(model, "block_to_stored", None)  # a runtime drafter's own names (DeepSeek-V4's), else the family's
+    stored = own(int(prefix.split(".")[1]), {rel: t}) if own else \
+        to_checkpoint_layout({rel: t}, model.config, model.family.run.block_renames)
+    return {prefix + k: v for k, v in stored.items()}
 
 
 def _renumbered(pieces: dict[str, torch.Tensor], first: int) -> dict[str, torch.Tensor] | None:
@@ -179,7 +188,10 @@ def write_drafter_sharded(src_dir: str | os.PathLike, writer, fmt, model: torch.
                            f"(missing {missing[:3]}, unexpected {unknown[:3]})")
     plans = {rel: [(k, shp, dt) for k, (shp, dt) in layout.items()] for rel, layout in layouts.items()}
     makers = {(rel, k): (k, None) for rel, layout in layouts.items() for k in layout}
-    extra, extra_makers, dropped, notes = _extra_layouts(src, model, fmt, spelling)
+    # a runtime drafter's other layouts (DeepSeek-V4's overlay, in FP8 and FP4 storage) are its one-process
+    # rewriter's, run on rank 0 once the ranks' files are written (`_rebuilt_whole`)
+    whole = getattr(model, "block_to_stored", None) is not None and "rewrite" in fmt.hooks
+    extra, extra_makers, dropped, notes = ({}, {}, [], []) if whole else _extra_layouts(src, model, fmt, spelling)
     plans.update(extra)
     makers.update(extra_makers)
     meta = {"recycle_format": fmt.name, "recycle_distilled": "1", **(metadata or {})}
@@ -204,7 +216,28 @@ def write_drafter_sharded(src_dir: str | os.PathLike, writer, fmt, model: torch.
         dist.barrier()  # every rank's tensors are written
         if rank != 0:
             return None
-        return _finish(src, writer, set(plans), dropped, notes, record)
+        written = set(plans)
+        if whole:
+            others, dropped, notes = _rebuilt_whole(src, writer, plans, model, fmt)
+            writer.write_safetensors(_as_stored(src, {}, others), torch.float32, metadata=meta)
+            written |= set(others)
+        return _finish(src, writer, written, dropped, notes, record)
+
+
+def _rebuilt_whole(src: Path, writer, plans: dict, model: torch.nn.Module, fmt) -> tuple[dict, list[str], list[str]]:
+    """A runtime drafter's other layouts from its format's one-process rewriter, on rank 0: the drafter is built whole
+    once from the trained weights as the ranks just wrote them (the host memory the one-process writer needs: the
+    drafter at its stored dtype), so FP8 and FP4 storage are rebuilt by the same code as in one process."""
+    from safetensors.torch import load_file
+
+    from recycle.drafters.registry import RUNTIME_BUILDERS
+
+    state: dict[str, torch.Tensor] = {}
+    for rel in plans:
+        state.update(load_file(str(writer.tmp / rel)))
+    config = load_json(src / "config.json", "drafter config.json")
+    drafter = RUNTIME_BUILDERS.get(model.family.run.runtime)(src, config, state)
+    return REWRITERS.get(fmt.name, fmt.title)(src, state, drafter)
 
 
 

@@ -51,7 +51,6 @@ from recycle.drafters import load_drafter
 from recycle.drafters.sharded import materialize, meta_drafter
 from recycle.encode import load_tokenizer, quiet_transformers, source_renderer
 from recycle.errors import RecycleError
-from recycle.families import BY_NAME
 from recycle.fit import check_drafter
 from recycle.formats import DrafterFormat, of_directory
 from recycle.hardware import cpu_has_bf16
@@ -221,11 +220,6 @@ def _check(run: Run) -> None:
     run.drafter_config = load_json(src / "config.json", "drafter config.json")
     run.target_config = load_json(tgt / "config.json", "target config.json")
     check_drafter(run.fmt, run.drafter_config, run.target_config, src, tgt, str(src))
-    family = BY_NAME.get((run.drafter_config.get("recycle") or {}).get("family"))
-    if ranks.world > 1 and family is not None and family.run.runtime is not None:
-        raise RecycleError(f"{src}: a {family.name} drafter distills in one process: its blocks are stored under the "
-                           "release's own names, which the per-rank reader and writer (recycle.drafters.sharded, "
-                           "write_drafter_sharded) do not map; run it without torchrun")
     if o.teacher is not None:  # the server answers, for this target and these layers: before anything loads or is written
         if run.unroller.needs_kv:
             raise RecycleError(f"--teacher: a {run.fmt.title} trains on the target's own K/V cache, which no server "

@@ -379,6 +379,15 @@ def kill_at_first_checkpoint(cmd: Sequence[str], state_dir: Path, cwd: Path, env
         assert proc.returncode == -signal.SIGKILL, proc.stderr.read().decode()
 
 
+def free_port() -> int:
+    """A TCP port nothing listens on now, for a process group's rendezvous or a local server."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def distill_rank(rank: int, world: int, port: int, run: dict, queue) -> None:
     """One gloo rank of a distill started by `torch.multiprocessing.spawn`: torchrun's environment set, rank 0's record
     put on `queue` ((rank, record or None)), the process group ended whatever happens."""

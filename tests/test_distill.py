@@ -302,19 +302,11 @@ def test_resume_after_sigkill_matches_an_uninterrupted_run(drafters: dict[str, P
         assert torch.equal(a[k], b[k]), k  # bit for bit: same data order, optimizer and schedule state
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_torchrun_two_ranks_on_cpu(drafters: dict[str, Path], tmp_path: Path) -> None:
     """gloo, 2 ranks, a budget that leaves rank 1 without rows in the last step (about 10 s here)."""
     torchrun = Path(sys.executable).with_name("torchrun")
     out = tmp_path / "ddp"
-    res = helpers.run([str(torchrun), "--nproc_per_node", "2", "--master_port", str(_free_port()), "-m", "recycle.cli",
+    res = helpers.run([str(torchrun), "--nproc_per_node", "2", "--master_port", str(helpers.free_port()), "-m", "recycle.cli",
                        "distill", str(drafters["medusa"]), "--target", str(FIXTURE), "--tokens", "1000",
                        "--seq-len", "48", "--batch", "2", "--threads", "1", "-o", str(out), "--json"],
                       cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=300)
@@ -327,7 +319,7 @@ def test_torchrun_two_ranks_on_cpu(drafters: dict[str, Path], tmp_path: Path) ->
 def _two_ranks(*args: str) -> subprocess.CompletedProcess:
     """`torchrun --nproc_per_node 2 -m recycle.cli ARGS` (gloo), from the repository, its output captured."""
     torchrun = Path(sys.executable).with_name("torchrun")
-    return helpers.run([str(torchrun), "--nproc_per_node", "2", "--master_port", str(_free_port()), "-m",
+    return helpers.run([str(torchrun), "--nproc_per_node", "2", "--master_port", str(helpers.free_port()), "-m",
                         "recycle.cli", *args], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
                        capture_output=True, text=True, timeout=300)
 
@@ -420,7 +412,7 @@ def test_fsdp2_resume_after_sigkill_is_bit_exact(drafters: dict[str, Path], tmp_
               "fp32", "--json"]
 
     def launch(out: Path, *extra: str) -> list[str]:
-        return [str(torchrun), "--nproc_per_node", "2", "--master_port", str(_free_port()), "-m", "recycle.cli", *common,
+        return [str(torchrun), "--nproc_per_node", "2", "--master_port", str(helpers.free_port()), "-m", "recycle.cli", *common,
                 "-o", str(out), *extra]
 
     out, state = tmp_path / "killed", tmp_path / "killed.distill"

@@ -449,26 +449,54 @@ def test_the_release_storage_loads_as_a_target_with_its_stored_values(tmp_path):
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
-def test_torchrun_refuses_a_v4_drafter_in_one_line_before_anything_is_written(tmp_path, monkeypatch):
-    """Under torchrun (here: the rank join standing in for two gloo ranks; the real two-rank run, tried by hand,
-    prints the same line on both ranks) a V4 drafter is refused before the target loads: its blocks are stored under
-    DeepSeek's names, which the per-rank reader does not map (before, it failed mid-set-up on `self_attn.sinks`)."""
+@pytest.mark.slow  # two spawned gloo ranks and a one-process run, about 60 s here
+def test_two_gloo_ranks_distill_v4_as_one_process_and_write_its_release_storage(tmp_path):
+    """Under torchrun (2 gloo ranks, the routed experts split between them, the rest FSDP2-sharded) a V4 drafter
+    reads its blocks under DeepSeek's names per rank (`HyperEagleDrafter.block_to_stored`), trains on the teacher's
+    streams with the one-process loss curve (2 ranks × batch 4 against batch 8: within 2e-3), and writes
+    model.safetensors from the shards; its `mtp_overlay/` (FP8 e8m0-scaled linears and FP4 experts, as released)
+    is rebuilt on rank 0 by the one-process rewriter from the weights the ranks wrote: byte for byte what that
+    rewriter makes of the written drafter, in the one-process run's names, dtypes and shapes. Before, the ranks
+    stopped mid-set-up on `self_attn.sinks`, and then dropped the overlay."""
     from pathlib import Path
 
-    import recycle.distill.setup as setup
-    from recycle.distill.sharding import Ranks
-    from recycle.distill.train import DistillOptions, distill
+    import torch.multiprocessing as mp
 
+    from recycle.converters.registry import REWRITERS
+    from recycle.converters.rewrite import stored_layout
+    from recycle.distill.train import DistillOptions, distill
+    from recycle.drafters import load_drafter
+
+    from tests import helpers
     from tests.cli_helpers import run_cli
 
     root = Path(__file__).resolve().parents[1]
+    target = root / "fixtures" / "deepseek_v4_mtp"
+    fp = tmp_path / "fp"  # the release's storage in the overlay: FP8 e_proj, FP4 experts
+    _release_storage(target, fp, codes=torch.Generator().manual_seed(0))
+    for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        (fp / f).write_bytes((target / f).read_bytes())
     drafter = tmp_path / "v4e"
-    res = run_cli("convert", str(root / "fixtures" / "deepseek_v4_mtp"), "--to", "eagle", "-o", str(drafter),
-                  "--layouts", "recycle")
-    assert res.exit_code == 0, res.output
-    monkeypatch.setattr(setup, "join", lambda *a, **k: Ranks(0, 2, torch.device("cpu")))
-    out = tmp_path / "out"
-    with pytest.raises(RecycleError, match="a deepseek_v4 drafter distills in one process"):
-        distill(DistillOptions(drafter=str(drafter), target=str(root / "fixtures" / "deepseek_v4_mtp"), tokens=4096,
-                               seq_len=64, batch=4, out=str(out)))
-    assert not out.exists()
+    assert run_cli("convert", str(fp), "--to", "eagle", "-o", str(drafter)).exit_code == 0
+    run = dict(drafter=str(drafter), target=str(target), tokens=4096, seq_len=64)
+    one = distill(DistillOptions(**run, batch=8, out=str(tmp_path / "one")))
+    queue = mp.get_context("spawn").SimpleQueue()
+    mp.spawn(helpers.distill_rank, args=(2, helpers.free_port(), dict(run, batch=4, out=str(tmp_path / "two")), queue), nprocs=2,
+             join=True)
+    two = next(rec for _, rec in (queue.get() for _ in range(2)) if rec is not None)
+
+    def losses(rec: dict) -> list[float]:
+        return [json.loads(x)["loss"] for x in (Path(rec["state_dir"]) / "metrics.jsonl").read_text().splitlines()]
+
+    la, lb = losses(one), losses(two)
+    assert len(la) == len(lb) >= 8 and max(abs(x - y) / abs(y) for x, y in zip(la, lb)) < 2e-3
+    out = Path(two["out"])
+    overlay = out / "mtp_overlay" / "mtp.safetensors"
+    assert stored_layout(overlay) == stored_layout(Path(one["out"]) / "mtp_overlay" / "mtp.safetensors")
+    rebuilt, dropped, _ = REWRITERS.get("eagle")(drafter, {}, load_drafter(str(out), dtype=torch.float32))
+    assert not dropped
+    written = load_file(str(overlay))
+    assert set(written) == set(rebuilt["mtp_overlay/mtp.safetensors"])
+    for name, t in rebuilt["mtp_overlay/mtp.safetensors"].items():
+        want = t.to(written[name].dtype)
+        assert torch.equal(written[name].view(torch.uint8), want.contiguous().view(torch.uint8)), name

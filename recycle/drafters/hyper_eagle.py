@@ -13,6 +13,7 @@ Directory layout (`recycle.converters.eagle` writes it; `RUNTIME_BUILDERS["deeps
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -23,6 +24,8 @@ from recycle.families import Family
 from recycle.formats.eagle import source_model_type
 from recycle.mtp import family_config, to_checkpoint_layout, to_runtime_layout
 from recycle.mtp.deepseek_v4 import NATIVE_FIXES, DeepseekV4MTP, mtp_types_from_ratios
+
+T = TypeVar("T")
 
 
 class HyperEagleDrafter(ChainedSteps, DeepseekV4MTP):
@@ -38,15 +41,30 @@ class HyperEagleDrafter(ChainedSteps, DeepseekV4MTP):
         """The weights under the names model.safetensors stores (blocks in DeepSeek's own names)."""
         state = {k: v.detach() for k, v in self.state_dict().items()}
         out = {k: v for k, v in state.items() if ".block." not in k}
-        base = int(self.config.num_hidden_layers)
         for k in range(self.depth):
-            prefix, at = f"layers.{k}.block.", f"layers.{base + k}."
-            block = {at + n[len(prefix):]: v for n, v in state.items() if n.startswith(prefix)}
-            for name, t in to_checkpoint_layout(block, self.config, self.family.run.block_renames).items():
-                for wrong, right in NATIVE_FIXES:
-                    name = name.replace(wrong, right)
-                out[prefix + name.removeprefix(at)] = t
+            prefix = f"layers.{k}.block."
+            block = {n[len(prefix):]: v for n, v in state.items() if n.startswith(prefix)}
+            out.update({prefix + name: t for name, t in self.block_to_stored(k, block).items()})
         return out
+
+    def block_to_stored(self, k: int, block: Mapping[str, T]) -> dict[str, T]:
+        """Module k's block tensors (names relative to its block) under the names model.safetensors stores them:
+        transformers' conversion run backwards at the module's layer index (its renames need the layer's prefix),
+        then DeepSeek's own spellings (`NATIVE_FIXES`). Per-rank readers and writers use it for a rank's slices."""
+        at = f"layers.{int(self.config.num_hidden_layers) + k}."
+        out = {}
+        for name, t in to_checkpoint_layout({at + n: v for n, v in block.items()}, self.config,
+                                            self.family.run.block_renames).items():
+            for wrong, right in NATIVE_FIXES:
+                name = name.replace(wrong, right)
+            out[name.removeprefix(at)] = t
+        return out
+
+    def block_to_runtime(self, k: int, stored: Mapping[str, T]) -> dict[str, T]:
+        """The inverse of `block_to_stored`: stored block tensors as module k's block holds them (experts fused)."""
+        at = f"layers.{int(self.config.num_hidden_layers) + k}."
+        return {name.removeprefix(at): t for name, t in to_runtime_layout(
+            {at + n: v for n, v in stored.items()}, self.config, self.family.run.block_renames).items()}
 
 
 @RUNTIME_BUILDERS.register("deepseek_v4")
@@ -66,12 +84,10 @@ def build(directory, config_dict: Mapping, state: Mapping[str, torch.Tensor], dt
     for name, t in state.items():
         parts = name.split(".", 3)
         if parts[0] == "layers" and parts[2] == "block":
-            blocks.setdefault(int(parts[1]), {})[f"layers.{base + int(parts[1])}.{parts[3]}"] = t
+            blocks.setdefault(int(parts[1]), {})[parts[3]] = t
         else:
             runtime[name] = t
     for k, block in blocks.items():
-        at = f"layers.{base + k}."
-        for name, value in to_runtime_layout(block, model.config, fam.run.block_renames).items():
-            runtime[f"layers.{k}.block.{name.removeprefix(at)}"] = value
+        runtime.update({f"layers.{k}.block.{n}": v for n, v in model.block_to_runtime(k, block).items()})
     model.load_state_dict(runtime, strict=True)
     return model.to(dtype or torch.float32).keep_fp32().eval()

@@ -104,14 +104,18 @@ def _read_block(files: _Files, model: nn.Module, prefix: str, rel: str, global_s
     fam, config = model.family, model.config
     start, stop = rows if rows is not None else (0, global_shape[0])
     probe = torch.empty((stop - start, *global_shape[1:]), device="meta")
-    stored = to_checkpoint_layout({rel: probe}, config, fam.run.block_renames, fam.run.block_conversions)
-    if list(stored) == [rel] and tuple(stored[rel].shape) == tuple(probe.shape):  # kept as it is: its rows read
-        return files.read(prefix + rel, rows)
+    k = int(prefix.split(".")[1])
+    own = getattr(model, "block_to_stored", None)  # a runtime drafter's own names (DeepSeek-V4's), else the family's
+    stored = own(k, {rel: probe}) if own else to_checkpoint_layout({rel: probe}, config, fam.run.block_renames,
+                                                                   fam.run.block_conversions)
+    if len(stored) == 1 and tuple(next(iter(stored.values())).shape) == tuple(probe.shape):  # one tensor, its rows
+        return files.read(prefix + next(iter(stored)), rows)
     if not per_expert(stored):
         raise RecycleError(f"{prefix + rel}: its stored layout cannot be read per rank")
     # per-expert tensors: this rank's experts (renumbered from 0 for the conversion), fused as from_pretrained fuses
     sub = {n: files.read(prefix + shifted(n, start), None) for n in stored}
-    fused = to_runtime_layout(sub, config, fam.run.block_renames, fam.run.block_conversions)
+    fused = model.block_to_runtime(k, sub) if own else to_runtime_layout(sub, config, fam.run.block_renames,
+                                                                        fam.run.block_conversions)
     return fused[rel]
 
 
