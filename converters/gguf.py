@@ -131,7 +131,6 @@ def _block(arch: GGUFArch, block: Mapping[str, Lazy], n: int, cfg: Mapping, ckpt
     return out
 
 
-
 def _mxfp4(ckpt, lazy: Lazy) -> Lazy:
     """An FP4-stored expert (`mxfp4_native`) as GGML MXFP4 block bytes, from its stored codes and scales."""
     parts = ckpt.packed[lazy.sources[0]].parts

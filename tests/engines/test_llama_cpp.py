@@ -143,6 +143,10 @@ def test_deepseek_v4_side_file_is_llama_cpps_export_and_drafts_as_recycle(tmp_pa
     plain = llama_runs(trunk, None, ids, 48, 1)
     drafted = llama_runs(trunk, ours, ids, 48, 1)
     assert drafted["tokens"] == plain["tokens"]
+    # with --target the header is the trunk file's, its per-block arrays (swiglu clamps) given the MTP block's entry
+    paired = side_file(v4, tmp_path, "v4-paired", trunk=trunk)
+    assert len(_contents(paired)[0]["deepseek4.swiglu_clamp_exp"]) == 5
+    assert llama_runs(trunk, paired, ids, 48, 1) == drafted
     model = load_target(v4)
     for p, got, want in zip(ids, plain["tokens"], ar_tokens(v4, ids, 48)):
         i = next((i for i, (x, y) in enumerate(zip(got, want)) if x != y), None)
