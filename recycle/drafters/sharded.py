@@ -104,8 +104,8 @@ def _read_block(files: _Files, model: nn.Module, prefix: str, rel: str, global_s
     fam, config = model.family, model.config
     start, stop = rows if rows is not None else (0, global_shape[0])
     probe = torch.empty((stop - start, *global_shape[1:]), device="meta")
-    k = int(prefix.split(".")[1])
     own = getattr(model, "block_to_stored", None)  # a runtime drafter's own names (DeepSeek-V4's), else the family's
+    k = int(prefix.split(".")[1]) if own else None  # `layers.{k}.block.`: the module whose names these are
     stored = own(k, {rel: probe}) if own else to_checkpoint_layout({rel: probe}, config, fam.run.block_renames,
                                                                    fam.run.block_conversions)
     if len(stored) == 1 and tuple(next(iter(stored.values())).shape) == tuple(probe.shape):  # one tensor, its rows
