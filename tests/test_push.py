@@ -376,7 +376,7 @@ def test_card_shows_distillation_records_and_tolerates_a_dropped_layout(drafters
     shutil.copytree(drafters["eagle"], d)
     shutil.rmtree(d / "nextn")  # distill drops a layout it cannot rebuild exactly
     run = {"tokens": 4096, "budget_tokens": 4096, "steps": 8, "init": "recycled", "device": "cpu",
-           "precision": "bf16", "wall_s": 3.0, "tokens_per_s": 1365.0,
+           "precision": "bf16", "train_s": 3.0, "tokens_per_s": 1365.0,
            "data": {"source": "org/chat-data", "seq_len": 64, "batch_per_rank": 2, "world_size": 1, "seed": 0},
            "final": {"loss": 1.25, "heldout_agreement_before": [0.5, 0.25], "heldout_agreement_after": [0.75, 0.5]},
            "notes": ["nextn/ dropped: its tensors cannot be rebuilt exactly from the trained weights"]}
@@ -390,6 +390,7 @@ def test_card_shows_distillation_records_and_tolerates_a_dropped_layout(drafters
     assert "## Distillation" in card.text and "Run 2:" in card.text and "| optimizer steps | 16 |" in card.text
     assert "| target tokens read (budget) | 4,096 (4,096) |" in card.text
     assert "0.500 → 0.750, 0.250 → 0.500" in card.text
+    assert "| hardware | cpu, bf16, 3.0 s of training at 1365 tokens/s |" in card.text  # was "0.0 s": no wall_s
     assert "nextn" not in card.text.split("## Serving")[1]  # no command for the dropped layout
     (d / "nextn").mkdir()  # present but incomplete is still refused
     assert "missing, but recycle.json maps" in one_error_line(invoke("push", d, "--repo", "me/x", "--dry-run"))

@@ -262,9 +262,12 @@ def _distill_rows(r: dict) -> list[tuple[str, str]]:
         rows.append(("target features", "computed by the target in vLLM while training (`recycle distill --online`)"))
     elif r.get("trunk_loaded") is False:
         rows.append(("target features", "read from a `recycle harvest` cache (the target ran in vLLM beforehand)"))
-    if r.get("device") or r.get("wall_s") is not None:
+    # the record holds the training's seconds (`train_s`); the command's wall time is known only after it is written
+    seconds = r.get("train_s", r.get("wall_s"))
+    if r.get("device") or seconds is not None:
+        took = f"{seconds:.1f} s of training at " if seconds is not None else ""
         rows.append(("hardware", f"{r.get('device', '?')}, {r.get('precision', '?')}, "
-                                 f"{r.get('wall_s', 0):.1f} s at {r.get('tokens_per_s', 0):.0f} tokens/s"))
+                                 f"{took}{r.get('tokens_per_s', 0):.0f} tokens/s"))
     for note in r.get("notes") or []:
         rows.append(("note", str(note)))
     # Nothing else: the record's other fields (timings, cache counters, paths, the resume flag) are recycle's own
