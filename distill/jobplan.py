@@ -262,6 +262,10 @@ def plan_job(opts, world: int, gpu: str | None, tokens: int | None, node_gpus: i
     if in_process and mem.fits:
         teacher |= {"verdict": "beside", "text": "fits beside the trainer: in process, whole on every rank "
                     "(the memory table counts it)"}
+    elif mem.options.get("streams"):  # DeepSeek-V4: no server or cache carries the streams its modules read
+        teacher |= {"verdict": "in_process_only", "text": "runs in process only, whole on every rank: DeepSeek-V4's "
+                    "modules read its hyper-connection streams, which no harvest cache or teacher server holds"
+                    + ("; the memory table says it does not fit" if mem.fits is False else "")}
     time = {}
     if g is not None and tokens is not None:
         time["distill"] = hours(tokens * fl["distill"], world, g.bf16_tflops, DISTILL_MFU)

@@ -50,7 +50,6 @@ from recycle.distill.experts import EXCHANGE, EXCHANGE_ENV, expert_modules, expe
 from recycle.distill.freeze import freeze
 from recycle.distill.losses import LOSS_CHUNK_ROWS
 from recycle.errors import RecycleError
-from recycle.families import BY_NAME, config_rows
 from recycle.formats import of_config
 from recycle.preflight import load_json
 
@@ -125,52 +124,56 @@ def _drafter_config(path: Path) -> tuple[dict, str, int]:
             raise RecycleError(f"{path}: --plan covers EAGLE drafters (and sources to convert --to eagle); this is "
                                f"a {rc.get('format')} drafter")
         body = {k: v for k, v in cfg.items() if k != "recycle"} | {"model_type": rc.get("model_type")}
-        _modelled(path, BY_NAME.get(rc.get("family", "")))
         return body, rc["family"], int(rc["depth"])
     merged = merged_config(cfg)
     mt = merged.get("model_type")
     fam = next((f for f in FAMILIES if mt in f.model_types), None)
     if fam is None:
         raise RecycleError(f"{path}: model_type {mt!r} is no MTP family recycle converts")
-    _modelled(path, fam)
     depth = declared_depth(fam, merged)
     if depth < 1:
         raise RecycleError(f"{path}: its config declares no MTP modules")
     return merged, fam.name, depth
 
 
-def _modelled(path: Path, fam) -> None:
-    """Refuse, in one line, a family whose modules the plan's model does not cover (DeepSeek-V4's own runtime)."""
-    if fam is not None and fam.run.runtime is not None:
-        raise RecycleError(f"{path}: --plan models the common MTP layout; {fam.title}'s modules run on their own "
-                           "runtime (hyper-connection streams), which it does not model yet")
-
-
 def plans(path: str | Path) -> bool:
-    """Whether the plan covers this drafter: an EAGLE drafter, or a source checkpoint to convert --to eagle, of the
-    common layout. distill's check on a GPU runs for these; other formats (EAGLE-3, Medusa) and DeepSeek-V4's
-    modules start without it, as on a CPU."""
+    """Whether the plan covers this drafter: an EAGLE drafter (DeepSeek-V4's `HyperEagleDrafter` included), or a
+    source checkpoint to convert --to eagle. distill's check on a GPU runs for these; other formats (EAGLE-3,
+    Medusa) start without it, as on a CPU."""
     cfg = load_json(Path(path) / "config.json", "config.json")
     rc = cfg.get("recycle")
-    # a family whose modules run on a runtime of their own (DeepSeek-V4's streams) is not in the plan's model
     if isinstance(rc, dict):
-        fam = BY_NAME.get(rc.get("family", ""))
-        return rc.get("format") == "eagle" and (fam is None or fam.run.runtime is None)
-    rows = config_rows(cfg.get("model_type"), set(cfg.get("architectures") or ()))
-    return of_config(cfg) is None and not any(f.run.runtime is not None for f in rows)
+        return rc.get("format") == "eagle"
+    return of_config(cfg) is None
 
 
 def config_drafter(path: Path):
     """(the drafter on the meta device, built from its config.json alone (a config without weights plans too), its
     block config, its config dict, its family's name)."""
+    body, family, depth = _drafter_config(path)
+    model = _shell(body, family, depth)
+    return model, model.config, body, family
+
+
+def streams_of(model: torch.nn.Module) -> int:
+    """How many hyper-connection streams the drafter reads from the target in place of one state (DeepSeek-V4's
+    hc_mult), or 0."""
+    return int(model.config.hc_mult) if getattr(model, "reads", None) == "streams" else 0
+
+
+def _shell(body: dict, family: str, depth: int) -> torch.nn.Module:
+    """The EAGLE drafter of `depth` modules on the meta device, from its block config: `EagleDrafter`, or the drafter
+    class a family's own runtime registers (`RUNTIME_BUILDERS`: DeepSeek-V4's `HyperEagleDrafter`)."""
     from recycle.drafters.eagle import EagleDrafter, canonical_family
+    from recycle.drafters.registry import RUNTIME_BUILDERS
     from recycle.mtp import family_config
 
-    body, family, depth = _drafter_config(path)
     fam = canonical_family(family)
-    config = family_config(body, fam)
     with torch.device("meta"):
-        return EagleDrafter(config, fam, depth), config, body, family
+        if fam.run.runtime is not None:
+            rc = {"family": family, "depth": depth, "model_type": body.get("model_type")}
+            return RUNTIME_BUILDERS.get(fam.run.runtime)(None, {**body, "recycle": rc}, None)
+        return EagleDrafter(family_config(body, fam), fam, depth)
 
 
 @dataclass(frozen=True)
@@ -351,9 +354,6 @@ def _proxy_bytes(config_json: str, family: str, steps: int, precision: str) -> t
     memory (about 2.8 GB fp32 at DeepSeek-V3's widths) and seconds; nothing of the checkpoint is read."""
     from recycle.distill.teacher import autocast
     from recycle.distill.unroll import EagleUnroller
-    from recycle.drafters.eagle import EagleDrafter, canonical_family
-    from recycle.mtp import family_config
-
     body = json.loads(config_json)
     k = next((body[key] for key in ("num_experts_per_tok", "moe_top_k") if body.get(key)), None)
     for key in EXPERT_COUNT_KEYS:
@@ -363,10 +363,8 @@ def _proxy_bytes(config_json: str, family: str, steps: int, precision: str) -> t
         if body.get(key):
             body[key] = 1
     body["vocab_size"] = PROXY_VOCAB
-    fam = canonical_family(family)
-    config = family_config(body, fam)
-    with torch.device("meta"):
-        model = EagleDrafter(config, fam, 1)
+    model = _shell(body, family, 1)
+    config = model.config
     model.to_empty(device="cpu")
     with torch.no_grad():
         for p in model.parameters():  # shapes, not values, decide what is saved; small values keep it finite
@@ -376,10 +374,13 @@ def _proxy_bytes(config_json: str, family: str, steps: int, precision: str) -> t
     length = PROXY_POSITIONS + steps + 1
     ids = torch.randint(0, PROXY_VOCAB, (1, length), generator=gen)
     last = torch.randn(1, length, config.hidden_size, generator=gen)
+    # a drafter that chains the target's hyper-connection streams (DeepSeek-V4) reads them as the teacher's aux
+    hc = streams_of(model)
+    streams = torch.randn(1, length, hc, config.hidden_size, generator=gen) if hc else None
     account = SavedAccount(model, PROXY_VOCAB)
     account.watch_layers(layer.block for layer in model.layers)
     with account.active(), autocast(torch.device("cpu"), precision):
-        unroller.unroll(ids, last, None, None)
+        unroller.unroll(ids, last, streams, None)
     totals = account.totals()
     copies = totals["expert_copies"] / max(1, steps * (k or 1))
     positions = unroller.positions(length)
@@ -452,6 +453,11 @@ def plan(drafter: str | Path, target: str | Path, *, batch: int, seq_len: int, d
     from recycle.distill.unroll import EagleUnroller
 
     model, config, body, family = config_drafter(Path(drafter).expanduser())
+    hc = streams_of(model)  # DeepSeek-V4: the teacher's hyper-connection streams beside its final state, C wide
+    if hc and cached_teacher:
+        raise RecycleError("a DeepSeek-V4 drafter trains on the target's hyper-connection streams, which neither a "
+                           "harvested cache nor a teacher server holds: plan it with the target loaded, without "
+                           "--cache-hidden or --teacher")
     # its own freeze: the embedding and head, which are the teacher's own tensors in a run (adopt_target_io)
     unroller = EagleUnroller(model, draft_steps or EagleUnroller.default_steps)
     io_params = sum(p.numel() for n, p in model.named_parameters() if unroller.frozen(n))  # counted as the teacher's
@@ -504,8 +510,8 @@ def plan(drafter: str | Path, target: str | Path, *, batch: int, seq_len: int, d
         "fsdp_reduce_scatter": unit * 4 if sharded else 0,
         "fsdp_root_unit": root * gathered if sharded else 0,
         "teacher": (io if cached_teacher else trunk) * teacher_bytes,  # with a cache: its embedding and head alone
-        "activations_features": rows * hidden * 4 * 2,
-        "heldout_features": eval_rows * seq_len * hidden * act_bytes,
+        "activations_features": rows * hidden * 4 * 2 * (1 + hc),
+        "heldout_features": eval_rows * seq_len * hidden * act_bytes * (1 + hc),
         "activations_blocks": acts["blocks"],
         # none when the experts are bf16 already: gathered so by FSDP2, or frozen and held in bf16; split over the
         # ranks, each casts its own experts once per call
@@ -519,7 +525,7 @@ def plan(drafter: str | Path, target: str | Path, *, batch: int, seq_len: int, d
         "activations_weight_copies": 0 if bf16_units else acts["weight_copies"],
         "activations_loss": loss,
         # backward: the gradients of the residual stream (fp32, a few [rows, hidden] at once) beside what is saved
-        "activations_backward": BACKWARD_STATES * rows * hidden * 4,
+        "activations_backward": BACKWARD_STATES * rows * hidden * 4 * max(1, hc),
         "runtime": CUDA_WORKSPACE if on_gpu else 0,
     }
     parts["expert_imbalance"] = math.ceil((EXPERT_IMBALANCE - 1) * (parts["activations_blocks"]
@@ -542,7 +548,7 @@ def plan(drafter: str | Path, target: str | Path, *, batch: int, seq_len: int, d
         "batch": batch, "seq_len": seq_len, "draft_steps": steps, "world_size": world, "precision": precision,
         "teacher": "harvested cache or server" if cached_teacher else "in process", "freeze": list(groups),
         "micro_batch": micro_batch, "fsdp": sharded, "activation_checkpointing": activation_checkpointing,
-        "expert_parallel": bool(split), "eval_rows": eval_rows, "expandable_segments": on_gpu},
+        "expert_parallel": bool(split), "eval_rows": eval_rows, "expandable_segments": on_gpu, "streams": hc},
         budget, device, dict(DERIVATION), counts)
 
 
@@ -558,8 +564,10 @@ DERIVATION = {
                            "reduce-scatter: torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py:597-599)",
     "fsdp_root_unit": "R × 2g (the root unit's weights and grads, gathered from the forward to the backward's end)",
     "teacher": "trunk params (or embedding + head with a cache) × 2 on a GPU under bf16, else × 4",
-    "activations_features": "rows × H × 4 × 2 (the teacher's features and their fp32 copy)",
-    "heldout_features": "eval_rows × seq-len × H × g (the held-out rows' features, kept on the device)",
+    "activations_features": "rows × H × 4 × 2 (the teacher's features and their fp32 copy; × (1 + C) with "
+                            "DeepSeek-V4's C hyper-connection streams)",
+    "heldout_features": "eval_rows × seq-len × H × g (the held-out rows' features, kept on the device; × (1 + C) "
+                        "with DeepSeek-V4's streams)",
     "activations_blocks": "measured on a proxy of the block (bytes per anchor) × anchors",
     "activations_expert_copies": "measured per expert per step on the proxy × steps × experts (/W when split)",
     "activations_expert_exchange": "2 × d × anchors × H × g: the rows sent to the d ranks holding their experts and "
@@ -568,7 +576,8 @@ DERIVATION = {
     "activations_loss": "(6 + each --loss term's TERM_TENSORS: tv 3, kl@T 4, tv@T 4) × min(rows, LOSS_CHUNK_ROWS) × "
                         "V × 4 (+ 2 head copies × V × H × 2 where the heads are "
                         "fp32 under bf16 autocast; none on a GPU: the teacher's bf16 tensors)",
-    "activations_backward": f"{BACKWARD_STATES} × rows × H × 4 (the residual stream's gradients)",
+    "activations_backward": f"{BACKWARD_STATES} × rows × H × 4 (the residual stream's gradients; × C for "
+                            "DeepSeek-V4's C streams)",
     "runtime": "64 MiB (cuBLAS and cuBLASLt workspaces, measured on an H200)",
     "expert_imbalance": f"({EXPERT_IMBALANCE} - 1) × (activations_blocks + activations_expert_exchange)",
     "fragmentation": f"{FRAGMENTATION} × the allocator's bytes (every part above; expandable_segments set)",
@@ -586,7 +595,9 @@ def advice(p: MemoryPlan) -> str:
         tips.append("--freeze experts")
     if o["teacher"] == "in process" and p.parts["teacher"] > 0.3 * p.per_rank_bytes:
         tips.append("a harvested teacher (recycle harvest, then --cache-hidden) or a served one (recycle teacher "
-                    "serve, then --teacher URL)")
+                    "serve, then --teacher URL)" if not o.get("streams") else "nothing moves the teacher out: "
+                    "DeepSeek-V4's modules read its hyper-connection streams, which no harvest cache or teacher "
+                    "server holds, so it runs in process, whole on every rank")
     if o["world_size"] < 8 and p.parts["optimizer"] > 0.2 * p.per_rank_bytes:
         tips.append(f"more ranks (--world-size {max(2, o['world_size'] * 2)}: FSDP2 shards what trains)")
     if not o["activation_checkpointing"] and p.parts["activations_blocks"] > 0.2 * p.per_rank_bytes:

@@ -51,12 +51,39 @@ def test_memory_plan_counts_what_a_run_holds(drafters: dict[str, Path], tmp_path
     step, with and without frozen experts; the layers' activations, which the plan measures on a proxy (one module,
     experts cut to top-k, a small vocabulary, a few positions), are within 10% of what the real step saves for
     backward (the same account: every saved storage once), in fp32 and under bf16 autocast."""
+    _plan_counts(drafters["eagle"], FIXTURE, tmp_path)
+
+
+def test_memory_plan_counts_what_a_deepseek_v4_run_holds(tmp_path: Path) -> None:
+    """The same for DeepSeek-V4's drafter (`HyperEagleDrafter`, its proxy fed the target's hyper-connection streams):
+    before, --plan refused it and distill's GPU memory check skipped it."""
+    v4 = ROOT / "fixtures" / "deepseek_v4_mtp"
+    res = run_cli("convert", str(v4), "--to", "eagle", "-o", str(tmp_path / "v4e"), "--layouts", "recycle")
+    assert res.exit_code == 0, res.output
+    _plan_counts(tmp_path / "v4e", v4, tmp_path)
+    from recycle.distill.memory import advice, plan
+    from recycle.errors import RecycleError
+
+    with pytest.raises(RecycleError, match="neither a harvested cache nor a teacher server holds"):
+        plan(tmp_path / "v4e", v4, batch=2, seq_len=64, draft_steps=None, cached_teacher=True)
+    from recycle.distill.memory import MemoryPlan
+
+    # at V4-Pro's size the teacher is most of a rank (2.9 TB in bf16): the advice offers no lever the run refuses
+    opts = {"freeze": ["experts"], "teacher": "in process", "world_size": 8, "activation_checkpointing": True,
+            "micro_batch": 1, "batch": 1}
+    parts = {"teacher": 90, "optimizer": 5, "activations_blocks": 5, "activations_expert_copies": 0}
+    v4_tip, common_tip = (advice(MemoryPlan(parts, 0, 0, 0, {**opts, "streams": c})) for c in (4, 0))
+    assert v4_tip.startswith("nothing moves the teacher out") and "--cache-hidden" not in v4_tip
+    assert common_tip.startswith("a harvested teacher")
+
+
+def _plan_counts(drafter: Path, target: Path, tmp_path: Path) -> None:
     from recycle.distill.memory import SavedAccount, for_options
     from recycle.distill.setup import prepare
     from recycle.distill.train import train_step
 
     for groups in ((), ("experts",)):
-        opts = DistillOptions(drafter=str(drafters["eagle"]), target=str(FIXTURE), tokens=200,
+        opts = DistillOptions(drafter=str(drafter), target=str(target), tokens=200,
                               out=str(tmp_path / f"o{len(groups)}"), freeze=groups, precision="fp32", **TINY)
         run = prepare(opts)  # the counters start at zero, as train() starts them
         train_step(run, run.schedule.step(0))

@@ -68,10 +68,11 @@ class HyperEagleDrafter(ChainedSteps, DeepseekV4MTP):
 
 
 @RUNTIME_BUILDERS.register("deepseek_v4")
-def build(directory, config_dict: Mapping, state: Mapping[str, torch.Tensor], dtype: torch.dtype | None = None,
-          attn_implementation: str = "eager") -> HyperEagleDrafter:
+def build(directory, config_dict: Mapping, state: Mapping[str, torch.Tensor] | None,
+          dtype: torch.dtype | None = None, attn_implementation: str = "eager") -> HyperEagleDrafter:
     """A HyperEagleDrafter from its config.json dict and its stored tensors (RuntimeError/KeyError where they do
-    not fit: `load_drafter` makes that one line)."""
+    not fit: `load_drafter` makes that one line); `state` None: its shape alone, nothing loaded (the memory plan
+    builds it so, on the meta device)."""
     rc = config_dict["recycle"]
     raw = {k: v for k, v in config_dict.items() if k != "recycle"} | {"model_type": source_model_type(config_dict)}
     fam = canonical_family(rc["family"])
@@ -79,6 +80,8 @@ def build(directory, config_dict: Mapping, state: Mapping[str, torch.Tensor], dt
     base = int(config.num_hidden_layers)
     mtp_types_from_ratios(config, raw, base)
     model = HyperEagleDrafter(config, fam, int(rc["depth"]))
+    if state is None:
+        return model
     runtime: dict[str, torch.Tensor] = {}
     blocks: dict[int, dict[str, torch.Tensor]] = {}
     for name, t in state.items():
