@@ -244,7 +244,9 @@ def plan_job(opts, world: int, gpu: str | None, tokens: int | None, node_gpus: i
                "file_bytes": tokens_per_file * bpt, "tokens_per_file": tokens_per_file,
                "checkpoint_bytes": mem.trainable * 12 + frozen * c["frozen_bytes"],
                "best_bytes": mem.trainable * 4, "output_bytes": mem.params * body_dtype}
-    if tokens is not None:
+    if mem.options.get("streams"):  # DeepSeek-V4: no cache holds the streams its modules read (distill refuses one)
+        storage = {k: v for k, v in storage.items() if not k.startswith(("cache_", "eagle3_", "file_", "tokens_per"))}
+    elif tokens is not None:
         storage |= {"cache_bytes": tokens * bpt, "eagle3_cache_bytes": tokens * storage["eagle3_bytes_per_token"],
                     "cache_files": math.ceil(tokens / tokens_per_file)}
     if opts.online or opts.teacher:  # the disk holds only the window ahead of training
@@ -334,7 +336,8 @@ def lines(d: dict) -> list[str]:
     s = d["storage"]
     cache = (f"offline cache {_gb(s['cache_bytes'])} in {s['cache_files']} files of {_gb(s['file_bytes'])} "
              f"({s['cache_bytes_per_token']} B/token; EAGLE-3: {_gb(s['eagle3_cache_bytes'])})"
-             if "cache_bytes" in s else f"offline cache {s['cache_bytes_per_token']} B/token (--tokens for the total)")
+             if "cache_bytes" in s else f"offline cache {s['cache_bytes_per_token']} B/token (--tokens for the total)"
+             if "cache_bytes_per_token" in s else "no offline cache (none holds DeepSeek-V4's streams)")
     window = f"; online window {_gb(s['window_bytes'])}" if "window_bytes" in s else ""
     out.append(f"storage: {cache}{window}; checkpoint {_gb(s['checkpoint_bytes'])}, best snapshot "
                f"{_gb(s['best_bytes'])}, output {_gb(s['output_bytes'])}")

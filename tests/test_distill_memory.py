@@ -75,6 +75,12 @@ def test_memory_plan_counts_what_a_deepseek_v4_run_holds(tmp_path: Path) -> None
     v4_tip, common_tip = (advice(MemoryPlan(parts, 0, 0, 0, {**opts, "streams": c})) for c in (4, 0))
     assert v4_tip.startswith("nothing moves the teacher out") and "--cache-hidden" not in v4_tip
     assert common_tip.startswith("a harvested teacher")
+    from recycle.distill.jobplan import lines, plan_job
+
+    job = plan_job(DistillOptions(drafter=str(tmp_path / "v4e"), target=str(v4), out="/nonexistent/o", tokens=4096,
+                                  batch=2, seq_len=64, precision="bf16"), 2, "H100", 10**6, host_ram=1024)
+    said = "\n".join(lines(job.as_dict()))
+    assert "no offline cache (none holds DeepSeek-V4's streams)" in said and "teacher: fits beside the trainer: in process" in said
 
 
 def _plan_counts(drafter: Path, target: Path, tmp_path: Path) -> None:
