@@ -28,7 +28,6 @@ from recycle.families import BY_NAME
 from recycle.formats import BENCH_REPORT
 from recycle.io.weights import meta_state, weight_files
 from recycle.io.writer import Lazy
-from recycle.mtp import to_checkpoint_layout
 from recycle.mtp.base import LEAF_ROLES, Norm
 from recycle.preflight import load_json
 from recycle.quant import CODECS, NATIVE_SCALE_SUFFIX, SCALE_SUFFIX, Codec, requantize, scheme
@@ -111,10 +110,7 @@ def _pieces(model: torch.nn.Module, name: str, t: torch.Tensor) -> dict[str, tor
     if split is None:
         return {name: t}
     prefix, rel = split
-    own = getattr(model, "block_to_stored", None)  # a runtime drafter's own names (DeepSeek-V4's), else the family's
-    stored = own(int(prefix.split(".")[1]), {rel: t}) if own else \
-        to_checkpoint_layout({rel: t}, model.config, model.family.run.block_renames)
-    return {prefix + k: v for k, v in stored.items()}
+    return {prefix + k: v for k, v in model.block_to_stored(int(prefix.split(".")[1]), {rel: t}).items()}
 
 
 def _renumbered(pieces: dict[str, torch.Tensor], first: int) -> dict[str, torch.Tensor] | None:
@@ -190,7 +186,7 @@ def write_drafter_sharded(src_dir: str | os.PathLike, writer, fmt, model: torch.
     makers = {(rel, k): (k, None) for rel, layout in layouts.items() for k in layout}
     # a runtime drafter's other layouts (DeepSeek-V4's overlay, in FP8 and FP4 storage) are its one-process
     # rewriter's, run on rank 0 once the ranks' files are written (`_rebuilt_whole`)
-    whole = getattr(model, "block_to_stored", None) is not None and "rewrite" in fmt.hooks
+    whole = model.family.run.runtime is not None and "rewrite" in fmt.hooks
     extra, extra_makers, dropped, notes = ({}, {}, [], []) if whole else _extra_layouts(src, model, fmt, spelling)
     plans.update(extra)
     makers.update(extra_makers)
@@ -316,11 +312,10 @@ def overlay_layouts(src: Path) -> list[OverlayLayout]:
                                  packed, dict(config.get("quantization_config") or {})))
     return out
 
-def _overlay_sources(model: torch.nn.Module, base: int) -> dict[str, tuple[str, bool]] | None:
+def _overlay_sources(model: torch.nn.Module, base: int) -> dict[str, tuple[str, bool]]:
     """The names `MTP.checkpoint_tensors(num_hidden_layers=base)` gives each weight (what an EAGLE drafter's `nextn/`
     and `mtp_overlay/` store), each with the module name of the weight it copies and whether it is stored
-    zero-centred (`w - 1`); None where the block's names there differ from model.safetensors' (a family's own
-    conversions): that layout is then dropped, as the one-process rewriter drops what it cannot rebuild."""
+    zero-centred (`w - 1`); a block's names are model.safetensors' (the drafter's `block_to_stored`)."""
     fam = model.family
     stored_norm = BY_NAME[fam.name].run.norm if fam.name in BY_NAME else fam.run.norm
     out: dict[str, tuple[str, bool]] = {}
@@ -336,10 +331,7 @@ def _overlay_sources(model: torch.nn.Module, base: int) -> dict[str, tuple[str, 
                                                      and stored_norm == "1+w")
         prefix = fam.layout.block[0].format(s=k, **ctx)
         for n, t in layer.block.state_dict().items():
-            probe = {n: torch.empty(tuple(t.shape), device="meta")}
-            there = to_checkpoint_layout(probe, model.config, fam.run.block_renames, fam.run.block_conversions)
-            if set(there) != set(to_checkpoint_layout(probe, model.config, fam.run.block_renames)):
-                return None
+            there = model.block_to_stored(k, {n: torch.empty(tuple(t.shape), device="meta")})
             out.update({prefix + rel: (f"layers.{k}.block.{rel}", False) for rel in there})
     return out
 
@@ -364,7 +356,7 @@ def _extra_layouts(src: Path, model: torch.nn.Module, fmt, spelling: str | None
         return t.float() - 1.0
 
     for lay in overlay_layouts(src):
-        sources = (_overlay_sources(model, lay.base) or {}) if canonical else {}
+        sources = _overlay_sources(model, lay.base) if canonical else {}
         out, why = {}, None
         for k in lay.head:
             source = sources.get(k)
@@ -396,8 +388,7 @@ def _source_shape(model: torch.nn.Module, module_name: str) -> tuple[int, ...]:
         return tuple(model.get_parameter(module_name).shape)
     prefix, rel = split
     for n, t in model.get_submodule(prefix[:-1]).state_dict().items():
-        probe = torch.empty(tuple(t.shape), device="meta")
-        got = to_checkpoint_layout({n: probe}, model.config, model.family.run.block_renames)
+        got = model.block_to_stored(int(prefix.split(".")[1]), {n: torch.empty(tuple(t.shape), device="meta")})
         if rel in got:
             return tuple(got[rel].shape)
     return ()

@@ -41,7 +41,6 @@ from recycle.distill.losses import StepOutput, TargetLogits
 from recycle.drafters import Eagle3Drafter, EagleDrafter, MedusaDrafter
 from recycle.errors import RecycleError
 from recycle.formats import DrafterFormat, get
-from recycle.mtp import to_checkpoint_layout
 from recycle.registry import Registry
 
 
@@ -195,16 +194,7 @@ class EagleUnroller(Unroller):
         return steps
 
     def file_state(self):
-        m: EagleDrafter = self.model
-        if hasattr(m, "file_state"):  # a runtime's drafter names its own blocks (HyperEagleDrafter)
-            return m.file_state()
-        state = {k: v.detach() for k, v in m.state_dict().items()}
-        out = {k: v for k, v in state.items() if ".block." not in k}
-        for k in range(m.depth):
-            prefix = f"layers.{k}.block."
-            block = {n[len(prefix):]: v for n, v in state.items() if n.startswith(prefix)}
-            out.update({prefix + n: v for n, v in to_checkpoint_layout(block, m.config, m.family.run.block_renames).items()})
-        return out
+        return self.model.file_state()  # its blocks in their checkpoint layout (ChainedSteps.block_to_stored)
 
 
 @UNROLLERS.register("eagle3")

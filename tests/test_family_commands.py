@@ -63,6 +63,13 @@ def test_eagle_drafter_computes_the_source_modules(family_dir, tmp_path, variant
     with torch.no_grad():
         want, got = native(hidden, ids).logits, drafter(hidden, ids).logits
     assert len(want) == modules
+    # what distill writes back is what the directory stores, names and values (before, MiniMax-M3's blocks came
+    # back under transformers' own names, not its `block_conversions`, and the write-back was refused)
+    from safetensors.torch import load_file
+
+    written, stored = drafter.file_state(), load_file(str(out / "model.safetensors"))
+    assert set(written) == set(stored)
+    assert all(torch.equal(written[n].float(), stored[n].float()) for n in stored)
     for k in range(modules):
         torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-4)
 

@@ -20,6 +20,7 @@ module 0's stores `layers.{k}.head.weight` / `layers.{k}.embed.weight`.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -27,7 +28,9 @@ from torch import nn
 from recycle.drafters.registry import BUILDERS, RUNTIME_BUILDERS
 from recycle.families import BY_NAME, Family, derive
 from recycle.formats.eagle import source_model_type
-from recycle.mtp import MTP, family_config, to_runtime_layout
+from recycle.mtp import MTP, family_config, to_checkpoint_layout, to_runtime_layout
+
+T = TypeVar("T")
 
 CANONICAL = {"norm": "w", "concat_order": "eh"}  # fields of the row's `run`
 
@@ -50,6 +53,42 @@ class ChainedSteps:
     def layer_for(self, step: int):
         """Step k (0-based) runs module min(k, n-1): past the stored depth the last module repeats."""
         return self.layers[min(step, self.depth - 1)]
+
+    def block_to_stored(self, k: int, block: Mapping[str, T]) -> dict[str, T]:
+        """Module k's block tensors (names relative to its block) under the names model.safetensors stores them:
+        transformers' conversion for the block run backwards (the row's renames and its `block_conversions`). The
+        one mapping every reader and writer of a drafter directory uses (whole, or a rank's slices)."""
+        fam = self.family
+        return to_checkpoint_layout(block, self.config, fam.run.block_renames, fam.run.block_conversions)
+
+    def block_to_runtime(self, k: int, stored: Mapping[str, T]) -> dict[str, T]:
+        """The inverse of `block_to_stored`: stored block tensors as module k's block holds them (experts fused)."""
+        fam = self.family
+        return to_runtime_layout(stored, self.config, fam.run.block_renames, fam.run.block_conversions)
+
+    def file_state(self) -> dict[str, torch.Tensor]:
+        """The weights under the names model.safetensors stores (each block through `block_to_stored`)."""
+        state = {k: v.detach() for k, v in self.state_dict().items()}
+        out = {k: v for k, v in state.items() if ".block." not in k}
+        for k in range(self.depth):
+            prefix = f"layers.{k}.block."
+            block = {n[len(prefix):]: v for n, v in state.items() if n.startswith(prefix)}
+            out.update({prefix + name: t for name, t in self.block_to_stored(k, block).items()})
+        return out
+
+    def load_stored(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Load a drafter directory's stored tensors (the inverse of `file_state`), every key accounted for."""
+        runtime: dict[str, torch.Tensor] = {}
+        blocks: dict[int, dict[str, torch.Tensor]] = {}
+        for name, t in state.items():
+            parts = name.split(".", 3)
+            if parts[0] == "layers" and parts[2] == "block":
+                blocks.setdefault(int(parts[1]), {})[parts[3]] = t
+            else:
+                runtime[name] = t
+        for k, block in blocks.items():
+            runtime.update({f"layers.{k}.block.{n}": v for n, v in self.block_to_runtime(k, block).items()})
+        self.load_state_dict(runtime, strict=True)
 
     @property
     def max_steps(self) -> int | None:
@@ -112,18 +151,7 @@ def build_eagle(config_dict: Mapping, state: Mapping[str, torch.Tensor], dtype: 
     own_embeds = tuple(k for k in range(depth) if f"layers.{k}.embed.weight" in state)
     roles = ("embed_norm", "hidden_norm", "proj") + (("final_norm",) if "layers.0.final_norm.weight" in state else ())
     model = EagleDrafter(config, fam, depth, roles, own_heads, own_embeds)
-    runtime: dict[str, torch.Tensor] = {}
-    blocks: dict[int, dict[str, torch.Tensor]] = {}
-    for name, t in state.items():
-        parts = name.split(".", 3)
-        if parts[0] == "layers" and parts[2] == "block":
-            blocks.setdefault(int(parts[1]), {})[parts[3]] = t
-        else:
-            runtime[name] = t
-    for k, block in blocks.items():
-        runtime.update({f"layers.{k}.block.{n}": v for n, v in to_runtime_layout(block, config, fam.run.block_renames,
-                                                                                       fam.run.block_conversions).items()})
-    model.load_state_dict(runtime, strict=True)
+    model.load_stored(state)
     return model.to(dtype or torch.float32).eval()
 
 

@@ -37,20 +37,9 @@ class HyperEagleDrafter(ChainedSteps, DeepseekV4MTP):
         super().__init__(config, family, depth, shared={"embed": embed, "head": head})
         self.embed, self.head = embed, head
 
-    def file_state(self) -> dict[str, torch.Tensor]:
-        """The weights under the names model.safetensors stores (blocks in DeepSeek's own names)."""
-        state = {k: v.detach() for k, v in self.state_dict().items()}
-        out = {k: v for k, v in state.items() if ".block." not in k}
-        for k in range(self.depth):
-            prefix = f"layers.{k}.block."
-            block = {n[len(prefix):]: v for n, v in state.items() if n.startswith(prefix)}
-            out.update({prefix + name: t for name, t in self.block_to_stored(k, block).items()})
-        return out
-
     def block_to_stored(self, k: int, block: Mapping[str, T]) -> dict[str, T]:
-        """Module k's block tensors (names relative to its block) under the names model.safetensors stores them:
-        transformers' conversion run backwards at the module's layer index (its renames need the layer's prefix),
-        then DeepSeek's own spellings (`NATIVE_FIXES`). Per-rank readers and writers use it for a rank's slices."""
+        """`ChainedSteps.block_to_stored` for V4: transformers' conversion run backwards at the module's layer index
+        (its renames need the layer's prefix), then DeepSeek's own spellings (`NATIVE_FIXES`)."""
         at = f"layers.{int(self.config.num_hidden_layers) + k}."
         out = {}
         for name, t in to_checkpoint_layout({at + n: v for n, v in block.items()}, self.config,
@@ -61,7 +50,7 @@ class HyperEagleDrafter(ChainedSteps, DeepseekV4MTP):
         return out
 
     def block_to_runtime(self, k: int, stored: Mapping[str, T]) -> dict[str, T]:
-        """The inverse of `block_to_stored`: stored block tensors as module k's block holds them (experts fused)."""
+        """The inverse of `block_to_stored` (at the module's layer index)."""
         at = f"layers.{int(self.config.num_hidden_layers) + k}."
         return {name.removeprefix(at): t for name, t in to_runtime_layout(
             {at + n: v for n, v in stored.items()}, self.config, self.family.run.block_renames).items()}
@@ -82,15 +71,5 @@ def build(directory, config_dict: Mapping, state: Mapping[str, torch.Tensor] | N
     model = HyperEagleDrafter(config, fam, int(rc["depth"]))
     if state is None:
         return model
-    runtime: dict[str, torch.Tensor] = {}
-    blocks: dict[int, dict[str, torch.Tensor]] = {}
-    for name, t in state.items():
-        parts = name.split(".", 3)
-        if parts[0] == "layers" and parts[2] == "block":
-            blocks.setdefault(int(parts[1]), {})[parts[3]] = t
-        else:
-            runtime[name] = t
-    for k, block in blocks.items():
-        runtime.update({f"layers.{k}.block.{n}": v for n, v in model.block_to_runtime(k, block).items()})
-    model.load_state_dict(runtime, strict=True)
+    model.load_stored(state)
     return model.to(dtype or torch.float32).keep_fp32().eval()

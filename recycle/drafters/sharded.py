@@ -31,7 +31,6 @@ from recycle.drafters import load_drafter
 from recycle.errors import RecycleError
 from recycle.formats import of_directory
 from recycle.io.weights import weight_files
-from recycle.mtp import to_checkpoint_layout, to_runtime_layout
 
 WEIGHTS = "model.safetensors"
 BLOCK = ".block."
@@ -101,22 +100,17 @@ def shifted(name: str, first: int) -> str:
 
 def _read_block(files: _Files, model: nn.Module, prefix: str, rel: str, global_shape, rows) -> torch.Tensor:
     """A block tensor's rows (all of them when `rows` is None) in the runtime layout, from its stored tensor(s)."""
-    fam, config = model.family, model.config
     start, stop = rows if rows is not None else (0, global_shape[0])
     probe = torch.empty((stop - start, *global_shape[1:]), device="meta")
-    own = getattr(model, "block_to_stored", None)  # a runtime drafter's own names (DeepSeek-V4's), else the family's
-    k = int(prefix.split(".")[1]) if own else None  # `layers.{k}.block.`: the module whose names these are
-    stored = own(k, {rel: probe}) if own else to_checkpoint_layout({rel: probe}, config, fam.run.block_renames,
-                                                                   fam.run.block_conversions)
+    k = int(prefix.split(".")[1])  # `layers.{k}.block.`: the module whose names these are
+    stored = model.block_to_stored(k, {rel: probe})
     if len(stored) == 1 and tuple(next(iter(stored.values())).shape) == tuple(probe.shape):  # one tensor, its rows
         return files.read(prefix + next(iter(stored)), rows)
     if not per_expert(stored):
         raise RecycleError(f"{prefix + rel}: its stored layout cannot be read per rank")
     # per-expert tensors: this rank's experts (renumbered from 0 for the conversion), fused as from_pretrained fuses
     sub = {n: files.read(prefix + shifted(n, start), None) for n in stored}
-    fused = model.block_to_runtime(k, sub) if own else to_runtime_layout(sub, config, fam.run.block_renames,
-                                                                        fam.run.block_conversions)
-    return fused[rel]
+    return model.block_to_runtime(k, sub)[rel]
 
 
 def _fresh_buffers(model: nn.Module, computed: set[str], device: torch.device) -> None:
