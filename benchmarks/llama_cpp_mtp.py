@@ -14,6 +14,7 @@
     python benchmarks/llama_cpp_mtp.py --distill-tokens 256k --json /tmp/llama_cpp_mtp.json
     python benchmarks/llama_cpp_mtp.py --fixtures Qwen3.5 --no-stale --embedded --json /tmp/llama_cpp_qwen.json
     python benchmarks/llama_cpp_mtp.py --fixtures DeepSeek-V4 --json /tmp/llama_cpp_v4.json
+    python benchmarks/llama_cpp_mtp.py --fixtures DeepSeek-V4 --no-stale --depths 1 --side-dtypes q8_0,fp16
 
 DeepSeek-V4 (`--fixtures DeepSeek-V4`): its trained fixtures as llama.cpp takes them (`v4_for_llama_cpp`: FP4
 routed experts, indexer heads widened, the same logits), parts 1 and 3, and part 2 on
@@ -66,6 +67,8 @@ def main() -> None:
     ap.add_argument("--distill-tokens", default="256k")
     ap.add_argument("--fixtures", default=None, help="comma list of the fixtures to compare (default: all)")
     ap.add_argument("--no-stale", action="store_true", help="skip part 2 (the post-trained DeepSeek re-aligned)")
+    ap.add_argument("--side-dtypes", default="", help="also draft at n_max = 1 with the side file in these --dtype "
+                    "values (e.g. q8_0,fp16), against the f32 one")
     ap.add_argument("--embedded", action="store_true", help="also draft with llama.cpp's own GGUF holding the module "
                     "(its converter keeps it: not DeepSeek-V3's)")
     a = ap.parse_args()
@@ -85,6 +88,17 @@ def main() -> None:
         out["write_s"][name] = round(time.perf_counter() - t0, 2)
         eagle = Path(convert_checkpoint(fx, "eagle", work / f"{fx.name}-eagle", overwrite=True)["out"])
         out["agreement"][name] = compare(fx, trunk, side, eagle, code, a.max_new_tokens, depths)
+        if a.side_dtypes:  # the same module in smaller side files, llama.cpp at n_max = 1 on the same prompts
+            ids = ids_of(fx, code)
+            plain = llama_runs(trunk, None, ids, a.max_new_tokens, 1)["tokens"]
+            for dt in a.side_dtypes.split(","):
+                f = Path(convert_checkpoint(fx, "gguf", work / f"{fx.name}-side-{dt}", overwrite=True, dtype=dt,
+                                            module=0)["out"]) / "mtp.gguf"
+                ll = llama_runs(trunk, f, ids, a.max_new_tokens, 1)
+                out.setdefault("side_dtypes", {}).setdefault(name, {})[dt] = {
+                    "bytes": f.stat().st_size, "drafted": ll["drafted"], "accepted": ll["accepted"],
+                    "lossless": ll["tokens"] == plain}
+                print(name, "side file", dt, json.dumps(out["side_dtypes"][name][dt]), flush=True)
         if a.embedded:  # llama.cpp's own conversion with the module inside the one GGUF (no -md), at n_max = 1
             whole = convert_trunk(fx, work / f"{fx.name}-with-mtp-f32.gguf", mtp="keep")
             ids = ids_of(fx, code)
