@@ -15,6 +15,14 @@ directory) and resumes after a kill (`CACHE/.harvest/`: the plan and each finish
 vLLM's layer ids: k < L is the residual stream entering layer k (transformers' `hidden_states[k]`); L is
 the last layer's output *before* the final norm, so the target's final norm (read alone through the lazy
 reader) is applied here. Measured against transformers on the fixture: ≤ 2.5e-5 (fp32).
+
+`--engine transformers` runs the target in this process instead, as distill's own teacher does
+(`recycle.distill.teacher.Teacher`: the same loader, hook and dtype, so the cache holds the bytes an in-process
+`distill --cache-hidden` run stores); the held-out rows and `--self-distill` text are continued by transformers'
+`generate`, as distill continues them. It is the engine for a DeepSeek-V4 target: its drafters chain the last layer's
+hyper-connection streams, which vLLM 0.32 does not capture (its V4 model averages them), and the cache stores them
+beside the last state (`streams`, [n, T, C, H] bf16: (1 + C) × H × 2 + 8 bytes a token). Shards and resume are as
+with vLLM; data parallel is N shards, each process one target copy on its `--device`.
 """
 
 from __future__ import annotations
@@ -36,12 +44,22 @@ import torch
 from safetensors.torch import load_file
 
 from recycle.checkpoint import Checkpoint
-from recycle.distill.data import Generate, PackedStream, Regenerated, heldout_rows, regenerate_turns
+from recycle.distill.data import (
+    Generate,
+    PackedStream,
+    Regenerated,
+    heldout_rows,
+    in_process,
+    regenerate,
+    regenerate_turns,
+)
 from recycle.distill.schedule import EVAL_KEY, Schedule, eval_prompt_len
-from recycle.distill.teacher import store_features
+from recycle.distill.teacher import STREAMS_FROM_VLLM, Teacher, store_features
 from recycle.encode import load_tokenizer, source_renderer
 from recycle.errors import RecycleError
 from recycle.families import match
+from recycle.hardware import default_precision, resolve_device
+from recycle.mtp import chained_streams
 from recycle.options import HARVEST_STATE, DataOptions, HarvestOptions
 from recycle.preflight import OutputLock, load_json
 from recycle.texts import data_source
@@ -66,14 +84,18 @@ def fingerprint(target: str | os.PathLike) -> dict:
             "num_hidden_layers": int(ck.config.get("num_hidden_layers", 0))}
 
 
-def manifest_for(opts: HarvestOptions, keys: list[str], fp: dict | None = None) -> dict:
+def manifest_for(opts: HarvestOptions, keys: list[str], fp: dict | None = None, streams: int = 0) -> dict:
     return {"format": FORMAT, "target": str(Path(opts.target).resolve()), "fingerprint": fp or fingerprint(opts.target),
             "aux_layers": list(opts.aux_layers), "data": opts.data, "chat_template": opts.chat_template,
             "seq_len": opts.seq_len, "packing": opts.packing, "batch": opts.batch,
             "seed": opts.seed, "tokens": opts.tokens, "keys": keys, "dtype": "bfloat16",
-            "eval_rows": opts.eval_rows, "eval_prompt_len": opts.eval_prompt_len,
+            "eval_rows": opts.eval_rows, "eval_prompt_len": opts.eval_prompt_len, "engine": opts.engine,
+            "streams": streams,  # DeepSeek-V4: the hyper-connection streams every file holds beside the last state
             "self_distill": {"prompt_len": opts.prompt_len, "temperature": opts.sd_temperature,
-                             "continuation": "vLLM"} if opts.self_distill else None}
+                             "continuation": ENGINE_NAMES[opts.engine]} if opts.self_distill else None}
+
+
+ENGINE_NAMES = {"vllm": "vLLM", "transformers": "transformers"}  # what the manifest says wrote the continuations
 
 
 def vllm_generate(target: str, parallel: dict | None = None, gpu_memory_utilization: float | None = None) -> Generate:
@@ -95,10 +117,13 @@ def vllm_generate(target: str, parallel: dict | None = None, gpu_memory_utilizat
     return generate
 
 
-def check_manifest(cache: Path, opts: DataOptions, aux_layers: list[int], world: int) -> dict:
-    """Refuse (exit 2) a harvested cache made for other distill options: its keys would name other windows.
-    Returns the manifest."""
+def check_manifest(cache: Path, opts: DataOptions, aux_layers: list[int], world: int, streams: int = 0) -> dict:
+    """Refuse (exit 2) a harvested cache made for other distill options: its keys would name other windows, or
+    without the `streams` hyper-connection streams a DeepSeek-V4 drafter reads. Returns the manifest."""
     m = load_json(cache / MANIFEST, "cache manifest")
+    if streams and m.get("streams") != streams:
+        raise RecycleError(f"--cache-hidden {cache}: holds no hyper-connection streams, which a DeepSeek-V4 drafter "
+                           f"trains on ({streams} a token); harvest with --engine transformers")
     if world > 1 and m.get("batch") != opts.batch * world:  # each rank reads its block of every step's rows
         raise RecycleError(f"--cache-hidden {cache}: harvested with --batch {m.get('batch')} (one process); under "
                            f"{world} ranks --batch is per rank: pass --batch {m.get('batch')}/{world}"
@@ -201,9 +226,39 @@ def final_norm(target: str | os.PathLike):
     return apply
 
 
+def engine_streams(opts: HarvestOptions) -> int:
+    """The hyper-connection streams the cache must hold (a DeepSeek-V4 target's C, else 0); refused in one line for
+    vLLM, which captures none (checked before an engine starts)."""
+    streams = chained_streams(Checkpoint(opts.target).config)
+    if streams and opts.engine == "vllm":
+        raise RecycleError(STREAMS_FROM_VLLM.format(what="--engine vllm", instead="harvest with --engine transformers"))
+    return streams
+
+
+class _Local:
+    """`--engine transformers`: the target in this process, as distill's teacher runs it (its loader, its streams hook
+    for a DeepSeek-V4 target, its device and dtype), loaded once for the whole harvest."""
+
+    def __init__(self, opts: HarvestOptions, streams: int) -> None:
+        device = resolve_device(opts.device)
+        self.teacher = Teacher(opts.target, device, list(opts.aux_layers), opts.precision or default_precision(device),
+                               streams=bool(streams))
+        self.model = self.teacher.model
+        self.seconds = 0.0
+
+    def generate(self, tokenizer) -> Generate:
+        return in_process(self.model, tokenizer.pad_token_id)
+
+    def features(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        started = time.perf_counter()
+        out = self.teacher.features(ids.to(self.teacher.device))
+        self.seconds += time.perf_counter() - started
+        return out
+
+
 class _Job:
-    """What both modes share: the checked target, distill's windows, the (vLLM-regenerated) held-out rows,
-    the captured layers, and the conversion of vLLM's per-window files into one cache file per key."""
+    """What both modes share: the checked target, distill's windows, the (engine-regenerated) held-out rows,
+    the captured layers, and the conversion of the engine's features into one cache file per key."""
 
     def __init__(self, opts: HarvestOptions) -> None:
         self.opts = opts
@@ -212,26 +267,35 @@ class _Job:
         bad = [i for i in opts.aux_layers if not 0 <= i <= n]
         if bad:
             raise RecycleError(f"aux layer {bad[0]}: the target has {n} layers")
+        self.streams = engine_streams(opts)
+        if self.streams and opts.aux_layers:
+            raise RecycleError("--aux-layers: a DeepSeek-V4 drafter reads the target's streams, not aux layers")
         self.tokenizer = load_tokenizer(opts.target)
         self.target = str(Path(opts.target).resolve())
         self.chat = source_renderer(opts, self.tokenizer) is not None
         if self.chat and opts.self_distill and opts.shards()[1] > 1:  # each shard would write every conversation
             raise RecycleError("--shard with --self-distill on conversations: every shard would regenerate every "
                                "conversation; harvest them in one job (its engine takes the parallel options)")
-        gen = vllm_generate(self.target, opts.parallel, opts.gpu_memory_utilization) \
-            if self.chat and opts.self_distill else None
+        self.local = _Local(opts, self.streams) if opts.engine == "transformers" else None
+        gen = None
+        if self.chat and opts.self_distill:
+            gen = self.local.generate(self.tokenizer) if self.local is not None else \
+                vllm_generate(self.target, opts.parallel, opts.gpu_memory_utilization)
         self.batches, self.regenerated = plan(opts, self.tokenizer, gen)
-        self.norm = final_norm(opts.target)
+        self.norm = final_norm(opts.target) if self.local is None else None  # transformers' states are normed
         self.layers = [*opts.aux_layers, n] if n not in opts.aux_layers else list(opts.aux_layers)
         self.eval, self.prompt, self.eval_mask = eval_rows(opts, self.tokenizer, gen)
 
     def regenerate_eval(self) -> None:
-        """The held-out rows' continuations, written by the target in vLLM (greedy, as distill does)."""
+        """The held-out rows' continuations, written by the target (greedy, as distill does)."""
         from recycle.engines.vllm_env import run_job
 
         if not self.prompt:
             return
         ev, p = self.eval, self.prompt
+        if self.local is not None:  # distill's own call (`setup._heldout`)
+            self.eval = regenerate(self.local.model, ev, p, 0.0, self.opts.seed)
+            return
         gen = run_job({"target": self.target, "prompt_ids": ev[:, :p].tolist(), "max_new_tokens": ev.shape[1] - p,
                        "runs": [{"name": "eval", "speculative_config": None}],
                        **self.engine()})["eval"]
@@ -266,6 +330,9 @@ class _Job:
                 for r, row in enumerate(ids)]
         if not todo:
             return items
+        if self.local is not None:  # each window continued by transformers, sampled with seed + its first row's index
+            return [(key, regenerate(self.local.model, ids, p, self.opts.sd_temperature, self.opts.seed + first[key]),
+                     None) if key in first and ids.shape[1] > p else (key, ids, mask) for key, ids, mask in items]
         gen = run_job({"target": self.target, "prompt_ids": [row[:p].tolist() for _, row in todo],
                        "max_new_tokens_each": [len(row) - p for _, row in todo], "temperature": self.opts.sd_temperature,
                        "seed": self.opts.seed, "seed_each": [self.opts.seed + r for r, _ in todo],
@@ -281,14 +348,15 @@ class _Job:
                 for key, ids, mask in items]
 
     def manifest(self, extra: dict | None = None) -> dict:
-        m = manifest_for(self.opts, [k for k, _, _ in self.batches], self.fp)
+        m = manifest_for(self.opts, [k for k, _, _ in self.batches], self.fp, self.streams)
+        by = ENGINE_NAMES[self.opts.engine]
         m["eval"] = {"rows": int(self.eval.shape[0]), "seq_len": int(self.eval.shape[1]), "prompt_len": self.prompt,
-                     "continuation": "vLLM greedy" if self.prompt else "the target's own assistant turns (vLLM)"
+                     "continuation": f"{by} greedy" if self.prompt else f"the target's own assistant turns ({by})"
                      if self.regenerated is not None else "none (the held-out text itself)"}
         if self.chat:
             m["chat"] = {"assistant_mask": "stored with every key",
                          "regenerated": f"{REGENERATED} ({len(self.regenerated.done)} conversations, every assistant "
-                         "turn written by the target in vLLM)" if self.regenerated is not None else None}
+                         f"turn written by the target in {by})" if self.regenerated is not None else None}
         return m | (extra or {})
 
     def save_regenerated(self, dest: Path) -> None:
@@ -320,6 +388,14 @@ class _Job:
         store_features(dest, ids, last, aux, mask)
         for f in files:
             Path(f).unlink(missing_ok=True)
+
+    def store_local(self, dest: Path, ids: torch.Tensor, mask: torch.Tensor | None = None) -> None:
+        """One key's cache file from the target in this process: its features as distill's teacher stores them."""
+        last, aux = self.local.features(ids)
+        if self.streams:
+            store_features(dest, ids, last, None, mask, streams=aux)
+        else:
+            store_features(dest, ids, last, aux, mask)
 
 
 def _atomic_json(path: Path, obj: dict) -> None:
@@ -357,7 +433,7 @@ def _stored_ids(path: Path, ids: torch.Tensor, prefix: int) -> bool:
 
 
 def harvest(opts: HarvestOptions, progress=None) -> dict:
-    """Run the target in vLLM over distill's windows (shard i/N of them with --shard) and write the cache directory.
+    """Run the target in vLLM (or in transformers, `--engine transformers`) over distill's windows (shard i/N of them with --shard) and write the cache directory.
 
     Streamed: one engine stays up and is fed CHUNK_WINDOWS windows at a time; each key's vLLM files become its cache
     file as they arrive, on `--convert-workers` threads. Resumable: every key's cache file is written whole (temp +
@@ -407,7 +483,14 @@ def harvest(opts: HarvestOptions, progress=None) -> dict:
             job.regenerate_eval()
             todo = [(k, job.eval, m) if k == EVAL_KEY else (k, ids, m) for k, ids, m in todo]
         todo = job.regenerate_windows(todo)
-        engine = _extract(job, out, state / f"feed-{index}", todo, progress)
+        if job.local is not None:
+            for key, ids, mask in todo:  # one key at a time, each file whole before the next (resumable)
+                job.store_local(out / f"{key}.safetensors", ids, mask)
+                if progress is not None:
+                    progress(key)
+            engine = {"seconds": job.local.seconds}
+        else:
+            engine = _extract(job, out, state / f"feed-{index}", todo, progress)
         seconds = float(engine.get("seconds", 0.0))
         tokens = sum(int(ids.numel()) for key, ids, _ in items if key != EVAL_KEY)
         fed = sum(int(ids.numel()) for _, ids, _ in todo)
@@ -421,8 +504,10 @@ def harvest(opts: HarvestOptions, progress=None) -> dict:
     size = sum(p.stat().st_size for p in files)
     return {"out": str(out), "files": len(files), "bytes": size, "tokens": tokens, "shard": f"{index}/{count}",
             "keys": len(items), "keys_resumed": len(items) - len(todo), "complete": complete,
-            "vllm_seconds": round(seconds, 3), "vllm_tokens_per_s": round(fed / seconds) if seconds else 0,
-            "vllm_connector": engine.get("connector"),
+            "engine": opts.engine, "engine_seconds": round(seconds, 3),
+            "engine_tokens_per_s": round(fed / seconds) if seconds else 0, "streams": job.streams,
+            **({"vllm_seconds": round(seconds, 3), "vllm_tokens_per_s": round(fed / seconds) if seconds else 0,
+                "vllm_connector": engine.get("connector")} if opts.engine == "vllm" else {}),
             "seconds": round(time.perf_counter() - started, 3),
             "options": asdict(opts) | {"aux_layers": list(opts.aux_layers)},
             "bytes_per_token": round(size / max(1, tokens))}

@@ -17,8 +17,10 @@ from pathlib import Path
 
 from recycle.distill.experts import expert_modules, expert_params
 from recycle.distill.memory import GB, GIB, MemoryPlan, config_drafter, for_options, target_counts
+from recycle.distill.teacher import STREAMS_FROM_VLLM
 from recycle.errors import RecycleError
 from recycle.hardware import gpu as find_gpu
+from recycle.mtp import chained_streams
 
 # The MFU (achieved over peak dense bf16 FLOPs) the wall-clock lines are given at: a stated range, not a
 # measurement. Distillation: small MoE modules, vocabulary-wide heads recomputed in chunks, expert rows exchanged.
@@ -182,7 +184,8 @@ JOB_DERIVATION = {
                        "whole file in memory (torch/distributed/checkpoint/filesystem.py:436-467); × ranks per node",
     "host.end": "per rank: the process + 2 × its share of the output (the drafter's parameters at the output's dtype "
                 "over the ranks, each writing its part of the shards); × ranks per node",
-    "storage.cache": "tokens × (8 B ids + H × 2 B last state + aux layers × H × 2 B), one file per global batch "
+    "storage.cache": "tokens × (8 B ids + H × 2 B last state + (aux layers or DeepSeek-V4's C streams) × H × 2 B), one "
+                     "file per global batch "
                      "(batch per rank × ranks × seq-len tokens; harvest --plan: its --batch × seq-len)",
     "storage.window": "--online N (or --teacher-ahead) steps' files of one global batch each",
     "storage.checkpoint": "trainable × (4 + 8) B (fp32 weights, AdamW) + frozen × their bytes",
@@ -244,11 +247,14 @@ def plan_job(opts, world: int, gpu: str | None, tokens: int | None, node_gpus: i
                "file_bytes": tokens_per_file * bpt, "tokens_per_file": tokens_per_file,
                "checkpoint_bytes": mem.trainable * 12 + frozen * c["frozen_bytes"],
                "best_bytes": mem.trainable * 4, "output_bytes": mem.params * body_dtype}
-    if mem.options.get("streams"):  # DeepSeek-V4: no cache holds the streams its modules read (distill refuses one)
-        storage = {k: v for k, v in storage.items() if not k.startswith(("cache_", "eagle3_", "file_", "tokens_per"))}
-    elif tokens is not None:
-        storage |= {"cache_bytes": tokens * bpt, "eagle3_cache_bytes": tokens * storage["eagle3_bytes_per_token"],
-                    "cache_files": math.ceil(tokens / tokens_per_file)}
+    if mem.options.get("streams"):  # DeepSeek-V4: the cache holds the C streams its modules read beside the last state
+        bpt = cache_bytes_per_token(c["hidden"], mem.options["streams"])
+        storage = {k: v for k, v in storage.items() if not k.startswith("eagle3_")}
+        storage |= {"cache_bytes_per_token": bpt, "file_bytes": tokens_per_file * bpt, "streams": mem.options["streams"]}
+    if tokens is not None:
+        storage |= {"cache_bytes": tokens * bpt, "cache_files": math.ceil(tokens / tokens_per_file)}
+        if "eagle3_bytes_per_token" in storage:
+            storage["eagle3_cache_bytes"] = tokens * storage["eagle3_bytes_per_token"]
     if opts.online or opts.teacher:  # the disk holds only the window ahead of training
         storage["window_bytes"] = (opts.online or opts.teacher_ahead) * storage["file_bytes"]
     fl = drafter_flops(opts.drafter, o["draft_steps"], o["seq_len"], o["activation_checkpointing"])
@@ -264,10 +270,11 @@ def plan_job(opts, world: int, gpu: str | None, tokens: int | None, node_gpus: i
     if in_process and mem.fits:
         teacher |= {"verdict": "beside", "text": "fits beside the trainer: in process, whole on every rank "
                     "(the memory table counts it)"}
-    elif mem.options.get("streams"):  # DeepSeek-V4: no server or cache carries the streams its modules read
-        teacher |= {"verdict": "in_process_only", "text": "runs in process only, whole on every rank: DeepSeek-V4's "
-                    "modules read its hyper-connection streams, which no harvest cache or teacher server holds"
-                    + ("; the memory table says it does not fit" if mem.fits is False else "")}
+    elif mem.options.get("streams") and teacher.get("verdict") is not None:  # DeepSeek-V4: no server carries them
+        gpus = teacher.get("gpus_alone")
+        teacher |= {"verdict": "harvest_only", "text": f"harvest it ahead with the target in transformers on "
+                    f"{gpus} GPUs of its own (recycle harvest --engine transformers --shard i/N, then --cache-hidden; "
+                    "a teacher server cannot: vLLM does not capture DeepSeek-V4's hyper-connection streams)"}
     time = {}
     if g is not None and tokens is not None:
         time["distill"] = hours(tokens * fl["distill"], world, g.bf16_tflops, DISTILL_MFU)
@@ -291,14 +298,19 @@ def check_host(job: JobPlan) -> None:
 
 
 def harvest_plan(target: str | Path, tokens: int, seq_len: int, batch: int, gpu: str | None, gpus: int,
-                 aux_layers: int = 0) -> dict:
+                 aux_layers: int = 0, engine: str = "vllm") -> dict:
     """`recycle harvest --plan`: the cache's storage, the teacher's prefill FLOPs and hours on `gpus` devices of
-    `gpu`, and the GPUs its weights need."""
+    `gpu`, and the GPUs its weights need. `engine` "transformers": the target dequantized to bf16 in one process per
+    shard, on one device (recycle's loader places no model over several), and a DeepSeek-V4 target's C streams in
+    every file; vLLM refuses such a target (it captures no streams)."""
     t = target_counts(str(Path(target).expanduser()))
-    bpt = cache_bytes_per_token(int(t.config["hidden_size"]), aux_layers)
-    weights, scheme = teacher_weight_bytes(target)
-    out = {"tokens": tokens, "cache_bytes_per_token": bpt, "cache_bytes": tokens * bpt,
-           "file_bytes": batch * seq_len * bpt, "cache_files": math.ceil(tokens / (batch * seq_len)),
+    streams = chained_streams(t.config)
+    if streams and engine == "vllm":
+        raise RecycleError(STREAMS_FROM_VLLM.format(what="--engine vllm", instead="plan it with --engine transformers"))
+    bpt = cache_bytes_per_token(int(t.config["hidden_size"]), aux_layers + streams)
+    weights, scheme = teacher_weight_bytes(target) if engine == "vllm" else (t.trunk * 2, "bf16, dequantized")
+    out = {"tokens": tokens, "cache_bytes_per_token": bpt, "cache_bytes": tokens * bpt, "engine": engine,
+           "streams": streams, "file_bytes": batch * seq_len * bpt, "cache_files": math.ceil(tokens / (batch * seq_len)),
            "teacher_flops_per_token": teacher_flops(target, seq_len), "weight_bytes": weights, "scheme": scheme,
            "gpus": gpus, "derivation": {"storage.cache": JOB_DERIVATION["storage.cache"], "time": JOB_DERIVATION["time"]}}
     if gpu:
@@ -307,6 +319,9 @@ def harvest_plan(target: str | Path, tokens: int, seq_len: int, batch: int, gpu:
         out |= {"gpu": g.key, "gpus_needed": need, "prefill_mfu": PREFILL_MFU,
                 "time_hours": hours(tokens * out["teacher_flops_per_token"], max(gpus, need), g.bf16_tflops,
                                     PREFILL_MFU)}
+        if engine == "transformers":  # one device per process: the whole target on it, or nothing runs
+            out["fits_one_device"] = need == 1
+            out["time_hours"] = hours(tokens * out["teacher_flops_per_token"], gpus, g.bf16_tflops, PREFILL_MFU)
     return out
 
 
@@ -335,9 +350,11 @@ def lines(d: dict) -> list[str]:
                f"{_gb(d['host_ram_bytes'])}")
     s = d["storage"]
     cache = (f"offline cache {_gb(s['cache_bytes'])} in {s['cache_files']} files of {_gb(s['file_bytes'])} "
-             f"({s['cache_bytes_per_token']} B/token; EAGLE-3: {_gb(s['eagle3_cache_bytes'])})"
-             if "cache_bytes" in s else f"offline cache {s['cache_bytes_per_token']} B/token (--tokens for the total)"
-             if "cache_bytes_per_token" in s else "no offline cache (none holds DeepSeek-V4's streams)")
+             f"({s['cache_bytes_per_token']} B/token"
+             + (f"; EAGLE-3: {_gb(s['eagle3_cache_bytes'])})" if "eagle3_cache_bytes" in s else ")")
+             if "cache_bytes" in s else f"offline cache {s['cache_bytes_per_token']} B/token (--tokens for the total)")
+    if s.get("streams"):
+        cache += f", DeepSeek-V4's {s['streams']} hyper-connection streams included"
     window = f"; online window {_gb(s['window_bytes'])}" if "window_bytes" in s else ""
     out.append(f"storage: {cache}{window}; checkpoint {_gb(s['checkpoint_bytes'])}, best snapshot "
                f"{_gb(s['best_bytes'])}, output {_gb(s['output_bytes'])}")
@@ -365,9 +382,16 @@ def harvest_lines(d: dict) -> list[str]:
            f"{_gb(d['file_bytes'])} ({d['cache_bytes_per_token']} B/token)",
            f"teacher prefill {_g(d['teacher_flops_per_token'])}FLOP/token; weights {_gb(d['weight_bytes'])} "
            f"({d['scheme']})"]
-    if "gpu" in d:
+    if d.get("streams"):
+        out.append(f"every file holds DeepSeek-V4's {d['streams']} hyper-connection streams beside the last state")
+    if "gpu" in d and d.get("fits_one_device") is False:
+        out.append(f"{d['gpu']}: --engine transformers holds the whole target ({_gb(d['weight_bytes'])} {d['scheme']}) "
+                   f"on one device per shard; it needs {d['gpus_needed']}: it does not run there")
+    elif "gpu" in d:
         out.append(f"{d['gpu']}: its weights need {d['gpus_needed']} GPU(s); {_h(d['time_hours'])} on "
-                   f"{max(d['gpus'], d['gpus_needed'])} at MFU {d['prefill_mfu'][1]:.0%}-{d['prefill_mfu'][0]:.0%}")
+                   f"{max(d['gpus'], d['gpus_needed'])} at MFU {d['prefill_mfu'][1]:.0%}-{d['prefill_mfu'][0]:.0%}"
+                   + (" (vLLM's range: transformers' eager forward is slower, not measured)"
+                      if d.get("engine") == "transformers" else ""))
     return out
 
 

@@ -49,6 +49,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from recycle.distill.experts import EXCHANGE, EXCHANGE_ENV, expert_modules, expert_params, shardable
 from recycle.distill.freeze import freeze
 from recycle.distill.losses import LOSS_CHUNK_ROWS
+from recycle.distill.teacher import HARVEST_STREAMS, STREAMS_FROM_VLLM
 from recycle.errors import RecycleError
 from recycle.formats import of_config
 from recycle.preflight import load_json
@@ -438,7 +439,8 @@ def term_tensors(term) -> int:
 
 
 def plan(drafter: str | Path, target: str | Path, *, batch: int, seq_len: int, draft_steps: int | None,
-         world: int = 1, precision: str = "fp32", cached_teacher: bool = False, groups: tuple[str, ...] = (),
+         world: int = 1, precision: str = "fp32", cached_teacher: bool = False, served: bool = False,
+         groups: tuple[str, ...] = (),
          gpu: str | None = None, device_bytes: int | None = None, micro_batch: int | None = None,
          fsdp: bool = False, activation_checkpointing: bool = False, eval_rows: int = 16,
          loss_terms: tuple = ()) -> MemoryPlan:
@@ -454,10 +456,8 @@ def plan(drafter: str | Path, target: str | Path, *, batch: int, seq_len: int, d
 
     model, config, body, family = config_drafter(Path(drafter).expanduser())
     hc = streams_of(model)  # DeepSeek-V4: the teacher's hyper-connection streams beside its final state, C wide
-    if hc and cached_teacher:
-        raise RecycleError("a DeepSeek-V4 drafter trains on the target's hyper-connection streams, which neither a "
-                           "harvested cache nor a teacher server holds: plan it with the target loaded, without "
-                           "--cache-hidden or --teacher")
+    if hc and served:
+        raise RecycleError(STREAMS_FROM_VLLM.format(what="--teacher (a vLLM server)", instead=HARVEST_STREAMS))
     # its own freeze: the embedding and head, which are the teacher's own tensors in a run (adopt_target_io)
     unroller = EagleUnroller(model, draft_steps or EagleUnroller.default_steps)
     io_params = sum(p.numel() for n, p in model.named_parameters() if unroller.frozen(n))  # counted as the teacher's
@@ -595,9 +595,8 @@ def advice(p: MemoryPlan) -> str:
         tips.append("--freeze experts")
     if o["teacher"] == "in process" and p.parts["teacher"] > 0.3 * p.per_rank_bytes:
         tips.append("a harvested teacher (recycle harvest, then --cache-hidden) or a served one (recycle teacher "
-                    "serve, then --teacher URL)" if not o.get("streams") else "nothing moves the teacher out: "
-                    "DeepSeek-V4's modules read its hyper-connection streams, which no harvest cache or teacher "
-                    "server holds, so it runs in process, whole on every rank")
+                    "serve, then --teacher URL)" if not o.get("streams") else "a harvested teacher (recycle harvest "
+                    "--engine transformers, which keeps DeepSeek-V4's hyper-connection streams, then --cache-hidden)")
     if o["world_size"] < 8 and p.parts["optimizer"] > 0.2 * p.per_rank_bytes:
         tips.append(f"more ranks (--world-size {max(2, o['world_size'] * 2)}: FSDP2 shards what trains)")
     if not o["activation_checkpointing"] and p.parts["activations_blocks"] > 0.2 * p.per_rank_bytes:
@@ -626,7 +625,8 @@ def for_options(opts, world: int = 1, gpu: str | None = None, device_bytes: int 
     def at(length: int) -> MemoryPlan:  # a window length's plan: its rows per step keep the step's tokens
         return plan(opts.drafter, opts.target, batch=max(1, opts.batch * opts.seq_len // length), seq_len=length,
                     draft_steps=opts.draft_steps, world=world, precision=precision,
-                    cached_teacher=bool(opts.cache_hidden or opts.teacher), groups=tuple(opts.freeze),
+                    cached_teacher=bool(opts.cache_hidden or opts.teacher), served=bool(opts.teacher),
+                    groups=tuple(opts.freeze),
                     gpu=gpu, device_bytes=device_bytes, micro_batch=opts.micro_batch, fsdp=fsdp,
                     activation_checkpointing=opts.activation_checkpointing, eval_rows=opts.eval_rows,
                     loss_terms=opts.loss.terms() if opts.loss is not None else ())

@@ -41,11 +41,11 @@ from recycle.distill.data import (
 )
 from recycle.distill.freeze import check_groups, freeze, lower_frozen
 from recycle.distill.harvest import OnlineFollower, OnlineHarvest, check_manifest
-from recycle.distill.memory import check, for_options, plans
+from recycle.distill.memory import check, for_options, plans, streams_of
 from recycle.distill.remote import Remote, check_online_fits, connect
 from recycle.distill.schedule import EVAL_KEY, Schedule, eval_prompt_len
 from recycle.distill.sharding import Ranks, Sharding, join, shard
-from recycle.distill.teacher import Teacher, TeacherOut
+from recycle.distill.teacher import HARVEST_STREAMS, STREAMS_FROM_VLLM, Teacher, TeacherOut
 from recycle.distill.unroll import Unroller, unroller_for
 from recycle.drafters import load_drafter
 from recycle.drafters.sharded import materialize, meta_drafter
@@ -53,21 +53,15 @@ from recycle.encode import load_tokenizer, quiet_transformers, source_renderer
 from recycle.errors import RecycleError
 from recycle.fit import check_drafter
 from recycle.formats import DrafterFormat, of_directory
-from recycle.hardware import cpu_has_bf16
+from recycle.hardware import default_precision
 from recycle.io.writer import OutputDir
+from recycle.mtp import chained_streams
 from recycle.options import DistillOptions, HarvestOptions, LossConfig
 from recycle.preflight import OutputLock
 from recycle.texts import DataSource, plural
 
 PASSES_WARN = 4  # a budget above this many passes over the training side gets a warning (it will overfit)
 PHASE_QUIET_S = 2.0  # a setup phase that runs longer than this says so
-
-
-def default_precision(device: torch.device) -> str:
-    """bf16 autocast where the hardware has it (CUDA, AVX512-BF16, AMX); fp32 where bf16 is emulated."""
-    if device.type == "cuda":
-        return "bf16"
-    return "bf16" if cpu_has_bf16() else "fp32"
 
 
 def lr_lambda(total_steps: int, warmup: float, min_lr: float) -> Callable[[int], float]:
@@ -220,6 +214,9 @@ def _check(run: Run) -> None:
     run.drafter_config = load_json(src / "config.json", "drafter config.json")
     run.target_config = load_json(tgt / "config.json", "target config.json")
     check_drafter(run.fmt, run.drafter_config, run.target_config, src, tgt, str(src))
+    if (o.teacher is not None or o.online) and chained_streams(run.target_config):  # before a server is asked
+        raise RecycleError(STREAMS_FROM_VLLM.format(what="--teacher" if o.teacher else "--online",
+                                                    instead=HARVEST_STREAMS))
     if o.teacher is not None:  # the server answers, for this target and these layers: before anything loads or is written
         if run.unroller.needs_kv:
             raise RecycleError(f"--teacher: a {run.fmt.title} trains on the target's own K/V cache, which no server "
@@ -396,14 +393,15 @@ def _models(run: Run, device: torch.device, precision: str, model: torch.nn.Modu
     o, ranks, data = run.opts, run.ranks, run.data
     harvested = None
     if o.cache_hidden and (Path(o.cache_hidden) / "manifest.json").is_file():  # made by `recycle harvest`
-        harvested = check_manifest(Path(o.cache_hidden), o, aux_layers=aux or [], world=ranks.world)
+        harvested = check_manifest(Path(o.cache_hidden), o, aux_layers=aux or [], world=ranks.world,
+                                   streams=streams_of(model))
     # A harvested cache holds every window and the evaluation rows: the trunk is never loaded.
     remote = producer if o.teacher else None  # the server computes every feature: embedding and head alone here
     trunk = harvested is None and remote is None
     with run.phase("loading the target" if trunk else "loading the target's embedding and head"):
         teacher = Teacher(o.target, device, aux, precision, o.cache_hidden, trunk=trunk,
                           producer=None if remote else producer, kv=run.unroller.needs_kv, remote=remote,
-                          streams=getattr(model, "reads", None) == "streams")
+                          streams=bool(streams_of(model)))
     if remote is not None:  # the probe: the server's greedy token from its last state, normed and projected here
         remote.probe(teacher.logits, int(teacher.embed.weight.shape[1]))
     from_meta = next(model.parameters()).is_meta  # sharded from the start (`build`): materialised once sharded

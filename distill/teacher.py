@@ -12,7 +12,11 @@ Features: "last" = the decoder's output after its final norm (what MTP modules, 
 and Medusa heads read); aux layer i = transformers' `hidden_states[i]`, the input of decoder layer i
 (EAGLE-3's `eagle_aux_hidden_state_layer_ids`), the same taps the decoder uses
 (`recycle.decoding.target`); for a drafter of DeepSeek-V4's modules, in place of aux layers, the last decoder
-layer's output: the trunk's hyper-connection streams (the decoder's "streams" tap).
+layer's output: the trunk's hyper-connection streams (the decoder's "streams" tap), [B, L, C, H], cached under
+"streams" (C × H × 2 bytes a token beside the last state's H × 2: 32 KiB at V4-Flash's 4 × 4096, 56 KiB at V4-Pro's
+4 × 7168). vLLM captures no streams (0.32 hands over their mean, on every platform: `models/deepseek_v4/*/model.py`,
+`aux_recon.mean(dim=1)`), so a stream cache comes from `recycle harvest --engine transformers` or from this
+process's own `--cache-hidden`.
 """
 
 from __future__ import annotations
@@ -121,15 +125,15 @@ class Teacher:
             self.kv_layers = kv_source_layers(self.config)
             window = getattr(self.config, "sliding_window", None)
             self.max_len = window - 1 if window and "sliding_attention" in self.kv_layers else None
-        self.streams: dict[str, torch.Tensor] | None = None
-        if streams:  # DeepSeek-V4's modules chain the last layer's output: kept by a hook, never cached or served
-            if self.decoder is None or cache_dir is not None or remote is not None or producer is not None:
-                raise RecycleError("a DeepSeek-V4 drafter trains on the target's hyper-connection streams, which "
-                                   "neither a harvested cache nor a teacher server holds: run it with the target "
-                                   "loaded, without --cache-hidden or --teacher")
-            self.streams = {}
-            self.decoder.layers[-1].register_forward_hook(
-                lambda module, args, out: self.streams.__setitem__("last", out[0] if isinstance(out, tuple) else out))
+        self.streams = streams  # DeepSeek-V4's modules chain the last layer's output, its hyper-connection streams
+        self._tapped: dict[str, torch.Tensor] = {}
+        if streams:
+            if remote is not None or producer is not None:
+                raise RecycleError(STREAMS_FROM_VLLM.format(what="--teacher and --online (a vLLM teacher)",
+                                                            instead=HARVEST_STREAMS))
+            if self.decoder is not None:  # kept by a hook as the last layer leaves them (a cache's file: "streams")
+                self.decoder.layers[-1].register_forward_hook(
+                    lambda module, args, out: self._tapped.__setitem__("last", out[0] if isinstance(out, tuple) else out))
         self.aux_layers = list(aux_layers or [])
         for i in self.aux_layers:
             if not 0 <= i <= self.num_layers:
@@ -150,8 +154,8 @@ class Teacher:
         with autocast(self.device, self.precision):
             out = self.decoder(input_ids=ids, use_cache=False, output_hidden_states=bool(self.aux_layers))
         last = out.last_hidden_state
-        if self.streams is not None:
-            return last, self.streams.pop("last")
+        if self.streams:
+            return last, self._tapped.pop("last")
         aux = torch.cat([out.hidden_states[i] for i in self.aux_layers], dim=-1) if self.aux_layers else None
         return last, aux
 
@@ -242,33 +246,45 @@ class Teacher:
         if not path.is_file():
             return None
         try:
-            t = self._read(key, ("input_ids", "last", "aux"))
+            t = self._read(key, ("input_ids", "last", STREAMS_KEY if self.streams else "aux"))
         except Exception:  # a torn or foreign file: recompute and overwrite it
             return None
         if not torch.equal(t.get("input_ids", torch.empty(0)), ids.cpu()):
             return None  # other data at this key: the cache belongs to another run's stream
-        if bool(self.aux_layers) != ("aux" in t):
+        if (STREAMS_KEY in t) != self.streams or (not self.streams and bool(self.aux_layers) != ("aux" in t)):
             return None
         dtype = torch.bfloat16 if self.precision == "bf16" else torch.float32
         last = t["last"].to(self.device, dtype)
-        aux = t["aux"].to(self.device, dtype) if "aux" in t else None
-        return last, aux
+        aux = t.get(STREAMS_KEY if self.streams else "aux")
+        return last, aux.to(self.device, dtype) if aux is not None else None
 
     def _store(self, key: str, ids: torch.Tensor, last: torch.Tensor, aux: torch.Tensor | None) -> None:
-        store_features(self._path(key), ids, last, aux)
+        if self.streams:  # what the teacher hands over as aux is the streams: stored under their own name
+            store_features(self._path(key), ids, last, None, streams=aux)
+        else:
+            store_features(self._path(key), ids, last, aux)
 
 
 MASK_KEY = "assistant_mask"  # conversations: which positions are assistant tokens (bool, as the ids)
+STREAMS_KEY = "streams"  # DeepSeek-V4 targets: the last decoder layer's hyper-connection streams [n, T, C, H]
+STREAMS_FROM_VLLM = ("a DeepSeek-V4 target's features are its hyper-connection streams (its drafters chain them) and "
+                     "their hc_head mix (its last state), and vLLM 0.32 captures neither: its V4 model hands over the "
+                     "streams' mean (models/deepseek_v4/*/model.py, aux_recon.mean(dim=1)), so {what} cannot feed "
+                     "it: {instead}")
+HARVEST_STREAMS = "harvest them with `recycle harvest --engine transformers` and pass --cache-hidden, or run the " \
+                  "target in this process"
 
 
 def store_features(path: Path, ids: torch.Tensor, last: torch.Tensor, aux: torch.Tensor | None,
-                   mask: torch.Tensor | None = None) -> None:
+                   mask: torch.Tensor | None = None, streams: torch.Tensor | None = None) -> None:
     """One `--cache-hidden` file (the one format the distiller and `recycle harvest` write): input ids,
-    the final-normed last state and the concatenated aux layers, bf16, and for conversations the assistant mask,
-    written atomically."""
+    the final-normed last state and the concatenated aux layers (or a DeepSeek-V4 target's streams), bf16, and for
+    conversations the assistant mask, written atomically."""
     tensors = {"input_ids": ids.cpu().contiguous(), "last": last.to(torch.bfloat16).cpu().contiguous()}
     if aux is not None:
         tensors["aux"] = aux.to(torch.bfloat16).cpu().contiguous()
+    if streams is not None:
+        tensors[STREAMS_KEY] = streams.to(torch.bfloat16).cpu().contiguous()
     if mask is not None:
         tensors[MASK_KEY] = mask.to(torch.bool).cpu().contiguous()
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")

@@ -285,8 +285,9 @@ def distill(opts: DistillOptions, memory_plan: f.MemoryPlan = False, world_size:
 @user_errors
 @f.options(HarvestOptions, "target tokens out drafter data seq_len packing batch seed self_distill prompt_len "
            "sd_temperature "
-           "chat_template tensor_parallel_size pipeline_parallel_size enable_expert_parallel data_parallel_size "
-           "gpu_memory_utilization shard convert_workers plan gpu overwrite json_out", tokens=f.REQUIRED)
+           "chat_template engine tensor_parallel_size pipeline_parallel_size enable_expert_parallel data_parallel_size "
+           "gpu_memory_utilization device precision shard convert_workers plan gpu overwrite json_out",
+           tokens=f.REQUIRED)
 def harvest(opts: HarvestOptions, drafter: f.HarvestDrafter = None, tensor_parallel_size: f.TensorParallel = 1,
             pipeline_parallel_size: f.PipelineParallel = 1, enable_expert_parallel: f.ExpertParallel = False,
             data_parallel_size: f.DataParallel = 1, json_out: f.Json = False) -> None:
@@ -295,10 +296,12 @@ def harvest(opts: HarvestOptions, drafter: f.HarvestDrafter = None, tensor_paral
 
     The windows are exactly those `recycle distill` with the same --tokens/--data/--seq-len/--batch/--seed reads;
     vLLM runs in the environment recycle manages (built on first use): its CUDA build in bf16 where torch sees a GPU,
-    its CPU build in fp32 elsewhere.
+    its CPU build in fp32 elsewhere. `--engine transformers` runs the target in this process as distill's teacher
+    does: the engine for DeepSeek-V4, whose hyper-connection streams vLLM does not capture.
 
     Example: `recycle harvest --target fixtures/deepseek_v3_mtp --tokens 64k -o /tmp/ds-cache`, then
     `recycle distill /tmp/ds-eagle --target fixtures/deepseek_v3_mtp --tokens 64k --cache-hidden /tmp/ds-cache`.
+    DeepSeek-V4: `recycle harvest --target fixtures/deepseek_v4_mtp --engine transformers --tokens 64k -o /tmp/v4`.
     Data parallel: N shards (`--shard i/N`, one engine each, any nodes, one shared -o); a killed harvest resumes
     when run again with the same options.
     """
@@ -321,7 +324,7 @@ def harvest(opts: HarvestOptions, drafter: f.HarvestDrafter = None, tensor_paral
 
         aux = len(aux_layers_of(drafter, opts.target)) if drafter is not None else 0
         engines = opts.shards()[1] * tensor_parallel_size * pipeline_parallel_size
-        data = harvest_plan(opts.target, opts.tokens, opts.seq_len, opts.batch, opts.gpu, engines, aux)
+        data = harvest_plan(opts.target, opts.tokens, opts.seq_len, opts.batch, opts.gpu, engines, aux, opts.engine)
         if json_out:
             return print_json(data)
         for line in harvest_lines(data):
@@ -335,11 +338,15 @@ def harvest(opts: HarvestOptions, drafter: f.HarvestDrafter = None, tensor_paral
         from recycle.formats import aux_layers_of
 
         opts.aux_layers = aux_layers_of(drafter, opts.target)
+    from recycle.distill.harvest import engine_streams
     from recycle.distill.harvest import harvest as run
     from recycle.report import Reporter, render_harvest
 
+    engine_streams(opts)  # a DeepSeek-V4 target in vLLM: refused before the note
+
     if not json_out:
-        note("harvest: running the target in vLLM (engine start: about a minute on a CPU)")
+        note("harvest: running the target in vLLM (engine start: about a minute on a CPU)" if opts.engine == "vllm"
+             else "harvest: loading the target in this process (transformers)")
     with Reporter("writing cache", quiet=json_out) as bar:
         data_out = run(opts, progress=bar.counter("harvest: {n} cache files written"))
     print_json(data_out) if json_out else render_harvest(data_out)
@@ -369,9 +376,14 @@ def teacher_serve(opts: TeacherServeOptions) -> None:
     opts.validate()
     from recycle.distill.harvest import fingerprint
     from recycle.distill.remote import needed_layers, served_name
+    from recycle.distill.teacher import HARVEST_STREAMS, STREAMS_FROM_VLLM
     from recycle.engines import teacher_serve as ts
     from recycle.engines.vllm_env import engine_args, platform, vllm_python
+    from recycle.mtp import chained_streams
+    from recycle.preflight import load_json
 
+    if chained_streams(load_json(Path(opts.target) / "config.json", "config.json")):
+        raise RecycleError(STREAMS_FROM_VLLM.format(what="a vLLM teacher server", instead=HARVEST_STREAMS))
     n = fingerprint(opts.target)["num_hidden_layers"]
     bad = [i for i in opts.aux_layers if i > n]
     if bad:

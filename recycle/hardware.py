@@ -157,6 +157,14 @@ def cpu_has_bf16() -> bool:
     return bool(caps.get("avx512_bf16") or caps.get("amx_bf16"))
 
 
+def default_precision(device: torch.device) -> str:
+    """bf16 autocast where the hardware has it (CUDA, AVX512-BF16, AMX); fp32 where bf16 is emulated: the compute
+    dtype of every process that runs the target or trains (distill, harvest's transformers engine)."""
+    if device.type == "cuda":
+        return "bf16"
+    return "bf16" if cpu_has_bf16() else "fp32"
+
+
 def peak_rss_bytes() -> int:
     """This process's peak resident memory so far (Linux reports ru_maxrss in KiB)."""
     import resource

@@ -115,6 +115,7 @@ MAX_SHARD_SIZE = flag("--max-shard-size", help="Split each safetensors file larg
 CHAT_TEMPLATE = flag("--chat-template", help="A Jinja chat template file, used in place of the target tokenizer's "
                      "own (needed for conversations when it has none).")
 SEED = flag("--seed", help="Seed for the data order (and initialisation, sampling).")
+HARVEST_ENGINES = ("vllm", "transformers")  # `recycle harvest --engine`
 DEVICE = flag("--device", help="Default: cuda when available.", choices=("cpu", "cuda"))
 FAMILY = flag("--family", help="The family-table row to read the checkpoint as (`recycle inspect --json` names the "
               "detected one), when its tensor names match one row and config.json names another.", metavar="NAME",
@@ -617,6 +618,13 @@ class HarvestOptions(DataOptions):
     plan: bool = opt("--plan", help="Print the cache's storage, the teacher's prefill FLOPs and hours, and the GPUs its "
                      "weights need, from the configs alone; runs nothing.", default=False)
     gpu: str | None = opt("--gpu", help="With --plan: the GPU the engines run on (H100, H200, ...).", default=None)
+    engine: str = opt("--engine", help="What runs the target: vllm (its parallel options spread it), or transformers "
+                      "(recycle's own teacher, in this process, as distill runs it: the one engine that keeps "
+                      "DeepSeek-V4's hyper-connection streams, which its drafters train on).",
+                      choices=HARVEST_ENGINES, default="vllm")
+    device: str | None = cli(DEVICE, None)  # --engine transformers: where the target runs
+    precision: str | None = opt("--precision", help="--engine transformers: compute dtype (default: distill's, bf16 "
+                                "on CUDA and CPUs with native bf16, else fp32).", choices=PRECISIONS, default=None)
 
     def shards(self) -> tuple[int, int]:
         """(i, N) of --shard i/N; (0, 1) without it."""
@@ -640,6 +648,16 @@ class HarvestOptions(DataOptions):
         _, n = self.shards()
         if n > 1 and self.overwrite:
             raise RecycleError("--overwrite with --shard: the shards share -o; remove it once before starting them")
+        if self.engine not in HARVEST_ENGINES:
+            raise RecycleError(f"--engine {self.engine!r}: choose {' or '.join(HARVEST_ENGINES)}"
+                               f"{did_you_mean(self.engine, HARVEST_ENGINES)}")
+        if self.engine == "transformers" and (self.parallel or self.gpu_memory_utilization is not None):
+            raise RecycleError("--engine transformers runs the target in this process: vLLM's parallel options and "
+                               "--gpu-memory-utilization do not apply (run N shards instead: --shard i/N)")
+        if self.engine == "vllm" and (self.device is not None or self.precision is not None):
+            raise RecycleError("--device and --precision are --engine transformers' (vLLM takes this machine's build "
+                               "and dtype)")
+        _device_name(self.device)
         self.out_checked()
         kinds.target(self.target)
 

@@ -735,7 +735,8 @@ def render_stitch(data: dict) -> None:
 def render_harvest(data: dict) -> None:
     out.print(f"[bold]recycle harvest[/bold] → {data['out']}: {fmt_count(data['tokens'])} tokens, "
               f"{data['files']} files, {fmt_bytes(data['bytes'])} ({data['bytes_per_token']} B/token); "
-              f"vLLM {data['vllm_tokens_per_s']} tokens/s")
+              f"{ {'vllm': 'vLLM'}.get(data['engine'], data['engine'])} {data['engine_tokens_per_s']} tokens/s"
+              + (f", DeepSeek-V4's {data['streams']} hyper-connection streams stored" if data.get("streams") else ""))
 
 
 def distill_progress(bar: Reporter, budget: int):

@@ -64,23 +64,27 @@ def test_memory_plan_counts_what_a_deepseek_v4_run_holds(tmp_path: Path) -> None
     from recycle.distill.memory import advice, plan
     from recycle.errors import RecycleError
 
-    with pytest.raises(RecycleError, match="neither a harvested cache nor a teacher server holds"):
-        plan(tmp_path / "v4e", v4, batch=2, seq_len=64, draft_steps=None, cached_teacher=True)
+    with pytest.raises(RecycleError, match="vLLM 0.32 captures neither"):  # a server: refused
+        plan(tmp_path / "v4e", v4, batch=2, seq_len=64, draft_steps=None, cached_teacher=True, served=True)
+    cached = plan(tmp_path / "v4e", v4, batch=2, seq_len=64, draft_steps=None, cached_teacher=True)  # a harvest
+    whole = plan(tmp_path / "v4e", v4, batch=2, seq_len=64, draft_steps=None)
+    assert cached.parts["teacher"] < whole.parts["teacher"] and cached.options["streams"] == 4
     from recycle.distill.memory import MemoryPlan
 
-    # at V4-Pro's size the teacher is most of a rank (2.9 TB in bf16): the advice offers no lever the run refuses
+    # at V4-Pro's size the teacher is most of a rank (2.9 TB in bf16): the advice offers the one lever V4 takes
     opts = {"freeze": ["experts"], "teacher": "in process", "world_size": 8, "activation_checkpointing": True,
             "micro_batch": 1, "batch": 1}
     parts = {"teacher": 90, "optimizer": 5, "activations_blocks": 5, "activations_expert_copies": 0}
     v4_tip, common_tip = (advice(MemoryPlan(parts, 0, 0, 0, {**opts, "streams": c})) for c in (4, 0))
-    assert v4_tip.startswith("nothing moves the teacher out") and "--cache-hidden" not in v4_tip
-    assert common_tip.startswith("a harvested teacher")
+    assert "--engine transformers" in v4_tip and "teacher serve" not in v4_tip
+    assert common_tip.startswith("a harvested teacher") and "teacher serve" in common_tip
     from recycle.distill.jobplan import lines, plan_job
 
     job = plan_job(DistillOptions(drafter=str(tmp_path / "v4e"), target=str(v4), out="/nonexistent/o", tokens=4096,
                                   batch=2, seq_len=64, precision="bf16"), 2, "H100", 10**6, host_ram=1024)
     said = "\n".join(lines(job.as_dict()))
-    assert "no offline cache (none holds DeepSeek-V4's streams)" in said and "teacher: fits beside the trainer: in process" in said
+    assert "hyper-connection streams included" in said and "teacher: fits beside the trainer: in process" in said
+    assert job.as_dict()["storage"]["cache_bytes_per_token"] == 8 + 128 * 2 * 5  # last state + 4 streams, bf16
 
 
 def _plan_counts(drafter: Path, target: Path, tmp_path: Path) -> None:

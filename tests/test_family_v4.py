@@ -343,7 +343,8 @@ def test_eagle_drafter_decodes_losslessly_in_chains(two, target, v4_eagle):
 
 def test_distill_unrolls_the_drafter_over_the_teachers_streams(two, v4_eagle, tmp_path):
     """The teacher hands the target's last-layer streams to the unroller (as aux), and step k of the unroll is the
-    source modules' depth k on them; where the streams cannot come from (a cache, a server) the teacher refuses."""
+    source modules' depth k on them; a vLLM teacher (a server, an online harvest), which captures no streams, is
+    refused (a cache holds them: tests/test_harvest_streams.py)."""
     from recycle.distill.teacher import Teacher
     from recycle.distill.unroll import unroller_for
     from recycle.drafters import load_drafter
@@ -360,8 +361,8 @@ def test_distill_unrolls_the_drafter_over_the_teachers_streams(two, v4_eagle, tm
         want = MTP.from_checkpoint(two)(te.aux[:, :t], ids[:, :t + 2]).normed
     for k in range(2):
         torch.testing.assert_close(steps[k].draft, want[k].reshape(-1, 64), rtol=1e-4, atol=1e-4)
-    with pytest.raises(RecycleError, match="hyper-connection streams"):
-        Teacher(two, torch.device("cpu"), precision="fp32", streams=True, cache_dir=tmp_path / "cache")
+    with pytest.raises(RecycleError, match="vLLM 0.32 captures neither"):
+        Teacher(two, torch.device("cpu"), precision="fp32", streams=True, remote=object())
 
 
 def test_the_release_storage_round_trips_through_convert_and_distills_rewrite(family_dir, tmp_path):

@@ -20,9 +20,9 @@ from recycle.bench_result import Measure
 from recycle.checkpoint import Checkpoint
 from recycle.distill.data import heldout_batch
 from recycle.distill.record import expected_length
-from recycle.distill.setup import default_precision
 from recycle.distill.train import DistillOptions, distill
 from recycle.families import match
+from recycle.hardware import default_precision
 from recycle.texts import data_source, split_tail
 
 from fixtures.derive import derive

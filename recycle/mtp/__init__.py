@@ -18,6 +18,7 @@ from recycle.mtp.base import (
     Norm,
     block_config,
     block_rotary,
+    chained_streams,
     family_config,
     misfit,
     mtp_layer_types,
@@ -27,5 +28,5 @@ from recycle.mtp.base import (
 )
 
 __all__ = ["LEAF_ROLES", "MASKS", "MTP", "REQUIRED_ROLES", "RUNTIMES", "MTPDepth", "MTPOutput", "Norm", "block_config",
-           "block_rotary", "deepseek_v4", "family_config", "misfit", "mtp_layer_types", "renamed", "to_checkpoint_layout",
+           "block_rotary", "chained_streams", "deepseek_v4", "family_config", "misfit", "mtp_layer_types", "renamed", "to_checkpoint_layout",
            "to_runtime_layout"]

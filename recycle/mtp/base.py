@@ -36,7 +36,7 @@ from transformers.masking_utils import create_causal_mask, create_sliding_window
 
 from recycle.checkpoint import STORAGE_KEYS, Checkpoint
 from recycle.errors import RecycleError
-from recycle.families import BY_NAME, Family, MTPMatch, declared_depth, first_value, match
+from recycle.families import BY_NAME, Family, MTPMatch, config_rows, declared_depth, first_value, match
 from recycle.imports import import_object
 from recycle.quant import SCALE_SUFFIX
 from recycle.registry import Registry
@@ -47,6 +47,17 @@ REQUIRED_ROLES = ("embed_norm", "hidden_norm", "proj", "head", "embed")
 
 # MTP subclasses for layouts the common forward below cannot run, by the name a family row gives in `runtime`
 RUNTIMES = Registry("MTP runtime")
+
+
+def chained_streams(config: Mapping) -> int:
+    """How many hyper-connection streams a drafter of this target's family chains from it in place of one state (the
+    row's runtime `reads` "streams": DeepSeek-V4's `hc_mult`), from its config alone (a trunk that dropped its MTP
+    modules too); 0 where the modules chain one state."""
+    archs = set(config.get("architectures") or ())
+    for fam in config_rows(str(config.get("model_type", "")), archs):
+        if fam.run.runtime and getattr(RUNTIMES.get(fam.run.runtime, fam.title), "reads", None) == "streams":
+            return int(config.get("hc_mult") or 0)
+    return 0
 # the mask each attention layer type reads (any other type: the causal one)
 MASKS = {"sliding_attention": create_sliding_window_causal_mask}
 

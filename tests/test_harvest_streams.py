@@ -1,0 +1,122 @@
+"""`recycle harvest --engine transformers`: DeepSeek-V4's hyper-connection streams in the one cache format.
+
+vLLM captures no V4 streams (0.32 hands over their mean), so the transformers engine harvests a V4 target: the
+cache must hold, key for key, the bytes an in-process `distill --cache-hidden` run stores (the same loader, hook and
+dtype), and a distill from it, with the trunk loaded nowhere, must train exactly as the in-process run reading its
+own cache. The engines that cannot feed a V4 drafter refuse in one line, before anything starts.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from recycle.distill import harvest as hv
+from recycle.distill.teacher import STREAMS_KEY
+from recycle.distill.train import DistillOptions, distill
+from recycle.options import HarvestOptions
+
+from tests.cli_helpers import assert_bad_input, run_cli
+
+V4 = Path(__file__).resolve().parents[1] / "fixtures" / "deepseek_v4_mtp"
+RUN = dict(target=str(V4), tokens=2048, seq_len=64, batch=8, precision="fp32")
+
+
+@pytest.fixture(scope="module")
+def v4_eagle(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("v4") / "eagle"
+    assert run_cli("convert", str(V4), "--to", "eagle", "-o", str(out)).exit_code == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def harvested(tmp_path_factory) -> tuple[Path, dict]:
+    out = tmp_path_factory.mktemp("v4") / "cache"
+    return out, hv.harvest(HarvestOptions(out=str(out), engine="transformers", **RUN))
+
+
+def _losses(rec: dict) -> list[float]:
+    return [json.loads(x)["loss"] for x in (Path(rec["state_dir"]) / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_the_cache_is_what_distill_stores_and_trains_without_the_trunk(harvested, v4_eagle, tmp_path) -> None:
+    cache, rec = harvested
+    manifest = json.loads((cache / "manifest.json").read_text())
+    assert rec["complete"] and rec["engine"] == "transformers" and rec["streams"] == manifest["streams"] == 4
+    assert manifest["eval"]["continuation"] == "transformers greedy"
+    own = tmp_path / "own"
+    run = dict(drafter=str(v4_eagle), **RUN)
+    first = distill(DistillOptions(out=str(tmp_path / "first"), cache_hidden=str(own), **run))  # stores as it trains
+    stored = sorted(p.name for p in own.glob("*.safetensors"))
+    assert stored and first["trunk_loaded"]
+    for name in stored:  # the bytes that matter, key for key: ids, last state, streams [n, T, C, H]
+        a, b = load_file(str(own / name)), load_file(str(cache / name))
+        assert a[STREAMS_KEY].shape == (8, 64, 4, 128) and a[STREAMS_KEY].dtype == torch.bfloat16
+        for k in ("input_ids", "last", STREAMS_KEY):
+            assert torch.equal(a[k], b[k]), (name, k)
+    again = distill(DistillOptions(out=str(tmp_path / "again"), cache_hidden=str(own), **run))
+    cached = distill(DistillOptions(out=str(tmp_path / "cached"), cache_hidden=str(cache), **run))
+    assert not cached["trunk_loaded"] and cached["cache_hits"] >= len(stored)
+    assert _losses(cached) == _losses(again)  # the same features, read back: the same steps
+    one, two = _losses(first), _losses(cached)  # against features never rounded to bf16
+    assert len(one) == len(two) >= 4 and max(abs(x - y) / abs(y) for x, y in zip(one, two)) < 1e-3
+
+
+def test_a_killed_transformers_harvest_resumes_to_the_same_bytes(harvested, monkeypatch, tmp_path) -> None:
+    cache, _ = harvested
+    real, calls = hv._Job.store_local, []
+
+    def dies_on_the_third(self, dest, ids, mask=None):
+        calls.append(dest.name)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        real(self, dest, ids, mask)
+
+    monkeypatch.setattr(hv._Job, "store_local", dies_on_the_third)
+    out = tmp_path / "killed"
+    with pytest.raises(KeyboardInterrupt):
+        hv.harvest(HarvestOptions(out=str(out), engine="transformers", **RUN))
+    assert len(list(out.glob("*.safetensors"))) == 2 and not (out / "manifest.json").exists()
+    monkeypatch.setattr(hv._Job, "store_local", real)
+    rec = hv.harvest(HarvestOptions(out=str(out), engine="transformers", **RUN))
+    assert rec["complete"] and rec["keys_resumed"] == 2
+    names = sorted(p.name for p in cache.iterdir() if p.is_file())
+    assert names == sorted(p.name for p in out.iterdir() if p.is_file())
+    assert all((out / n).read_bytes() == (cache / n).read_bytes() for n in names)
+
+
+def test_what_cannot_feed_a_v4_drafter_refuses_in_one_line(harvested, v4_eagle, tmp_path) -> None:
+    cache, _ = harvested
+    why = "vLLM 0.32 captures neither"
+    args = ["harvest", "--target", str(V4), "--tokens", "2k", "-o", str(tmp_path / "c")]
+    assert_bad_input(run_cli(*args), why)
+    assert_bad_input(run_cli(*args, "--plan"), why)
+    assert_bad_input(run_cli("teacher", "serve", str(V4), "--shared-dir", str(tmp_path / "hs"), "--print"), why)
+    distill_args = ["distill", str(v4_eagle), "--target", str(V4), "--tokens", "2k", "--seq-len", "64",
+                    "-o", str(tmp_path / "d")]
+    assert_bad_input(run_cli(*distill_args, "--teacher", "http://127.0.0.1:9"), why)
+    assert_bad_input(run_cli(*args, "--engine", "transformers", "--tensor-parallel-size", "2"),
+                     "vLLM's parallel options")
+    assert_bad_input(run_cli(*args, "--device", "cpu"), "--engine transformers'")
+    flat = tmp_path / "flat"  # a cache without the streams (as a vLLM harvest would have been)
+    shutil.copytree(cache, flat)
+    manifest = json.loads((flat / "manifest.json").read_text())
+    (flat / "manifest.json").write_text(json.dumps(manifest | {"streams": 0}))
+    assert_bad_input(run_cli(*distill_args, "--seq-len", "64", "--batch", "8", "--cache-hidden", str(flat)),
+                     "holds no hyper-connection streams")
+    assert not (tmp_path / "c").exists() and not (tmp_path / "d").exists()
+
+
+def test_the_plan_counts_the_streams(tmp_path) -> None:
+    res = run_cli("harvest", "--target", str(V4), "--engine", "transformers", "--tokens", "1M", "--seq-len", "64",
+                  "--batch", "8", "--plan", "--json", "-o", str(tmp_path / "c"))
+    assert res.exit_code == 0, res.output
+    d = json.loads(res.stdout)
+    hidden, streams = 128, 4
+    assert d["streams"] == streams and d["cache_bytes_per_token"] == 8 + hidden * 2 * (1 + streams)
+    assert d["scheme"] == "bf16, dequantized" and not (tmp_path / "c").exists()
