@@ -13,6 +13,7 @@ import argparse
 import json
 import os
 import platform
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -67,6 +68,27 @@ def write_json(path: str | os.PathLike, obj, indent: int = 1) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(obj, indent=indent) + "\n")
     return path
+
+
+def sampled(cmd: list[str], capture: bool = False):
+    """(wall seconds, the child's peak VmRSS / RssAnon / RssFile in bytes, sampled from /proc every 0.2 s), and with
+    `capture` its standard output as a third item."""
+    peak = {"VmRSS": 0, "RssAnon": 0, "RssFile": 0}
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE if capture else subprocess.DEVNULL, text=True)
+    while proc.poll() is None:
+        try:
+            for line in Path(f"/proc/{proc.pid}/status").read_text().splitlines():
+                key = line.split(":")[0]
+                if key in peak:
+                    peak[key] = max(peak[key], int(line.split()[1]) * 1024)
+        except (FileNotFoundError, ProcessLookupError):
+            break
+        time.sleep(0.2)
+    out = proc.stdout.read() if capture else None
+    if proc.wait() != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode})")
+    return (time.perf_counter() - t0, peak, out) if capture else (time.perf_counter() - t0, peak)
 
 
 def parser(doc: str | None, *, first_line: bool = False, json: bool = False, out: str | Path | None | bool = False,

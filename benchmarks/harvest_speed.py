@@ -8,6 +8,12 @@ cache. Also reports the cache's bytes per token. With `--distill`, also distill 
 same distillation with the target in the process (fp32, the same windows).
 
     RECYCLE_VLLM_PYTHON=/tmp/vllm-venv/bin/python python benchmarks/harvest_speed.py --tokens 64k [--distill [--online 4]]
+
+`--engine transformers` harvests with the target in this process instead (fp32, as the in-process teacher runs): the
+engine for DeepSeek-V4, whose cache holds its hyper-connection streams; with `--to eagle --aux ''` the distillations
+train its `--to eagle` drafter:
+
+    python benchmarks/harvest_speed.py --engine transformers --target fixtures/deepseek_v4_mtp --aux '' --to eagle --distill
 """
 
 from __future__ import annotations
@@ -34,22 +40,27 @@ def main() -> None:
     ap.add_argument("--aux", default="2,5,9", help="aux layer ids (EAGLE-3), or '' for the last state only")
     ap.add_argument("--distill", action="store_true", help="also time distill from the cache against in-process")
     ap.add_argument("--online", type=int, default=0, help="with --distill: also distill --online N (vLLM alongside)")
+    ap.add_argument("--engine", choices=("vllm", "transformers"), default="vllm")
+    ap.add_argument("--to", default="eagle3", help="with --distill: the drafter format (eagle3 reads --aux)")
     args = ap.parse_args()
     torch.set_num_threads(torch.get_num_threads())
     aux = tuple(int(x) for x in args.aux.split(",") if x)
+    local = {"precision": "fp32"} if args.engine == "transformers" else {}
     opts = HarvestOptions(target=args.target, out=str(Path(args.work) / "cache"), tokens=parse_tokens(args.tokens),
-                          seq_len=args.seq_len, batch=args.batch, aux_layers=aux, overwrite=True)
+                          seq_len=args.seq_len, batch=args.batch, aux_layers=aux, overwrite=True, engine=args.engine,
+                          **local)
     rec = harvest(opts)
     from transformers import AutoTokenizer
 
     batches, _ = plan(opts, AutoTokenizer.from_pretrained(args.target))
-    teacher = Teacher(args.target, torch.device("cpu"), list(aux), "fp32")
+    teacher = Teacher(args.target, torch.device("cpu"), list(aux), "fp32", streams=bool(rec["streams"]))
     t0 = time.perf_counter()
     for _, ids, _ in batches:
         teacher.features(ids)
     in_process = time.perf_counter() - t0
     report = {"target": args.target, "tokens": rec["tokens"], "seq_len": args.seq_len, "batch": args.batch,
-              "aux_layers": list(aux), "vllm_tokens_per_s": rec["vllm_tokens_per_s"],
+              "aux_layers": list(aux), "engine": rec["engine"], "engine_tokens_per_s": rec["engine_tokens_per_s"],
+              "streams": rec["streams"],
               "harvest_wall_s": rec["seconds"], "in_process_tokens_per_s": round(rec["tokens"] / in_process),
               "cache_bytes_per_token": rec["bytes_per_token"], "threads": torch.get_num_threads()}
     if args.distill:
@@ -65,8 +76,8 @@ def distill_speed(args, opts: HarvestOptions) -> dict:
     from recycle.converters.api import convert_checkpoint
     from recycle.distill.train import DistillOptions, distill
 
-    e3 = convert_checkpoint(args.target, "eagle3", Path(args.work) / "e3", overwrite=True)["out"]
-    aux = tuple(json.loads((Path(e3) / "config.json").read_text())["eagle_aux_hidden_state_layer_ids"])
+    e3 = convert_checkpoint(args.target, args.to, Path(args.work) / args.to, overwrite=True)["out"]
+    aux = tuple(json.loads((Path(e3) / "config.json").read_text()).get("eagle_aux_hidden_state_layer_ids") or ())
     if aux != opts.aux_layers:
         raise SystemExit(f"--aux {opts.aux_layers} is not the drafter's {aux}")
     run = dict(drafter=e3, target=args.target, tokens=opts.tokens, seq_len=args.seq_len, batch=args.batch,

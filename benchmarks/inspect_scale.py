@@ -14,6 +14,7 @@ under names no checkpoint uses), to show the matcher's cost does not grow with t
 `layers.{i}.attn|ffn.*`, `hc_*`, `head`; the MTP module at `mtp.0.`): 61 layers, 384 routed experts, FP8 attention
 and shared experts with e8m0 `.scale` per 128x128 block, FP4 (e2m1, two per byte) routed experts with an e8m0
 `.scale` per 32, BF16 compressors, float32 hyper-connections, one MTP module (sliding-window attention).
+`--layout deepseek_v4_flash`: the same at V4-Flash's widths (43 layers, h4096, 256 routed experts).
 
 `--phases` adds where one inspect's time goes (a separate run in a child, after the timed ones): the import, each step
 of reading the checkpoint (shard list, headers, index check, the fold of packed weights), the family match, the report's
@@ -81,13 +82,24 @@ def mtp_extras(L: int) -> list[tuple[str, str, tuple[int, ...]]]:
 
 # DeepSeek-V4-Pro (config.json of deepseek-ai/DeepSeek-V4-Pro; attention widths as transformers' DeepseekV4 docs
 # give them for Pro: 128 heads of 512, 16 output groups of rank 1024).
-V4 = {"H": 7168, "V": 129280, "E": 384, "MOE_I": 3072, "HEADS": 128, "HEAD_DIM": 512, "Q_LORA": 1536, "O_GROUPS": 16,
-      "O_LORA": 1024, "INDEX_HEADS": 64, "INDEX_DIM": 128, "HC": 4, "HASH_LAYERS": 3, "TOPK": 6, "FP4_BLOCK": 32}
+V4_PRO = {"H": 7168, "V": 129280, "E": 384, "MOE_I": 3072, "HEADS": 128, "HEAD_DIM": 512, "Q_LORA": 1536,
+          "O_GROUPS": 16, "O_LORA": 1024, "INDEX_HEADS": 64, "INDEX_DIM": 128, "HC": 4, "HASH_LAYERS": 3, "TOPK": 6,
+          "FP4_BLOCK": 32, "INDEX_TOPK": 1024}
+# V4-Flash: transformers 5.23's DeepseekV4Config defaults (h4096, 43 layers, 256 routed experts; its layer_types give
+# the compress ratios)
+V4_FLASH = {**V4_PRO, "H": 4096, "E": 256, "MOE_I": 2048, "HEADS": 64, "Q_LORA": 1024, "O_GROUPS": 8, "INDEX_TOPK": 512}
+V4 = dict(V4_PRO)  # the widths the v4_* builders read (build() sets them per layout)
 
 
 def v4_ratios(layers: int, mtp: int = 1) -> list[int]:
     """Per-layer compress ratios (transformers' V4-Pro default: two heavily compressed layers, then compressed
-    sparse (4) and heavily compressed (128) interleaved), then the MTP layers' 0 (sliding window only)."""
+    sparse (4) and heavily compressed (128) interleaved; V4-Flash: its DeepseekV4Config's layer_types), then the MTP
+    layers' 0 (sliding window only)."""
+    if V4["H"] == V4_FLASH["H"]:
+        from transformers import DeepseekV4Config
+
+        c = DeepseekV4Config()
+        return [c.compress_rates[t] for t in c.layer_types][:layers] + [0] * mtp
     return ([128] * min(layers, 2) + [4 if i % 2 else 128 for i in range(max(layers - 2, 0))])[:layers] + [0] * mtp
 
 
@@ -160,7 +172,7 @@ def v4_layout(layers: int) -> tuple[list, list, dict]:
         "num_experts_per_tok": V4["TOPK"], "moe_intermediate_size": V4["MOE_I"], "num_attention_heads": V4["HEADS"],
         "num_key_value_heads": 1, "head_dim": V4["HEAD_DIM"], "qk_rope_head_dim": 64, "q_lora_rank": V4["Q_LORA"],
         "o_groups": V4["O_GROUPS"], "o_lora_rank": V4["O_LORA"], "index_n_heads": V4["INDEX_HEADS"],
-        "index_head_dim": V4["INDEX_DIM"], "index_topk": 1024, "compress_ratios": ratios, "compress_rope_theta": 160000,
+        "index_head_dim": V4["INDEX_DIM"], "index_topk": V4["INDEX_TOPK"], "compress_ratios": ratios, "compress_rope_theta": 160000,
         "num_hash_layers": V4["HASH_LAYERS"], "hc_mult": hc, "hc_sinkhorn_iters": 20, "hc_eps": 1e-6,
         "sliding_window": 128, "rms_norm_eps": 1e-6, "rope_theta": 10000, "scoring_func": "sqrtsoftplus",
         "topk_method": "noaux_tc", "norm_topk_prob": True, "routed_scaling_factor": 2.5, "swiglu_limit": 10.0,
@@ -193,7 +205,9 @@ def build(out: Path, layers: int, layout: str = "deepseek_v3") -> dict:
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
-    if layout == "deepseek_v4_pro":
+    if layout.startswith("deepseek_v4"):
+        V4.clear()
+        V4.update(V4_FLASH if layout == "deepseek_v4_flash" else V4_PRO)
         body, last, config = v4_layout(layers)
     else:
         body = [("model.embed_tokens.weight", "BF16", (V, H))]
@@ -330,7 +344,7 @@ def main() -> None:
     ap = parser(__doc__)
     ap.add_argument("--dir", type=Path, default=None,
                     help="default: /tmp/recycle_dsv3_sparse, or /tmp/recycle_dsv4pro_sparse for --layout deepseek_v4_pro")
-    ap.add_argument("--layout", choices=("deepseek_v3", "deepseek_v4_pro"), default="deepseek_v3",
+    ap.add_argument("--layout", choices=("deepseek_v3", "deepseek_v4_pro", "deepseek_v4_flash"), default="deepseek_v3",
                     help="whose full header layout to build (default: deepseek_v3)")
     ap.add_argument("--layers", type=int, nargs="+", default=[4, 61])
     ap.add_argument("--extra-rows", type=int, nargs="+", default=[0],
@@ -339,7 +353,9 @@ def main() -> None:
     ap.add_argument("--keep", action="store_true", help="keep the sparse checkpoints")
     ap.add_argument("--phases", action="store_true", help="also time one inspect step by step (CPU seconds per step)")
     args = ap.parse_args()
-    root = args.dir or Path("/tmp/recycle_dsv4pro_sparse" if args.layout == "deepseek_v4_pro" else "/tmp/recycle_dsv3_sparse")
+    root = args.dir or Path({"deepseek_v4_pro": "/tmp/recycle_dsv4pro_sparse",
+                             "deepseek_v4_flash": "/tmp/recycle_dsv4flash_sparse"}.get(args.layout,
+                                                                                       "/tmp/recycle_dsv3_sparse"))
     rows = []
     for n in args.layers:
         d = root / f"layers{n}"

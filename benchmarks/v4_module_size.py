@@ -22,14 +22,12 @@ from __future__ import annotations
 import json
 import math
 import shutil
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import inspect_scale
 
-from _common import parser
+from _common import parser, sampled
 
 SIZE = {"BF16": 2, "F32": 4, "F8_E4M3": 1, "I8": 1, "F8_E8M0": 1}
 GB = 1e9
@@ -60,25 +58,6 @@ def side_file_bytes(ckpt: Path) -> dict[str, dict[str, int]]:
             groups[group] = groups.get(group, 0) + size
         out[name] = groups
     return out
-
-
-def sampled(cmd: list[str]) -> tuple[float, dict[str, int]]:
-    """(wall seconds, the child's peak VmRSS / RssAnon / RssFile in bytes, sampled from /proc every 0.2 s)."""
-    peak = {"VmRSS": 0, "RssAnon": 0, "RssFile": 0}
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
-    while proc.poll() is None:
-        try:
-            for line in Path(f"/proc/{proc.pid}/status").read_text().splitlines():
-                key = line.split(":")[0]
-                if key in peak:
-                    peak[key] = max(peak[key], int(line.split()[1]) * 1024)
-        except (FileNotFoundError, ProcessLookupError):
-            break
-        time.sleep(0.2)
-    if proc.wait() != 0:
-        raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode})")
-    return time.perf_counter() - t0, peak
 
 
 def main() -> None:

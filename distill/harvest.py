@@ -226,9 +226,13 @@ def final_norm(target: str | os.PathLike):
     return apply
 
 
-def engine_streams(opts: HarvestOptions) -> int:
+def check_engine(opts: HarvestOptions) -> int:
     """The hyper-connection streams the cache must hold (a DeepSeek-V4 target's C, else 0); refused in one line for
-    vLLM, which captures none (checked before an engine starts)."""
+    vLLM, which captures none, and `--gpus` past the GPUs this process sees (checked before an engine starts)."""
+    seen = torch.cuda.device_count()
+    if opts.gpus > 1 and opts.gpus > seen:
+        raise RecycleError(f"--gpus {opts.gpus}: this process sees {seen} GPU(s) (CUDA_VISIBLE_DEVICES names a "
+                           "shard's)")
     streams = chained_streams(Checkpoint(opts.target).config)
     if streams and opts.engine == "vllm":
         raise RecycleError(STREAMS_FROM_VLLM.format(what="--engine vllm", instead="harvest with --engine transformers"))
@@ -237,12 +241,13 @@ def engine_streams(opts: HarvestOptions) -> int:
 
 class _Local:
     """`--engine transformers`: the target in this process, as distill's teacher runs it (its loader, its streams hook
-    for a DeepSeek-V4 target, its device and dtype), loaded once for the whole harvest."""
+    for a DeepSeek-V4 target, its device and dtype), loaded once for the whole harvest; `--gpus N` spreads it over N
+    GPUs of the node (`recycle.decoding.placed`)."""
 
     def __init__(self, opts: HarvestOptions, streams: int) -> None:
         device = resolve_device(opts.device)
         self.teacher = Teacher(opts.target, device, list(opts.aux_layers), opts.precision or default_precision(device),
-                               streams=bool(streams))
+                               streams=bool(streams), gpus=opts.gpus)
         self.model = self.teacher.model
         self.seconds = 0.0
 
@@ -267,7 +272,7 @@ class _Job:
         bad = [i for i in opts.aux_layers if not 0 <= i <= n]
         if bad:
             raise RecycleError(f"aux layer {bad[0]}: the target has {n} layers")
-        self.streams = engine_streams(opts)
+        self.streams = check_engine(opts)
         if self.streams and opts.aux_layers:
             raise RecycleError("--aux-layers: a DeepSeek-V4 drafter reads the target's streams, not aux layers")
         self.tokenizer = load_tokenizer(opts.target)

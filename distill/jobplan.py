@@ -15,6 +15,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from recycle.decoding.placed import PLACED_SHARE
 from recycle.distill.experts import expert_modules, expert_params
 from recycle.distill.memory import GB, GIB, MemoryPlan, config_drafter, for_options, target_counts
 from recycle.distill.teacher import STREAMS_FROM_VLLM
@@ -298,11 +299,13 @@ def check_host(job: JobPlan) -> None:
 
 
 def harvest_plan(target: str | Path, tokens: int, seq_len: int, batch: int, gpu: str | None, gpus: int,
-                 aux_layers: int = 0, engine: str = "vllm") -> dict:
+                 aux_layers: int = 0, engine: str = "vllm", node_gpus: int = NODE_GPUS) -> dict:
     """`recycle harvest --plan`: the cache's storage, the teacher's prefill FLOPs and hours on `gpus` devices of
-    `gpu`, and the GPUs its weights need. `engine` "transformers": the target dequantized to bf16 in one process per
-    shard, on one device (recycle's loader places no model over several), and a DeepSeek-V4 target's C streams in
-    every file; vLLM refuses such a target (it captures no streams)."""
+    `gpu` (vLLM: every engine's GPUs), and the GPUs its weights need. `engine` "transformers": `gpus` is the shards,
+    each one process holding the target dequantized to bf16 over the GPUs it needs of one node (whole decoder layers,
+    `PLACED_SHARE` of each; the layers run one after another, so a shard computes at one GPU's rate; no hours: its
+    eager forward has no measured MFU), and a
+    DeepSeek-V4 target's C streams go in every file; vLLM refuses such a target (it captures no streams)."""
     t = target_counts(str(Path(target).expanduser()))
     streams = chained_streams(t.config)
     if streams and engine == "vllm":
@@ -319,9 +322,10 @@ def harvest_plan(target: str | Path, tokens: int, seq_len: int, batch: int, gpu:
         out |= {"gpu": g.key, "gpus_needed": need, "prefill_mfu": PREFILL_MFU,
                 "time_hours": hours(tokens * out["teacher_flops_per_token"], max(gpus, need), g.bf16_tflops,
                                     PREFILL_MFU)}
-        if engine == "transformers":  # one device per process: the whole target on it, or nothing runs
-            out["fits_one_device"] = need == 1
-            out["time_hours"] = hours(tokens * out["teacher_flops_per_token"], gpus, g.bf16_tflops, PREFILL_MFU)
+        if engine == "transformers":  # a shard: the target over `per` GPUs of one node, one busy at a time
+            per = math.ceil(weights / (PLACED_SHARE * g.memory_gb * GB))
+            out |= {"gpus_needed": per, "fits_one_node": per <= node_gpus, "node_gpus": node_gpus}
+            del out["time_hours"], out["prefill_mfu"]  # vLLM's MFU range; transformers' eager forward has none measured
     return out
 
 
@@ -384,9 +388,12 @@ def harvest_lines(d: dict) -> list[str]:
            f"({d['scheme']})"]
     if d.get("streams"):
         out.append(f"every file holds DeepSeek-V4's {d['streams']} hyper-connection streams beside the last state")
-    if "gpu" in d and d.get("fits_one_device") is False:
-        out.append(f"{d['gpu']}: --engine transformers holds the whole target ({_gb(d['weight_bytes'])} {d['scheme']}) "
-                   f"on one device per shard; it needs {d['gpus_needed']}: it does not run there")
+    if "gpu" in d and d.get("engine") == "transformers":
+        out.append(f"{d['gpu']}: each shard holds the target ({_gb(d['weight_bytes'])} {d['scheme']}) over "
+                   + (f"--gpus {d['gpus_needed']} of one node, its layers running one after another; no hours given "
+                      "(transformers' eager forward has no measured MFU on GPUs)" if d["fits_one_node"] else
+                      f"{d['gpus_needed']} GPUs, more than a node's {d['node_gpus']}: --engine transformers cannot "
+                      "hold it"))
     elif "gpu" in d:
         out.append(f"{d['gpu']}: its weights need {d['gpus_needed']} GPU(s); {_h(d['time_hours'])} on "
                    f"{max(d['gpus'], d['gpus_needed'])} at MFU {d['prefill_mfu'][1]:.0%}-{d['prefill_mfu'][0]:.0%}"

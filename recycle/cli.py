@@ -286,7 +286,7 @@ def distill(opts: DistillOptions, memory_plan: f.MemoryPlan = False, world_size:
 @f.options(HarvestOptions, "target tokens out drafter data seq_len packing batch seed self_distill prompt_len "
            "sd_temperature "
            "chat_template engine tensor_parallel_size pipeline_parallel_size enable_expert_parallel data_parallel_size "
-           "gpu_memory_utilization device precision shard convert_workers plan gpu overwrite json_out",
+           "gpu_memory_utilization device gpus precision shard convert_workers plan gpu overwrite json_out",
            tokens=f.REQUIRED)
 def harvest(opts: HarvestOptions, drafter: f.HarvestDrafter = None, tensor_parallel_size: f.TensorParallel = 1,
             pipeline_parallel_size: f.PipelineParallel = 1, enable_expert_parallel: f.ExpertParallel = False,
@@ -338,11 +338,11 @@ def harvest(opts: HarvestOptions, drafter: f.HarvestDrafter = None, tensor_paral
         from recycle.formats import aux_layers_of
 
         opts.aux_layers = aux_layers_of(drafter, opts.target)
-    from recycle.distill.harvest import engine_streams
+    from recycle.distill.harvest import check_engine
     from recycle.distill.harvest import harvest as run
     from recycle.report import Reporter, render_harvest
 
-    engine_streams(opts)  # a DeepSeek-V4 target in vLLM: refused before the note
+    check_engine(opts)  # a DeepSeek-V4 target in vLLM, more --gpus than here: refused before the note
 
     if not json_out:
         note("harvest: running the target in vLLM (engine start: about a minute on a CPU)" if opts.engine == "vllm"

@@ -623,6 +623,9 @@ class HarvestOptions(DataOptions):
                       "DeepSeek-V4's hyper-connection streams, which its drafters train on).",
                       choices=HARVEST_ENGINES, default="vllm")
     device: str | None = cli(DEVICE, None)  # --engine transformers: where the target runs
+    gpus: int = opt("--gpus", help="--engine transformers: spread the target over this many GPUs of this node (whole "
+                    "decoder layers each, read tensor by tensor onto them); run one shard per GPU group, each with "
+                    "CUDA_VISIBLE_DEVICES naming its GPUs.", metavar="N", default=1)
     precision: str | None = opt("--precision", help="--engine transformers: compute dtype (default: distill's, bf16 "
                                 "on CUDA and CPUs with native bf16, else fp32).", choices=PRECISIONS, default=None)
 
@@ -654,9 +657,13 @@ class HarvestOptions(DataOptions):
         if self.engine == "transformers" and (self.parallel or self.gpu_memory_utilization is not None):
             raise RecycleError("--engine transformers runs the target in this process: vLLM's parallel options and "
                                "--gpu-memory-utilization do not apply (run N shards instead: --shard i/N)")
-        if self.engine == "vllm" and (self.device is not None or self.precision is not None):
-            raise RecycleError("--device and --precision are --engine transformers' (vLLM takes this machine's build "
-                               "and dtype)")
+        if self.engine == "vllm" and (self.device is not None or self.precision is not None or self.gpus != 1):
+            raise RecycleError("--device, --gpus and --precision are --engine transformers' (vLLM takes this "
+                               "machine's build and dtype, and its parallel options)")
+        if self.gpus < 1:
+            raise RecycleError(f"--gpus {self.gpus}: 1 or more")
+        if self.gpus > 1 and self.device == "cpu":
+            raise RecycleError(f"--gpus {self.gpus} with --device cpu: GPUs spread the target, a CPU holds it whole")
         _device_name(self.device)
         self.out_checked()
         kinds.target(self.target)

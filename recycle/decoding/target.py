@@ -28,10 +28,12 @@ from recycle.errors import RecycleError
 
 
 def load_target(
-    path: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, attn: str = "sdpa"
+    path: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, attn: str = "sdpa",
+    gpus: int = 1,
 ) -> nn.Module:
     """AutoModelForCausalLM (or a multimodal release's image-text-to-text class, `_auto_class`) from a directory,
-    eval mode, on `device`."""
+    eval mode, on `device`; with `gpus` > 1, over that many GPUs of this node, whole decoder layers each
+    (`recycle.decoding.placed`: read tensor by tensor onto its device)."""
     from recycle.families import config_rows
     from recycle.preflight import load_json
 
@@ -51,7 +53,13 @@ def load_target(
                 from recycle.layouts import load_causal_lm
 
                 ckpt = Checkpoint(path)
+                if gpus > 1:
+                    raise RecycleError(f"--gpus {gpus}: a {layout} checkpoint loads on one device")
                 model = load_causal_lm(ckpt, match(ckpt, layout), dtype, attn)
+            elif gpus > 1:
+                from recycle.decoding.placed import load_placed
+
+                return load_placed(path, dtype, attn, gpus).eval()
             elif _quantized(path):
                 model = _load_dequantized(path, dtype, attn)
             else:
@@ -92,37 +100,21 @@ def _load_dequantized(path: Path, dtype: torch.dtype, attn: str) -> nn.Module:
     `dtype` (activations are not quantized here: for W4A4/W8A8 schemes that is the one difference). transformers'
     own quantized paths need a GPU or a kernel package (its FP8 path on a CPU also refuses a weight whose rows are
     not a whole number of blocks, such as DeepSeek's 576-row kv_a_proj); the checkpoint's names reach the model
-    through transformers' own conversion mapping (per-expert → fused). A stored integer or packed tensor that no
-    codec reads is refused in one line: loading it as a float would be a silently wrong teacher."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    through transformers' own conversion mapping (per-expert → fused), a decoder layer at a time
+    (`recycle.decoding.placed.load_streamed`: host memory one layer's tensors, not the model's state in float32). A
+    stored integer or packed tensor that no codec reads is refused in one line: loading it as a float would be a
+    silently wrong teacher."""
+    from transformers import AutoConfig
 
     from recycle.checkpoint import Checkpoint
-    from recycle.mtp import to_runtime_layout
+    from recycle.decoding.placed import load_streamed, skeleton
 
     ckpt = Checkpoint(path)
-    scales = {s.name for n, i in ckpt.tensors.items() if i.is_fp8 and (s := ckpt.scale_for(n)) is not None}
-    # I64: index tables the model holds as integers (DeepSeek-V4's hash routing `tid2eid`), read as stored; no
-    # quantization stores codes in 64-bit integers
-    odd = next((n for n, i in ckpt.tensors.items() if not i.quantized and i.dtype not in ("F32", "F16", "BF16", "I64")
-                and not i.is_scale and n not in scales), None)  # an FP8 weight's native `.scale` (e8m0) is read
-    if odd is not None:
-        raise RecycleError(f"{path}: {odd} is stored as {ckpt.tensors[odd].dtype}, which no codec recycle knows reads "
-                           f"(quantization {ckpt.quant_config.get('quant_method') or ckpt.quant_config.get('quant_algo')!r})")
-    cfg = {k: v for k, v in ckpt.config.items() if k != "quantization_config"}
-    config = AutoConfig.for_model(**cfg)
+    config = AutoConfig.for_model(**{k: v for k, v in ckpt.config.items() if k != "quantization_config"})
     config._attn_implementation = attn
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn)
-    want = set(model.state_dict())
-    state = to_runtime_layout({n: ckpt.raw(n) if i.dtype == "I64" else ckpt.get(n, torch.float32)
-                               for n, i in ckpt.tensors.items() if not i.is_scale and n not in scales}, config)
-    prefix = f"{model.base_model_prefix}."  # names stored without it (DeepSeek-V4's `embed`, `layers.{i}`), as
-    state = {k if k in want or prefix + k not in want else prefix + k: v for k, v in state.items()}  # from_pretrained
-    missing, _ = model.load_state_dict({k: v for k, v in state.items() if k in want}, strict=False)
-    missing = [k for k in missing if k not in (getattr(model, "_tied_weights_keys", None) or ())]
-    if missing:
-        raise RecycleError(f"{path}: the quantized checkpoint does not fill {type(model).__name__} "
-                           f"(missing {missing[:3]})")
-    return model.to(dtype)
+    model = skeleton(config, dtype, attn)
+    load_streamed(ckpt, model, {"": "cpu"}, dtype)
+    return model
 
 
 def _first_sentence(e: BaseException, limit: int = 200) -> str:

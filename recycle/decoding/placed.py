@@ -1,0 +1,171 @@
+"""A target loaded tensor by tensor straight onto its devices: one process holding it over several GPUs of a node.
+
+`skeleton` builds the model with no parameter memory (accelerate's `init_empty_weights`; buffers stay real, so the
+rotary tables are computed as usual). `load_streamed` then reads the checkpoint one decoder layer at a time through
+recycle's lazy reader (every codec's dequantization, in float32 per tensor), maps the names with transformers' own
+conversion for the model type (per-expert → fused experts; `recycle.mtp.to_runtime_layout`), casts each tensor to its
+dtype (transformers' `_get_dtype_plan`: the modules a model keeps in float32 under bf16, DeepSeek-V4's hyper-connection
+mixers and sinks among them) and puts it on the device its module is mapped to (accelerate's
+`set_module_tensor_to_device`). Host memory beyond what the map puts on the CPU: one decoder layer's tensors at the
+compute dtype, twice while transformers' conversion fuses its experts, plus one tensor in float32 (a V4-Pro layer:
+51 GB in bf16); the whole-state loader it replaces held the model and the checkpoint's state both in float32
+(8 bytes a parameter: 2.3 TB for V4-Flash) before casting.
+
+`device_map` places whole decoder layers (the model's `_no_split_modules`) over the GPUs in order with accelerate's
+`infer_auto_device_map`, each filled to `share` of its memory (the rest for the forward's activations); anything it
+would put on the CPU or disk is refused. `load_placed` joins them and `dispatch_model` adds the hooks that move each
+module's inputs to its device as the forward reaches it (accelerate's big-model inference: it rests on reading
+accelerate's code and on the placement tests; one device is all this machine has).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from recycle.errors import RecycleError
+
+PLACED_SHARE = 0.8  # of each GPU's memory for the target's weights (the rest: the forward's activations, the runtime)
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def skeleton(config, dtype: torch.dtype, attn: str) -> nn.Module:
+    """transformers' causal LM for `config`, its parameters on the meta device and its buffers real."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    with init_empty_weights(include_buffers=False):
+        return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
+
+
+def device_map(model: nn.Module, budgets: dict[int, int], dtype: torch.dtype) -> dict[str, int]:
+    """Whole decoder layers over the GPUs `budgets` names (index → bytes for weights), filled in order; refused
+    (one line) when the weights do not fit them."""
+    from accelerate import infer_auto_device_map
+    from accelerate.utils import compute_module_sizes
+
+    with _quiet_accelerate():
+        dmap = infer_auto_device_map(model, max_memory={**budgets, "cpu": 0, "disk": 0},
+                                     no_split_module_classes=list(model._no_split_modules or ()), dtype=dtype)
+    off = sorted({str(v) for v in dmap.values() if not isinstance(v, int)})
+    if off:
+        need = compute_module_sizes(model, dtype=dtype)[""]
+        raise RecycleError(f"the target's {need / 1e9:.1f} GB of weights at {str(dtype).removeprefix('torch.')} do "
+                           f"not fit {len(budgets)} GPU(s) at {sum(budgets.values()) / 1e9:.1f} GB for weights "
+                           f"(accelerate's map puts {', '.join(off)} parts off them): more --gpus")
+    return dmap
+
+
+class _quiet_accelerate:
+    """accelerate warns for every GPU index a map names that this process cannot see (a plan made elsewhere)."""
+
+    def __enter__(self):
+        import logging
+
+        self.log = logging.getLogger("accelerate.utils.modeling")
+        self.level = self.log.level
+        self.log.setLevel(logging.ERROR)
+
+    def __exit__(self, *exc):
+        self.log.setLevel(self.level)
+
+
+def _owner(dmap: dict[str, int | str], name: str) -> int | str:
+    """The device the map gives the module holding parameter `name` (its longest prefix; "" is the whole model)."""
+    parts = name.split(".")
+    for k in range(len(parts), -1, -1):
+        key = ".".join(parts[:k])
+        if key in dmap:
+            return dmap[key]
+    raise RecycleError(f"the device map places no module of {name}")
+
+
+def _groups(names: list[str], layers: int) -> list[list[str]]:
+    """The checkpoint's names one decoder layer at a time, then the rest; MTP modules (`mtp.*`, a layer index past the
+    trunk's) are left out: the trunk never holds them."""
+    by_layer: dict[int, list[str]] = {}
+    rest = []
+    for n in names:
+        m = _LAYER.search(n)
+        if n.startswith("mtp.") or ".mtp." in n or (m is not None and int(m.group(1)) >= layers):
+            continue
+        (by_layer.setdefault(int(m.group(1)), []) if m is not None else rest).append(n)
+    return [by_layer[i] for i in sorted(by_layer)] + [rest]
+
+
+SMALL = 1 << 22  # elements: a tensor under this stays float32 until its parameter's dtype is known (norms, hc mixers)
+
+
+def _read(ckpt, name: str, dtype: torch.dtype) -> torch.Tensor:
+    """One stored tensor, read straight into the compute dtype unless small (the codecs and the FP8 reader compute in
+    float32 and round once into it: no float32 copy of a large tensor exists); a small one stays float32 until its
+    parameter's dtype is known. Integer tables (I64) as stored."""
+    if ckpt.tensors[name].dtype == "I64":
+        return ckpt.raw(name)
+    return ckpt.get(name, torch.float32 if math.prod(ckpt.tensors[name].shape) < SMALL else dtype)
+
+
+def load_streamed(ckpt, model: nn.Module, dmap: dict[str, int | str], dtype: torch.dtype) -> None:
+    """Fill `model`'s meta parameters from `ckpt` (a `recycle.checkpoint.Checkpoint`), a decoder layer at a time, each
+    tensor on the device `dmap` gives its module, at its dtype; refused in one line when a stored tensor no codec reads
+    would be loaded, or when the checkpoint leaves a parameter unfilled."""
+    from accelerate.utils import set_module_tensor_to_device
+    from transformers.core_model_loading import build_glob_alternation
+
+    from recycle.mtp import to_runtime_layout
+
+    config = model.config
+    scales = {s.name for n, i in ckpt.tensors.items() if i.is_fp8 and (s := ckpt.scale_for(n)) is not None}
+    # I64: index tables the model holds as integers (DeepSeek-V4's hash routing `tid2eid`), read as stored; no
+    # quantization stores codes in 64-bit integers
+    odd = next((n for n, i in ckpt.tensors.items() if not i.quantized and i.dtype not in ("F32", "F16", "BF16", "I64")
+                and not i.is_scale and n not in scales), None)  # an FP8 weight's native `.scale` (e8m0) is read
+    if odd is not None:
+        raise RecycleError(f"{ckpt.path}: {odd} is stored as {ckpt.tensors[odd].dtype}, which no codec recycle knows "
+                           f"reads (quantization {ckpt.quant_config.get('quant_method') or ckpt.quant_config.get('quant_algo')!r})")
+    plan = model._get_dtype_plan(dtype)
+    keep_fp32 = build_glob_alternation(list(plan))[0] if plan else None
+    want = dict(model.named_parameters()) | dict(model.named_buffers())
+    prefix = f"{model.base_model_prefix}."  # names stored without it (DeepSeek-V4's `embed`, `layers.{i}`), as
+    filled: set[str] = set()  # from_pretrained adds it
+    names = [n for n, i in ckpt.tensors.items() if not i.is_scale and n not in scales]
+    for group in _groups(names, int(config.num_hidden_layers)):
+        state = to_runtime_layout({n: _read(ckpt, n, dtype) for n in group}, config)
+        for key, value in state.items():
+            key = key if key in want or prefix + key not in want else prefix + key
+            if key not in want:
+                continue
+            to = value.dtype if not value.is_floating_point() else \
+                torch.float32 if keep_fp32 is not None and keep_fp32.search(key) else dtype
+            set_module_tensor_to_device(model, key, _owner(dmap, key), value=value, dtype=to)
+            filled.add(key)
+        del state
+    if getattr(config, "tie_word_embeddings", False):
+        model.tie_weights()
+    missing = [n for n, _ in model.named_parameters() if n not in filled]  # a tied head is its embedding
+    if missing:
+        raise RecycleError(f"{ckpt.path}: the checkpoint does not fill {type(model).__name__} (missing {missing[:3]})")
+
+
+def load_placed(path: Path, dtype: torch.dtype, attn: str, gpus: int, share: float = PLACED_SHARE) -> nn.Module:
+    """The target over `gpus` GPUs of this node (whole decoder layers each), read tensor by tensor and dispatched."""
+    from accelerate import dispatch_model
+    from transformers import AutoConfig
+
+    from recycle.checkpoint import Checkpoint
+
+    seen = torch.cuda.device_count()
+    if gpus > seen:
+        raise RecycleError(f"--gpus {gpus}: this process sees {seen} GPU(s) (CUDA_VISIBLE_DEVICES names a shard's)")
+    ckpt = Checkpoint(path)
+    config = AutoConfig.for_model(**{k: v for k, v in ckpt.config.items() if k != "quantization_config"})
+    config._attn_implementation = attn
+    model = skeleton(config, dtype, attn)
+    budgets = {i: int(share * torch.cuda.get_device_properties(i).total_memory) for i in range(gpus)}
+    dmap = device_map(model, budgets, dtype)
+    load_streamed(ckpt, model, dmap, dtype)
+    return dispatch_model(model, dmap)
