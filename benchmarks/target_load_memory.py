@@ -100,12 +100,17 @@ def main() -> None:
     ap.add_argument("--dir", type=Path, default=Path("/tmp/recycle_v4flash_slices"))
     a = ap.parse_args()
     rows = []
-    for e in a.experts:
-        path = slice_of(a.layers, e, a.dir)
+    for experts in a.experts:
+        path = slice_of(a.layers, experts, a.dir)
         for loader in a.loaders:
-            wall, peak, out = sampled([sys.executable, __file__, "--child", str(path), loader], capture=True)
+            try:
+                wall, peak, out = sampled([sys.executable, __file__, "--child", str(path), loader], capture=True)
+            except SystemExit as err:  # the whole-state loader past this machine's memory: killed (-9)
+                rows.append({"layers": a.layers, "experts": experts, "loader": loader, "failed": str(err)})
+                print(rows[-1], flush=True)
+                continue
             model = int(out.strip().splitlines()[-1])
-            rows.append({"layers": a.layers, "experts": e, "loader": loader, "model_bf16_gb": round(model / GB, 2),
+            rows.append({"layers": a.layers, "experts": experts, "loader": loader, "model_bf16_gb": round(model / GB, 2),
                          "peak_anon_gb": round(peak["RssAnon"] / GB, 2), "peak_file_gb": round(peak["RssFile"] / GB, 2),
                          "anon_over_model": round(peak["RssAnon"] / model, 2), "wall_s": round(wall, 1)})
             print(rows[-1], flush=True)

@@ -117,10 +117,15 @@ def vllm_generate(target: str, parallel: dict | None = None, gpu_memory_utilizat
     return generate
 
 
-def check_manifest(cache: Path, opts: DataOptions, aux_layers: list[int], world: int, streams: int = 0) -> dict:
+def check_manifest(cache: Path, opts: DataOptions, aux_layers: list[int], world: int, streams: int = 0,
+                   follow: bool = False) -> dict:
     """Refuse (exit 2) a harvested cache made for other distill options: its keys would name other windows, or
     without the `streams` hyper-connection streams a DeepSeek-V4 drafter reads. Returns the manifest."""
     m = load_json(cache / MANIFEST, "cache manifest")
+    if bool(m.get("follow")) != follow:
+        raise RecycleError(f"--cache-hidden {cache}: " + (
+            "a harvest read as it is written (--ahead): pass --follow" if m.get("follow") else
+            "a finished harvest: --follow, which deletes what it reads, is for one run with --ahead"))
     if streams and m.get("streams") != streams:
         raise RecycleError(f"--cache-hidden {cache}: holds no hyper-connection streams, which a DeepSeek-V4 drafter "
                            f"trains on ({streams} a token); harvest with --engine transformers")
@@ -488,7 +493,9 @@ def harvest(opts: HarvestOptions, progress=None) -> dict:
             job.regenerate_eval()
             todo = [(k, job.eval, m) if k == EVAL_KEY else (k, ids, m) for k, ids, m in todo]
         todo = job.regenerate_windows(todo)
-        if job.local is not None:
+        if opts.ahead is not None:  # read as it is written: the held-out rows and the manifest first, then in order
+            engine = _ahead(job, out, todo, progress)
+        elif job.local is not None:
             for key, ids, mask in todo:  # one key at a time, each file whole before the next (resumable)
                 job.store_local(out / f"{key}.safetensors", ids, mask)
                 if progress is not None:
@@ -501,7 +508,9 @@ def harvest(opts: HarvestOptions, progress=None) -> dict:
         fed = sum(int(ids.numel()) for _, ids, _ in todo)
         _atomic_json(state / f"shard-{index}.json", {"keys": [k for k, _, _ in items]})
         complete = all((state / f"shard-{j}.json").is_file() for j in range(count))
-        if complete:
+        if complete and opts.ahead is not None:  # the consumer deleted what it read: nothing to check or finalize
+            shutil.rmtree(state, ignore_errors=True)
+        elif complete:
             _finalize(job, out, state)
     finally:
         lock.release()
@@ -516,6 +525,47 @@ def harvest(opts: HarvestOptions, progress=None) -> dict:
             "seconds": round(time.perf_counter() - started, 3),
             "options": asdict(opts) | {"aux_layers": list(opts.aux_layers)},
             "bytes_per_token": round(size / max(1, tokens))}
+
+
+FOLLOW = ".follow.json"  # CACHE/.follow.json: the step a `distill --follow` waits for (a restarted harvest skips before)
+
+
+def step_of(key: str) -> int:
+    """The step a key's windows belong to (`s{step:08d}...`, `distill.schedule`)."""
+    return int(key[1:9])
+
+
+def follow_position(out: Path) -> int:
+    """The step `distill --follow` waits for (0 before it starts)."""
+    try:
+        return int(json.loads((out / FOLLOW).read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0
+
+
+def _keys_present(out: Path) -> list[Path]:
+    return [p for p in out.glob("s*.safetensors")]
+
+
+def _ahead(job: _Job, out: Path, todo: list[Window], progress=None) -> dict:
+    """`--ahead N`: the held-out rows, then the manifest (so `distill --follow` can start), then each key in order
+    once fewer than N unread keys are on disk; keys before the step the consumer waits for are skipped (a harvest
+    restarted under a running distill)."""
+    for key, ids, mask in todo:
+        if key == EVAL_KEY:
+            job.store_local(out / f"{key}.safetensors", ids, mask)
+    _atomic_json(out / MANIFEST, job.manifest({"follow": {"ahead": job.opts.ahead}}))
+    for key, ids, mask in todo:
+        if key == EVAL_KEY:
+            continue
+        while step_of(key) >= follow_position(out) and len(_keys_present(out)) >= job.opts.ahead:
+            time.sleep(Follower.POLL_S)
+        if step_of(key) < follow_position(out):
+            continue
+        job.store_local(out / f"{key}.safetensors", ids, mask)
+        if progress is not None:
+            progress(key)
+    return {"seconds": job.local.seconds}
 
 
 def _finalize(job: _Job, out: Path, state: Path) -> None:
@@ -630,6 +680,7 @@ class OnlineHarvest:
     """
 
     POLL_S = 0.01
+    engine = "vllm"  # what computes the features (a DeepSeek-V4 drafter refuses it: no streams)
 
     def __init__(self, opts: HarvestOptions, ahead: int) -> None:
         if ahead < 1:
@@ -725,12 +776,75 @@ class OnlineHarvest:
         self.max_bytes = max(self.max_bytes, sum(sizes))
 
 
+class Follower:
+    """`distill --cache-hidden DIR --follow`: a `recycle harvest --engine transformers --ahead N` writing DIR elsewhere
+    (other GPUs or nodes, a shared filesystem). Waits for the manifest and held-out rows, then for each key; says
+    where it is (`.follow.json`, so a restarted harvest skips what was read); the trainer deletes each key once read
+    (`Teacher.release`), so disk stays at N keys. On a resumed run the keys before its step are deleted unread."""
+
+    POLL_S = 0.05
+    NOTE_S = 30.0  # a wait longer than this says so, once
+
+    def __init__(self, out: str | Path, main: bool = True) -> None:
+        self.dir, self.main = Path(out), main
+        self.ahead = 0
+        self.max_present = self.max_bytes = 0
+        self._at: int | None = None
+
+    def ready(self) -> None:
+        self._until(lambda: (self.dir / MANIFEST).is_file() and (self.dir / f"{EVAL_KEY}.safetensors").is_file(),
+                    "the harvest's manifest and held-out rows")
+        follow = load_json(self.dir / MANIFEST, "cache manifest").get("follow")
+        if not isinstance(follow, dict):
+            raise RecycleError(f"--follow {self.dir}: a finished harvest (made without --ahead), which --follow would "
+                               "delete as it reads: drop --follow")
+        self.ahead = int(follow.get("ahead") or 0)
+
+    def begin(self, step: int) -> None:
+        if self.main:
+            for p in _keys_present(self.dir):
+                if step_of(p.stem) < step:  # a resumed run's past: never read again
+                    p.unlink(missing_ok=True)
+        self._post(step)
+
+    def close(self) -> None:
+        """The harvest ends on its own; nothing to stop here."""
+
+    def wait(self, key: str) -> None:
+        if key != EVAL_KEY:
+            self._post(step_of(key))
+        path = self.dir / f"{key}.safetensors"
+        self._until(path.is_file, f"{key} from the harvest")
+        sizes = []
+        for p in _keys_present(self.dir):
+            with contextlib.suppress(FileNotFoundError):
+                sizes.append(p.stat().st_size)
+        self.max_present = max(self.max_present, len(sizes))
+        self.max_bytes = max(self.max_bytes, sum(sizes))
+
+    def _post(self, step: int) -> None:
+        if self.main and step != self._at:
+            self._at = step
+            _atomic_json(self.dir / FOLLOW, {"step": step})
+
+    def _until(self, ready: Callable[[], bool], what: str) -> None:
+        from recycle.preflight import note
+
+        started, said = time.monotonic(), False
+        while not ready():
+            if not said and time.monotonic() - started > self.NOTE_S:
+                note(f"--follow: waiting for {what} (recycle harvest ... --ahead N writing {self.dir})")
+                said = True
+            time.sleep(self.POLL_S)
+
+
 class OnlineFollower:
     """`--online` on a rank other than 0 under torchrun: rank 0's `OnlineHarvest` feeds vLLM and writes each step's
     key (the one-process key of the global batch); this rank waits for the file and reads its own rows of it (a
     span, as from any harvested cache). Rank 0 deletes a key once every rank has passed the step (`distill.train`)."""
 
     POLL_S = OnlineHarvest.POLL_S
+    engine = "vllm"
 
     def __init__(self, out: str | Path, ahead: int) -> None:
         self.dir, self.ahead = Path(out), ahead

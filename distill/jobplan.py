@@ -271,15 +271,22 @@ def plan_job(opts, world: int, gpu: str | None, tokens: int | None, node_gpus: i
     if in_process and mem.fits:
         teacher |= {"verdict": "beside", "text": "fits beside the trainer: in process, whole on every rank "
                     "(the memory table counts it)"}
-    elif mem.options.get("streams") and teacher.get("verdict") is not None:  # DeepSeek-V4: no server carries them
-        gpus = teacher.get("gpus_alone")
-        teacher |= {"verdict": "harvest_only", "text": f"harvest it ahead with the target in transformers on "
-                    f"{gpus} GPUs of its own (recycle harvest --engine transformers --shard i/N, then --cache-hidden; "
-                    "a teacher server cannot: vLLM does not capture DeepSeek-V4's hyper-connection streams)"}
+    elif mem.options.get("streams") and g is not None:  # DeepSeek-V4: only a transformers harvest carries them
+        bf16 = target_counts(str(Path(opts.target).expanduser())).trunk * 2  # that engine's weights: dequantized
+        per = math.ceil(bf16 / (PLACED_SHARE * g.memory_gb * GB))
+        teacher |= {"gpus_alone": per, "weight_bytes": bf16, "scheme": "bf16, dequantized"} | (
+            {"verdict": "harvest", "text": f"harvest it ahead with the target in transformers over {per} GPUs of a "
+             f"node per shard ({bf16 / GB:.0f} GB at bf16; recycle harvest --engine transformers --gpus {per} "
+             "[--ahead N beside a distill --follow], then --cache-hidden); a teacher server cannot: vLLM does not "
+             "capture DeepSeek-V4's hyper-connection streams"} if per <= node_gpus else
+            {"verdict": "none", "text": f"no engine recycle drives can be its teacher off the trainer: "
+             f"--engine transformers needs {per} GPUs at bf16 ({bf16 / 1e12:.2f} TB), more than a node's "
+             f"{node_gpus}, and vLLM does not capture DeepSeek-V4's hyper-connection streams"})
     time = {}
     if g is not None and tokens is not None:
         time["distill"] = hours(tokens * fl["distill"], world, g.bf16_tflops, DISTILL_MFU)
-        if not in_process:  # the teacher's prefill on GPUs of its own (a harvest ahead, or a server)
+        if not in_process and not mem.options.get("streams"):  # the teacher's prefill on GPUs of its own (a harvest
+            # ahead, or a server); a DeepSeek-V4 harvest runs in transformers, whose eager forward has no measured MFU
             gpus = teacher.get("gpus_alone") or world
             time["teacher"] = hours(tokens * fl["teacher_prefill"], gpus, g.bf16_tflops, PREFILL_MFU)
             time["teacher_gpus"] = gpus
@@ -373,6 +380,8 @@ def lines(d: dict) -> list[str]:
         if "teacher" in t:
             line += (f"; teacher prefill {_h(t['teacher'])} on {t['teacher_gpus']} GPU(s) at MFU "
                      f"{t['prefill_mfu'][1]:.0%}-{t['prefill_mfu'][0]:.0%}")
+        elif d["storage"].get("streams") and d["options"]["teacher"] != "in process":
+            line += "; the harvest's hours not given (transformers' eager DeepSeek-V4 forward has no measured MFU)"
         out.append(line)
     p = d["teacher_placement"]
     out.append(f"teacher: {p['text']}" if p.get("verdict") else

@@ -40,7 +40,7 @@ from recycle.distill.data import (
     regenerate_turns,
 )
 from recycle.distill.freeze import check_groups, freeze, lower_frozen
-from recycle.distill.harvest import OnlineFollower, OnlineHarvest, check_manifest
+from recycle.distill.harvest import Follower, OnlineFollower, OnlineHarvest, check_manifest
 from recycle.distill.memory import check, for_options, plans, streams_of
 from recycle.distill.remote import Remote, check_online_fits, connect
 from recycle.distill.schedule import EVAL_KEY, Schedule, eval_prompt_len
@@ -379,7 +379,8 @@ def build(run: Run) -> Prepared:
         model = meta_drafter(o.drafter) if from_meta else load_drafter(o.drafter, dtype=torch.float32)
     aux = run.fmt.reads(run.drafter_config, run.target_config).aux_layers
     aux = list(aux) if aux is not None else None
-    producer = _online(run, aux, share) if o.online else _remote(run, aux) if o.teacher else None
+    producer = _online(run, aux, share) if o.online else _remote(run, aux) if o.teacher else \
+        Follower(o.cache_hidden, main=run.ranks.is_main) if o.follow else None
     try:
         return _models(run, device, precision, model, aux, producer)
     except BaseException:
@@ -392,9 +393,12 @@ def _models(run: Run, device: torch.device, precision: str, model: torch.nn.Modu
             producer) -> Prepared:
     o, ranks, data = run.opts, run.ranks, run.data
     harvested = None
+    if o.follow:  # a harvest still being written: its manifest and held-out rows come first
+        with run.phase("waiting for the harvest's manifest"):
+            producer.ready()
     if o.cache_hidden and (Path(o.cache_hidden) / "manifest.json").is_file():  # made by `recycle harvest`
         harvested = check_manifest(Path(o.cache_hidden), o, aux_layers=aux or [], world=ranks.world,
-                                   streams=streams_of(model))
+                                   streams=streams_of(model), follow=o.follow)
     # A harvested cache holds every window and the evaluation rows: the trunk is never loaded.
     remote = producer if o.teacher else None  # the server computes every feature: embedding and head alone here
     trunk = harvested is None and remote is None

@@ -132,7 +132,7 @@ class Teacher:
         self.streams = streams  # DeepSeek-V4's modules chain the last layer's output, its hyper-connection streams
         self._tapped: dict[str, torch.Tensor] = {}
         if streams:
-            if remote is not None or producer is not None:
+            if remote is not None or getattr(producer, "engine", None) == "vllm":
                 raise RecycleError(STREAMS_FROM_VLLM.format(what="--teacher and --online (a vLLM teacher)",
                                                             instead=HARVEST_STREAMS))
             if self.decoder is not None:  # kept by a hook as the last layer leaves them (a cache's file: "streams")

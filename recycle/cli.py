@@ -228,7 +228,7 @@ def push(opts: PushOptions, json_out: f.Json = False) -> None:
 @app.command()
 @user_errors
 @f.options(DistillOptions, "drafter target tokens data self_distill prompt_len sd_temperature chat_template "
-           "save_regenerated out resume cache_hidden online seq_len packing curriculum batch lr draft_steps ce_weight "
+           "save_regenerated out resume cache_hidden follow online seq_len packing curriculum batch lr draft_steps ce_weight "
            "kl_weight "
            "feature_weight decay loss temperature init freeze micro_batch activation_checkpointing checkpoint_every eval_every teacher "
            "teacher_ahead device "
@@ -286,7 +286,7 @@ def distill(opts: DistillOptions, memory_plan: f.MemoryPlan = False, world_size:
 @f.options(HarvestOptions, "target tokens out drafter data seq_len packing batch seed self_distill prompt_len "
            "sd_temperature "
            "chat_template engine tensor_parallel_size pipeline_parallel_size enable_expert_parallel data_parallel_size "
-           "gpu_memory_utilization device gpus precision shard convert_workers plan gpu overwrite json_out",
+           "gpu_memory_utilization device gpus precision ahead shard convert_workers plan gpu overwrite json_out",
            tokens=f.REQUIRED)
 def harvest(opts: HarvestOptions, drafter: f.HarvestDrafter = None, tensor_parallel_size: f.TensorParallel = 1,
             pipeline_parallel_size: f.PipelineParallel = 1, enable_expert_parallel: f.ExpertParallel = False,

@@ -517,6 +517,9 @@ class DistillOptions(DataOptions):
     online: int | None = opt("--online", help="Harvest in vLLM while training, at most N steps' windows ahead in "
                              "--cache-hidden (disk stays flat); the target is never loaded here. Under torchrun vLLM "
                              "runs beside rank 0.", metavar="N", type=int, default=None)
+    follow: bool = opt("--follow", help="With --cache-hidden: read a harvest still being written (recycle harvest "
+                       "--engine transformers --ahead N, on other GPUs or nodes, the directory shared): wait for each "
+                       "step's windows and delete them once read, so disk stays at N keys.", default=False)
     vllm_parallel: dict | None = None  # with online: vLLM's own parallelism arguments
     teacher: str | None = opt("--teacher", help="A teacher server's URL (`recycle teacher serve`): each step's "
                               "features stream from it and the target's trunk is loaded nowhere here; each rank "
@@ -577,6 +580,9 @@ class DistillOptions(DataOptions):
             if self.self_distill:
                 raise RecycleError("--online trains on the data's own text: not with --self-distill "
                                    "(harvest --self-distill ahead instead)")
+        if self.follow and (not self.cache_hidden or self.online is not None):
+            raise RecycleError("--follow reads a harvest in --cache-hidden DIR as it is written: give --cache-hidden, "
+                               "and not --online (which harvests in this run)")
         if self.teacher is not None:
             _teacher_url(self)
         self.stages()
@@ -623,6 +629,9 @@ class HarvestOptions(DataOptions):
                       "DeepSeek-V4's hyper-connection streams, which its drafters train on).",
                       choices=HARVEST_ENGINES, default="vllm")
     device: str | None = cli(DEVICE, None)  # --engine transformers: where the target runs
+    ahead: int | None = opt("--ahead", help="--engine transformers: a harvest distill consumes as it goes (`distill "
+                            "--cache-hidden DIR --follow`, which deletes each step's windows once read): at most N "
+                            "unread keys on disk; the manifest comes first.", metavar="N", type=int, default=None)
     gpus: int = opt("--gpus", help="--engine transformers: spread the target over this many GPUs of this node (whole "
                     "decoder layers each, read tensor by tensor onto them); run one shard per GPU group, each with "
                     "CUDA_VISIBLE_DEVICES naming its GPUs.", metavar="N", default=1)
@@ -662,6 +671,15 @@ class HarvestOptions(DataOptions):
                                "machine's build and dtype, and its parallel options)")
         if self.gpus < 1:
             raise RecycleError(f"--gpus {self.gpus}: 1 or more")
+        if self.ahead is not None:
+            if self.ahead < 1:
+                raise RecycleError(f"--ahead {self.ahead}: 1 or more keys")
+            if self.self_distill:
+                raise RecycleError("--ahead with --self-distill: the continuations are all written before the first "
+                                   "key; harvest them without --ahead")
+            if self.engine != "transformers" or n > 1:
+                raise RecycleError("--ahead: one --engine transformers harvest, unsharded (a vLLM teacher read as it "
+                                   "goes is distill --online, or --teacher URL)")
         if self.gpus > 1 and self.device == "cpu":
             raise RecycleError(f"--gpus {self.gpus} with --device cpu: GPUs spread the target, a CPU holds it whole")
         _device_name(self.device)
@@ -957,7 +975,7 @@ def _teacher_url(o: DistillOptions) -> None:
     """--teacher: an http(s) URL, and none of the other teachers."""
     if not re.match(r"^https?://[^/\s]+", o.teacher):
         raise RecycleError(f"--teacher {o.teacher!r}: a server's URL, e.g. http://HOST:8000")
-    for given, name in ((o.online is not None, "--online"), (o.cache_hidden, "--cache-hidden"),
+    for given, name in ((o.online is not None, "--online"), (o.cache_hidden, "--cache-hidden"), (o.follow, "--follow"),
                         (o.self_distill, "--self-distill")):
         if given:
             raise RecycleError(f"--teacher streams the features of the data's own text: not with {name}")

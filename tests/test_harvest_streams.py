@@ -120,3 +120,49 @@ def test_the_plan_counts_the_streams(tmp_path) -> None:
     hidden, streams = 128, 4
     assert d["streams"] == streams and d["cache_bytes_per_token"] == 8 + hidden * 2 * (1 + streams)
     assert d["scheme"] == "bf16, dequantized" and not (tmp_path / "c").exists()
+
+
+def test_a_harvest_read_as_it_is_written_keeps_n_keys_and_trains_the_same(harvested, v4_eagle, tmp_path) -> None:
+    """`harvest --ahead 2` beside `distill --follow` (a thread here; other GPUs or nodes in use): the manifest and the
+    held-out rows come first, at most 2 keys are ever on disk, each is deleted once read, and the run's loss at every
+    step is the one a distill from the finished harvest gives."""
+    import threading
+
+    cache, _ = harvested
+    run = dict(drafter=str(v4_eagle), **RUN)
+    whole = distill(DistillOptions(out=str(tmp_path / "whole"), cache_hidden=str(cache), **run))
+    shared = tmp_path / "shared"
+    done: list = []
+    producer = threading.Thread(target=lambda: done.append(hv.harvest(HarvestOptions(
+        out=str(shared), engine="transformers", ahead=2, **RUN))))
+    producer.start()
+    try:
+        followed = distill(DistillOptions(out=str(tmp_path / "followed"), cache_hidden=str(shared), follow=True, **run))
+    finally:
+        producer.join(timeout=120)
+    assert done and done[0]["complete"]
+    assert not followed["trunk_loaded"] and followed["online"]["max_key_files"] <= 2
+    assert _losses(followed) == _losses(whole)
+    assert sorted(p.name for p in shared.iterdir()) == [".follow.json", "eval.safetensors", "manifest.json"]
+
+
+def test_a_restarted_harvest_skips_what_the_follower_read(tmp_path) -> None:
+    out = tmp_path / "c"
+    out.mkdir()
+    (out / hv.FOLLOW).write_text(json.dumps({"step": 3}))  # distill --follow waits for step 3
+    rec = hv.harvest(HarvestOptions(out=str(out), engine="transformers", ahead=8, **RUN))
+    assert rec["complete"]
+    assert sorted(p.name for p in out.glob("*.safetensors")) == ["eval.safetensors", "s00000003r0f.safetensors"]
+
+
+def test_follow_and_ahead_refuse_what_would_lose_windows(harvested, v4_eagle, tmp_path) -> None:
+    cache, _ = harvested
+    distill_args = ["distill", str(v4_eagle), "--target", str(V4), "--tokens", "2k", "--seq-len", "64", "--batch", "8",
+                    "-o", str(tmp_path / "d")]
+    assert_bad_input(run_cli(*distill_args, "--follow"), "--follow reads a harvest in --cache-hidden DIR")
+    assert_bad_input(run_cli(*distill_args, "--cache-hidden", str(cache), "--follow"),
+                     "a finished harvest (made without --ahead)")
+    args = ["harvest", "--target", str(V4), "--tokens", "2k", "-o", str(tmp_path / "c")]
+    assert_bad_input(run_cli(*args, "--ahead", "2"), "--ahead: one --engine transformers harvest, unsharded")
+    assert_bad_input(run_cli(*args, "--engine", "transformers", "--ahead", "2", "--shard", "0/2"), "unsharded")
+    assert not (tmp_path / "c").exists() and not (tmp_path / "d").exists()
