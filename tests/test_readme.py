@@ -105,6 +105,7 @@ def test_every_readme_command_runs(path: Path, tmp_path: Path) -> None:
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
            "PYTHONPATH": str(ROOT), "RECYCLE_THREADS": _threads(), "OMP_NUM_THREADS": _threads(), "HF_HUB_OFFLINE": "1"}
     env.pop("HF_TOKEN", None)
+    before = {p.name for p in ROOT.iterdir()}
     try:  # the block's commands run in one process group, stopped with everything in it when the test ends
         res = helpers.run(["bash", "-c", "\n".join(script)], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=BLOCK_TIMEOUT_S)
@@ -113,3 +114,6 @@ def test_every_readme_command_runs(path: Path, tmp_path: Path) -> None:
         pytest.fail(f"{_name(path)}: over {BLOCK_TIMEOUT_S} s\nstdout:\n{out[-3000:]}\nstderr:\n{err[-3000:]}")
     assert res.returncode == 0, f"{_name(path)}\nstdout:\n{res.stdout[-3000:]}\nstderr:\n{res.stderr[-3000:]}"
     assert "Traceback" not in res.stderr
+    # the commands run in the checkout: an output left to its default (./NAME-distilled, ./TARGET-cache) lands there
+    wrote = sorted(n for n in {p.name for p in ROOT.iterdir()} - before if not n.startswith((".", "__")))
+    assert not wrote, f"{_name(path)}: its commands wrote {wrote} into the checkout (give -o under /tmp/)"
