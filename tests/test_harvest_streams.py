@@ -166,3 +166,34 @@ def test_follow_and_ahead_refuse_what_would_lose_windows(harvested, v4_eagle, tm
     assert_bad_input(run_cli(*args, "--ahead", "2"), "--ahead: one --engine transformers harvest, unsharded")
     assert_bad_input(run_cli(*args, "--engine", "transformers", "--ahead", "2", "--shard", "0/2"), "unsharded")
     assert not (tmp_path / "c").exists() and not (tmp_path / "d").exists()
+
+
+@pytest.mark.slow  # two spawned gloo ranks beside a harvest thread (20 s here)
+def test_two_gloo_ranks_follow_a_harvest_as_one_process(harvested, v4_eagle, tmp_path) -> None:
+    """Under torchrun (2 gloo ranks, --batch 4 each) a `--follow` distill beside `harvest --ahead 2` (its global batch
+    8): each rank reads its rows of every key, rank 0 deletes a key once both have passed its step, and the loss curve
+    is the one-process run's on the finished harvest (within 2e-3, as tests/test_family_v4.py's two ranks)."""
+    import threading
+
+    import torch.multiprocessing as mp
+
+    from tests import helpers
+
+    cache, _ = harvested
+    one = distill(DistillOptions(drafter=str(v4_eagle), out=str(tmp_path / "one"), cache_hidden=str(cache), **RUN))
+    shared = tmp_path / "shared"
+    done: list = []
+    producer = threading.Thread(target=lambda: done.append(hv.harvest(HarvestOptions(
+        out=str(shared), engine="transformers", ahead=2, **RUN))))
+    producer.start()
+    queue = mp.get_context("spawn").SimpleQueue()
+    run = dict(RUN, batch=4, drafter=str(v4_eagle), cache_hidden=str(shared), follow=True, out=str(tmp_path / "two"))
+    try:
+        mp.spawn(helpers.distill_rank, args=(2, helpers.free_port(), run, queue), nprocs=2, join=True)
+    finally:
+        producer.join(timeout=300)
+    two = next(rec for _, rec in (queue.get() for _ in range(2)) if rec is not None)
+    assert done and done[0]["complete"] and two["online"]["max_key_files"] <= 2
+    la, lb = _losses(one), _losses(two)
+    assert len(la) == len(lb) >= 4 and max(abs(x - y) / abs(y) for x, y in zip(la, lb)) < 2e-3
+    assert sorted(p.name for p in shared.iterdir()) == [".follow.json", "eval.safetensors", "manifest.json"]
