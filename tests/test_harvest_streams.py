@@ -1,4 +1,5 @@
-"""`recycle harvest --engine transformers`: DeepSeek-V4's hyper-connection streams in the one cache format.
+"""`recycle harvest --engine transformers`: DeepSeek-V4's hyper-connection streams in the one cache format (and any
+target's features, as distill stores them).
 
 vLLM captures no V4 streams (0.32 hands over their mean), so the transformers engine harvests a V4 target: the
 cache must hold, key for key, the bytes an in-process `distill --cache-hidden` run stores (the same loader, hook and
@@ -197,3 +198,28 @@ def test_two_gloo_ranks_follow_a_harvest_as_one_process(harvested, v4_eagle, tmp
     la, lb = _losses(one), _losses(two)
     assert len(la) == len(lb) >= 4 and max(abs(x - y) / abs(y) for x, y in zip(la, lb)) < 2e-3
     assert sorted(p.name for p in shared.iterdir()) == [".follow.json", "eval.safetensors", "manifest.json"]
+
+
+@pytest.mark.parametrize("mode", ["eagle3", "self_distill"])
+def test_the_transformers_engine_writes_what_distill_stores_for_any_target(mode, tmp_path) -> None:
+    """Not only V4: on the DeepSeek-V3 fixture the transformers engine stores, key for key, what an in-process
+    `distill --cache-hidden` run stores: an EAGLE-3 drafter's aux layers, and with `--self-distill` (greedy) the rows
+    the target continued, written by the same `generate`."""
+    from tests.trained import FIXTURE
+
+    drafter = tmp_path / "d"
+    assert run_cli("convert", str(FIXTURE), "--to", "eagle3" if mode == "eagle3" else "eagle", "-o",
+                   str(drafter)).exit_code == 0
+    common = dict(target=str(FIXTURE), tokens=768, seq_len=48, batch=4, precision="fp32")
+    extra = dict(self_distill=True, prompt_len=16, sd_temperature=0.0) if mode == "self_distill" else {}
+    aux = tuple(json.loads((drafter / "config.json").read_text()).get("eagle_aux_hidden_state_layer_ids") or ())
+    hv.harvest(HarvestOptions(out=str(tmp_path / "h"), engine="transformers", aux_layers=aux, **common, **extra))
+    distill(DistillOptions(drafter=str(drafter), out=str(tmp_path / "o"), cache_hidden=str(tmp_path / "own"), **common,
+                           **extra))
+    stored = sorted(p.name for p in (tmp_path / "own").glob("s*.safetensors"))
+    assert stored
+    for name in stored:
+        a, b = load_file(str(tmp_path / "own" / name)), load_file(str(tmp_path / "h" / name))
+        assert ("aux" in a) == (mode == "eagle3") and STREAMS_KEY not in b
+        for k in ("input_ids", "last", *(("aux",) if mode == "eagle3" else ())):
+            assert torch.equal(a[k], b[k]), (name, k)
