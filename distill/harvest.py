@@ -234,6 +234,9 @@ def final_norm(target: str | os.PathLike):
 def check_engine(opts: HarvestOptions) -> int:
     """The hyper-connection streams the cache must hold (a DeepSeek-V4 target's C, else 0); refused in one line for
     vLLM, which captures none, and `--gpus` past the GPUs this process sees (checked before an engine starts)."""
+    if opts.keep_quantized and not torch.cuda.is_available():
+        raise RecycleError("--keep-quantized: transformers keeps FP8 and FP4 weights as stored on CUDA GPUs only (on a "
+                           "CPU it dequantizes them): drop it here")
     seen = torch.cuda.device_count()
     if opts.gpus > 1 and opts.gpus > seen:
         raise RecycleError(f"--gpus {opts.gpus}: this process sees {seen} GPU(s) (CUDA_VISIBLE_DEVICES names a "
@@ -252,7 +255,7 @@ class _Local:
     def __init__(self, opts: HarvestOptions, streams: int) -> None:
         device = resolve_device(opts.device)
         self.teacher = Teacher(opts.target, device, list(opts.aux_layers), opts.precision or default_precision(device),
-                               streams=bool(streams), gpus=opts.gpus)
+                               streams=bool(streams), gpus=opts.gpus, keep_quantized=opts.keep_quantized)
         self.model = self.teacher.model
         self.seconds = 0.0
 

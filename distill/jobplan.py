@@ -15,7 +15,8 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from recycle.decoding.placed import PLACED_SHARE
+from recycle.checkpoint import Checkpoint
+from recycle.decoding.placed import PLACED_SHARE, stored_trunk_bytes
 from recycle.distill.experts import expert_modules, expert_params
 from recycle.distill.memory import GB, GIB, MemoryPlan, config_drafter, for_options, target_counts
 from recycle.distill.teacher import STREAMS_FROM_VLLM
@@ -272,16 +273,27 @@ def plan_job(opts, world: int, gpu: str | None, tokens: int | None, node_gpus: i
         teacher |= {"verdict": "beside", "text": "fits beside the trainer: in process, whole on every rank "
                     "(the memory table counts it)"}
     elif mem.options.get("streams") and g is not None:  # DeepSeek-V4: only a transformers harvest carries them
-        bf16 = target_counts(str(Path(opts.target).expanduser())).trunk * 2  # that engine's weights: dequantized
-        per = math.ceil(bf16 / (PLACED_SHARE * g.memory_gb * GB))
-        teacher |= {"gpus_alone": per, "weight_bytes": bf16, "scheme": "bf16, dequantized"} | (
-            {"verdict": "harvest", "text": f"harvest it ahead with the target in transformers over {per} GPUs of a "
-             f"node per shard ({bf16 / GB:.0f} GB at bf16; recycle harvest --engine transformers --gpus {per} "
-             "[--ahead N beside a distill --follow], then --cache-hidden); a teacher server cannot: vLLM does not "
-             "capture DeepSeek-V4's hyper-connection streams"} if per <= node_gpus else
-            {"verdict": "none", "text": f"no engine recycle drives can be its teacher off the trainer: "
-             f"--engine transformers needs {per} GPUs at bf16 ({bf16 / 1e12:.2f} TB), more than a node's "
-             f"{node_gpus}, and vLLM does not capture DeepSeek-V4's hyper-connection streams"})
+        bf16 = target_counts(str(Path(opts.target).expanduser())).trunk * 2  # that engine's weights: dequantized,
+        kept = stored_trunk_bytes(Checkpoint(Path(opts.target).expanduser()))  # or as stored (--keep-quantized)
+        per, per_kept = (math.ceil(b / (PLACED_SHARE * g.memory_gb * GB)) for b in (bf16, kept))
+        no_server = "a teacher server cannot: vLLM does not capture DeepSeek-V4's hyper-connection streams"
+        how = "[--ahead N beside a distill --follow], then --cache-hidden"
+        if per <= node_gpus:
+            teacher |= {"gpus_alone": per, "weight_bytes": bf16, "scheme": "bf16, dequantized", "verdict": "harvest",
+                        "text": f"harvest it ahead with the target in transformers over {per} GPUs of a node per "
+                        f"shard ({bf16 / GB:.0f} GB at bf16; recycle harvest --engine transformers --gpus {per} {how}); "
+                        + no_server}
+        elif per_kept <= node_gpus:
+            teacher |= {"gpus_alone": per_kept, "weight_bytes": kept, "scheme": "as stored", "verdict": "harvest_kept",
+                        "text": f"harvest it ahead with the target in transformers kept as stored over {per_kept} GPUs "
+                        f"of a node per shard ({kept / GB:.0f} GB; at bf16 it would need {per}: recycle harvest "
+                        f"--engine transformers --keep-quantized --gpus {per_kept} {how}; transformers' FP8/FP4 "
+                        f"kernels, not run here); " + no_server}
+        else:
+            teacher |= {"gpus_alone": per_kept, "weight_bytes": kept, "scheme": "as stored", "verdict": "none",
+                        "text": f"no engine recycle drives can be its teacher off the trainer: --engine transformers "
+                        f"needs {per_kept} GPUs even as stored ({kept / 1e12:.2f} TB), more than a node's {node_gpus}, "
+                        "and vLLM does not capture DeepSeek-V4's hyper-connection streams"}
     time = {}
     if g is not None and tokens is not None:
         time["distill"] = hours(tokens * fl["distill"], world, g.bf16_tflops, DISTILL_MFU)
@@ -306,19 +318,22 @@ def check_host(job: JobPlan) -> None:
 
 
 def harvest_plan(target: str | Path, tokens: int, seq_len: int, batch: int, gpu: str | None, gpus: int,
-                 aux_layers: int = 0, engine: str = "vllm", node_gpus: int = NODE_GPUS) -> dict:
+                 aux_layers: int = 0, engine: str = "vllm", node_gpus: int = NODE_GPUS,
+                 keep_quantized: bool = False) -> dict:
     """`recycle harvest --plan`: the cache's storage, the teacher's prefill FLOPs and hours on `gpus` devices of
     `gpu` (vLLM: every engine's GPUs), and the GPUs its weights need. `engine` "transformers": `gpus` is the shards,
     each one process holding the target dequantized to bf16 over the GPUs it needs of one node (whole decoder layers,
     `PLACED_SHARE` of each; the layers run one after another, so a shard computes at one GPU's rate; no hours: its
     eager forward has no measured MFU), and a
-    DeepSeek-V4 target's C streams go in every file; vLLM refuses such a target (it captures no streams)."""
+    DeepSeek-V4 target's C streams go in every file; vLLM refuses such a target (it captures no streams).
+    `keep_quantized`: that engine holds the weights as stored (`placed.load_kept`), their bytes from the headers."""
     t = target_counts(str(Path(target).expanduser()))
     streams = chained_streams(t.config)
     if streams and engine == "vllm":
         raise RecycleError(STREAMS_FROM_VLLM.format(what="--engine vllm", instead="plan it with --engine transformers"))
     bpt = cache_bytes_per_token(int(t.config["hidden_size"]), aux_layers + streams)
-    weights, scheme = teacher_weight_bytes(target) if engine == "vllm" else (t.trunk * 2, "bf16, dequantized")
+    weights, scheme = teacher_weight_bytes(target) if engine == "vllm" else \
+        (stored_trunk_bytes(Checkpoint(target)), "as stored") if keep_quantized else (t.trunk * 2, "bf16, dequantized")
     out = {"tokens": tokens, "cache_bytes_per_token": bpt, "cache_bytes": tokens * bpt, "engine": engine,
            "streams": streams, "file_bytes": batch * seq_len * bpt, "cache_files": math.ceil(tokens / (batch * seq_len)),
            "teacher_flops_per_token": teacher_flops(target, seq_len), "weight_bytes": weights, "scheme": scheme,
@@ -398,7 +413,8 @@ def harvest_lines(d: dict) -> list[str]:
     if d.get("streams"):
         out.append(f"every file holds DeepSeek-V4's {d['streams']} hyper-connection streams beside the last state")
     if "gpu" in d and d.get("engine") == "transformers":
-        out.append(f"{d['gpu']}: each shard holds the target ({_gb(d['weight_bytes'])} {d['scheme']}) over "
+        out.append(f"{d['gpu']}: each shard holds the target ({_gb(d['weight_bytes'])} {d['scheme']}"
+                   + ("; transformers' FP8/FP4 kernels, not run here" if d["scheme"] == "as stored" else "") + ") over "
                    + (f"--gpus {d['gpus_needed']} of one node, its layers running one after another; no hours given "
                       "(transformers' eager forward has no measured MFU on GPUs)" if d["fits_one_node"] else
                       f"{d['gpus_needed']} GPUs, more than a node's {d['node_gpus']}: --engine transformers cannot "

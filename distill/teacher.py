@@ -88,12 +88,13 @@ class Teacher:
 
     def __init__(self, target_dir: str | os.PathLike, device: torch.device, aux_layers: list[int] | None = None,
                  precision: str = "bf16", cache_dir: str | os.PathLike | None = None, trunk: bool = True,
-                 producer=None, kv: bool = False, remote=None, streams: bool = False, gpus: int = 1) -> None:
+                 producer=None, kv: bool = False, remote=None, streams: bool = False, gpus: int = 1,
+                 keep_quantized: bool = False) -> None:
         """`kv`: also return the K/V a Gemma 4 assistant attends (`recycle.formats.gemma4_assistant.kv_source_layers`);
         they are never cached, so it needs the trunk. `remote` (`distill --teacher URL`): a `distill.remote.Remote`
         gives every key's features (it deletes their files once read). `gpus` > 1: the target over that many GPUs
         of this node, whole decoder layers each (`recycle harvest --engine transformers --gpus N`); `device` is then
-        where its embedding is."""
+        where its embedding is. `keep_quantized`: a block-FP8 release kept as stored there (`--keep-quantized`)."""
         self.device, self.precision = device, precision
         self.producer = producer  # distill.harvest.OnlineHarvest/OnlineFollower: wait for each key (`release` deletes)
         self.remote = remote
@@ -102,8 +103,8 @@ class Teacher:
         # teacher's memory; fp32 on a CPU, where bf16 kernels are emulated on most machines
         dtype = torch.bfloat16 if device.type == "cuda" and precision == "bf16" else torch.float32
         if trunk:
-            self.model = load_target(target_dir, device=device, dtype=dtype, gpus=gpus)
-            if gpus > 1:  # the ids go where the embedding is; accelerate's hooks carry each layer's inputs on
+            self.model = load_target(target_dir, device=device, dtype=dtype, gpus=gpus, keep_quantized=keep_quantized)
+            if gpus > 1 or keep_quantized:  # the ids go where the embedding is; accelerate's hooks carry them on
                 self.device = self.model.get_input_embeddings().weight.device
             for p in self.model.parameters():
                 p.requires_grad_(False)

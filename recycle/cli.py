@@ -286,7 +286,7 @@ def distill(opts: DistillOptions, memory_plan: f.MemoryPlan = False, world_size:
 @f.options(HarvestOptions, "target tokens out drafter data seq_len packing batch seed self_distill prompt_len "
            "sd_temperature "
            "chat_template engine tensor_parallel_size pipeline_parallel_size enable_expert_parallel data_parallel_size "
-           "gpu_memory_utilization device gpus precision ahead shard convert_workers plan gpu overwrite json_out",
+           "gpu_memory_utilization device gpus keep_quantized precision ahead shard convert_workers plan gpu overwrite json_out",
            tokens=f.REQUIRED)
 def harvest(opts: HarvestOptions, drafter: f.HarvestDrafter = None, tensor_parallel_size: f.TensorParallel = 1,
             pipeline_parallel_size: f.PipelineParallel = 1, enable_expert_parallel: f.ExpertParallel = False,
@@ -324,7 +324,8 @@ def harvest(opts: HarvestOptions, drafter: f.HarvestDrafter = None, tensor_paral
 
         aux = len(aux_layers_of(drafter, opts.target)) if drafter is not None else 0
         engines = opts.shards()[1] * tensor_parallel_size * pipeline_parallel_size
-        data = harvest_plan(opts.target, opts.tokens, opts.seq_len, opts.batch, opts.gpu, engines, aux, opts.engine)
+        data = harvest_plan(opts.target, opts.tokens, opts.seq_len, opts.batch, opts.gpu, engines, aux, opts.engine,
+                            keep_quantized=opts.keep_quantized)
         if json_out:
             return print_json(data)
         for line in harvest_lines(data):

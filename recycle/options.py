@@ -629,6 +629,10 @@ class HarvestOptions(DataOptions):
                       "DeepSeek-V4's hyper-connection streams, which its drafters train on).",
                       choices=HARVEST_ENGINES, default="vllm")
     device: str | None = cli(DEVICE, None)  # --engine transformers: where the target runs
+    keep_quantized: bool = opt("--keep-quantized", help="--engine transformers on GPUs: keep a block-FP8 release's "
+                               "FP8 weights and FP4 experts as stored (transformers' own kernels; activations "
+                               "quantized to FP8 per token, as engines serve it) instead of dequantizing to bf16: "
+                               "DeepSeek-V4-Pro then fits one node of 8 H200s.", default=False)
     ahead: int | None = opt("--ahead", help="--engine transformers: a harvest distill consumes as it goes (`distill "
                             "--cache-hidden DIR --follow`, which deletes each step's windows once read): at most N "
                             "unread keys on disk; the manifest comes first.", metavar="N", type=int, default=None)
@@ -666,9 +670,10 @@ class HarvestOptions(DataOptions):
         if self.engine == "transformers" and (self.parallel or self.gpu_memory_utilization is not None):
             raise RecycleError("--engine transformers runs the target in this process: vLLM's parallel options and "
                                "--gpu-memory-utilization do not apply (run N shards instead: --shard i/N)")
-        if self.engine == "vllm" and (self.device is not None or self.precision is not None or self.gpus != 1):
-            raise RecycleError("--device, --gpus and --precision are --engine transformers' (vLLM takes this "
-                               "machine's build and dtype, and its parallel options)")
+        if self.engine == "vllm" and (self.device is not None or self.precision is not None or self.gpus != 1
+                                      or self.keep_quantized):
+            raise RecycleError("--device, --gpus, --keep-quantized and --precision are --engine transformers' (vLLM "
+                               "takes this machine's build and dtype, and its parallel options)")
         if self.gpus < 1:
             raise RecycleError(f"--gpus {self.gpus}: 1 or more")
         if self.ahead is not None:

@@ -92,3 +92,39 @@ def test_more_gpus_than_this_process_sees_is_refused(tmp_path) -> None:
     assert_bad_input(run_cli(*args, "--gpus", "2", "--device", "cpu"), "a CPU holds it whole")
     assert_bad_input(run_cli(*args, "--gpus", "0"), "--gpus 0: 1 or more")
     assert not (tmp_path / "c").exists()
+
+
+def test_transformers_reads_v4s_fp8_and_fp4_storage_as_recycle_does(tmp_path) -> None:
+    """`--keep-quantized` hands a block-FP8 release to transformers' own quantized path (FP8 linears, V4's FP4 experts
+    kept as stored on GPUs). On a CPU transformers dequantizes the same storage itself: every parameter equals what
+    recycle's reader makes of it (random FP4 codes, e8m0 scales), so the kept path multiplies the weights recycle
+    checks everywhere else. Its GPU kernels are not run here. The plan's bytes for it are the stored trunk's."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    from recycle.checkpoint import Checkpoint
+    from recycle.decoding.target import load_target
+
+    from tests.test_family_v4 import _release_storage
+
+    out, _ = _release_storage(V4, tmp_path / "fp", codes=torch.Generator().manual_seed(0))
+    for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        (out / f).write_bytes((V4 / f).read_bytes())
+    theirs = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, attn_implementation="eager").state_dict()
+    ours = load_target(out, dtype=torch.float32).state_dict()
+    assert set(theirs) == set(ours)
+    for name, t in ours.items():
+        assert torch.equal(theirs[name], t), name
+    with open(out / "model.safetensors", "rb") as f:  # the header's own byte ranges, read here
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    trunk = sum(v["data_offsets"][1] - v["data_offsets"][0] for n, v in header.items()
+                if n != "__metadata__" and not n.startswith("mtp."))
+    assert placed.stored_trunk_bytes(Checkpoint(out)) == trunk < sum(t.numel() * 2 for t in ours.values())
+
+
+def test_keeping_the_quantization_needs_cuda_gpus(tmp_path) -> None:
+    args = ["harvest", "--target", str(V4), "--tokens", "2k", "-o", str(tmp_path / "c")]
+    assert_bad_input(run_cli(*args, "--engine", "transformers", "--keep-quantized"), "on CUDA GPUs only")
+    assert_bad_input(run_cli(*args, "--keep-quantized"), "--engine transformers'")
+    assert not (tmp_path / "c").exists()

@@ -97,6 +97,47 @@ def _groups(names: list[str], layers: int) -> list[list[str]]:
     return [by_layer[i] for i in sorted(by_layer)] + [rest]
 
 
+def stored_trunk_bytes(ckpt) -> int:
+    """The bytes the trunk's tensors take as stored (FP8 weights, FP4 experts and their scales; MTP modules left
+    out): what a target loaded with its quantization kept holds (`load_kept`), from the headers alone."""
+    layers = int(ckpt.config.get("num_hidden_layers") or (ckpt.config.get("text_config") or {}).get("num_hidden_layers"))
+    return sum(ckpt.stored[n].nbytes for group in _groups(list(ckpt.stored), layers) for n in group)
+
+
+KEPT_METHODS = ("fp8",)  # quantizations transformers runs as stored on GPUs (FineGrainedFP8: block FP8, V4's FP4 experts)
+
+
+def load_kept(path: Path, dtype: torch.dtype, attn: str, gpus: int, share: float = PLACED_SHARE) -> nn.Module:
+    """transformers' own load of a block-FP8 release with its quantization kept: FP8 linears and DeepSeek-V4's FP4
+    experts stay as stored on the GPUs (`FineGrainedFP8` and `FP8Experts(expert_dtype="fp4")`, transformers 5.23's
+    `integrations/finegrained_fp8.py`: Triton kernels, DeepGEMM where loadable, the activations quantized to FP8 per
+    token as the serving engines do), whole decoder layers over `gpus` GPUs at `share` of each. The weights are
+    the ones recycle's reader dequantizes (checked on a CPU, where transformers dequantizes them itself); the
+    kernels rest on reading transformers' code: no GPU ran them here."""
+    from transformers import AutoModelForCausalLM
+
+    from recycle.checkpoint import Checkpoint
+
+    if not torch.cuda.is_available():
+        raise RecycleError("--keep-quantized: transformers keeps FP8 and FP4 weights as stored on CUDA GPUs only (on a "
+                           "CPU it dequantizes them): drop it here")
+    seen = torch.cuda.device_count()
+    if gpus > seen:
+        raise RecycleError(f"--gpus {gpus}: this process sees {seen} GPU(s) (CUDA_VISIBLE_DEVICES names a shard's)")
+    method = str(Checkpoint(path).quant_config.get("quant_method") or "")
+    if method not in KEPT_METHODS:
+        raise RecycleError(f"--keep-quantized: transformers keeps {', '.join(KEPT_METHODS)} releases as stored; "
+                           f"{path} is {method or 'not quantized'}: load it dequantized (drop --keep-quantized)")
+    budgets = {i: int(share * torch.cuda.get_device_properties(i).total_memory) for i in range(gpus)}
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn, device_map="auto",
+                                                 max_memory=budgets)
+    off = sorted({str(v) for v in (getattr(model, "hf_device_map", None) or {}).values() if not isinstance(v, int)})
+    if off:
+        raise RecycleError(f"--keep-quantized: the target does not fit {gpus} GPU(s) at {share:.0%} of each (its map "
+                           f"puts parts on {', '.join(off)}): more --gpus")
+    return model
+
+
 SMALL = 1 << 22  # elements: a tensor under this stays float32 until its parameter's dtype is known (norms, hc mixers)
 
 

@@ -29,11 +29,12 @@ from recycle.errors import RecycleError
 
 def load_target(
     path: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, attn: str = "sdpa",
-    gpus: int = 1,
+    gpus: int = 1, keep_quantized: bool = False,
 ) -> nn.Module:
     """AutoModelForCausalLM (or a multimodal release's image-text-to-text class, `_auto_class`) from a directory,
     eval mode, on `device`; with `gpus` > 1, over that many GPUs of this node, whole decoder layers each
-    (`recycle.decoding.placed`: read tensor by tensor onto its device)."""
+    (`recycle.decoding.placed`: read tensor by tensor onto its device). `keep_quantized`: a block-FP8 release (FP4
+    experts too) kept as stored on the GPUs by transformers' own quantized path (`placed.load_kept`)."""
     from recycle.families import config_rows
     from recycle.preflight import load_json
 
@@ -53,9 +54,13 @@ def load_target(
                 from recycle.layouts import load_causal_lm
 
                 ckpt = Checkpoint(path)
-                if gpus > 1:
-                    raise RecycleError(f"--gpus {gpus}: a {layout} checkpoint loads on one device")
+                if gpus > 1 or keep_quantized:
+                    raise RecycleError(f"--gpus/--keep-quantized: a {layout} checkpoint loads whole on one device")
                 model = load_causal_lm(ckpt, match(ckpt, layout), dtype, attn)
+            elif keep_quantized:
+                from recycle.decoding.placed import load_kept
+
+                return load_kept(path, dtype, attn, gpus).eval()
             elif gpus > 1:
                 from recycle.decoding.placed import load_placed
 
