@@ -446,7 +446,8 @@ def _stored_ids(path: Path, ids: torch.Tensor, prefix: int) -> bool:
 
 
 def harvest(opts: HarvestOptions, progress=None) -> dict:
-    """Run the target in vLLM (or in transformers, `--engine transformers`) over distill's windows (shard i/N of them with --shard) and write the cache directory.
+    """Run the target in vLLM (or in transformers, `--engine transformers`) over distill's windows (shard i/N of them
+    with --shard) and write the cache directory (with `--ahead N`, for a `distill --follow` reading it as it goes).
 
     Streamed: one engine stays up and is fed CHUNK_WINDOWS windows at a time; each key's vLLM files become its cache
     file as they arrive, on `--convert-workers` threads. Resumable: every key's cache file is written whole (temp +

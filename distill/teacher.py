@@ -96,7 +96,8 @@ class Teacher:
         of this node, whole decoder layers each (`recycle harvest --engine transformers --gpus N`); `device` is then
         where its embedding is. `keep_quantized`: a block-FP8 release kept as stored there (`--keep-quantized`)."""
         self.device, self.precision = device, precision
-        self.producer = producer  # distill.harvest.OnlineHarvest/OnlineFollower: wait for each key (`release` deletes)
+        self.producer = producer  # distill.harvest.OnlineHarvest/OnlineFollower/Follower: wait for each key (`release`
+        # deletes it once read)
         self.remote = remote
         self._vocab_head: tuple[torch.Tensor, torch.Tensor] | None = None  # (draft vocabulary, the head's rows)
         # bf16 weights on a GPU when the run computes in bf16 (autocast ran the matmuls in bf16 already): half the
