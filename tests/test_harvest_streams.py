@@ -223,3 +223,18 @@ def test_the_transformers_engine_writes_what_distill_stores_for_any_target(mode,
         assert ("aux" in a) == (mode == "eagle3") and STREAMS_KEY not in b
         for k in ("input_ids", "last", *(("aux",) if mode == "eagle3" else ())):
             assert torch.equal(a[k], b[k]), (name, k)
+
+
+def test_a_resumed_follower_deletes_the_keys_it_will_never_read(tmp_path) -> None:
+    """`distill --follow --resume` at step 2: the keys before it go unread (the harvest would otherwise wait on them,
+    holding N keys nobody reads); the step it waits for is posted for the harvest; other ranks only read."""
+    out = tmp_path / "c"
+    out.mkdir()
+    names = [f"s{s:08d}r0f.safetensors" for s in range(4)] + ["eval.safetensors"]
+    for n in names:
+        (out / n).write_bytes(b"x")
+    hv.Follower(out, main=False).begin(2)
+    assert sorted(p.name for p in out.iterdir()) == sorted(names)
+    hv.Follower(out).begin(2)
+    assert sorted(p.name for p in out.glob("*.safetensors")) == ["eval.safetensors", names[2], names[3]]
+    assert hv.follow_position(out) == 2
