@@ -128,3 +128,25 @@ def test_keeping_the_quantization_needs_cuda_gpus(tmp_path) -> None:
     assert_bad_input(run_cli(*args, "--engine", "transformers", "--keep-quantized"), "on CUDA GPUs only")
     assert_bad_input(run_cli(*args, "--keep-quantized"), "--engine transformers'")
     assert not (tmp_path / "c").exists()
+
+
+def test_the_loader_keeps_in_float32_what_transformers_keeps() -> None:
+    """At bf16 the loader gives every parameter transformers' own dtype and value: DeepSeek-V4's hyper-connection
+    mixers, sinks and norms stay float32 (`_keep_in_fp32_modules_strict`), the rest bf16. (accelerate's
+    `set_module_tensor_to_device` casts to the meta parameter's dtype unless told otherwise: before, all came out
+    bf16.)"""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from recycle.checkpoint import Checkpoint
+
+    theirs = AutoModelForCausalLM.from_pretrained(V4, dtype=torch.bfloat16, attn_implementation="eager")
+    ckpt = Checkpoint(V4)
+    ours = placed.skeleton(AutoConfig.for_model(**ckpt.config), torch.bfloat16, "eager")
+    placed.load_streamed(ckpt, ours, {"": "cpu"}, torch.bfloat16)
+    want = dict(theirs.named_parameters())
+    kept = set()
+    for name, p in ours.named_parameters():
+        assert p.dtype == want[name].dtype and torch.equal(p, want[name]), name
+        if p.dtype == torch.float32:
+            kept.add(name.split(".")[-2])
+    assert {"attn_hc", "ffn_hc", "hc_head", "input_layernorm"} <= kept
