@@ -503,7 +503,7 @@ def harvest(opts: HarvestOptions, progress=None) -> dict:
             for key, ids, mask in todo:  # one key at a time, each file whole before the next (resumable)
                 job.store_local(out / f"{key}.safetensors", ids, mask)
                 if progress is not None:
-                    progress(key)
+                    progress(key, total=len(todo))
             engine = {"seconds": job.local.seconds}
         else:
             engine = _extract(job, out, state / f"feed-{index}", todo, progress)
@@ -568,7 +568,7 @@ def _ahead(job: _Job, out: Path, todo: list[Window], progress=None) -> dict:
             continue
         job.store_local(out / f"{key}.safetensors", ids, mask)
         if progress is not None:
-            progress(key)
+            progress(key, total=len(todo))
     return {"seconds": job.local.seconds}
 
 
@@ -627,9 +627,9 @@ def _extract(job: _Job, out: Path, feed: Path, todo: list[Window], progress=None
                         mine = [next(files) for _ in range(ids.shape[0])]
                         pending.append((key, pool.submit(job.store, out / f"{key}.safetensors", ids, mine, mask)))
                     while pending and (len(pending) > 2 * workers or pending[0][1].done()):
-                        _finish(pending.popleft(), progress)
+                        _finish(pending.popleft(), progress, len(todo))
                 while pending:
-                    _finish(pending.popleft(), progress)
+                    _finish(pending.popleft(), progress, len(todo))
             except BaseException:  # the keys whose files came back are still converted and kept
                 for item in pending:
                     with contextlib.suppress(Exception):
@@ -666,11 +666,11 @@ def _windows(part: list[Window]) -> list[list[int]]:
     return [row.tolist() for _, ids, _ in part for row in ids]
 
 
-def _finish(item: tuple, progress) -> None:
+def _finish(item: tuple, progress, total: int | None = None) -> None:
     key, fut = item
     fut.result()
     if progress is not None:
-        progress(key)
+        progress(key, total=total)
 
 
 class OnlineHarvest:

@@ -228,12 +228,13 @@ class Reporter:
                   file=sys.stderr, flush=True)
 
     def counter(self, line: str):
-        """A callback that counts calls (items done, total unknown): `line` names the count as {n}."""
+        """A callback that counts calls (items done): `line` names the count as {n}; a call may say how many there
+        are in all (`total=`), which gives the bar its time left."""
         done = [0]
 
-        def tick(*_) -> None:
+        def tick(*_, total: int | None = None) -> None:
             done[0] += 1
-            self.update(done[0], line=line.format(n=done[0]))
+            self.update(done[0], total, line=line.format(n=done[0]))
 
         return tick
 
