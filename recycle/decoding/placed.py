@@ -2,20 +2,23 @@
 
 `skeleton` builds the model with no parameter memory (accelerate's `init_empty_weights`; buffers stay real, so the
 rotary tables are computed as usual). `load_streamed` then reads the checkpoint one decoder layer at a time through
-recycle's lazy reader (every codec's dequantization, in float32 per tensor), maps the names with transformers' own
+recycle's lazy reader (every codec's dequantization computed in float32 and rounded once into the compute dtype; small
+tensors kept float32 until their parameter's dtype is known), maps the names with transformers' own
 conversion for the model type (per-expert → fused experts; `recycle.mtp.to_runtime_layout`), casts each tensor to its
 dtype (transformers' `_get_dtype_plan`: the modules a model keeps in float32 under bf16, DeepSeek-V4's hyper-connection
 mixers and sinks among them) and puts it on the device its module is mapped to (accelerate's
 `set_module_tensor_to_device`). Host memory beyond what the map puts on the CPU: one decoder layer's tensors at the
-compute dtype, twice while transformers' conversion fuses its experts, plus one tensor in float32 (a V4-Pro layer:
-51 GB in bf16); the whole-state loader it replaces held the model and the checkpoint's state both in float32
-(8 bytes a parameter: 2.3 TB for V4-Flash) before casting.
+compute dtype, twice while transformers' conversion fuses its experts (measured about 2.5× a layer,
+`benchmarks/target_load_memory.py`; a V4-Pro layer is 51 GB in bf16); the whole-state loader it replaces held the model
+and the checkpoint's state both in float32 (8 bytes a parameter: 2.3 TB for V4-Flash) before casting.
 
 `device_map` places whole decoder layers (the model's `_no_split_modules`) over the GPUs in order with accelerate's
 `infer_auto_device_map`, each filled to `share` of its memory (the rest for the forward's activations); anything it
 would put on the CPU or disk is refused. `load_placed` joins them and `dispatch_model` adds the hooks that move each
 module's inputs to its device as the forward reaches it (accelerate's big-model inference: it rests on reading
-accelerate's code and on the placement tests; one device is all this machine has).
+accelerate's code and on the placement tests; one device is all this machine has). `load_kept` instead hands a
+block-FP8 release to transformers' own quantized path, which keeps FP8 weights and DeepSeek-V4's FP4 experts as
+stored on the GPUs (`--keep-quantized`).
 """
 
 from __future__ import annotations
