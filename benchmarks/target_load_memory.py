@@ -67,14 +67,11 @@ def whole(path: Path, dtype):
 
 def to_gpus(path: Path, dtype):
     """`load_streamed` with the meta device in the GPUs' place."""
-    from transformers import AutoConfig
-
     from recycle.checkpoint import Checkpoint
-    from recycle.decoding.placed import load_streamed, skeleton
+    from recycle.decoding.placed import load_streamed, skeleton_of
 
     ckpt = Checkpoint(path)
-    config = AutoConfig.for_model(**{k: v for k, v in ckpt.config.items() if k != "quantization_config"})
-    model = skeleton(config, dtype, "eager")
+    model = skeleton_of(ckpt, dtype, "eager")
     load_streamed(ckpt, model, {"": "meta"}, dtype)
     return model
 

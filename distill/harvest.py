@@ -44,6 +44,7 @@ import torch
 from safetensors.torch import load_file
 
 from recycle.checkpoint import Checkpoint
+from recycle.decoding.placed import check_gpus
 from recycle.distill.data import (
     Generate,
     PackedStream,
@@ -234,14 +235,8 @@ def final_norm(target: str | os.PathLike):
 def check_engine(opts: HarvestOptions) -> int:
     """The hyper-connection streams the cache must hold (a DeepSeek-V4 target's C, else 0); refused in one line for
     vLLM, which captures none, and `--gpus` past the GPUs this process sees (checked before an engine starts)."""
-    if opts.keep_quantized and not torch.cuda.is_available():
-        raise RecycleError("--keep-quantized: transformers keeps FP8 and FP4 weights as stored on CUDA GPUs only (on a "
-                           "CPU it dequantizes them): drop it here")
-    seen = torch.cuda.device_count()
-    if opts.gpus > 1 and opts.gpus > seen:
-        raise RecycleError(f"--gpus {opts.gpus}: this process sees {seen} GPU(s) (CUDA_VISIBLE_DEVICES names a "
-                           "shard's)")
-    streams = chained_streams(Checkpoint(opts.target).config)
+    check_gpus(opts.gpus, opts.keep_quantized)
+    streams = chained_streams(load_json(Path(opts.target) / "config.json", "config.json"))  # the config alone
     if streams and opts.engine == "vllm":
         raise RecycleError(STREAMS_FROM_VLLM.format(what="--engine vllm", instead="harvest with --engine transformers"))
     return streams
@@ -548,7 +543,7 @@ def follow_position(out: Path) -> int:
 
 
 def _keys_present(out: Path) -> list[Path]:
-    return [p for p in out.glob("s*.safetensors")]
+    return list(out.glob("s*.safetensors"))
 
 
 def _ahead(job: _Job, out: Path, todo: list[Window], progress=None) -> dict:

@@ -338,16 +338,16 @@ def harvest_plan(target: str | Path, tokens: int, seq_len: int, batch: int, gpu:
            "streams": streams, "file_bytes": batch * seq_len * bpt, "cache_files": math.ceil(tokens / (batch * seq_len)),
            "teacher_flops_per_token": teacher_flops(target, seq_len), "weight_bytes": weights, "scheme": scheme,
            "gpus": gpus, "derivation": {"storage.cache": JOB_DERIVATION["storage.cache"], "time": JOB_DERIVATION["time"]}}
-    if gpu:
+    if gpu and engine == "transformers":  # a shard: the target over `per` GPUs of one node, one busy at a time; no
+        g = find_gpu(gpu)  # hours: transformers' eager forward has no measured MFU
+        per = math.ceil(weights / (PLACED_SHARE * g.memory_gb * GB))
+        out |= {"gpu": g.key, "gpus_needed": per, "fits_one_node": per <= node_gpus, "node_gpus": node_gpus}
+    elif gpu:
         g = find_gpu(gpu)
         need = teacher_gpus(weights, g.memory_gb * GB)
         out |= {"gpu": g.key, "gpus_needed": need, "prefill_mfu": PREFILL_MFU,
                 "time_hours": hours(tokens * out["teacher_flops_per_token"], max(gpus, need), g.bf16_tflops,
                                     PREFILL_MFU)}
-        if engine == "transformers":  # a shard: the target over `per` GPUs of one node, one busy at a time
-            per = math.ceil(weights / (PLACED_SHARE * g.memory_gb * GB))
-            out |= {"gpus_needed": per, "fits_one_node": per <= node_gpus, "node_gpus": node_gpus}
-            del out["time_hours"], out["prefill_mfu"]  # vLLM's MFU range; transformers' eager forward has none measured
     return out
 
 

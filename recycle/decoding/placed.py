@@ -45,6 +45,25 @@ def skeleton(config, dtype: torch.dtype, attn: str) -> nn.Module:
         return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
 
 
+def skeleton_of(ckpt, dtype: torch.dtype, attn: str) -> nn.Module:
+    """`skeleton` of a checkpoint's config (its quantization left out: the loader dequantizes)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(**{k: v for k, v in ckpt.config.items() if k != "quantization_config"})
+    config._attn_implementation = attn
+    return skeleton(config, dtype, attn)
+
+
+def check_gpus(gpus: int, keep_quantized: bool = False) -> None:
+    """Refuse (one line) `--gpus` past the GPUs this process sees, and `--keep-quantized` without CUDA."""
+    if keep_quantized and not torch.cuda.is_available():
+        raise RecycleError("--keep-quantized: transformers keeps FP8 and FP4 weights as stored on CUDA GPUs only (on a "
+                           "CPU it dequantizes them): drop it here")
+    seen = torch.cuda.device_count()
+    if gpus > 1 and gpus > seen:
+        raise RecycleError(f"--gpus {gpus}: this process sees {seen} GPU(s) (CUDA_VISIBLE_DEVICES names a shard's)")
+
+
 def device_map(model: nn.Module, budgets: dict[int, int], dtype: torch.dtype) -> dict[str, int]:
     """Whole decoder layers over the GPUs `budgets` names (index → bytes for weights), filled in order; refused
     (one line) when the weights do not fit them."""
@@ -121,12 +140,7 @@ def load_kept(path: Path, dtype: torch.dtype, attn: str, gpus: int, share: float
 
     from recycle.checkpoint import Checkpoint
 
-    if not torch.cuda.is_available():
-        raise RecycleError("--keep-quantized: transformers keeps FP8 and FP4 weights as stored on CUDA GPUs only (on a "
-                           "CPU it dequantizes them): drop it here")
-    seen = torch.cuda.device_count()
-    if gpus > seen:
-        raise RecycleError(f"--gpus {gpus}: this process sees {seen} GPU(s) (CUDA_VISIBLE_DEVICES names a shard's)")
+    check_gpus(gpus, keep_quantized=True)
     method = str(Checkpoint(path).quant_config.get("quant_method") or "")
     if method not in KEPT_METHODS:
         raise RecycleError(f"--keep-quantized: transformers keeps {', '.join(KEPT_METHODS)} releases as stored; "
@@ -198,17 +212,12 @@ def load_streamed(ckpt, model: nn.Module, dmap: dict[str, int | str], dtype: tor
 def load_placed(path: Path, dtype: torch.dtype, attn: str, gpus: int, share: float = PLACED_SHARE) -> nn.Module:
     """The target over `gpus` GPUs of this node (whole decoder layers each), read tensor by tensor and dispatched."""
     from accelerate import dispatch_model
-    from transformers import AutoConfig
 
     from recycle.checkpoint import Checkpoint
 
-    seen = torch.cuda.device_count()
-    if gpus > seen:
-        raise RecycleError(f"--gpus {gpus}: this process sees {seen} GPU(s) (CUDA_VISIBLE_DEVICES names a shard's)")
+    check_gpus(gpus)
     ckpt = Checkpoint(path)
-    config = AutoConfig.for_model(**{k: v for k, v in ckpt.config.items() if k != "quantization_config"})
-    config._attn_implementation = attn
-    model = skeleton(config, dtype, attn)
+    model = skeleton_of(ckpt, dtype, attn)
     budgets = {i: int(share * torch.cuda.get_device_properties(i).total_memory) for i in range(gpus)}
     dmap = device_map(model, budgets, dtype)
     load_streamed(ckpt, model, dmap, dtype)

@@ -109,15 +109,11 @@ def _load_dequantized(path: Path, dtype: torch.dtype, attn: str) -> nn.Module:
     (`recycle.decoding.placed.load_streamed`: host memory one layer's tensors, not the model's state in float32). A
     stored integer or packed tensor that no codec reads is refused in one line: loading it as a float would be a
     silently wrong teacher."""
-    from transformers import AutoConfig
-
     from recycle.checkpoint import Checkpoint
-    from recycle.decoding.placed import load_streamed, skeleton
+    from recycle.decoding.placed import load_streamed, skeleton_of
 
     ckpt = Checkpoint(path)
-    config = AutoConfig.for_model(**{k: v for k, v in ckpt.config.items() if k != "quantization_config"})
-    config._attn_implementation = attn
-    model = skeleton(config, dtype, attn)
+    model = skeleton_of(ckpt, dtype, attn)
     load_streamed(ckpt, model, {"": "cpu"}, dtype)
     return model
 
