@@ -196,6 +196,8 @@ def test_two_gloo_ranks_follow_a_harvest_as_one_process(harvested, v4_eagle, tmp
     two = next(rec for _, rec in (queue.get() for _ in range(2)) if rec is not None)
     assert done and done[0]["complete"] and two["online"]["max_key_files"] <= 2
     la, lb = _losses(one), _losses(two)
+    print(f"2 ranks against one process: {len(la)} steps, largest relative loss difference "
+          f"{max(abs(x - y) / abs(y) for x, y in zip(la, lb)):.2e}, at most {two['online']['max_key_files']} keys")
     assert len(la) == len(lb) >= 4 and max(abs(x - y) / abs(y) for x, y in zip(la, lb)) < 2e-3
     assert sorted(p.name for p in shared.iterdir()) == [".follow.json", "eval.safetensors", "manifest.json"]
 
