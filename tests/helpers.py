@@ -21,6 +21,7 @@ import math
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -393,7 +394,6 @@ def distill_rank(rank: int, world: int, port: int, run: dict, queue) -> None:
     put on `queue` ((rank, record or None)), the process group ended whatever happens."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world))
-    import torch.distributed as dist
 
     from recycle.distill.train import DistillOptions, distill
 
@@ -401,8 +401,27 @@ def distill_rank(rank: int, world: int, port: int, run: dict, queue) -> None:
         rec = distill(DistillOptions(**run))
         queue.put((rank, rec if rank == 0 else None))
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        end_ranks()
+
+
+def end_ranks() -> None:
+    """A gloo rank's teardown, in a worker's `finally`: a barrier (unless an exception is on its way out), destroy
+    the group, then let gloo's threads drop their last works before the interpreter finalizes.
+
+    Without this, torch 2.13 aborts the rank as it exits about 1 run in 3 of test_experts ("terminate called without
+    an active exception", SIGABRT). In gdb: a `pt_gloo_runloop` thread destroys the work it just completed
+    (~AsyncAllreduceWork -> decref_pyobject), needs the GIL to free the Python tensors it held, and is killed
+    taking it while Py_FinalizeEx runs. A functional collective (the experts' all-to-all) keeps the group's C++
+    object and its threads alive past destroy_process_group (their names stay in /proc/self/task after a
+    gc.collect; with plain collectives they go), so nothing joins them: the sleep releases the GIL to them."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return
+    if sys.exc_info()[0] is None:
+        dist.barrier()
+    dist.destroy_process_group()
+    time.sleep(0.25)
 
 
 @contextmanager

@@ -55,7 +55,7 @@ def _worker(rank: int, world: int, init: str, impl: str) -> None:
         dist.all_reduce(router)
         torch.testing.assert_close(router / world, ref.gate.weight.grad, rtol=1e-4, atol=1e-5)
     finally:
-        dist.destroy_process_group()
+        helpers.end_ranks()
 
 
 @pytest.mark.parametrize("impl", ["eager", "grouped_mm"])
@@ -118,7 +118,7 @@ def _run_worker(rank: int, world: int, port: int, drafter: str, out: str, queue)
                 moved = any(not torch.equal(before[k], whole[k]) for k in before if "self_attn" in k)
             queue.put((rank, groups, run.shard.expert_parallel, held, {k: plan[k] for k in held}, moved))
     finally:
-        dist.destroy_process_group()
+        helpers.end_ranks()
 
 
 @pytest.mark.slow  # two 2-rank distillations, ~40 s

@@ -23,6 +23,7 @@ from recycle.errors import RecycleError
 from recycle.hardware import ALLOC_CONF, expandable_segments, resolve_device
 from recycle.options import DistillOptions
 
+from tests import helpers
 from tests.cli_helpers import assert_bad_input, run_cli
 from tests.trained import FIXTURE
 
@@ -243,8 +244,7 @@ def _placement_rank(rank: int, world: int, port: int, run: dict, queue) -> None:
     finally:
         if p is not None:
             p.close()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        helpers.end_ranks()
 
 
 @pytest.mark.slow  # 2 ranks, one step and a DCP round trip each: ~50 s here (busy 2 cores)

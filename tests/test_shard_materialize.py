@@ -85,7 +85,7 @@ def _materialize_worker(rank: int, world: int, init: str, drafter: str, out: str
                     (p.to_local() if sharded.local_rows(p) is not None else p).mul_(1.5)
         write_drafter_sharded(drafter, OutputDir(out), of_directory(drafter), model, {"run": "test"}, rank, world)
     finally:
-        dist.destroy_process_group()
+        helpers.end_ranks()
 
 
 @pytest.mark.slow  # two spawned ranks importing transformers: about 8 s here

@@ -295,7 +295,7 @@ def _exchange_worker(rank: int, world: int, init: str, lopsided: bool) -> None:
         for u, v in zip(a, b, strict=True):
             torch.testing.assert_close(u, v, rtol=1e-6, atol=1e-6)
     finally:
-        dist.destroy_process_group()
+        helpers.end_ranks()
 
 
 @pytest.mark.slow
