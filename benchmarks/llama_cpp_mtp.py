@@ -14,7 +14,12 @@
     python benchmarks/llama_cpp_mtp.py --distill-tokens 256k --json /tmp/llama_cpp_mtp.json
     python benchmarks/llama_cpp_mtp.py --fixtures Qwen3.5 --no-stale --embedded --json /tmp/llama_cpp_qwen.json
     python benchmarks/llama_cpp_mtp.py --fixtures DeepSeek-V4 --json /tmp/llama_cpp_v4.json
+    python benchmarks/llama_cpp_mtp.py --fixtures "Step-3.7 (drafting copy)" --no-stale --json /tmp/llama_cpp_step.json
     python benchmarks/llama_cpp_mtp.py --fixtures DeepSeek-V4 --no-stale --depths 1 --side-dtypes q8_0,fp16
+
+Step-3.7 (`--fixtures "Step-3.7 (drafting copy)"`, part 1 with `--no-stale`): its layout generator shaped to draft
+(`step_for_llama_cpp`: there is no trained Step fixture), all three modules in the side file, which llama.cpp
+drafts with in turn, against recycle's native chain of the three.
 
 DeepSeek-V4 (`--fixtures DeepSeek-V4`): its trained fixtures as llama.cpp takes them (`v4_for_llama_cpp`: FP4
 routed experts, indexer heads widened, the same logits), parts 1 and 3, and part 2 on
@@ -36,7 +41,17 @@ from recycle.preflight import parse_tokens
 from recycle.prompts import prompt_set
 
 from _common import POSTTRAINED, parser, stamp, write_json
-from tests.engines.llama_interop import FIXTURES, V4, llama_runs, recycle_run, side_file, trunk_gguf, v4_for_llama_cpp
+from tests.engines.llama_interop import (
+    FIXTURES,
+    STEP,
+    V4,
+    llama_runs,
+    recycle_run,
+    side_file,
+    step_for_llama_cpp,
+    trunk_gguf,
+    v4_for_llama_cpp,
+)
 
 
 def ids_of(fixture: Path, prompts) -> list[list[int]]:
@@ -80,13 +95,16 @@ def main() -> None:
     code = prompt_set("stdlib", a.prompts)
     chosen = a.fixtures.split(",") if a.fixtures else list(FIXTURES)
     v4 = "DeepSeek-V4" in chosen
-    targets = {n: v4_for_llama_cpp(V4[n], work) if n in V4 else FIXTURES[n] for n in chosen}
+    targets = {n: v4_for_llama_cpp(V4[n], work) if n in V4 else step_for_llama_cpp(work) if n == STEP
+               else FIXTURES[n] for n in chosen}
     for name, fx in targets.items():
         trunk = trunk_gguf(fx, work)
+        chained = name == STEP  # llama.cpp drafts with Step's three modules in turn: recycle's native chain
         t0 = time.perf_counter()
-        side = side_file(fx, work, f"{fx.name}-side")
+        side = side_file(fx, work, f"{fx.name}-side", module=None if chained else 0)
         out["write_s"][name] = round(time.perf_counter() - t0, 2)
-        eagle = Path(convert_checkpoint(fx, "eagle", work / f"{fx.name}-eagle", overwrite=True)["out"])
+        eagle = None if chained else Path(convert_checkpoint(fx, "eagle", work / f"{fx.name}-eagle",
+                                                             overwrite=True)["out"])
         out["agreement"][name] = compare(fx, trunk, side, eagle, code, a.max_new_tokens, depths)
         if a.side_dtypes:  # the same module in smaller side files, llama.cpp at n_max = 1 on the same prompts
             ids = ids_of(fx, code)

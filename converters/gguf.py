@@ -174,25 +174,35 @@ def _trunk(w: RoleWeights, role: str) -> str | None:
     return next((n for n in names if n in w.ckpt.tensors), None)
 
 
+def _modules(w: RoleWeights, arch: GGUFArch, opts) -> list[int]:
+    """The modules the side file holds: `--module K`, else every module where llama.cpp chains them (arch.chain),
+    else the only one."""
+    if opts.module is not None:
+        if not 0 <= opts.module < len(w.modules):
+            raise RecycleError(f"--module {opts.module}: {opts.source} has modules 0..{len(w.modules) - 1}")
+        return [opts.module]
+    if len(w.modules) > 1 and not arch.chain:
+        raise RecycleError(f"{opts.source}: {len(w.modules)} MTP modules, and llama.cpp drafts with one (its "
+                           f"{arch.arch} graph asserts n_layer_nextn == 1, {arch.source}; it reuses that module "
+                           "for every draft position): pass --module 0 to write the first")
+    return list(range(len(w.modules)))
+
+
 @CONVERTERS.register("gguf")
 def convert(w: RoleWeights, req) -> Plan:
     """The side file's tensors and header (see the module docstring)."""
     require_sequential(w, "gguf")
     arch = arch_of(w)
     opts = req.options
-    if opts.module is None and len(w.modules) > 1:
-        raise RecycleError(f"{opts.source}: {len(w.modules)} MTP modules, and llama.cpp drafts with one (its "
-                           f"{arch.arch} graph asserts n_layer_nextn == 1, {arch.source}; it reuses that module "
-                           "for every draft position): pass --module 0 to write the first")
-    k = opts.module or 0
-    if not 0 <= k < len(w.modules):
-        raise RecycleError(f"--module {k}: {opts.source} has modules 0..{len(w.modules) - 1}")
-    mod = w.modules[k]
+    ks = _modules(w, arch, opts)
     cfg = merged_config(w.ckpt.config)
     n = w.num_hidden_layers
     trunk_gguf = read_trunk(opts.target, arch, w, n) if opts.target else None
     tensors: dict[str, Lazy] = {}
-    notes = [f"module {k} as llama.cpp's blk.{n} ({arch.arch}, {arch.source})"]
+    notes = [f"module {k} as llama.cpp's blk.{n + i}" for i, k in enumerate(ks)]
+    notes[0] += f" ({arch.arch}, {arch.source})"
+    if len(ks) > 1:
+        notes.append(f"llama.cpp drafts with the {len(ks)} modules in turn, module k at draft step k")
     header = trunk_gguf if trunk_gguf is not None else Header(arch.arch)
     header.f32 = arch.f32
     if trunk_gguf is not None:
@@ -204,6 +214,37 @@ def convert(w: RoleWeights, req) -> Plan:
                 raise RecycleError(f"{opts.source}: no trunk {role.replace('_', ' ')} ({gname} of the side file, "
                                    "which llama.cpp requires); pass --target TRUNK.gguf to copy it from the trunk file")
             tensors[gname] = stored(w.ckpt, name)
+    for gname, get in arch.computed.items():
+        values = get(cfg)
+        if values is not None:
+            tensors[gname] = Lazy((len(values),), lambda v=tuple(values): torch.tensor(v, dtype=torch.float32), (),
+                                  EXACT, "computed from config.json, as llama.cpp's converter computes it",
+                                  dtype=torch.float32)
+    blocks: set[str] = set()
+    for i, k in enumerate(ks):
+        block = _module(w, arch, w.modules[k], n + i, cfg, tensors, notes)
+        blocks.update(block)
+    if arch.norm_offset:  # zero-centred norms stored as llama.cpp multiplies by them: w + offset (the module's
+        off = arch.norm_offset  # role leaves are plain `w` already: recycle's roles hold every norm that way)
+        for name, lazy in list(tensors.items()):
+            if (name in blocks or name == "output_norm.weight") and name.endswith(arch.norms):
+                tensors[name] = lazy.derive(lazy.shape, lambda t, o=off: t.float() + o,
+                                            note=f"{lazy.note + '; ' if lazy.note else ''}stored +{off:g} "
+                                                 "(zero-centred norm, as llama.cpp's converter stores it)")
+    dtype = DTYPES[opts.dtype]
+    file_type = dtype
+    if any(tensors[b].dtype == MXFP4 for b in blocks):
+        notes.append("routed experts stored FP4: repacked bit for bit as MXFP4 blocks (whatever --dtype says)")
+        file_type = MXFP4
+    _metadata(header, arch, w, cfg, n, ks, file_type, opts.source, trunk_gguf is not None)
+    return Plan({SIDE_FILE: tensors}, {}, tokenizer_dirs=(), notes=list(dict.fromkeys(notes)),
+                gguf={SIDE_FILE: header})
+
+
+def _module(w: RoleWeights, arch: GGUFArch, mod, b: int, cfg: Mapping, tensors: dict[str, Lazy],
+            notes: list[str]) -> dict[str, Lazy]:
+    """One module as llama.cpp's block `b`: its leaves (blk.{b}.nextn.*, the record's own) and its decoder block,
+    added to `tensors`; returns the block's tensors."""
     for role, suffix in NEXTN.items():
         lazy = mod.leaves.get(role)
         if lazy is None:
@@ -213,31 +254,26 @@ def convert(w: RoleWeights, req) -> Plan:
             if trunk is not None and len(lazy.sources) == 1 and same_values(w.ckpt, lazy.sources[0], trunk):
                 notes.append("nextn.embed_tokens left out: the module's embedding equals the trunk's token_embd")
                 continue
-        name = arch.head.format(n=n) if role == "head" else f"blk.{n}.nextn.{suffix}.weight"
+        name = arch.head.format(n=b) if role == "head" else f"blk.{b}.nextn.{suffix}.weight"
         tensors[name] = lazy
     for role, name in arch.leaves.items():
-        tensors[name.format(n=n)] = mod.leaves[role]
+        tensors[name.format(n=b)] = mod.leaves[role]
     for name, roles in arch.fused.items():
-        tensors[name.format(n=n)] = _concat([mod.leaves[r] for r in roles], roles)
-    block = _block(arch, mod.block, n, cfg, w.ckpt)
+        tensors[name.format(n=b)] = _concat([mod.leaves[r] for r in roles], roles)
+    block = _block(arch, mod.block, b, cfg, w.ckpt)
     tensors.update(block)
-    if arch.norm_offset:  # zero-centred norms stored as llama.cpp multiplies by them: w + offset (the module's
-        off = arch.norm_offset  # role leaves are plain `w` already: recycle's roles hold every norm that way)
-        for name, lazy in list(tensors.items()):
-            if (name in block or name == "output_norm.weight") and name.endswith(arch.norms):
-                tensors[name] = lazy.derive(lazy.shape, lambda t, o=off: t.float() + o,
-                                            note=f"{lazy.note + '; ' if lazy.note else ''}stored +{off:g} "
-                                                 "(zero-centred norm, as llama.cpp's converter stores it)")
-    dtype = DTYPES[opts.dtype]
-    file_type = dtype
-    if any(t.dtype == MXFP4 for t in block.values()):
-        notes.append("routed experts stored FP4: repacked bit for bit as MXFP4 blocks (whatever --dtype says)")
-        file_type = MXFP4
-    _metadata(header, arch, w, cfg, n, file_type, opts.source, trunk_gguf is not None)
-    return Plan({SIDE_FILE: tensors}, {}, tokenizer_dirs=(), notes=notes, gguf={SIDE_FILE: header})
+    return block
 
 
-def _metadata(h: Header, arch: GGUFArch, w: RoleWeights, cfg: Mapping, n: int, dtype, source: str,
+def _layers(value: list, n: int, ks: list[int], key: str) -> list:
+    """A per-layer array (trunk layers, then the stored MTP layers) cut to the trunk's and the written modules'."""
+    if len(value) < n + max(ks) + 1:
+        raise RecycleError(f"config.json: {key} has {len(value)} per-layer entries, and the side file needs the "
+                           f"{n} trunk layers' and MTP layer {n + max(ks)}'s")
+    return [*value[:n], *(value[n + k] for k in ks)]
+
+
+def _metadata(h: Header, arch: GGUFArch, w: RoleWeights, cfg: Mapping, n: int, ks: list[int], dtype, source: str,
               from_trunk: bool) -> None:
     a = arch.arch
     if not from_trunk:
@@ -249,34 +285,36 @@ def _metadata(h: Header, arch: GGUFArch, w: RoleWeights, cfg: Mapping, n: int, d
                 value = get(cfg)
             except (KeyError, TypeError, ZeroDivisionError) as e:
                 raise RecycleError(f"{w.ckpt.path}/config.json: cannot derive {a}.{key} ({e})") from None
-            vtype, _, sub = vtype.partition(":")  # "ARRAY:INT32": an array of INT32
-            h.add(f"{a}.{key}", value, vtype, sub or None)
+            kind, _, sub = vtype.partition(":")  # "ARRAY:INT32": an array of INT32; "LAYERS:INT32": one per layer
+            if kind == "LAYERS" and value is not None:
+                value, kind = _layers(value, n, ks, f"{a}.{key}"), "ARRAY"
+            h.add(f"{a}.{key}", value, kind, sub or None)
         for key, value, vtype, sub in tokenizer_kv(w.ckpt.path, int(cfg["vocab_size"]), arch):
             h.add(key, value, vtype, sub)
-    else:  # the trunk file's per-layer arrays cover its n blocks; the side file has n + 1
-        _extend_arrays(h, arch, cfg, n)
-    h.add(f"{a}.block_count", n + 1, "UINT32")
-    h.add(f"{a}.nextn_predict_layers", 1, "UINT32")
+    else:  # the trunk file's per-layer arrays cover its n blocks; the side file has n + len(ks)
+        _extend_arrays(h, arch, cfg, n, ks)
+    h.add(f"{a}.block_count", n + len(ks), "UINT32")
+    h.add(f"{a}.nextn_predict_layers", len(ks), "UINT32")
     h.add("general.file_type", FILE_TYPES[dtype], "UINT32")
     h.add("general.quantization_version", 2, "UINT32")
     h.add("recycle.source", Path(source).resolve().name, "STRING")
 
 
-def _extend_arrays(h: Header, arch: GGUFArch, cfg: Mapping, n: int) -> None:
-    """Per-layer arrays copied from a trunk GGUF of n blocks (DeepSeek-V4's swiglu clamps; llama.cpp's loader reads
-    one entry per block of the side file, n + 1): the record's value from the source's config where it has n + 1
-    entries, else the trunk's last entry repeated for the MTP block."""
+def _extend_arrays(h: Header, arch: GGUFArch, cfg: Mapping, n: int, ks: list[int]) -> None:
+    """Per-layer arrays copied from a trunk GGUF of n blocks (Step's head counts and sliding pattern, DeepSeek-V4's
+    swiglu clamps; llama.cpp's loader reads one entry per block of the side file, n + len(ks)): the record's values
+    from the source's config where its trunk entries are the trunk file's, else the trunk's last entry repeated."""
     have = {row[0]: row for row in h.kv}
     for key, vtype, get in arch.hparams:
         row = have.get(f"{arch.arch}.{key}")
-        if row is None or not vtype.startswith("ARRAY") or not isinstance(row[1], list) or len(row[1]) != n:
+        if row is None or not vtype.startswith("LAYERS") or not isinstance(row[1], list) or len(row[1]) != n:
             continue
         try:
-            value = get(cfg)
-        except (KeyError, TypeError):
+            value = _layers(get(cfg), n, ks, key)
+        except (KeyError, TypeError, RecycleError):
             value = None
-        if not isinstance(value, list) or len(value) != n + 1 or value[:n] != list(row[1]):
-            value = [*row[1], row[1][-1]]
+        if value is None or value[:n] != list(row[1]):
+            value = [*row[1], *[row[1][-1]] * len(ks)]
         h.add(row[0], value, row[2], row[3])
 
 
@@ -314,6 +352,8 @@ def tokenizer_kv(path: Path, vocab_size: int, arch: GGUFArch) -> list[tuple[str,
     for key, cfg_key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
                          ("padding_token_id", "pad_token_id")):
         value = cfg.get(cfg_key)
+        if value is None:  # a multimodal release's language model keeps them in its text_config (Step-3.7)
+            value = (cfg.get("text_config") or {}).get(cfg_key)
         if isinstance(value, list):
             value = value[0] if value else None
         if isinstance(value, int):

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 from recycle.checkpoint import Checkpoint
 from recycle.errors import RecycleError
-from recycle.ggufarch import DEEPSEEK2, DEEPSEEK4, GLM4MOE, QWEN3NEXT, QWEN35, QWEN35MOE, GGUFArch
+from recycle.ggufarch import DEEPSEEK2, DEEPSEEK4, GLM4MOE, QWEN3NEXT, QWEN35, QWEN35MOE, STEP35, GGUFArch
 from recycle.quant import NATIVE_SCALE_SUFFIX, SCALE_SUFFIX, scale_names
 
 ROLES = ("embed_norm", "hidden_norm", "proj", "block", "final_norm", "head", "embed",
@@ -732,10 +732,11 @@ FAMILIES: tuple[Family, ...] = (
             # follows the engine
             chained_state="pre_norm",
         ),
+        exports=Exports(gguf=STEP35),
         notes="3 separately trained modules; each block is a dense sliding-window (or full) Step layer (gated GQA, "
               "q/k norms; moe_layers_enum lists trunk layers only) with the release's per-layer config entries for "
               "its index; its own head transformer.shared_head.output (released as a copy of lm_head; after the trunk "
-              "moves, the module's own is what the engine reads). llama.cpp's step35 MTP graph: not written yet",
+              "moves, the module's own is what the engine reads); llama.cpp's step35 graph drafts with all three in turn",
     ),
     # Mellum2: Qwen3-Next's mtp.* names over Mellum's sliding-window MoE layer, with plain `w` norms where Qwen3-Next's
     # are zero-centred: the names alone cannot tell the two apart (config.json's model_type does)

@@ -26,12 +26,16 @@ the bundled fixtures (tests/engines/test_llama_cpp.py).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 # GGUF value types (gguf.GGUFValueType), by name: this module imports nothing heavy
 U32, F32, BOOL, STR = "UINT32", "FLOAT32", "BOOL", "STRING"
 I32_ARRAY, F32_ARRAY, BOOL_ARRAY = "ARRAY:INT32", "ARRAY:FLOAT32", "ARRAY:BOOL"  # "ARRAY:<element type>"
+# Per-layer arrays: one entry per layer of the trunk and then per MTP layer the config stores; the converter keeps
+# the trunk's entries and those of the modules it writes (`--module K` writes one), as an ARRAY of the element type.
+I32_LAYERS, F32_LAYERS, BOOL_LAYERS = "LAYERS:INT32", "LAYERS:FLOAT32", "LAYERS:BOOL"
 SIGMOID, SOFTMAX, SQRT_SOFTPLUS = 2, 1, 4  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_* (src/llama-hparams.h)
 YARN = "yarn"
 
@@ -81,6 +85,13 @@ class GGUFArch:
     # routed experts stored FP4 with e8m0 scales (DeepSeek-V4's `mxfp4_native`) are written as GGML MXFP4 blocks,
     # repacked bit for bit whatever --dtype says (as llama.cpp's converter does; f32 would be 8x the bytes)
     fp4_experts: bool = False
+    # llama.cpp drafts with every stored module, module k as blk.{n+k} at draft step k (Step-3.5's chain_heads,
+    # `common/speculative.cpp`): the side file holds them all unless `--module K` picks one. False: the graph
+    # asserts n_layer_nextn == 1, so a checkpoint of several modules needs `--module K`.
+    chain: bool = False
+    # whole-model tensors computed from config.json (GGUF name → getter returning float32 values, or None to leave
+    # the tensor out): Step's llama3 `rope_freqs`, which llama.cpp's converter adds and the MTP graph reads
+    computed: Mapping[str, Getter] = field(default_factory=dict)
 
 
 # The trunk tensors the side file carries (llama.cpp creates them as required tensors), by GGUF name.
@@ -237,7 +248,7 @@ QWEN35 = GGUFArch(
         ("ssm.group_count", U32, lambda c: c["linear_num_key_heads"]),
         ("ssm.time_step_rank", U32, lambda c: c["linear_num_value_heads"]),
         ("ssm.inner_size", U32, lambda c: c["linear_value_head_dim"] * c["linear_num_value_heads"]),
-        ("attention.recurrent_layers", BOOL_ARRAY, _recurrent_layers),
+        ("attention.recurrent_layers", BOOL_LAYERS, _recurrent_layers),
         ("full_attention_interval", U32, lambda c: c.get("full_attention_interval", 4)),
         ("rope.dimension_count", U32, lambda c: int(_head_dim(c) * (_rope(c).get("partial_rotary_factor")
                                                                      or c.get("partial_rotary_factor") or 0.25))),
@@ -351,14 +362,14 @@ DEEPSEEK4 = GGUFArch(
         ("expert_shared_count", U32, lambda c: c["n_shared_experts"]),
         ("expert_weights_scale", F32, lambda c: c["routed_scaling_factor"]),
         ("expert_weights_norm", BOOL, lambda c: bool(c["norm_topk_prob"])),
-        ("swiglu_clamp_exp", F32_ARRAY, lambda c: [float(c["swiglu_limit"])] * _v4_layers(c)),
-        ("swiglu_clamp_shexp", F32_ARRAY, lambda c: [float(c["swiglu_limit"])] * _v4_layers(c)),
+        ("swiglu_clamp_exp", F32_LAYERS, lambda c: [float(c["swiglu_limit"])] * _v4_layers(c)),
+        ("swiglu_clamp_shexp", F32_LAYERS, lambda c: [float(c["swiglu_limit"])] * _v4_layers(c)),
         ("attention.indexer.head_count", U32, lambda c: c["index_n_heads"]),
         ("attention.indexer.key_length", U32, lambda c: c["index_head_dim"]),
         ("attention.indexer.top_k", U32, lambda c: c["index_topk"]),
         ("attention.output_group_count", U32, lambda c: c["o_groups"]),
         ("attention.output_lora_rank", U32, lambda c: c["o_lora_rank"]),
-        ("attention.compress_ratios", I32_ARRAY, lambda c: [int(r) for r in c["compress_ratios"]]),
+        ("attention.compress_ratios", I32_LAYERS, lambda c: [int(r) for r in c["compress_ratios"]]),
         ("attention.compress_rope_freq_base", F32, lambda c: c["compress_rope_theta"]),
         ("hyper_connection.count", U32, lambda c: c["hc_mult"]),
         ("hyper_connection.sinkhorn_iterations", U32, lambda c: c["hc_sinkhorn_iters"]),
@@ -378,4 +389,129 @@ DEEPSEEK4 = GGUFArch(
             "hc_head_scale": "output_hc_scale.weight"},
     fused={"blk.{n}.nextn.eh_proj.weight": ("e_proj", "h_proj")},
     fp4_experts=True,
+)
+
+
+def _step_layers(c: Mapping) -> list[str]:
+    """Step's layer types over the trunk's layers and then the MTP layers the config declares, padded with
+    full attention where the config cut the list short, as llama.cpp's converter pads it (conversion/step3.py)."""
+    n = c["num_hidden_layers"] + int(c.get("num_nextn_predict_layers") or 0)
+    types = list(c.get("layer_types") or [])[:n]
+    return types + ["full_attention"] * (n - len(types))
+
+
+def _step_per_type(c: Mapping, full, sliding) -> list:
+    return [sliding if t == "sliding_attention" else full for t in _step_layers(c)]
+
+
+def _step_heads(c: Mapping, key: str) -> list[int]:
+    """Query (key "num_attention_heads") or key/value ("num_attention_groups") heads per layer: sliding-window
+    layers take `attention_other_setting`'s count."""
+    other = c.get("attention_other_setting") or {}
+    return _step_per_type(c, c[key], other.get(key, c[key]))
+
+
+def _step_theta(c: Mapping, i: int):
+    """Step's rope_theta is per layer type in the releases, a list whose first entry llama.cpp takes as the full
+    layers' base and second as the sliding layers' (conversion/step3.py)."""
+    theta = c.get("rope_theta")
+    return float(theta[i]) if isinstance(theta, list) else (float(theta) if i == 0 and theta is not None else None)
+
+
+def _step_clamps(c: Mapping, key: str):
+    limits = c.get(key)
+    if limits is None:
+        return None
+    n = len(_step_layers(c))
+    values = [0.0 if v is None else float(v) for v in limits][:n]  # MTP layers default to no clamp
+    return values + [0.0] * (n - len(values))
+
+
+def _step_leading_dense(c: Mapping) -> int:
+    layers = str(c.get("moe_layers_enum") or "").strip()
+    return max(0, min(int(i) for i in layers.split(","))) if layers else 0
+
+
+def _llama3_rope_freqs(c: Mapping):
+    """Llama-3 rope scaling factors for the full-attention layers' rotary dims (partial_rotary_factor · head_dim),
+    padded with 1.0 to head_dim / 2, in float32 as llama.cpp's converter computes them (Step35Model
+    .generate_extra_tensors); None without llama3 scaling."""
+    import torch  # ggufarch is imported by every family row; only this getter needs torch
+
+    rope = c.get("rope_scaling") or c.get("rope_parameters") or {}
+    rope = rope.get("full_attention", rope)
+    if str(rope.get("rope_type") or rope.get("type") or "").lower() != "llama3":
+        return None
+    base = _step_theta(c, 0) or 10000.0
+    dim = int(c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"])
+    factors = c.get("partial_rotary_factors") or []
+    full = next((float(f) for t, f in zip(_step_layers(c), factors) if t == "full_attention"), 1.0)
+    rot = int(dim * full)
+    freqs = 1.0 / (base ** (torch.arange(0, rot, 2, dtype=torch.float32) / rot))
+    factor, low, high = (float(rope.get(k, d)) for k, d in (("factor", 8.0), ("low_freq_factor", 1.0),
+                                                           ("high_freq_factor", 4.0)))
+    old = int(rope.get("original_max_position_embeddings", 8192))
+    out = []
+    for f in freqs:
+        wavelen = 2 * math.pi / float(f)
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1.0 / ((1.0 - smooth) / factor + smooth))
+    return out + [1.0] * (dim // 2 - len(out))
+
+
+# Step-3.5 / 3.7-Flash (`conversion/step3.py` Step35Model with `--mtp`; graph `src/models/step35.cpp` graph_mtp): the
+# modules appended at blk.{n+k} under the trunk's per-layer names, each with its own nextn leaves and head
+# (`transformer.shared_head.output` → nextn.shared_head_head); every `norm.weight` stored +1 (Step's RMSNorm is
+# zero-centred); per-layer head counts, sliding pattern and SwiGLU clamps over the trunk's and the modules'
+# layers; the head-wise attention gate g_proj as attn_gate. llama.cpp drafts with all the modules in turn.
+STEP35 = GGUFArch(
+    arch="step35",
+    block=(
+        (r"^input_layernorm\.weight$", "blk.{n}.attn_norm.weight"),
+        (r"^post_attention_layernorm\.weight$", "blk.{n}.ffn_norm.weight"),
+        (r"^self_attn\.(q|k|v)_proj\.weight$", "blk.{n}.attn_{0}.weight"),
+        (r"^self_attn\.o_proj\.weight$", "blk.{n}.attn_output.weight"),
+        (r"^self_attn\.(q|k)_norm\.weight$", "blk.{n}.attn_{0}_norm.weight"),
+        (r"^self_attn\.g_proj\.weight$", "blk.{n}.attn_gate.weight"),
+        (r"^mlp\.(gate|up|down)_proj\.weight$", "blk.{n}.ffn_{0}.weight"),  # the releases' MTP blocks are dense
+    ),
+    hparams=(
+        ("context_length", U32, lambda c: c.get("max_position_embeddings")),
+        ("embedding_length", U32, lambda c: c.get("hidden_size")),
+        ("feed_forward_length", U32, lambda c: c.get("intermediate_size")),
+        ("attention.head_count", I32_LAYERS, lambda c: _step_heads(c, "num_attention_heads")),
+        ("rope.freq_base", F32, lambda c: _step_theta(c, 0)),
+        ("rope.freq_base_swa", F32, lambda c: _step_theta(c, 1)),
+        ("attention.layer_norm_rms_epsilon", F32, lambda c: c.get("rms_norm_eps", 1e-5)),
+        ("expert_gating_func", U32, lambda c: {"sigmoid": SIGMOID, "softmax": SOFTMAX}.get(
+            c.get("moe_router_activation"))),
+        ("attention.key_length", U32, lambda c: c.get("head_dim")),
+        ("attention.value_length", U32, lambda c: c.get("head_dim")),
+        ("attention.head_count_kv", I32_LAYERS, lambda c: _step_heads(c, "num_attention_groups")),
+        ("attention.sliding_window", U32, lambda c: c["sliding_window"]),
+        ("attention.sliding_window_pattern", BOOL_LAYERS, lambda c: _step_per_type(c, False, True)),
+        ("expert_count", U32, lambda c: c["moe_num_experts"]),
+        ("expert_used_count", U32, lambda c: c["moe_top_k"]),
+        ("expert_feed_forward_length", U32, lambda c: c["moe_intermediate_size"]),
+        ("expert_shared_feed_forward_length", U32, lambda c: c["share_expert_dim"]),
+        ("expert_weights_scale", F32, lambda c: c.get("moe_router_scaling_factor")),
+        ("expert_weights_norm", BOOL, lambda c: c.get("norm_expert_weight")),
+        ("leading_dense_block_count", U32, _step_leading_dense),
+        ("moe_every_n_layers", U32, lambda c: int(c.get("moe_every_n_layer", 1))),
+        ("swiglu_clamp_exp", F32_LAYERS, lambda c: _step_clamps(c, "swiglu_limits")),
+        ("swiglu_clamp_shexp", F32_LAYERS, lambda c: _step_clamps(c, "swiglu_limits_shared")),
+    ),
+    # this llama.cpp lists no pre-tokenizer hash for Step's tokenizer (conversion/base.py): the name written when the
+    # source's tokenizer.json is not a plain GPT-2 regex one; `--target TRUNK.gguf` takes the trunk file's instead
+    tokenizer_pre="gpt-2",
+    source="src/models/step35.cpp",
+    f32=(".bias", "norm.weight"),
+    norm_offset=1.0,
+    chain=True,
+    computed={"rope_freqs.weight": _llama3_rope_freqs},
 )

@@ -338,3 +338,68 @@ def test_deepseek_v4_fp8_block_weights_go_in_dequantized_without_their_scales(tm
     assert set(ts) == V4_NAMES
     want = state["mtp.0.attn.wkv.weight"].float() * 2
     assert torch.equal(values(ts["blk.4.attn_kv.weight"]), want)
+
+
+STEP_BLOCK = ("attn_norm", "ffn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "attn_q_norm", "attn_k_norm",
+              "attn_gate", "ffn_gate", "ffn_up", "ffn_down")
+STEP_NEXTN = ("eh_proj", "enorm", "hnorm", "shared_head_norm", "shared_head_head")
+
+
+def _step_names(blocks) -> set[str]:
+    return {"token_embd.weight", "output_norm.weight", "rope_freqs.weight"} \
+        | {f"blk.{b}.nextn.{n}.weight" for b in blocks for n in STEP_NEXTN} \
+        | {f"blk.{b}.{n}.weight" for b in blocks for n in STEP_BLOCK}
+
+
+def test_step_side_file_holds_every_module_as_llama_cpps_step35_chain_reads_them(tmp_path):
+    """Step-3.5's three modules as llama.cpp's step35 graph drafts with them (module k at blk.{n+k}, draft step k):
+    each with its own nextn leaves and head, every norm stored +1, per-layer head counts, sliding pattern and clamps
+    over the trunk's and the modules' layers, the llama3 rope factors the full-attention module reads (transformers'
+    own llama3 frequencies against the default ones); `--module K` writes one, with its own layer's entries."""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from fixtures.families import make, write_tokenizer
+
+    src = write_tokenizer(make("step3p5").write(tmp_path / "s35"))
+    ckpt, cfg = Checkpoint(src), json.loads((src / "config.json").read_text())
+    res = run_cli("convert", str(src), "--to", "gguf", "--dtype", "fp32", "-o", str(tmp_path / "all"))
+    assert res.exit_code == 0, res.output
+    kv, ts = read(tmp_path / "all" / "mtp.gguf")
+    assert set(ts) == _step_names((2, 3, 4))
+    assert (kv["step35.block_count"], kv["step35.nextn_predict_layers"]) == (5, 3)
+    assert kv["step35.attention.head_count"] == [4, 6, 6, 6, 4] and kv["step35.attention.head_count_kv"] == [2] * 5
+    assert kv["step35.attention.sliding_window_pattern"] == [False, True, True, True, False]
+    assert kv["step35.swiglu_clamp_exp"] == [0.0, 7.0, 0.0, 0.0, 0.0]
+    assert (kv["step35.rope.freq_base"], kv["step35.rope.freq_base_swa"]) == (5e6, 1e4)
+    assert kv["step35.leading_dense_block_count"] == 1 and kv["step35.expert_gating_func"] == 2
+    for b in (2, 3, 4):
+        p = f"model.layers.{b}."
+        assert torch.equal(values(ts[f"blk.{b}.attn_norm.weight"]), ckpt.get(p + "input_layernorm.weight").float() + 1)
+        assert torch.equal(values(ts[f"blk.{b}.attn_q_norm.weight"]), ckpt.get(p + "self_attn.q_norm.weight").float() + 1)
+        assert torch.equal(values(ts[f"blk.{b}.nextn.enorm.weight"]), ckpt.get(p + "enorm.weight").float() + 1)
+        assert torch.equal(values(ts[f"blk.{b}.nextn.shared_head_norm.weight"]),
+                           ckpt.get(p + "transformer.shared_head.norm.weight").float() + 1)
+        assert torch.equal(values(ts[f"blk.{b}.nextn.shared_head_head.weight"]),
+                           ckpt.get(p + "transformer.shared_head.output.weight").float())
+        assert torch.equal(values(ts[f"blk.{b}.attn_gate.weight"]), ckpt.get(p + "self_attn.g_proj.weight").float())
+    assert torch.equal(values(ts["output_norm.weight"]), ckpt.get("model.norm.weight").float() + 1)
+
+    rope = {**cfg["rope_scaling"], "rope_theta": cfg["rope_theta"][0]}
+    llama = LlamaConfig(hidden_size=64, num_attention_heads=4, head_dim=16, partial_rotary_factor=0.5,
+                        rope_parameters=rope, max_position_embeddings=cfg["max_position_embeddings"])
+    scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](llama)
+    plain = 1.0 / (rope["rope_theta"] ** (torch.arange(0, 8, 2, dtype=torch.float32) / 8))
+    freqs = values(ts["rope_freqs.weight"])
+    assert freqs.shape == (8,) and torch.equal(freqs[4:], torch.ones(4))  # padded to head_dim / 2
+    torch.testing.assert_close(freqs[:4], plain / scaled, rtol=1e-5, atol=0)
+    assert freqs[:4].max() > 1  # the scaling bites at these widths
+
+    res = run_cli("convert", str(src), "--to", "gguf", "--module", "1", "--dtype", "fp32", "-o", str(tmp_path / "one"))
+    assert res.exit_code == 0, res.output
+    kv, ts = read(tmp_path / "one" / "mtp.gguf")
+    assert set(ts) == _step_names((2,))
+    assert (kv["step35.block_count"], kv["step35.nextn_predict_layers"]) == (3, 1)
+    assert kv["step35.attention.head_count"] == [4, 6, 6]  # trunk layers 0-1, then MTP layer 3's (sliding)
+    assert kv["step35.attention.sliding_window_pattern"] == [False, True, True]
+    assert torch.equal(values(ts["blk.2.nextn.eh_proj.weight"]), ckpt.get("model.layers.3.eh_proj.weight").float())

@@ -98,11 +98,25 @@ def pre(self, tokenizer):
     except NotImplementedError:
         return "gpt-2"
 base.TextModel.get_vocab_base_pre = pre
+if sys.argv.count("--raw-config"):
+    sys.argv.remove("--raw-config")
+    import json
+    def hparams(dir_model, is_mistral_format):
+        return json.loads((dir_model / "config.json").read_text(encoding="utf-8"))
+    base.ModelBase.load_hparams = staticmethod(hparams)
 if sys.argv.count("--gpt2-vocab"):
     sys.argv.remove("--gpt2-vocab")
     base.TextModel._set_vocab_glm = base.TextModel._set_vocab_gpt2
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
+
+
+# Model types transformers 5.23 knows and the transformers llama.cpp's converter pins (4.57.6,
+# requirements/requirements-convert_legacy_llama.txt) does not: under 4.57.6 `AutoConfig` fails on them and the
+# converter reads config.json as released (conversion/base.py `load_hparams`). Here it would get transformers 5.23's
+# Step3p5Config.to_dict(), which holds no `partial_rotary_factors` and cuts `layer_types` to the trunk's layers, and
+# fail; so the converter is made to read config.json, as under its own pin.
+RAW_CONFIG = ("step3p5", "step3p7")
 
 
 def convert_trunk(source: str | os.PathLike, out: str | os.PathLike, *, mtp: str = "no", outtype: str = "f32",
@@ -116,6 +130,8 @@ def convert_trunk(source: str | os.PathLike, out: str | os.PathLike, *, mtp: str
     args += {"no": ["--no-mtp"], "only": ["--mtp"], "keep": []}[mtp]
     if gpt2_vocab:
         args.append("--gpt2-vocab")
+    if json.loads((Path(source) / "config.json").read_text(encoding="utf-8")).get("model_type") in RAW_CONFIG:
+        args.append("--raw-config")
     res = subprocess.run([sys.executable, "-c", _BOOT, str(tree), *args], capture_output=True, text=True)
     if mtp == "no" and res.returncode != 0 and "are not supported for" in res.stderr + res.stdout:
         # a converter without MTP export (DeepSeek-V3's): it drops the MTP layers on its own

@@ -31,6 +31,7 @@ from tests.engines.llama_interop import (
     prompt_ids,
     recycle_run,
     side_file,
+    step_for_llama_cpp,
     trunk_gguf,
     v4_for_llama_cpp,
 )
@@ -99,6 +100,35 @@ def test_llama_cpp_drafts_losslessly_with_the_side_file_and_counts_as_recycle(na
     assert 0 <= ours["tried"] - drafted["drafted"] <= len(ids)  # recycle also drafts at each prompt's last step
     rate_llama, rate_ours = drafted["accepted"] / drafted["drafted"], ours["accepted"] / ours["tried"]
     assert abs(rate_llama - rate_ours) <= 0.02 * rate_ours, (drafted, ours)
+
+
+def test_step_side_file_is_llama_cpps_export_and_drafts_with_its_three_modules_as_recycle(tmp_path):
+    """Step-3.7 (step35 graph: the three modules in turn, module k at draft step k), on its generator shaped to
+    draft (`step_for_llama_cpp`; llama.cpp's converter reading config.json as released, `RAW_CONFIG`):
+    * recycle's side file is llama.cpp's own `--mtp` export, all three blocks: the same header, names and bytes;
+    * llama.cpp drafts losslessly with it at n_max 1 and 3, and its plain greedy output is recycle's;
+    * at n_max 1 its acceptance is recycle's within 2% (recycle also drafts at each prompt's last step);
+    * at n_max 3 it accepts more tokens than it has verification steps: the second and third modules accept too;
+    * with --target the header is the trunk file's, its per-layer arrays extended by the modules' layers, and it
+      drafts the same."""
+    src = step_for_llama_cpp(tmp_path)
+    _assert_same_export(side_file(src, tmp_path, "all", module=None), convert_trunk(src, tmp_path / "m.gguf", mtp="only"))
+    side = tmp_path / "all" / "mtp.gguf"
+    prompts, ids = prompt_ids(src, 4)
+    trunk = trunk_gguf(src, tmp_path)
+    plain = llama_runs(trunk, None, ids, 48, 1)
+    assert plain["tokens"] == ar_tokens(src, ids, 48)
+    one, three = (llama_runs(trunk, side, ids, 48, n) for n in (1, 3))
+    assert one["tokens"] == three["tokens"] == plain["tokens"]
+    ours = recycle_run(src, None, prompts, 48, 1)
+    assert 0 <= ours["tried"] - one["drafted"] <= len(ids)
+    rate_llama, rate_ours = one["accepted"] / one["drafted"], ours["accepted"] / ours["tried"]
+    assert abs(rate_llama - rate_ours) <= 0.02 * rate_ours and rate_ours > 0.3, (one, ours)
+    assert three["accepted"] > three["steps"], three
+    paired = side_file(src, tmp_path, "paired", trunk=trunk, module=None)
+    kv = _contents(paired)[0]
+    assert kv["step35.attention.head_count"] == [4, 6, 6, 6, 4] and kv["step35.nextn_predict_layers"] == 3
+    assert llama_runs(trunk, paired, ids, 48, 3) == three
 
 
 def test_deepseek_v4_side_file_is_llama_cpps_export_and_drafts_as_recycle(tmp_path):
