@@ -46,23 +46,26 @@ def v4_for_llama_cpp(source: Path, work: Path) -> Path:
 STEP = "Step-3.7 (drafting copy)"
 
 
-def step_for_llama_cpp(work: Path) -> Path:
-    """Step-3.7's layout generator (`fixtures.families.step3p7`, random weights, three modules) made to draft, with
-    the 256-token byte tokenizer llama.cpp's converter needs. There is no trained Step fixture, and random modules
-    accept nothing (measured: 0-3 of ~185 drafts), so the weights are shaped for acceptance:
+def step_for_llama_cpp(work: Path, *, shaped: bool = True, routed_experts: bool = True, trunk: float = 1.0) -> Path:
+    """Step-3.7's layout generator (`fixtures.families.step3p7`, random weights, three modules) with the 256-token
+    byte tokenizer llama.cpp's converter needs, and the end-of-generation rows (ids 1, 2, V-1) of every head zeroed:
+    llama-server ignores EOS, recycle does not.
+
+    `shaped` (the drafting copy): there is no trained Step fixture and random modules accept nothing (measured: 0-3
+    of ~185 drafts), so the weights are shaped for acceptance:
     * the trunk's layer outputs (o_proj, down_proj) zeroed: the trunk is a bigram model, lm_head(norm(embed(t)));
     * each module's eh_proj = [I, 0.3·R]: the drafted token's embedding plus a little of the chained state, and its
       block's outputs at 0.2 of their values: a module then predicts the bigram of its input token, with its
-      attention (gate, sliding window, rope), MLP and every norm still in the sum;
-    * the end-of-generation rows (ids 1, 2, V-1) of every head zeroed: llama-server ignores EOS, recycle does not.
-    Zeroing the trunk's MoE also keeps out a difference measured between llama.cpp's step35 trunk and transformers'
-    Step3p7 on this generator: with the routed experts live, 2 of 4 greedy continuations part (logit gaps up to
-    0.82); zeroing the routed experts' outputs alone makes all 4 equal (docs/llama-cpp.md)."""
+      attention (gate, sliding window, rope), MLP and every norm still in the sum.
+    That also keeps out a difference between llama.cpp's step35 trunk and transformers' Step3p7 that the routed
+    experts carry (`benchmarks/step_trunk_agreement.py`). Unshaped: `trunk` scales the trunk's layer outputs,
+    `routed_experts=False` zeroes the routed experts' outputs."""
     import torch
 
     from fixtures.families import V, make, write_tokenizer
 
-    out = work / "step3p7-drafting"
+    out = work / (f"step3p7-{'drafting' if shaped else f'generator-trunk{trunk:g}'}"
+                  f"{'' if routed_experts else '-no-routed'}")
     if (out / "config.json").is_file():
         return out
     fx = make("step3p7")
@@ -70,11 +73,15 @@ def step_for_llama_cpp(work: Path) -> Path:
     L = fx.config["text_config"]["num_hidden_layers"]
     for name in list(t):
         if name.endswith(("self_attn.o_proj.weight", "down_proj.weight")) and name.startswith("model.layers."):
-            t[name] = (t[name].float() * (0.0 if int(name.split(".")[2]) < L else 0.2)).to(t[name].dtype)
-        elif name.endswith("eh_proj.weight"):
+            in_trunk = int(name.split(".")[2]) < L
+            scale = (0.0 if in_trunk else 0.2) if shaped else (trunk if in_trunk else 1.0)
+            t[name] = (t[name].float() * scale).to(t[name].dtype)
+        elif shaped and name.endswith("eh_proj.weight"):
             h = t[name].shape[0]
             rand = torch.randn(h, h, generator=torch.Generator().manual_seed(0)) / h ** 0.5
             t[name] = torch.cat([torch.eye(h), 0.3 * rand], 1).to(t[name].dtype)
+        if not routed_experts and name.endswith(".moe.down_proj.weight"):
+            t[name] = torch.zeros_like(t[name])
         if name == "lm_head.weight" or name.endswith("shared_head.output.weight"):
             t[name] = t[name].clone()
             t[name][[1, 2, V - 1]] = 0
