@@ -222,15 +222,20 @@ def _recurrent_layers(c: Mapping) -> list[bool]:
 # `src/models/qwen35.cpp` graph_mtp): mtp.fc/pre_fc_norm_*/norm become nextn.eh_proj/enorm/hnorm/shared_head_norm
 # of blk.{n}, the gated full-attention block keeps the trunk's per-layer names (q_proj with its gate half as attn_q),
 # every norm but linear_attn's is stored +1, and the export carries the trunk's lm_head as `output`.
+# GQA with q/k norms and a dense SwiGLU MLP under the trunk's per-layer names (Qwen3.5's and Step's blocks)
+GQA_QK_NORM = (
+    (r"^self_attn\.(q|k|v)_proj\.weight$", "blk.{n}.attn_{0}.weight"),
+    (r"^self_attn\.o_proj\.weight$", "blk.{n}.attn_output.weight"),
+    (r"^self_attn\.(q|k)_norm\.weight$", "blk.{n}.attn_{0}_norm.weight"),
+)
+DENSE_FFN = ((r"^mlp\.(gate|up|down)_proj\.weight$", "blk.{n}.ffn_{0}.weight"),)
 QWEN35 = GGUFArch(
     arch="qwen35",
     block=(
         (r"^input_layernorm\.weight$", "blk.{n}.attn_norm.weight"),
         (r"^post_attention_layernorm\.weight$", "blk.{n}.post_attention_norm.weight"),
-        (r"^self_attn\.(q|k|v)_proj\.weight$", "blk.{n}.attn_{0}.weight"),
-        (r"^self_attn\.o_proj\.weight$", "blk.{n}.attn_output.weight"),
-        (r"^self_attn\.(q|k)_norm\.weight$", "blk.{n}.attn_{0}_norm.weight"),
-        (r"^mlp\.(gate|up|down)_proj\.weight$", "blk.{n}.ffn_{0}.weight"),
+        *GQA_QK_NORM,
+        *DENSE_FFN,
     ),
     hparams=(
         ("context_length", U32, lambda c: c.get("max_position_embeddings")),
@@ -474,16 +479,12 @@ STEP35 = GGUFArch(
     block=(
         (r"^input_layernorm\.weight$", "blk.{n}.attn_norm.weight"),
         (r"^post_attention_layernorm\.weight$", "blk.{n}.ffn_norm.weight"),
-        (r"^self_attn\.(q|k|v)_proj\.weight$", "blk.{n}.attn_{0}.weight"),
-        (r"^self_attn\.o_proj\.weight$", "blk.{n}.attn_output.weight"),
-        (r"^self_attn\.(q|k)_norm\.weight$", "blk.{n}.attn_{0}_norm.weight"),
+        *GQA_QK_NORM,
         (r"^self_attn\.g_proj\.weight$", "blk.{n}.attn_gate.weight"),
-        (r"^mlp\.(gate|up|down)_proj\.weight$", "blk.{n}.ffn_{0}.weight"),  # the releases' MTP blocks are dense
+        *DENSE_FFN,  # the releases' MTP blocks are dense
     ),
     hparams=(
-        ("context_length", U32, lambda c: c.get("max_position_embeddings")),
-        ("embedding_length", U32, lambda c: c.get("hidden_size")),
-        ("feed_forward_length", U32, lambda c: c.get("intermediate_size")),
+        *COMMON_HPARAMS[:3],
         ("attention.head_count", I32_LAYERS, lambda c: _step_heads(c, "num_attention_heads")),
         ("rope.freq_base", F32, lambda c: _step_theta(c, 0)),
         ("rope.freq_base_swa", F32, lambda c: _step_theta(c, 1)),

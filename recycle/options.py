@@ -207,8 +207,9 @@ class ConvertOptions:
                              "GGUF the side file pairs with (its header and token_embd are copied).", metavar="TARGET",
                              type=Path, default=None)
     data: str | None = opt("--data", help="With --calibrate: calibration text, as distill's --data.", default=None)
-    module: int | None = opt("--module", help="--to gguf: the MTP module to write (llama.cpp drafts with one; needed "
-                             "when the checkpoint has several).", type=int, default=None)
+    module: int | None = opt("--module", help="--to gguf: the one MTP module to write (needed when the checkpoint "
+                             "has several and llama.cpp drafts with one; Step-3.5/3.7's side file holds all three "
+                             "unless this picks one).", type=int, default=None)
     eagle3_names: str | None = opt("--eagle3-names", help="--to eagle3: tensor names for official (midlayer.*: vLLM, "
                                    "SGLang, SpecForge; the default) or speculators (layers.0.*: vLLM, speculators).",
                                    metavar="[official|speculators]", default=None)  # the format's spellings
