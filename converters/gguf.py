@@ -1,7 +1,8 @@
 """`recycle convert SOURCE --to gguf`: an MTP-only GGUF side file that llama.cpp drafts with, next to a trunk GGUF.
 
 llama.cpp (`--spec-type draft-mtp -md mtp.gguf`) loads the side file as a model of the trunk's architecture whose
-one block is the MTP module (`recycle.ggufarch` says how it is named and which hyper-parameters it reads); the
+blocks after the trunk's are the MTP modules: one, or for Step-3.5/3.7 all three, which llama.cpp drafts with in turn
+(`recycle.ggufarch` says how they are named and which hyper-parameters it reads); the
 trunk stays whatever GGUF the user runs, quantized or not. The names, the hyper-parameters and the tensor
 transforms come from the family's `gguf` record; this module only applies them:
 
@@ -215,7 +216,10 @@ def convert(w: RoleWeights, req) -> Plan:
                                    "which llama.cpp requires); pass --target TRUNK.gguf to copy it from the trunk file")
             tensors[gname] = stored(w.ckpt, name)
     for gname, get in arch.computed.items():
-        values = get(cfg)
+        try:
+            values = get(cfg)
+        except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
+            raise RecycleError(f"{w.ckpt.path}/config.json: cannot compute {gname} ({e})") from None
         if values is not None:
             tensors[gname] = Lazy((len(values),), lambda v=tuple(values): torch.tensor(v, dtype=torch.float32), (),
                                   EXACT, "computed from config.json, as llama.cpp's converter computes it",
