@@ -89,7 +89,8 @@ def supported() -> str:
 def arch_of(w: RoleWeights) -> GGUFArch:
     arch = w.family.exports.gguf
     if arch is None:
-        raise RecycleError(f"{w.ckpt.path}: llama.cpp has no MTP graph recycle writes for {w.family.title}; "
+        why = f" ({w.family.exports.gguf_why})" if w.family.exports.gguf_why else ""
+        raise RecycleError(f"{w.ckpt.path}: llama.cpp has no MTP graph recycle writes for {w.family.title}{why}; "
                            f"--to gguf covers {supported()}")
     return arch
 

@@ -179,6 +179,9 @@ class Exports:
     # llama.cpp's names for the module and its hyper-parameters (`convert --to gguf`); None: no MTP graph there
     # that recycle writes for (recycle.ggufarch)
     gguf: GGUFArch | None = None
+    # where gguf is None though llama.cpp has an MTP graph for the architecture: why recycle writes none (the
+    # refusal's second sentence)
+    gguf_why: str = ""
     # how many of the stored modules vLLM's MTP model for this family runs (None: every one it finds); where it is
     # fewer than the checkpoint stores, the conversion's notes (and so the model card) say so
     vllm_modules: int | None = None
@@ -529,7 +532,12 @@ FAMILIES: tuple[Family, ...] = (
             block_renames=(("pre_mlp_layernorm.", "post_attention_layernorm."),),  # attention_sink_bias: transformers'
             mtp_layer_types={"layer_types": "sliding_attention", "mlp_layer_types": "dense"},
         ),
-        exports=Exports(vllm_modules=1),  # MiMoV2MultiTokenPredictor: num_mtp_layers = 1 (mimo_v2_mtp.py:177)
+        exports=Exports(
+            vllm_modules=1,  # MiMoV2MultiTokenPredictor: num_mtp_layers = 1 (mimo_v2_mtp.py:177)
+            gguf_why="llama.cpp's mimo2 MTP graph asserts a fused attn_qkv (mimo2.cpp:285; llama-server aborts even "
+                     "on its own export of separate q/k/v) and chains pre-norm states where vLLM chains "
+                     "final_layernorm's (docs/llama-cpp.md)",
+        ),
         notes="3 separately trained modules, each a sliding-window attention layer with sinks and a dense MLP; "
               "vLLM's MiMoV2MTP runs only module 0. V2.5/Pro (model_type mimo_v2) have no transformers config class",
     ),

@@ -130,6 +130,16 @@ def test_mimo_v2_flash_matches_transformers_layers(family_dir, tmp_path):
         torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-4)
 
 
+def test_mimo_to_gguf_is_refused_with_llama_cpps_reason(family_dir, tmp_path):
+    """llama.cpp has a mimo2 MTP graph, but recycle writes no side file for it: the refusal says why in one line
+    (the fused attn_qkv its graph asserts, and its pre-norm chaining), and writes nothing."""
+    from recycle.converters.api import convert_checkpoint
+
+    with pytest.raises(RecycleError, match=r"no MTP graph recycle writes for Xiaomi MiMo.*fused attn_qkv.*pre-norm"):
+        convert_checkpoint(family_dir("mimo_v2_flash"), "gguf", tmp_path / "o", module=0)
+    assert not (tmp_path / "o").exists()
+
+
 # -- Ling (bailing_hybrid) ------------------------------------------------------------------------------------
 
 
