@@ -37,7 +37,7 @@ from recycle.converters.registry import CONVERTERS
 from recycle.converters.roles import EXACT, Plan, RoleWeights, require_sequential, same_values, stored
 from recycle.errors import RecycleError
 from recycle.families import FAMILIES, merged_config
-from recycle.ggufarch import NEXTN, TRUNK, GGUFArch
+from recycle.ggufarch import CHAINED, NEXTN, TRUNK, GGUFArch
 from recycle.io.writer import MXFP4, Q8_0, Lazy
 from recycle.quant.fp4 import ggml_mxfp4_blocks
 
@@ -177,13 +177,13 @@ def _trunk(w: RoleWeights, role: str) -> str | None:
 
 
 def _modules(w: RoleWeights, arch: GGUFArch, opts) -> list[int]:
-    """The modules the side file holds: `--module K`, else every module where llama.cpp chains them (arch.chain),
+    """The modules the side file holds: `--module K`, else every module where llama.cpp chains them (CHAINED),
     else the only one."""
     if opts.module is not None:
         if not 0 <= opts.module < len(w.modules):
             raise RecycleError(f"--module {opts.module}: {opts.source} has modules 0..{len(w.modules) - 1}")
         return [opts.module]
-    if len(w.modules) > 1 and not arch.chain:
+    if len(w.modules) > 1 and arch.arch not in CHAINED:
         raise RecycleError(f"{opts.source}: {len(w.modules)} MTP modules, and llama.cpp drafts with one (its "
                            f"{arch.arch} graph asserts n_layer_nextn == 1, {arch.source}; it reuses that module "
                            "for every draft position): pass --module 0 to write the first")

@@ -15,6 +15,7 @@ from collections import Counter
 from pathlib import Path
 
 from recycle.errors import RecycleError
+from recycle.ggufarch import CHAINED
 
 MAGIC = b"GGUF"
 NEXTN = re.compile(r"^blk\.(\d+)\.nextn\.")
@@ -82,9 +83,10 @@ def inspect_gguf(path: str | os.PathLike) -> dict:
     if not nextn_blocks and not declared:
         findings.append({"severity": "info", "code": "no_mtp",
                          "message": "no MTP block: recycle convert CHECKPOINT --to gguf writes a side file for it"})
-    if declared > 1:
+    if declared > 1 and arch not in CHAINED:
         findings.append({"severity": "warning", "code": "mtp_depth_unsupported",
-                         "message": f"{declared} MTP blocks declared; llama.cpp's MTP graphs take one"})
+                         "message": f"{declared} MTP blocks declared; llama.cpp's {arch} MTP graph takes one "
+                                    f"(only {', '.join(CHAINED)} draft with several in turn)"})
     worst = next((s for s in ("error", "warning", "info") if any(f["severity"] == s for f in findings)), "ok")
     return {"path": str(path), "format": "gguf", "architecture": arch, "name": value_of(r, "general.name"),
             "block_count": blocks, "holds": holds,

@@ -85,14 +85,16 @@ class GGUFArch:
     # routed experts stored FP4 with e8m0 scales (DeepSeek-V4's `mxfp4_native`) are written as GGML MXFP4 blocks,
     # repacked bit for bit whatever --dtype says (as llama.cpp's converter does; f32 would be 8x the bytes)
     fp4_experts: bool = False
-    # llama.cpp drafts with every stored module, module k as blk.{n+k} at draft step k (Step-3.5's chain_heads,
-    # `common/speculative.cpp`): the side file holds them all unless `--module K` picks one. False: the graph
-    # asserts n_layer_nextn == 1, so a checkpoint of several modules needs `--module K`.
-    chain: bool = False
     # whole-model tensors computed from config.json (GGUF name → getter returning float32 values, or None to leave
     # the tensor out): Step's llama3 `rope_freqs`, which llama.cpp's converter adds and the MTP graph reads
     computed: Mapping[str, Getter] = field(default_factory=dict)
 
+
+# llama.cpp architectures whose MTP graph drafts with every stored module, module k as blk.{n+k} at draft step k
+# (`cparams.nextn_layer_offset`: src/models/step35.cpp, src/models/mimo2.cpp; common/speculative.cpp chain_heads):
+# a side file holds them all unless `--module K` picks one. The other graphs assert n_layer_nextn == 1, so a
+# checkpoint of several modules needs `--module K`.
+CHAINED = ("step35", "mimo2")
 
 # The trunk tensors the side file carries (llama.cpp creates them as required tensors), by GGUF name.
 TRUNK = {"token_embd.weight": "embed", "output_norm.weight": "final_norm"}
@@ -513,6 +515,5 @@ STEP35 = GGUFArch(
     source="src/models/step35.cpp",
     f32=(".bias", "norm.weight"),
     norm_offset=1.0,
-    chain=True,
     computed={"rope_freqs.weight": _llama3_rope_freqs},
 )

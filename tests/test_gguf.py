@@ -394,6 +394,22 @@ def test_step_side_file_holds_every_module_as_llama_cpps_step35_chain_reads_them
     assert freqs.shape == (8,) and torch.equal(freqs[4:], torch.ones(4))  # padded to head_dim / 2
     torch.testing.assert_close(freqs[:4], plain / scaled, rtol=1e-5, atol=0)
     assert freqs[:4].max() > 1  # the scaling bites at these widths
+    data = json.loads(run_cli("inspect", str(tmp_path / "all" / "mtp.gguf"), "--json").stdout)
+    assert data["mtp"]["declared"] == 3 and data["mtp"]["stored"] == [2, 3, 4] and data["findings"] == []
+
+    two = tmp_path / "two.gguf"  # the same depth in an architecture whose graph drafts with one module: a warning
+    w = GGUFWriter(str(two), "glm4moe")
+    w.add_uint32("glm4moe.block_count", 3)
+    w.add_uint32("glm4moe.nextn_predict_layers", 2)
+    for b in (1, 2):
+        w.add_tensor(f"blk.{b}.nextn.eh_proj.weight", np.ones((2, 4), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    data = json.loads(run_cli("inspect", str(two), "--json").stdout)
+    assert [f["code"] for f in data["findings"]] == ["mtp_depth_unsupported"]
+    assert "glm4moe MTP graph takes one" in data["findings"][0]["message"]
 
     res = run_cli("convert", str(src), "--to", "gguf", "--module", "1", "--dtype", "fp32", "-o", str(tmp_path / "one"))
     assert res.exit_code == 0, res.output
