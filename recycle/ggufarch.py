@@ -220,10 +220,6 @@ def _recurrent_layers(c: Mapping) -> list[bool]:
     return [k == "linear_attention" for k in kinds[:n]] + [False]
 
 
-# Qwen3.5 / 3.6 dense (`conversion/qwen.py` Qwen3_5TextModel over Qwen3NextModel and _QwenMtpMixin; graph
-# `src/models/qwen35.cpp` graph_mtp): mtp.fc/pre_fc_norm_*/norm become nextn.eh_proj/enorm/hnorm/shared_head_norm
-# of blk.{n}, the gated full-attention block keeps the trunk's per-layer names (q_proj with its gate half as attn_q),
-# every norm but linear_attn's is stored +1, and the export carries the trunk's lm_head as `output`.
 # GQA with q/k norms and a dense SwiGLU MLP under the trunk's per-layer names (Qwen3.5's and Step's blocks)
 GQA_QK_NORM = (
     (r"^self_attn\.(q|k|v)_proj\.weight$", "blk.{n}.attn_{0}.weight"),
@@ -231,6 +227,12 @@ GQA_QK_NORM = (
     (r"^self_attn\.(q|k)_norm\.weight$", "blk.{n}.attn_{0}_norm.weight"),
 )
 DENSE_FFN = ((r"^mlp\.(gate|up|down)_proj\.weight$", "blk.{n}.ffn_{0}.weight"),)
+
+
+# Qwen3.5 / 3.6 dense (`conversion/qwen.py` Qwen3_5TextModel over Qwen3NextModel and _QwenMtpMixin; graph
+# `src/models/qwen35.cpp` graph_mtp): mtp.fc/pre_fc_norm_*/norm become nextn.eh_proj/enorm/hnorm/shared_head_norm
+# of blk.{n}, the gated full-attention block keeps the trunk's per-layer names (q_proj with its gate half as attn_q),
+# every norm but linear_attn's is stored +1, and the export carries the trunk's lm_head as `output`.
 QWEN35 = GGUFArch(
     arch="qwen35",
     block=(
