@@ -135,13 +135,13 @@ def test_the_loader_keeps_in_float32_what_transformers_keeps() -> None:
     mixers, sinks and norms stay float32 (`_keep_in_fp32_modules_strict`), the rest bf16. (accelerate's
     `set_module_tensor_to_device` casts to the meta parameter's dtype unless told otherwise: before, all came out
     bf16.)"""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     from recycle.checkpoint import Checkpoint
 
     theirs = AutoModelForCausalLM.from_pretrained(V4, dtype=torch.bfloat16, attn_implementation="eager")
     ckpt = Checkpoint(V4)
-    ours = placed.skeleton(AutoConfig.for_model(**ckpt.config), torch.bfloat16, "eager")
+    ours = placed.skeleton_of(ckpt, torch.bfloat16, "eager")
     placed.load_streamed(ckpt, ours, {"": "cpu"}, torch.bfloat16)
     want = dict(theirs.named_parameters())
     kept = set()
