@@ -96,3 +96,42 @@ def test_deepseek_v4_goes_to_eagle_and_gguf_only(family_dir, tmp_path):
 @pytest.mark.parametrize("variant", sorted(set(ROWS) - {"deepseek_v4"}))
 def test_gguf_refuses_in_one_line(family_dir, tmp_path, variant):
     assert_bad_input(run_cli("convert", str(family_dir(variant)), "--to", "gguf", "-o", str(tmp_path / "g")), "")
+
+
+# The releases transformers runs only as multimodal models (no causal-LM class), and Step-3.5-Flash, whose config is
+# Step-3.7's text config alone: the reference each is compared with is its multimodal class's own from_pretrained.
+MULTIMODAL = {"glm5_next": "glm5_next", "step3p7": "step3p7", "minimax_m3": "minimax_m3", "inkling": "inkling",
+              "step3p5": "step3p7"}
+
+
+@pytest.mark.parametrize("variant", sorted(MULTIMODAL))
+@pytest.mark.parametrize("fp8", [False, True], ids=["as-stored", "block-fp8"])
+def test_the_release_and_its_fp8_build_load_as_targets(family_dir, tmp_path, variant, fp8):
+    """The target of bench, distill and harvest: the release (for Step-3.5-Flash's text-only config, built as the
+    multimodal model whose text config it is, its towers dropped) and its block-FP8 build (through recycle's
+    dequantizing reader) compute exactly what the same values stored as float32 compute through transformers' own
+    from_pretrained of the multimodal class. Before, the FP8 builds were refused ("Unrecognized configuration class
+    ... for AutoModelForCausalLM"), and Step-3.5-Flash whether quantized or not."""
+    from safetensors.torch import save_file
+
+    from recycle.checkpoint import Checkpoint
+    from recycle.decoding import load_target
+
+    from fixtures.fp8 import make_fp8
+
+    src = family_dir(variant)
+    target = make_fp8(src, tmp_path / "fp8") if fp8 else src
+    ckpt = Checkpoint(target)
+    assert fp8 == any(i.dtype.startswith("F8") for i in ckpt.tensors.values())
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    state = {n: ckpt.get(n, torch.float32) for n, i in ckpt.tensors.items() if not i.is_scale}
+    save_file(state, str(plain / "model.safetensors"), metadata={"format": "pt"})
+    config = dict(Checkpoint(family_dir(MULTIMODAL[variant])).config)
+    (plain / "config.json").write_text(json.dumps(config))
+    ids = torch.randint(3, 250, (1, 12), generator=torch.Generator().manual_seed(0))
+    got_model, want_model = load_target(target), load_target(plain)
+    assert type(got_model) is type(want_model)
+    with torch.no_grad():
+        got, want = (m(input_ids=ids).logits for m in (got_model, want_model))
+    torch.testing.assert_close(got, want, rtol=0, atol=0)

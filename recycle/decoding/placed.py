@@ -12,6 +12,11 @@ compute dtype, twice while transformers' conversion fuses its experts (measured 
 `benchmarks/target_load_memory.py`; a V4-Pro layer is 51 GB in bf16); the whole-state loader it replaces held the model
 and the checkpoint's state both in float32 (8 bytes a parameter: 2.3 TB for V4-Flash) before casting.
 
+A multimodal release loads as its image-text-to-text class (`lm_class`: transformers gives Step-3.7, GLM-5.3-Flash,
+MiniMax-M3 and Inkling no causal-LM class), and a multimodal model's text config standing alone (Step-3.5-Flash) as the
+multimodal model whose text config it is (`model_config`); recycle runs only the text decoder and head, so the towers
+the reader leaves unfilled are dropped, never allocated (`_drop_towers`).
+
 `device_map` places whole decoder layers (the model's `_no_split_modules`) over the GPUs in order with accelerate's
 `infer_auto_device_map`, each filled to `share` of its memory (the rest for the forward's activations); anything it
 would put on the CPU or disk is refused. `load_placed` joins them and `dispatch_model` adds the hooks that move each
@@ -36,20 +41,58 @@ PLACED_SHARE = 0.8  # of each GPU's memory for the target's weights (the rest: t
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
+def lm_class(config):
+    """The auto class that builds a language model for `config`: AutoModelForCausalLM, or, for a multimodal release
+    that transformers gives no causal-LM class (Step-3.7, GLM-5.3-Flash, MiniMax-M3, Inkling), its image-text-to-text
+    class: run on token ids alone, its decoder and head are the text model's."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
+
+    kind = type(config)
+    if kind not in MODEL_FOR_CAUSAL_LM_MAPPING and kind in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING:
+        return AutoModelForImageTextToText
+    return AutoModelForCausalLM
+
+
 def skeleton(config, dtype: torch.dtype, attn: str) -> nn.Module:
-    """transformers' causal LM for `config`, its parameters on the meta device and its buffers real."""
+    """transformers' language model for `config` (`lm_class`), its parameters on the meta device and its buffers
+    real."""
     from accelerate import init_empty_weights
-    from transformers import AutoModelForCausalLM
 
     with init_empty_weights(include_buffers=False):
-        return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
+        return lm_class(config).from_config(config, dtype=dtype, attn_implementation=attn)
+
+
+def model_config(raw: dict):
+    """transformers' config for a checkpoint's config.json, its quantization left out (the loader dequantizes). A
+    text-only release of a multimodal model, which transformers gives no language-model class of its own (Step-3.5-
+    Flash: Step-3.7's text config at the top level, `Step3p7TextConfig`), comes wrapped in the multimodal config whose
+    text config it is, found in transformers' image-text-to-text mapping; its towers, which no weight fills, are then
+    dropped by the loader (`_drop_towers`): they are never built in memory."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
+
+    config = AutoConfig.for_model(**{k: v for k, v in raw.items() if k != "quantization_config"})
+    if text_only(config):
+        outer = next(c for c in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING.keys()
+                     if getattr(c, "sub_configs", {}).get("text_config") is type(config))
+        config = outer(text_config=config.to_dict())
+    return config
+
+
+def text_only(config) -> bool:
+    """Whether `config` is a multimodal model's text config standing alone (see `model_config`)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
+
+    kind = type(config)
+    if kind in MODEL_FOR_CAUSAL_LM_MAPPING or kind in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING:
+        return False
+    return any(getattr(c, "sub_configs", {}).get("text_config") is kind for c in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING.keys())
 
 
 def skeleton_of(ckpt, dtype: torch.dtype, attn: str) -> nn.Module:
-    """`skeleton` of a checkpoint's config (its quantization left out: the loader dequantizes)."""
-    from transformers import AutoConfig
-
-    config = AutoConfig.for_model(**{k: v for k, v in ckpt.config.items() if k != "quantization_config"})
+    """`skeleton` of a checkpoint's config (`model_config`)."""
+    config = model_config(ckpt.config)
     config._attn_implementation = attn
     return skeleton(config, dtype, attn)
 
@@ -136,7 +179,7 @@ def load_kept(path: Path, dtype: torch.dtype, attn: str, gpus: int, share: float
     token as the serving engines do), whole decoder layers over `gpus` GPUs at `share` of each. The weights are
     the ones recycle's reader dequantizes (checked on a CPU, where transformers dequantizes them itself); the
     kernels rest on reading transformers' code: no GPU ran them here."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig
 
     from recycle.checkpoint import Checkpoint
 
@@ -145,9 +188,13 @@ def load_kept(path: Path, dtype: torch.dtype, attn: str, gpus: int, share: float
     if method not in KEPT_METHODS:
         raise RecycleError(f"--keep-quantized: transformers keeps {', '.join(KEPT_METHODS)} releases as stored; "
                            f"{path} is {method or 'not quantized'}: load it dequantized (drop --keep-quantized)")
+    config = AutoConfig.from_pretrained(path)
+    if text_only(config):
+        raise RecycleError(f"--keep-quantized: {path} is a multimodal model's text config alone, which transformers "
+                           "loads with no class of its own: load it dequantized (drop --keep-quantized)")
     budgets = {i: int(share * torch.cuda.get_device_properties(i).total_memory) for i in range(gpus)}
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn, device_map="auto",
-                                                 max_memory=budgets)
+    model = lm_class(config).from_pretrained(path, dtype=dtype, attn_implementation=attn, device_map="auto",
+                                             max_memory=budgets)
     off = sorted({str(v) for v in (getattr(model, "hf_device_map", None) or {}).values() if not isinstance(v, int)})
     if off:
         raise RecycleError(f"--keep-quantized: the target does not fit {gpus} GPU(s) at {share:.0%} of each (its map "
@@ -191,7 +238,7 @@ def load_streamed(ckpt, model: nn.Module, dmap: dict[str, int | str], dtype: tor
     prefix = f"{model.base_model_prefix}."  # names stored without it (DeepSeek-V4's `embed`, `layers.{i}`), as
     filled: set[str] = set()  # from_pretrained adds it
     names = [n for n, i in ckpt.tensors.items() if not i.is_scale and n not in scales]
-    for group in _groups(names, int(config.num_hidden_layers)):
+    for group in _groups(names, int(config.get_text_config().num_hidden_layers)):
         state = to_runtime_layout({n: _read(ckpt, n, dtype) for n in group}, config)
         for key, value in state.items():
             key = key if key in want or prefix + key not in want else prefix + key
@@ -204,9 +251,29 @@ def load_streamed(ckpt, model: nn.Module, dmap: dict[str, int | str], dtype: tor
         del state
     if getattr(config, "tie_word_embeddings", False):
         model.tie_weights()
+    _drop_towers(model, filled)
     missing = [n for n, _ in model.named_parameters() if n not in filled]  # a tied head is its embedding
     if missing:
         raise RecycleError(f"{ckpt.path}: the checkpoint does not fill {type(model).__name__} (missing {missing[:3]})")
+
+
+def _drop_towers(model: nn.Module, filled: set[str]) -> None:
+    """Remove a multimodal release's towers (vision, audio, their projectors) that the checkpoint left unfilled: recycle
+    feeds its target token ids and runs only the text decoder and head (`Target`). The streamed reader maps the text
+    model's names (the model type's conversion); transformers renames the towers' by their own sub-model conversions,
+    which a text-only target has no use for. What the decoder and head leave unfilled is still refused."""
+    text = {id(model.get_decoder()), id(model.get_output_embeddings())}
+
+    def walk(module: nn.Module, prefix: str) -> None:
+        for name, child in list(module.named_children()):
+            if id(child) in text:
+                continue
+            if any(id(m) in text for m in child.modules()):  # holds the decoder: look inside
+                walk(child, f"{prefix}{name}.")
+            elif any(f"{prefix}{name}.{n}" not in filled for n, _ in child.named_parameters()):
+                setattr(module, name, nn.Module())
+
+    walk(model, "")
 
 
 def load_placed(path: Path, dtype: torch.dtype, attn: str, gpus: int, share: float = PLACED_SHARE) -> nn.Module:

@@ -31,7 +31,7 @@ def load_target(
     path: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, attn: str = "sdpa",
     gpus: int = 1, keep_quantized: bool = False,
 ) -> nn.Module:
-    """AutoModelForCausalLM (or a multimodal release's image-text-to-text class, `_auto_class`) from a directory,
+    """AutoModelForCausalLM (or a multimodal release's image-text-to-text class, `placed.lm_class`) from a directory,
     eval mode, on `device`; with `gpus` > 1, over that many GPUs of this node, whole decoder layers each
     (`recycle.decoding.placed`: read tensor by tensor onto its device). `keep_quantized`: a block-FP8 release (FP4
     experts too) kept as stored on the GPUs by transformers' own quantized path (`placed.load_kept`)."""
@@ -65,7 +65,7 @@ def load_target(
                 from recycle.decoding.placed import load_placed
 
                 return load_placed(path, dtype, attn, gpus).eval()
-            elif _quantized(path):
+            elif _quantized(path) or _text_only(path):
                 model = _load_dequantized(path, dtype, attn)
             else:
                 model = _auto_class(path).from_pretrained(path, dtype=dtype, attn_implementation=attn)
@@ -78,15 +78,22 @@ def load_target(
 
 
 def _auto_class(path: Path):
-    """AutoModelForCausalLM, or, for a multimodal release that transformers gives no causal-LM class (Step-3.7), its
-    image-text-to-text class: run on token ids alone, its decoder and head are the text model's."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
+    """`placed.lm_class` of the directory's config."""
+    from transformers import AutoConfig
 
-    config = type(AutoConfig.from_pretrained(path))
-    if config not in MODEL_FOR_CAUSAL_LM_MAPPING and config in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING:
-        return AutoModelForImageTextToText
-    return AutoModelForCausalLM
+    from recycle.decoding.placed import lm_class
+
+    return lm_class(AutoConfig.from_pretrained(path))
+
+
+def _text_only(path: Path) -> bool:
+    """A multimodal model's text config standing alone (Step-3.5-Flash, `placed.model_config`): built as its multimodal
+    model by the streamed reader, which drops the towers no weight fills."""
+    from transformers import AutoConfig
+
+    from recycle.decoding.placed import text_only
+
+    return text_only(AutoConfig.from_pretrained(path))
 
 
 def _quantized(path: Path) -> bool:
@@ -108,7 +115,8 @@ def _load_dequantized(path: Path, dtype: torch.dtype, attn: str) -> nn.Module:
     through transformers' own conversion mapping (per-expert → fused), a decoder layer at a time
     (`recycle.decoding.placed.load_streamed`: host memory one layer's tensors, not the model's state in float32). A
     stored integer or packed tensor that no codec reads is refused in one line: loading it as a float would be a
-    silently wrong teacher."""
+    silently wrong teacher. A multimodal model's text config standing alone (Step-3.5-Flash) loads here too, quantized
+    or not: built as its multimodal model, whose towers no weight fills and the reader drops."""
     from recycle.checkpoint import Checkpoint
     from recycle.decoding.placed import load_streamed, skeleton_of
 
