@@ -8,6 +8,8 @@ imports only the standard library and vLLM. `recycle.engines.vllm_env` writes th
             "stop_token_ids": [int] (optional: a row ends at the first of them, which it keeps; without them rows
             run to their length, EOS ignored),
             "runs": [{"name": str, "speculative_config": {...} | null}], "max_model_len": int (optional: `model_len`),
+            "tokenizer": bool (optional: vLLM loads the target's tokenizer, which a multimodal renderer needs even for
+            token-id prompts; without it, none),
             "dtype": str, "gpu_memory_utilization": float, "parallel": {vLLM's own names: tensor_parallel_size,
             pipeline_parallel_size, enable_expert_parallel, ...}} (`vllm_env.job_engine`: every job carries them)
     result {name: {"tokens": [[int]], "seconds": float, "accepted_per_pos": [int], "drafts": int,
@@ -74,9 +76,9 @@ def model_len(job: dict, computed: int) -> int:
 
 def engine(job: dict, computed: int) -> dict:
     """The LLM kwargs every job shares: the job's dtype, memory share and parallel options (vLLM's own names,
-    `vllm_env.engine_args`), eager, no tokenizer, `model_len`, this file's CPU workarounds."""
+    `vllm_env.engine_args`), eager, no tokenizer unless the job asks, `model_len`, this file's CPU workarounds."""
     dtype = job.get("dtype", "float32")
-    return dict(model=job["target"], skip_tokenizer_init=True, enforce_eager=True, dtype=dtype, seed=0,
+    return dict(model=job["target"], skip_tokenizer_init=not job.get("tokenizer"), enforce_eager=True, dtype=dtype, seed=0,
                 max_model_len=model_len(job, computed), gpu_memory_utilization=job.get("gpu_memory_utilization", 0.5),
                 compilation_config={"custom_ops": ["all", "-rotary_embedding"]}, **cpu_mla(job["target"], dtype),
                 **job.get("parallel", {}))

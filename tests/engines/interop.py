@@ -23,6 +23,7 @@ from recycle.decoding import Drafter, MaskCache, Target, generate, load_target
 from recycle.distill.calibrate import convert_calibrated
 from recycle.distill.train import DistillOptions, distill
 from recycle.engines.vllm_env import run_job
+from recycle.errors import RecycleError
 from recycle.families import match
 from recycle.prompts import prompt_set
 
@@ -166,3 +167,74 @@ def interop(name: str, fixture: Path, work: Path, *, prompts: int = 6, new_token
             vllm_accepted=None if err else sum(v.get("accepted_per_pos") or [0]),
             vllm_drafts=None if err else v.get("drafts"), recycle_accepted=acc, recycle_tried=tried))
     return rows
+
+
+def mimo_for_vllm(work: Path, *, window: int | None = None) -> Path:
+    """MiMo-V2-Flash's layout generator (`fixtures.families.mimo_v2_flash`, random weights, three modules, the release's
+    config keys beside transformers') in the shape vLLM's CPU build runs and made to draft: there is no trained MiMo
+    fixture, and random modules accept nothing.
+    * head_dim = v_head_dim = 96 (192/128 released): vLLM builds a different-V attention only on its GPU backends
+      (`mimo_v2.py`: FLASH_ATTN_DIFFKV or TRITON_ATTN_DIFFKV), and its CPU attention takes head sizes from 32 up;
+    * the trunk's layer outputs (o_proj, down_proj, the experts' too) zeroed: the trunk is a bigram model;
+    * each module's eh_proj = [I, 0.3·R]: the drafted token's embedding plus a little of the trunk's state; its block
+      (sliding-window attention with sinks, dense MLP, every norm) as generated, so the window decides drafts.
+    `window` (the generator's is 4): `sliding_window_size` = window - 1, transformers attends to window keys."""
+    import torch
+
+    from fixtures.families import make, write_tokenizer
+
+    out = work / f"mimo_v2_flash-drafting{'' if window is None else f'-window{window}'}"
+    if (out / "config.json").is_file():
+        return out
+    fx = make("mimo_v2_flash", head_dim=96, v_head_dim=96)
+    t = fx.tensors
+    for name in list(t):
+        if name.startswith("model.layers.") and name.endswith(("o_proj.weight", "down_proj.weight")):
+            t[name] = torch.zeros_like(t[name])
+        elif name.endswith("eh_proj.weight"):
+            h = t[name].shape[0]
+            rand = torch.randn(h, h, generator=torch.Generator().manual_seed(0)) / h ** 0.5
+            t[name] = torch.cat([torch.eye(h), 0.3 * rand], 1).to(t[name].dtype)
+    if window is not None:
+        fx.config.update(sliding_window_size=window - 1, sliding_window=window)
+    return write_tokenizer(fx.write(out))
+
+
+@dataclass
+class NativeRow:
+    """One target's own MTP modules in vLLM (method mtp, k=1) and in recycle (`bench --tree chain:1`)."""
+
+    fixture: str
+    error: str | None
+    plain_equals_ar: bool | None  # vLLM plain == recycle AR
+    lossless: bool | None  # vLLM speculative == vLLM plain
+    vllm_accepted: int | None
+    vllm_drafts: int | None
+    recycle_accepted: int | None
+    recycle_tried: int | None
+    recycle_error: str | None = None  # where recycle cannot draft with the modules (Inkling: a recurrent block)
+
+
+def native_k1(name: str, target: Path, *, prompts: int = 6, new_tokens: int = 48, tokenizer: bool = False) -> NativeRow:
+    """vLLM's plain and method-mtp (k=1) runs of `target` on the interop's prompt ids (`tokenizer`: vLLM loads the
+    target's), and recycle's native chain:1."""
+    from transformers import AutoTokenizer
+
+    ps = prompt_set("stdlib", prompts)
+    tok = AutoTokenizer.from_pretrained(str(target))
+    ids = [tok(p, add_special_tokens=False)["input_ids"] for _, p in ps]
+    runs = [{"name": "plain"}, {"name": "mtp", "speculative_config": {"method": "mtp", "num_speculative_tokens": 1}}]
+    res = run_job({"target": str(target), "prompt_ids": ids, "max_new_tokens": new_tokens, "runs": runs,
+                   "tokenizer": tokenizer})
+    try:
+        (acc, tried), mine = _recycle_chain1(target, None, ps, new_tokens), None
+    except RecycleError as e:
+        (acc, tried), mine = (None, None), str(e)
+    plain, mtp = res["plain"], res["mtp"]
+    err = mtp.get("error") or plain.get("error")
+    ar = ar_tokens(target, ids, new_tokens) if "tokens" in plain else None
+    return NativeRow(fixture=name, error=err, plain_equals_ar=None if ar is None else plain["tokens"] == ar,
+                     lossless=None if err else mtp["tokens"] == plain["tokens"],
+                     vllm_accepted=None if err else sum(mtp.get("accepted_per_pos") or [0]),
+                     vllm_drafts=None if err else mtp.get("drafts"), recycle_accepted=acc, recycle_tried=tried,
+                     recycle_error=mine)

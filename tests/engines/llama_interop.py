@@ -46,7 +46,8 @@ def v4_for_llama_cpp(source: Path, work: Path) -> Path:
 STEP = "Step-3.7 (drafting copy)"
 
 
-def step_for_llama_cpp(work: Path, *, shaped: bool = True, routed_experts: bool = True, trunk: float = 1.0) -> Path:
+def step_for_llama_cpp(work: Path, *, shaped: bool = True, routed_experts: bool = True, trunk: float = 1.0,
+                       variant: str = "step3p7", **opts) -> Path:
     """Step-3.7's layout generator (`fixtures.families.step3p7`, random weights, three modules) with the 256-token
     byte tokenizer llama.cpp's converter needs, and the end-of-generation rows (ids 1, 2, V-1) of every head zeroed:
     llama-server ignores EOS, recycle does not.
@@ -59,18 +60,19 @@ def step_for_llama_cpp(work: Path, *, shaped: bool = True, routed_experts: bool 
       attention (gate, sliding window, rope), MLP and every norm still in the sum.
     That also keeps out a difference between llama.cpp's step35 trunk and transformers' Step3p7 that the routed
     experts carry (`benchmarks/step_trunk_agreement.py`). Unshaped: `trunk` scales the trunk's layer outputs,
-    `routed_experts=False` zeroes the routed experts' outputs."""
+    `routed_experts=False` zeroes the routed experts' outputs. `variant` "step3p5" writes the same tensors under
+    Step-3.5-Flash's text-only config; `opts` go to the generator (vLLM's copy: `head_dim=32, moe_clamp=False`)."""
     import torch
 
     from fixtures.families import V, make, write_tokenizer
 
-    out = work / (f"step3p7-{'drafting' if shaped else f'generator-trunk{trunk:g}'}"
-                  f"{'' if routed_experts else '-no-routed'}")
+    out = work / (f"{variant}-{'drafting' if shaped else f'generator-trunk{trunk:g}'}"
+                  f"{'' if routed_experts else '-no-routed'}{''.join(f'-{k}{v}' for k, v in sorted(opts.items()))}")
     if (out / "config.json").is_file():
         return out
-    fx = make("step3p7")
+    fx = make(variant, **opts)
     t = fx.tensors
-    L = fx.config["text_config"]["num_hidden_layers"]
+    L = fx.config.get("text_config", fx.config)["num_hidden_layers"]
     for name in list(t):
         if name.endswith(("self_attn.o_proj.weight", "down_proj.weight")) and name.startswith("model.layers."):
             in_trunk = int(name.split(".")[2]) < L

@@ -288,3 +288,20 @@ def test_deepseek_quantized_builds_run_in_vllm_or_are_refused_for_its_cpu(build)
         assert sentence in (ROOT / "docs" / "engines.md").read_text(encoding="utf-8"), sentence
         return
     assert "error" not in res["mtp"] and res["mtp"]["tokens"] == res["plain"]["tokens"], res["mtp"]
+
+
+def test_mimo_v2_flash_module_0_in_vllm_agrees_at_vllms_window(tmp_path):
+    """MiMo-V2-Flash's module 0 (vLLM's MiMoV2MTP runs no other) on its drafting copy (`mimo_for_vllm`): vLLM's plain
+    output is recycle's AR output, its k=1 speculation is lossless, and its counts are recycle's on the same weights
+    with a window one key shorter. vLLM attends to `sliding_window_size` keys counting the query (its window
+    convention); transformers' MiMoV2Flash, whose layer recycle runs, to `sliding_window_size` + 1, the query plus that
+    many earlier tokens, as its config class says of the reference implementation (SGLang's). On this copy the window
+    decides drafts: at transformers' window recycle's counts differ."""
+    from tests.engines.interop import mimo_for_vllm, native_k1
+
+    release = native_k1("MiMo-V2-Flash", mimo_for_vllm(tmp_path))
+    assert release.error is None, release.error
+    assert release.plain_equals_ar and release.lossless
+    shorter = native_k1("MiMo-V2-Flash, window 3", mimo_for_vllm(tmp_path, window=3))
+    assert (release.vllm_accepted, release.vllm_drafts) == (shorter.recycle_accepted, shorter.recycle_tried)
+    assert (release.recycle_accepted, release.recycle_tried) != (shorter.recycle_accepted, shorter.recycle_tried)

@@ -1,0 +1,59 @@
+"""The 2026 releases' own MTP modules in vLLM's CPU build (method mtp, k=1) against recycle's native chain:1.
+
+No trained fixture exists for these rows, so each runs a copy of its layout generator made to draft and put in the
+shape vLLM's CPU build takes (`tests/engines/interop.py`, `tests/engines/llama_interop.py`):
+* MiMo-V2-Flash (`mimo_for_vllm`): equal q/v head dims; at the generator's window (4 keys: `sliding_window_size` 3)
+  and recycle again at vLLM's (3 keys), which vLLM's counts match;
+* Step-3.5-Flash (`step_for_llama_cpp(variant="step3p5", head_dim=32, moe_clamp=False, router="softmax")`): the copy
+  that gets past vLLM's CPU MoE; its MTP path then fails on every device (vllm#49642);
+* Inkling (the generator, with the byte tokenizer the multimodal renderer asks for).
+The table rows go to docs/engines.md; `--json` keeps every count.
+
+    python benchmarks/vllm_2026.py --json /tmp/vllm-2026.json
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from _common import parser, write_json
+from tests.engines.interop import ENGINE, mimo_for_vllm, native_k1
+from tests.engines.llama_interop import step_for_llama_cpp
+
+HEADER = ("| copy | vLLM plain = recycle AR | vLLM mtp k=1 | lossless | accepted/drafted: vLLM vs recycle |\n"
+          "|---|---|---|---|---|")
+
+
+def inkling(work: Path) -> Path:
+    from fixtures.families import make, write_tokenizer
+
+    out = work / "inkling"
+    return out if (out / "config.json").is_file() else write_tokenizer(make("inkling").write(out))
+
+
+def main() -> None:
+    ap = parser(__doc__, work="/tmp/recycle-vllm-2026", json=True)
+    args = ap.parse_args()
+    work, t0 = Path(args.work), time.time()
+    rows = [native_k1("MiMo-V2-Flash (window 4)", mimo_for_vllm(work)),
+            native_k1("MiMo-V2-Flash (window 3)", mimo_for_vllm(work, window=3)),
+            native_k1("Step-3.5-Flash", step_for_llama_cpp(work, variant="step3p5", head_dim=32, moe_clamp=False,
+                                                           router="softmax")),
+            native_k1("Inkling (generator)", inkling(work), tokenizer=True)]
+    print(f"{ENGINE}, {time.time() - t0:.0f} s\n{HEADER}")
+    for r in rows:
+        same = "–" if r.plain_equals_ar is None else "yes" if r.plain_equals_ar else "NO"
+        mine = f"{r.recycle_accepted}/{r.recycle_tried}" if r.recycle_error is None else "recycle does not draft"
+        if r.error:
+            print(f"| {r.fixture} | {same} | no: {r.error[:200]} | – | – vs {mine} |")
+        else:
+            print(f"| {r.fixture} | {same} | yes | {'yes' if r.lossless else 'NO'} | {r.vllm_accepted}/{r.vllm_drafts} "
+                  f"vs {mine} |")
+    if args.json:
+        write_json(args.json, [asdict(r) for r in rows])
+
+
+if __name__ == "__main__":
+    main()
