@@ -1,4 +1,5 @@
-"""The 2026 releases' own MTP modules in vLLM's CPU build (method mtp, k=1) against recycle's native chain:1.
+"""The 2026 releases' own MTP modules, and Gemma 4's assistant past its window, in vLLM's CPU build (method mtp, k=1)
+against recycle's chain:1.
 
 No trained fixture exists for these rows, so each runs a copy of its layout generator made to draft and put in the
 shape vLLM's CPU build takes (`tests/engines/interop.py`, `tests/engines/llama_interop.py`):
@@ -6,7 +7,9 @@ shape vLLM's CPU build takes (`tests/engines/interop.py`, `tests/engines/llama_i
   and recycle again at vLLM's (3 keys), which vLLM's counts match;
 * Step-3.5-Flash (`step_for_llama_cpp(variant="step3p5", head_dim=32, moe_clamp=False, router="softmax")`): the copy
   that gets past vLLM's CPU MoE; its MTP path then fails on every device (vllm#49642);
-* Inkling (the generator, with the byte tokenizer the multimodal renderer asks for).
+* Inkling (the generator, with the byte tokenizer the multimodal renderer asks for);
+* the trained Gemma 4 assistant on its target past the 512-token sliding window (`past_window_prompts`: 444-707
+  prompt tokens), which recycle refused before 2026-11-28.
 The table rows go to docs/engines.md; `--json` keeps every count.
 
     python benchmarks/vllm_2026.py --json /tmp/vllm-2026.json
@@ -19,9 +22,10 @@ from dataclasses import asdict
 from pathlib import Path
 
 from _common import parser, write_json
-from tests.engines.interop import ENGINE, mimo_for_vllm, native_k1
+from tests.engines.interop import ENGINE, FIXTURES, mimo_for_vllm, native_k1, past_window_prompts
 from tests.engines.llama_interop import step_for_llama_cpp
 
+GEMMA4 = FIXTURES["Gemma 4"]
 HEADER = ("| copy | vLLM plain = recycle AR | vLLM mtp k=1 | lossless | accepted/drafted: vLLM vs recycle |\n"
           "|---|---|---|---|---|")
 
@@ -41,7 +45,9 @@ def main() -> None:
             native_k1("MiMo-V2-Flash (window 3)", mimo_for_vllm(work, window=3)),
             native_k1("Step-3.5-Flash", step_for_llama_cpp(work, variant="step3p5", head_dim=32, moe_clamp=False,
                                                            router="softmax")),
-            native_k1("Inkling (generator)", inkling(work), tokenizer=True)]
+            native_k1("Inkling (generator)", inkling(work), tokenizer=True),
+            native_k1("Gemma 4 assistant, past its 512-token window (fixtures/gemma4_*)", GEMMA4,
+                      drafter=GEMMA4.parent / "gemma4_assistant", prompts=past_window_prompts())]
     print(f"{ENGINE}, {time.time() - t0:.0f} s\n{HEADER}")
     for r in rows:
         same = "–" if r.plain_equals_ar is None else "yes" if r.plain_equals_ar else "NO"

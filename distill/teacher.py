@@ -129,8 +129,6 @@ class Teacher:
                 raise RecycleError("a Gemma 4 assistant trains on the target's own K/V cache, which is not harvested "
                                    "or cached: run it with the target loaded and without --cache-hidden")
             self.kv_layers = kv_source_layers(self.config)
-            window = getattr(self.config, "sliding_window", None)
-            self.max_len = window - 1 if window and "sliding_attention" in self.kv_layers else None
         self.streams = streams  # DeepSeek-V4's modules chain the last layer's output, its hyper-connection streams
         self._tapped: dict[str, torch.Tensor] = {}
         if streams:
@@ -167,13 +165,10 @@ class Teacher:
 
     @torch.no_grad()
     def features_and_kv(self, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
-        """The final-normed states and the K/V the target cached in its `kv_layers` (whole windows: the sliding
-        layers keep everything only within their window, so longer windows are refused)."""
+        """The final-normed states and the K/V the target cached in its `kv_layers`, every key of a window (the
+        assistant's sliding layers read the ones within their window: `recycle.drafters.gemma4.teacher_forced`)."""
         from recycle.drafters.gemma4 import target_states_and_kv
 
-        if self.max_len is not None and ids.shape[1] > self.max_len:
-            raise RecycleError(f"--seq-len {ids.shape[1]}: longer than the target's sliding window allows "
-                               f"({self.max_len}) for training its assistant")
         with autocast(self.device, self.precision):
             return target_states_and_kv(self.decoder, self.config, ids, self.kv_layers)
 

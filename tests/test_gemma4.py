@@ -15,7 +15,6 @@ from recycle.decoding.drafting import Drafter, load_engine
 from recycle.decoding.drafting.gemma4_assistant import AssistantEngine
 from recycle.drafters import load_drafter
 from recycle.drafters.gemma4 import new_assistant, step
-from recycle.errors import RecycleError
 from recycle.formats.gemma4_assistant import assistant_kv_modes
 
 from tests.cli_helpers import assert_bad_input, run_cli
@@ -267,10 +266,75 @@ def test_inspect_says_the_assistant_is_a_drafter_already():
     assert "already_drafter" in res.stdout
 
 
-def test_sequences_past_the_sliding_window_are_refused(pair):
+@pytest.fixture(scope="module")
+def long_ids(pair, prompts):
+    """Past the sliding window (512 in the fixture): the prompts' ids in turn, window + 96 of them."""
+    window = pair[1].config.get_text_config().sliding_window
+    ids = [t for _ in range(window) for p in prompts for t in p]
+    return ids[: window + 96]
+
+
+def test_past_the_sliding_window_the_assistant_reads_the_window_s_keys(pair, long_ids):
+    """Past its window the assistant drafts (before, recycle refused): its sliding layers read the `window` keys
+    before the query, its full layers every key; a round equals `step` on exactly those keys, and not on every
+    key (so the window decides here); decoding stays lossless."""
     model, a = pair
+    window = a.config.get_text_config().sliding_window
     target = Target(model)
-    engine = AssistantEngine(a, 2, MaskCache(torch.float32, "cpu"), target)
+    engine = AssistantEngine(a, 3, MaskCache(torch.float32, "cpu"), target)
     target.set_taps(engine.taps)
-    with pytest.raises(RecycleError, match="sliding window"):
-        generate(target, engine, [5] * (model.config.sliding_window - 2), 4)
+    p = long_ids
+    cache = target.new_cache()
+    engine.bind(cache)
+    with torch.no_grad():
+        _, feats = target.forward(torch.tensor([p]), torch.arange(len(p))[None], None, cache)
+        root = 7
+        engine.start(p, feats)
+        got = engine.propose(root).tokens[1:]
+        C, full = len(p), {t: (cache.layers[i].keys, cache.layers[i].values) for t, i in engine.sources.items()}
+
+        def chain(first: int) -> list[int]:
+            kv = {t: (k[..., (first if t == "sliding_attention" else 0):C, :],
+                      v[..., (first if t == "sliding_attention" else 0):C, :]) for t, (k, v) in full.items()}
+            x, out = torch.cat([target.embed(torch.tensor([[root]])), feats["last"][-1:][None]], dim=-1), []
+            for _ in range(3):
+                logits, state = step(a, x, torch.tensor([[C]]), kv, None)
+                out.append(int(logits[0, -1].argmax()))
+                x = torch.cat([target.embed(torch.tensor([[out[-1]]])), state], dim=-1)
+            return out
+
+        assert got == chain(C - window)
+        logits_all = step(a, torch.cat([target.embed(torch.tensor([[root]])), feats["last"][-1:][None]], dim=-1),
+                          torch.tensor([[C]]), {t: (k[..., :C, :], v[..., :C, :]) for t, (k, v) in full.items()},
+                          None)[0]
+        logits_win = step(a, torch.cat([target.embed(torch.tensor([[root]])), feats["last"][-1:][None]], dim=-1),
+                          torch.tensor([[C]]), {t: (k[..., (C - window if t == "sliding_attention" else 0):C, :],
+                                                    v[..., (C - window if t == "sliding_attention" else 0):C, :])
+                                                for t, (k, v) in full.items()}, None)[0]
+        assert (logits_all - logits_win).abs().max() > 1e-3
+    masks = MaskCache(torch.float32, "cpu")
+    sp, ar = generate(target, engine, p, 24, masks=masks), generate(target, Drafter(), p, 24, masks=masks)
+    assert sp.tokens == ar.tokens and sp.stats.tau > 1.0
+
+
+def test_past_the_window_training_rows_are_the_decoder_s_rows(pair, long_ids):
+    """Distill's rows past the window read what the decoder reads there: the window's keys on sliding layers."""
+    from recycle.distill.teacher import Teacher
+    from recycle.distill.unroll import make_unroller
+
+    _, a = pair
+    window = a.config.get_text_config().sliding_window
+    teacher = Teacher(TARGET, torch.device("cpu"), precision="fp32", kv=True)
+    unroller = make_unroller("gemma4-assistant", a, 2, teacher.embed)
+    ids = torch.tensor([long_ids])
+    with torch.no_grad():
+        te = teacher(ids)
+        steps = unroller.unroll(ids, te.last, None, te.logits, kv=te.kv)
+        i = window + 40  # the decoder: root t_{i+1} at position i+1, state h_i, K/V of positions ≤ i in the window
+        kv = {k: (v[0][..., (i + 1 - window if k == "sliding_attention" else 0): i + 1, :],
+                  v[1][..., (i + 1 - window if k == "sliding_attention" else 0): i + 1, :]) for k, v in te.kv.items()}
+        x = torch.cat([teacher.embed(ids[:, i + 1 : i + 2]), te.last[:, i : i + 1]], dim=-1)
+        for k in range(2):
+            logits, state = step(a, x, torch.tensor([[i + 1]]), kv, None)
+            torch.testing.assert_close(steps[k].logits()[0][i], logits[0, 0], rtol=0, atol=1e-4)
+            x = torch.cat([teacher.embed(ids[:, i + k + 2 : i + k + 3]), state], dim=-1)

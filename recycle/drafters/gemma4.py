@@ -69,18 +69,19 @@ def stored_state(assistant: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def hidden(assistant: nn.Module, inputs: torch.Tensor, positions: torch.Tensor,
-           kv: dict[str, tuple[torch.Tensor, torch.Tensor]], mask: torch.Tensor | None) -> torch.Tensor:
+           kv: dict[str, tuple[torch.Tensor, torch.Tensor]],
+           mask: torch.Tensor | dict[str, torch.Tensor] | None) -> torch.Tensor:
     """The assistant's final-normed output [B, N, h] for rows of inputs [B, N, 2·Hb] = [target embedding; state]
     at positions [B, N], attending kv {type: (keys, values) [B, kvh, S, d]} under an additive mask [B|1, 1, N, S]
-    (None: every row sees all S); what transformers' forward does, with the mask given explicitly (its own builds a
-    bidirectional mask from a padding mask, one row per query)."""
+    (one per layer type, or one for all; None: every row sees all of its type's keys); what transformers' forward
+    does, with the mask given explicitly (its own builds a bidirectional mask from a padding mask, one row per
+    query)."""
     x = assistant.pre_projection(inputs)
-    if mask is None:
-        s = next(iter(kv.values()))[0].shape[-2]
-        mask = x.new_zeros(1, 1, x.shape[1], s)
+    if not isinstance(mask, dict):
+        mask = {k: x.new_zeros(1, 1, x.shape[1], v[0].shape[-2]) if mask is None else mask for k, v in kv.items()}
     # logits_to_keep as a slice: transformers 5.23.0 otherwise "optimises" a multi-row call by slicing the
     # per-layer inputs, which an assistant does not have (None[...] raises)
-    return assistant.model(inputs_embeds=x, attention_mask={k: mask for k in kv}, position_ids=positions,
+    return assistant.model(inputs_embeds=x, attention_mask=mask, position_ids=positions,
                            shared_kv_states=kv, use_cache=False, logits_to_keep=slice(None)).last_hidden_state
 
 
@@ -98,10 +99,24 @@ def step(assistant: nn.Module, inputs: torch.Tensor, positions: torch.Tensor,
     return head(assistant, out), assistant.post_projection(out)
 
 
-def strictly_before(t: int, length: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Additive mask [1, 1, t, length]: row r (position r+1) sees the target's K/V at positions ≤ r."""
+def strictly_before(t: int, length: int, dtype: torch.dtype, device: torch.device,
+                    window: int | None = None) -> torch.Tensor:
+    """Additive mask [1, 1, t, length]: row r (position r+1) sees the target's K/V at positions ≤ r, and with a
+    `window` only those within it of the query (`in_window`)."""
     allow = torch.ones(t, length, dtype=torch.bool, device=device).tril_()
+    if window is not None:
+        allow.triu_(1 - window)
     return torch.zeros(allow.shape, dtype=dtype, device=device).masked_fill_(~allow, torch.finfo(dtype).min)[None, None]
+
+
+def window_start(position: int, window: int | None) -> int:
+    """The first key a sliding layer's query at `position` reads: the `window` positions before it. The query's own
+    token has no key yet (the target has not run it), so the keys are those the target's layer would read from the
+    query's input token one position earlier, its own key included: what vLLM's Gemma 4 proposer reads, whose query
+    sits there (`constant_draft_positions`). transformers' candidate generator reads what the target's sliding
+    cache still holds, under a bidirectional window of `window` + 1 (`create_attention_masks`), which depends on
+    how many tokens the last verification added."""
+    return 0 if window is None else max(0, position - window)
 
 
 def teacher_forced(assistant: nn.Module, embed: nn.Module, ids: torch.Tensor, last: torch.Tensor,
@@ -111,7 +126,9 @@ def teacher_forced(assistant: nn.Module, embed: nn.Module, ids: torch.Tensor, la
     later ones the previous step's. Returns the final-normed output [B, rows, h] per step (`head` makes logits)."""
     b, length = ids.shape
     pos = torch.arange(1, rows + 1, device=ids.device)[None].expand(b, rows)
-    mask = strictly_before(rows, length, last.dtype, ids.device)
+    window = assistant.config.get_text_config().sliding_window
+    mask = {t: strictly_before(rows, length, last.dtype, ids.device, window if t == "sliding_attention" else None)
+            for t in kv}
     state, out = last[:, :rows], []
     for k in range(steps):
         x = torch.cat([embed(ids[:, k + 1:k + 1 + rows]).to(state.dtype), state], dim=-1)
@@ -123,10 +140,14 @@ def teacher_forced(assistant: nn.Module, embed: nn.Module, ids: torch.Tensor, la
 
 def target_states_and_kv(decoder: nn.Module, config, ids: torch.Tensor, layers: dict[str, int] | None = None
                          ) -> tuple[torch.Tensor, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
-    """The target's final-normed states and the K/V its assistant attends (`kv_source_layers`), for whole windows."""
+    """The target's final-normed states and the K/V its assistant attends (`kv_source_layers`), for whole windows:
+    the sliding layers keep every key (the model's mask applies their window; `teacher_forced` applies the
+    assistant's)."""
     from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
     cache = DynamicCache(config=config)
+    cache.layers = [DynamicLayer() if type(lyr) is DynamicSlidingWindowLayer else lyr for lyr in cache.layers]
     out = decoder(input_ids=ids, past_key_values=cache, use_cache=True)
     return out.last_hidden_state, {t: (cache.layers[i].keys, cache.layers[i].values)
                                    for t, i in (layers or kv_source_layers(config)).items()}

@@ -215,19 +215,22 @@ class NativeRow:
     recycle_error: str | None = None  # where recycle cannot draft with the modules (Inkling: a recurrent block)
 
 
-def native_k1(name: str, target: Path, *, prompts: int = 6, new_tokens: int = 48, tokenizer: bool = False) -> NativeRow:
-    """vLLM's plain and method-mtp (k=1) runs of `target` on the interop's prompt ids (`tokenizer`: vLLM loads the
-    target's), and recycle's native chain:1."""
+def native_k1(name: str, target: Path, *, drafter: Path | None = None, prompts: int | list = 6, new_tokens: int = 48,
+              tokenizer: bool = False) -> NativeRow:
+    """vLLM's plain and method-mtp (k=1) runs of `target` (its own modules, or `drafter`: a Gemma 4 assistant) on the
+    interop's prompt ids (`prompts`: how many stdlib prompts, or (name, text) pairs; `tokenizer`: vLLM loads the
+    target's), and recycle's chain:1 on the same texts."""
     from transformers import AutoTokenizer
 
-    ps = prompt_set("stdlib", prompts)
+    ps = prompt_set("stdlib", prompts) if isinstance(prompts, int) else prompts
     tok = AutoTokenizer.from_pretrained(str(target))
     ids = [tok(p, add_special_tokens=False)["input_ids"] for _, p in ps]
-    runs = [{"name": "plain"}, {"name": "mtp", "speculative_config": {"method": "mtp", "num_speculative_tokens": 1}}]
+    spec = {"method": "mtp", "num_speculative_tokens": 1} | ({"model": str(drafter)} if drafter else {})
+    runs = [{"name": "plain"}, {"name": "mtp", "speculative_config": spec}]
     res = run_job({"target": str(target), "prompt_ids": ids, "max_new_tokens": new_tokens, "runs": runs,
                    "tokenizer": tokenizer})
     try:
-        (acc, tried), mine = _recycle_chain1(target, None, ps, new_tokens), None
+        (acc, tried), mine = _recycle_chain1(target, drafter, ps, new_tokens), None
     except RecycleError as e:
         (acc, tried), mine = (None, None), str(e)
     plain, mtp = res["plain"], res["mtp"]
@@ -238,3 +241,11 @@ def native_k1(name: str, target: Path, *, prompts: int = 6, new_tokens: int = 48
                      vllm_accepted=None if err else sum(mtp.get("accepted_per_pos") or [0]),
                      vllm_drafts=None if err else mtp.get("drafts"), recycle_accepted=acc, recycle_tried=tried,
                      recycle_error=mine)
+
+
+def past_window_prompts(n: int = 6, joined: int = 6) -> list[tuple[str, str]]:
+    """`n` prompts of `joined` stdlib prompts each (taken in turn, from every third): 444 to 707 tokens in the Gemma 4
+    fixture's tokenizer, past its 512-token sliding window once 48 are generated."""
+    base = prompt_set("stdlib")
+    return [(base[3 * i][0], "\n".join(str(base[(3 * i + j) % len(base)][1]) for j in range(joined)))
+            for i in range(n)]

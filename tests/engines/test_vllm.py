@@ -305,3 +305,16 @@ def test_mimo_v2_flash_module_0_in_vllm_agrees_at_vllms_window(tmp_path):
     shorter = native_k1("MiMo-V2-Flash, window 3", mimo_for_vllm(tmp_path, window=3))
     assert (release.vllm_accepted, release.vllm_drafts) == (shorter.recycle_accepted, shorter.recycle_tried)
     assert (release.recycle_accepted, release.recycle_tried) != (shorter.recycle_accepted, shorter.recycle_tried)
+
+
+def test_gemma4_assistant_past_its_window_agrees_with_vllm():
+    """The Gemma 4 assistant drafting past its target's 512-token sliding window (prompts of 444-707 tokens, 48 new):
+    lossless in vLLM, and vLLM's k=1 counts are recycle's, whose sliding layers read the window's keys (before,
+    recycle refused past the window)."""
+    from tests.engines.interop import native_k1, past_window_prompts
+
+    target = FIXTURES["Gemma 4"]
+    row = native_k1("Gemma 4 assistant, past the window", target, drafter=target.parent / "gemma4_assistant",
+                    prompts=past_window_prompts())
+    assert row.error is None and row.plain_equals_ar and row.lossless, row
+    assert (row.vllm_accepted, row.vllm_drafts) == (row.recycle_accepted, row.recycle_tried), row

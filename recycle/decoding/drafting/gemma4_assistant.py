@@ -9,8 +9,7 @@ from transformers import DynamicCache
 from recycle.decoding.drafting.base import DEFAULT_DYNAMIC, ENGINES, Drafter, EngineRequest
 from recycle.decoding.target import Target
 from recycle.decoding.tree import Expander, MaskCache, Shape, Tree, parse_shape
-from recycle.drafters.gemma4 import step
-from recycle.errors import RecycleError
+from recycle.drafters.gemma4 import step, window_start
 from recycle.formats.gemma4_assistant import ASSISTANT_FORMAT, kv_source_layers
 
 
@@ -26,7 +25,7 @@ class AssistantEngine(Drafter):
     def __init__(self, assistant: nn.Module, shape: Shape, masks: MaskCache, target: Target) -> None:
         self.assistant, self.shape, self.masks, self.embed = assistant, shape, masks, target.embed
         self.sources = kv_source_layers(target.config)
-        self.window = getattr(target.config, "sliding_window", None)
+        self.window = assistant.config.get_text_config().sliding_window  # the assistant's, as vLLM reads it
 
     def bind(self, cache: DynamicCache) -> None:
         self.cache = cache
@@ -41,12 +40,10 @@ class AssistantEngine(Drafter):
 
     def propose(self, root: int, temperature: float = 0.0, gen: torch.Generator | None = None) -> Tree:
         C = self.n
-        depth = self.shape if isinstance(self.shape, int) else self.shape.depth
-        if self.window is not None and "sliding_attention" in self.sources and C + depth >= self.window:
-            raise RecycleError(f"position {C}: past the target's sliding window ({self.window}); the assistant reads "
-                               "the target's sliding-layer keys itself, which recycle checks only within the window")
         layers = self.cache.layers
-        kv = {t: (layers[i].keys[..., :C, :], layers[i].values[..., :C, :]) for t, i in self.sources.items()}
+        first = {t: window_start(C, self.window if t == "sliding_attention" else None) for t in self.sources}
+        kv = {t: (layers[i].keys[..., first[t]:C, :], layers[i].values[..., first[t]:C, :])
+              for t, i in self.sources.items()}
         ex = Expander(root, self.shape, temperature, gen, self.draft_sample)
         out: dict[int, torch.Tensor] = {-1: self.h[0]}  # node -> its projected output (-1: the root's input)
         while not ex.done():
