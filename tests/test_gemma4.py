@@ -322,13 +322,14 @@ def test_past_the_window_training_rows_are_the_decoder_s_rows(pair, long_ids):
     from recycle.distill.teacher import Teacher
     from recycle.distill.unroll import make_unroller
 
-    _, a = pair
+    model, a = pair
     window = a.config.get_text_config().sliding_window
     teacher = Teacher(TARGET, torch.device("cpu"), precision="fp32", kv=True)
     unroller = make_unroller("gemma4-assistant", a, 2, teacher.embed)
     ids = torch.tensor([long_ids])
     with torch.no_grad():
-        te = teacher(ids)
+        te = teacher(ids)  # its cache keeps every key of the sliding layers: the target's logits are still its own
+        torch.testing.assert_close(te.logits(te.last[0]), model(ids).logits[0].float(), rtol=0, atol=1e-5)
         steps = unroller.unroll(ids, te.last, None, te.logits, kv=te.kv)
         i = window + 40  # the decoder: root t_{i+1} at position i+1, state h_i, K/V of positions ≤ i in the window
         kv = {k: (v[0][..., (i + 1 - window if k == "sliding_attention" else 0): i + 1, :],

@@ -102,7 +102,7 @@ def step(assistant: nn.Module, inputs: torch.Tensor, positions: torch.Tensor,
 def strictly_before(t: int, length: int, dtype: torch.dtype, device: torch.device,
                     window: int | None = None) -> torch.Tensor:
     """Additive mask [1, 1, t, length]: row r (position r+1) sees the target's K/V at positions ≤ r, and with a
-    `window` only those within it of the query (`in_window`)."""
+    `window` only those within it of the query (`window_start`)."""
     allow = torch.ones(t, length, dtype=torch.bool, device=device).tril_()
     if window is not None:
         allow.triu_(1 - window)
