@@ -150,3 +150,21 @@ def test_the_loader_keeps_in_float32_what_transformers_keeps() -> None:
         if p.dtype == torch.float32:
             kept.add(name.split(".")[-2])
     assert {"attn_hc", "ffn_hc", "hc_head", "input_layernorm"} <= kept
+
+
+def test_a_multimodal_release_is_planned_without_its_towers() -> None:
+    """Step-3.7-Flash at its real widths (transformers' defaults): the skeleton is the text decoder and head alone,
+    195.85 B parameters; the vision tower and projector (1.98 B, 3.96 GB at bf16) are neither planned nor read."""
+    from transformers.models.step3p7.configuration_step3p7 import Step3p7Config
+
+    model = placed.skeleton(Step3p7Config(), torch.bfloat16, "eager")
+    names = [n for n, _ in model.named_parameters()]
+    assert names and all(n.startswith(("model.language_model.", "lm_head.")) for n in names)
+    assert 195.8e9 < sum(p.numel() for p in model.parameters()) < 195.9e9
+    from accelerate.utils import compute_module_sizes
+
+    dmap = placed.device_map(model, {i: H200 for i in range(8)}, torch.bfloat16)
+    sizes = compute_module_sizes(model, dtype=torch.bfloat16)
+    towers = [k for k in dmap if not k.startswith(("model.language_model", "lm_head"))]
+    assert towers == ["model.vision_model", "model.multi_modal_projector"] and all(sizes[k] == 0 for k in towers)
+    assert sorted(set(dmap.values())) == list(range(4))  # 391.7 GB at bf16: 4 H200s at 80 %

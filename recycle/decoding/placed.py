@@ -14,8 +14,8 @@ and the checkpoint's state both in float32 (8 bytes a parameter: 2.3 TB for V4-F
 
 A multimodal release loads as its image-text-to-text class (`lm_class`: transformers gives Step-3.7, GLM-5.3-Flash,
 MiniMax-M3 and Inkling no causal-LM class), and a multimodal model's text config standing alone (Step-3.5-Flash) as the
-multimodal model whose text config it is (`model_config`); recycle runs only the text decoder and head, so the towers
-the reader leaves unfilled are dropped, never allocated (`_drop_towers`).
+multimodal model whose text config it is (`model_config`); recycle runs only the text decoder and head, so the skeleton
+leaves the towers out (`_drop_towers`): never planned, read or allocated.
 
 `device_map` places whole decoder layers (the model's `_no_split_modules`) over the GPUs in order with accelerate's
 `infer_auto_device_map`, each filled to `share` of its memory (the rest for the forward's activations); anything it
@@ -56,19 +56,40 @@ def lm_class(config):
 
 def skeleton(config, dtype: torch.dtype, attn: str) -> nn.Module:
     """transformers' language model for `config` (`lm_class`), its parameters on the meta device and its buffers
-    real."""
+    real; a multimodal release's towers left out (`_drop_towers`)."""
     from accelerate import init_empty_weights
 
     with init_empty_weights(include_buffers=False):
-        return lm_class(config).from_config(config, dtype=dtype, attn_implementation=attn)
+        model = lm_class(config).from_config(config, dtype=dtype, attn_implementation=attn)
+    _drop_towers(model)
+    return model
+
+
+def _drop_towers(model: nn.Module) -> None:
+    """Remove what lies outside the text decoder and the head: a multimodal release's towers (vision, audio, their
+    projectors; Step-3.7-Flash's are 1.98 B parameters, 3.96 GB at bf16). recycle feeds its target token ids and runs
+    only those two (`Target`), so the towers are neither planned onto devices, nor read, nor allocated; the streamed
+    reader maps the text model's names (the model type's conversion) and skips the rest."""
+    text = {id(model.get_decoder()), id(model.get_output_embeddings())}
+
+    def walk(module: nn.Module) -> None:
+        for name, child in list(module.named_children()):
+            if id(child) in text:
+                continue
+            if any(id(m) in text for m in child.modules()):  # holds the decoder: look inside
+                walk(child)
+            elif any(True for _ in child.parameters()):
+                setattr(module, name, nn.Module())
+
+    walk(model)
 
 
 def model_config(raw: dict):
     """transformers' config for a checkpoint's config.json, its quantization left out (the loader dequantizes). A
     text-only release of a multimodal model, which transformers gives no language-model class of its own (Step-3.5-
     Flash: Step-3.7's text config at the top level, `Step3p7TextConfig`), comes wrapped in the multimodal config whose
-    text config it is, found in transformers' image-text-to-text mapping; its towers, which no weight fills, are then
-    dropped by the loader (`_drop_towers`): they are never built in memory."""
+    text config it is, found in transformers' image-text-to-text mapping (its towers, which no weight fills, the
+    skeleton leaves out: `_drop_towers`)."""
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
 
@@ -251,29 +272,9 @@ def load_streamed(ckpt, model: nn.Module, dmap: dict[str, int | str], dtype: tor
         del state
     if getattr(config, "tie_word_embeddings", False):
         model.tie_weights()
-    _drop_towers(model, filled)
     missing = [n for n, _ in model.named_parameters() if n not in filled]  # a tied head is its embedding
     if missing:
         raise RecycleError(f"{ckpt.path}: the checkpoint does not fill {type(model).__name__} (missing {missing[:3]})")
-
-
-def _drop_towers(model: nn.Module, filled: set[str]) -> None:
-    """Remove a multimodal release's towers (vision, audio, their projectors) that the checkpoint left unfilled: recycle
-    feeds its target token ids and runs only the text decoder and head (`Target`). The streamed reader maps the text
-    model's names (the model type's conversion); transformers renames the towers' by their own sub-model conversions,
-    which a text-only target has no use for. What the decoder and head leave unfilled is still refused."""
-    text = {id(model.get_decoder()), id(model.get_output_embeddings())}
-
-    def walk(module: nn.Module, prefix: str) -> None:
-        for name, child in list(module.named_children()):
-            if id(child) in text:
-                continue
-            if any(id(m) in text for m in child.modules()):  # holds the decoder: look inside
-                walk(child, f"{prefix}{name}.")
-            elif any(f"{prefix}{name}.{n}" not in filled for n, _ in child.named_parameters()):
-                setattr(module, name, nn.Module())
-
-    walk(model, "")
 
 
 def load_placed(path: Path, dtype: torch.dtype, attn: str, gpus: int, share: float = PLACED_SHARE) -> nn.Module:
