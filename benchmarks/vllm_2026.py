@@ -6,7 +6,8 @@ shape vLLM's CPU build takes (`tests/engines/interop.py`, `tests/engines/llama_i
 * MiMo-V2-Flash (`mimo_for_vllm`): equal q/v head dims; at the generator's window (4 keys: `sliding_window_size` 3)
   and recycle again at vLLM's (3 keys), which vLLM's counts match;
 * Step-3.5-Flash (`step_for_llama_cpp(variant="step3p5", head_dim=32, moe_clamp=False, router="softmax")`): the copy
-  that gets past vLLM's CPU MoE; its MTP path then fails on every device (vllm#49642);
+  that gets past vLLM's CPU MoE; its MTP path then fails on every device (vllm#49642); and recycle's Medusa from its
+  module 0 (`convert --to medusa --calibrate 8k`), which vLLM feeds Step's pre-norm state;
 * Inkling (the generator, with the byte tokenizer the multimodal renderer asks for);
 * the trained Gemma 4 assistant on its target past the 512-token sliding window (`past_window_prompts`: 444-707
   prompt tokens), which recycle refused before 2026-11-28.
@@ -20,6 +21,8 @@ from __future__ import annotations
 import time
 from dataclasses import asdict
 from pathlib import Path
+
+from recycle.distill.calibrate import convert_calibrated
 
 from _common import parser, write_json
 from tests.engines.interop import ENGINE, FIXTURES, mimo_for_vllm, native_k1, past_window_prompts
@@ -41,10 +44,13 @@ def main() -> None:
     ap = parser(__doc__, work="/tmp/recycle-vllm-2026", json=True)
     args = ap.parse_args()
     work, t0 = Path(args.work), time.time()
+    step = step_for_llama_cpp(work, variant="step3p5", head_dim=32, moe_clamp=False, router="softmax")
+    medusa = convert_calibrated(step, "medusa", work / "step-medusa", overwrite=True, calibrate=8_000)["out"]
     rows = [native_k1("MiMo-V2-Flash (window 4)", mimo_for_vllm(work)),
             native_k1("MiMo-V2-Flash (window 3)", mimo_for_vllm(work, window=3)),
-            native_k1("Step-3.5-Flash", step_for_llama_cpp(work, variant="step3p5", head_dim=32, moe_clamp=False,
-                                                           router="softmax")),
+            native_k1("Step-3.5-Flash", step),
+            native_k1("Step-3.5-Flash, recycle's Medusa (calibrated on 8k tokens), method medusa", step,
+                      drafter=Path(medusa), method="medusa"),
             native_k1("Inkling (generator)", inkling(work), tokenizer=True),
             native_k1("Gemma 4 assistant, past its 512-token window (fixtures/gemma4_*)", GEMMA4,
                       drafter=GEMMA4.parent / "gemma4_assistant", prompts=past_window_prompts())]

@@ -215,17 +215,17 @@ class NativeRow:
     recycle_error: str | None = None  # where recycle cannot draft with the modules (Inkling: a recurrent block)
 
 
-def native_k1(name: str, target: Path, *, drafter: Path | None = None, prompts: int | list = 6, new_tokens: int = 48,
-              tokenizer: bool = False) -> NativeRow:
-    """vLLM's plain and method-mtp (k=1) runs of `target` (its own modules, or `drafter`: a Gemma 4 assistant) on the
-    interop's prompt ids (`prompts`: how many stdlib prompts, or (name, text) pairs; `tokenizer`: vLLM loads the
-    target's), and recycle's chain:1 on the same texts."""
+def native_k1(name: str, target: Path, *, drafter: Path | None = None, method: str = "mtp", prompts: int | list = 6,
+              new_tokens: int = 48, tokenizer: bool = False) -> NativeRow:
+    """vLLM's plain and speculative (k=1, `method`) runs of `target` (its own modules, or `drafter`: a Gemma 4
+    assistant, a Medusa) on the interop's prompt ids (`prompts`: how many stdlib prompts, or (name, text) pairs;
+    `tokenizer`: vLLM loads the target's), and recycle's chain:1 on the same texts."""
     from transformers import AutoTokenizer
 
     ps = prompt_set("stdlib", prompts) if isinstance(prompts, int) else prompts
     tok = AutoTokenizer.from_pretrained(str(target))
     ids = [tok(p, add_special_tokens=False)["input_ids"] for _, p in ps]
-    spec = {"method": "mtp", "num_speculative_tokens": 1} | ({"model": str(drafter)} if drafter else {})
+    spec = {"method": method, "num_speculative_tokens": 1} | ({"model": str(drafter)} if drafter else {})
     runs = [{"name": "plain"}, {"name": "mtp", "speculative_config": spec}]
     res = run_job({"target": str(target), "prompt_ids": ids, "max_new_tokens": new_tokens, "runs": runs,
                    "tokenizer": tokenizer})

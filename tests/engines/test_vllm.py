@@ -15,6 +15,8 @@ Gemma 4 assistant as the model), `deepseek_eagle3.py` and `llama_eagle3.py` (eag
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from tests.engines.interop import FIXTURES, ROOT, interop
@@ -318,3 +320,27 @@ def test_gemma4_assistant_past_its_window_agrees_with_vllm():
                     prompts=past_window_prompts())
     assert row.error is None and row.plain_equals_ar and row.lossless, row
     assert (row.vllm_accepted, row.vllm_drafts) == (row.recycle_accepted, row.recycle_tried), row
+
+
+def test_vllm_feeds_a_step_medusa_the_pre_norm_state(tmp_path, monkeypatch):
+    """vLLM's Step3p5ForCausalLM returns its hidden states before the final norm, which it applies in compute_logits
+    (`step3p5.py`), so a drafter that reads the target's state (Medusa here) gets the pre-norm state there, where
+    recycle (and vLLM's other models) hand over the final-normed one. Measured: on Step-3.5's vLLM copy recycle's
+    calibrated Medusa accepts drafts in recycle and none in vLLM; with recycle's Medusa reading the pre-norm tap,
+    the two engines' counts are equal."""
+    from recycle.decoding.drafting import medusa as engine
+    from recycle.distill.calibrate import convert_calibrated
+
+    from tests.engines.interop import native_k1
+    from tests.engines.llama_interop import step_for_llama_cpp
+
+    step = step_for_llama_cpp(tmp_path, variant="step3p5", head_dim=32, moe_clamp=False, router="softmax")
+    medusa = Path(convert_calibrated(step, "medusa", tmp_path / "medusa", overwrite=True, calibrate=8_000)["out"])
+    as_is = native_k1("Step-3.5 Medusa", step, drafter=medusa, method="medusa")
+    assert as_is.error is None and as_is.plain_equals_ar and as_is.lossless
+    assert as_is.recycle_accepted > 0 and as_is.vllm_accepted == 0
+    monkeypatch.setattr(engine.MedusaEngine, "taps", ("prenorm",))
+    monkeypatch.setattr(engine.MedusaEngine, "start", lambda self, ids, f: setattr(self, "h", f["prenorm"][-1:]))
+    monkeypatch.setattr(engine.MedusaEngine, "commit", lambda self, t, f: setattr(self, "h", f["prenorm"][-1:]))
+    pre = native_k1("Step-3.5 Medusa, pre-norm", step, drafter=medusa, method="medusa")
+    assert (pre.recycle_accepted, pre.recycle_tried) == (as_is.vllm_accepted, as_is.vllm_drafts)
