@@ -195,6 +195,8 @@ def convert(w: RoleWeights, req) -> Plan:
             plan.notes.append(f"mtp_overlay/ holds all {len(w.modules)} modules, but vLLM's MTP model for "
                               f"'{w.family.name}' runs {first} only, at every draft step; recycle bench and the "
                               f"EAGLE layout chain each module at its own depth")
+        if w.family.exports.vllm_note:
+            plan.notes.append(w.family.exports.vllm_note)
     return plan
 
 

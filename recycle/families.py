@@ -185,6 +185,9 @@ class Exports:
     # how many of the stored modules vLLM's MTP model for this family runs (None: every one it finds); where it is
     # fewer than the checkpoint stores, the conversion's notes (and so the model card) say so
     vllm_modules: int | None = None
+    # what someone serving this family's MTP in vLLM must know, measured on vLLM 0.32 (docs/engines.md): the
+    # overlay's note, and so the model card
+    vllm_note: str = ""
 
 
 @dataclass(frozen=True)
@@ -534,6 +537,9 @@ FAMILIES: tuple[Family, ...] = (
         ),
         exports=Exports(
             vllm_modules=1,  # MiMoV2MultiTokenPredictor: num_mtp_layers = 1 (mimo_v2_mtp.py:177)
+            vllm_note="vLLM 0.32 attends to `sliding_window_size` keys at a sliding layer, the query among them; "
+                      "transformers and recycle, as the reference, to that many before the query (128 keys against "
+                      "129 in the release; measured with the module on vLLM's CPU build, docs/engines.md)",
             gguf_why="llama.cpp's mimo2 MTP graph asserts a fused attn_qkv (mimo2.cpp:285; llama-server aborts even "
                      "on its own export of separate q/k/v) and chains pre-norm states where vLLM chains "
                      "final_layernorm's (docs/llama-cpp.md)",
@@ -740,7 +746,13 @@ FAMILIES: tuple[Family, ...] = (
             # follows the engine
             chained_state="pre_norm",
         ),
-        exports=Exports(gguf=STEP35),
+        exports=Exports(
+            gguf=STEP35,
+            vllm_note="vLLM 0.32 cannot serve these modules on any device: its Step3p5MTP indexes the config's "
+                      "layer_types past the trunk's layers, which its config class cut off (step3p5.py:421; open "
+                      "upstream as vllm#49642); and its Step model hands a state-reading drafter (Medusa, EAGLE) the "
+                      "state before the final norm. llama.cpp's step35 graph runs all three modules (--to gguf)",
+        ),
         notes="3 separately trained modules; each block is a dense sliding-window (or full) Step layer (gated GQA, "
               "q/k norms; moe_layers_enum lists trunk layers only) with the release's per-layer config entries for "
               "its index; its own head transformer.shared_head.output (released as a copy of lm_head; after the trunk "

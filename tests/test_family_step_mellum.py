@@ -256,3 +256,19 @@ def test_mellum_forced_through_qwen3_next_row_is_refused(mellum):
     """The qwen3_next row's block class cannot hold Mellum's layer: forcing it fails loudly, never silently."""
     with pytest.raises(RecycleError):
         MTP.from_checkpoint(mellum, family="qwen3_next")
+
+
+def test_a_step_conversion_says_vllm_cannot_serve_its_modules(family_dir, tmp_path):
+    """vLLM 0.32's Step MTP path fails on every device (vllm#49642, measured on its CPU build: docs/engines.md): the
+    conversion's notes say so, and name what does run them, llama.cpp's step35 graph; push's card carries the note."""
+    import json
+
+    from tests.cli_helpers import run_cli
+
+    out = tmp_path / "eagle"
+    res = run_cli("convert", str(family_dir("step3p7")), "--to", "eagle", "-o", str(out))
+    assert res.exit_code == 0, res.output
+    notes = json.loads((out / "recycle.json").read_text())["notes"]
+    assert any("vllm#49642" in n and "step35" in n for n in notes), notes
+    card = run_cli("push", str(out), "--repo", "me/x", "--dry-run", "--json")
+    assert card.exit_code == 0 and "vllm#49642" in json.loads(card.stdout)["card"]
