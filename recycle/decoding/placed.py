@@ -15,7 +15,9 @@ and the checkpoint's state both in float32 (8 bytes a parameter: 2.3 TB for V4-F
 A multimodal release loads as its image-text-to-text class (`lm_class`: transformers gives Step-3.7, GLM-5.3-Flash,
 MiniMax-M3 and Inkling no causal-LM class), and a multimodal model's text config standing alone (Step-3.5-Flash) as the
 multimodal model whose text config it is (`model_config`); recycle runs only the text decoder and head, so the skeleton
-leaves the towers out (`_drop_towers`): never planned, read or allocated.
+leaves the towers out (`_drop_towers`): on this path (quantized builds, a text config alone, several GPUs) they are
+never planned, read or allocated. A multimodal release as stored in bf16 loads through transformers' `from_pretrained`,
+towers included.
 
 `device_map` places whole decoder layers (the model's `_no_split_modules`) over the GPUs in order with accelerate's
 `infer_auto_device_map`, each filled to `share` of its memory (the rest for the forward's activations); anything it

@@ -19,9 +19,10 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM, DynamicCache
+from transformers import AutoConfig, DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
+from recycle.decoding.placed import lm_class
 from recycle.decoding.tree import windowed
 from recycle.encode import quiet_transformers
 from recycle.errors import RecycleError
@@ -31,8 +32,7 @@ def load_target(
     path: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, attn: str = "sdpa",
     gpus: int = 1, keep_quantized: bool = False,
 ) -> nn.Module:
-    """AutoModelForCausalLM (or, for a multimodal release, its image-text-to-text class without its towers,
-    `_multimodal`) from a directory,
+    """AutoModelForCausalLM (or a multimodal release's image-text-to-text class, `placed.lm_class`) from a directory,
     eval mode, on `device`; with `gpus` > 1, over that many GPUs of this node, whole decoder layers each
     (`recycle.decoding.placed`: read tensor by tensor onto its device). `keep_quantized`: a block-FP8 release (FP4
     experts too) kept as stored on the GPUs by transformers' own quantized path (`placed.load_kept`)."""
@@ -66,10 +66,11 @@ def load_target(
                 from recycle.decoding.placed import load_placed
 
                 return load_placed(path, dtype, attn, gpus).eval()
-            elif _quantized(path) or _multimodal(path):
+            elif _quantized(path) or _text_only(path):
                 model = _load_dequantized(path, dtype, attn)
             else:
-                model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn)
+                model = lm_class(AutoConfig.from_pretrained(path)).from_pretrained(path, dtype=dtype,
+                                                                                   attn_implementation=attn)
     except RecycleError:
         raise
     except Exception as e:  # whatever a corrupt directory makes transformers raise is bad input
@@ -78,14 +79,12 @@ def load_target(
     return model.to(device).eval()
 
 
-def _multimodal(path: Path) -> bool:
-    """Whether transformers gives the directory's config no causal-LM class: a multimodal release (Step-3.7, GLM-5.3-
-    Flash, MiniMax-M3, Inkling: its image-text-to-text class) or a text config of one standing alone (Step-3.5-Flash).
-    Those load through the streamed reader, whose skeleton leaves the towers out (`placed.skeleton`)."""
-    from recycle.decoding.placed import lm_class, model_config
-    from recycle.preflight import load_json
+def _text_only(path: Path) -> bool:
+    """A multimodal model's text config standing alone (Step-3.5-Flash, `placed.model_config`), which transformers
+    gives no class of its own: built by the streamed reader as the multimodal model, its towers left out."""
+    from recycle.decoding.placed import text_only
 
-    return lm_class(model_config(load_json(path / "config.json", "config.json"))) is not AutoModelForCausalLM
+    return text_only(AutoConfig.from_pretrained(path))
 
 
 def _quantized(path: Path) -> bool:
@@ -107,8 +106,9 @@ def _load_dequantized(path: Path, dtype: torch.dtype, attn: str) -> nn.Module:
     through transformers' own conversion mapping (per-expert → fused), a decoder layer at a time
     (`recycle.decoding.placed.load_streamed`: host memory one layer's tensors, not the model's state in float32). A
     stored integer or packed tensor that no codec reads is refused in one line: loading it as a float would be a
-    silently wrong teacher. A multimodal release loads here too, quantized or not (`_multimodal`): its text model and
-    head, the towers left out of the skeleton."""
+    silently wrong teacher. A multimodal release's text model and head alone: the skeleton leaves its towers out
+    (`placed.skeleton`), and a text config standing alone (Step-3.5-Flash, `_text_only`) loads here quantized or
+    not."""
     from recycle.checkpoint import Checkpoint
     from recycle.decoding.placed import load_streamed, skeleton_of
 
