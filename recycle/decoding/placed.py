@@ -93,24 +93,27 @@ def model_config(raw: dict):
     text config it is, found in transformers' image-text-to-text mapping (its towers, which no weight fills, the
     skeleton leaves out: `_drop_towers`)."""
     from transformers import AutoConfig
-    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
 
     config = AutoConfig.for_model(**{k: v for k, v in raw.items() if k != "quantization_config"})
-    if text_only(config):
-        outer = next(c for c in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING.keys()
-                     if getattr(c, "sub_configs", {}).get("text_config") is type(config))
-        config = outer(text_config=config.to_dict())
-    return config
+    outer = _outer_config(config)
+    return config if outer is None else outer(text_config=config.to_dict())
 
 
 def text_only(config) -> bool:
     """Whether `config` is a multimodal model's text config standing alone (see `model_config`)."""
+    return _outer_config(config) is not None
+
+
+def _outer_config(config):
+    """The multimodal config class whose text config `config` is, where transformers gives `config` no language-model
+    class of its own; else None."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
 
     kind = type(config)
     if kind in MODEL_FOR_CAUSAL_LM_MAPPING or kind in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING:
-        return False
-    return any(getattr(c, "sub_configs", {}).get("text_config") is kind for c in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING.keys())
+        return None
+    return next((c for c in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING.keys()
+                 if getattr(c, "sub_configs", {}).get("text_config") is kind), None)
 
 
 def skeleton_of(ckpt, dtype: torch.dtype, attn: str) -> nn.Module:

@@ -22,7 +22,7 @@ from torch import nn
 from transformers import AutoConfig, DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
-from recycle.decoding.placed import lm_class
+from recycle.decoding.placed import lm_class, text_only
 from recycle.decoding.tree import windowed
 from recycle.encode import quiet_transformers
 from recycle.errors import RecycleError
@@ -66,25 +66,21 @@ def load_target(
                 from recycle.decoding.placed import load_placed
 
                 return load_placed(path, dtype, attn, gpus).eval()
-            elif _quantized(path) or _text_only(path):
+            elif _quantized(path):
                 model = _load_dequantized(path, dtype, attn)
             else:
-                model = lm_class(AutoConfig.from_pretrained(path)).from_pretrained(path, dtype=dtype,
-                                                                                   attn_implementation=attn)
+                config = AutoConfig.from_pretrained(path)
+                if text_only(config):  # Step-3.5-Flash: Step-3.7's text config alone, which has no class of its own
+                    model = _load_dequantized(path, dtype, attn)  # built as Step-3.7, its towers left out
+                else:
+                    model = lm_class(config).from_pretrained(path, config=config, dtype=dtype,
+                                                             attn_implementation=attn)
     except RecycleError:
         raise
     except Exception as e:  # whatever a corrupt directory makes transformers raise is bad input
         raise RecycleError(f"{path}: transformers cannot load it as a causal LM ({type(e).__name__}: "
                            f"{_first_sentence(e)})") from None
     return model.to(device).eval()
-
-
-def _text_only(path: Path) -> bool:
-    """A multimodal model's text config standing alone (Step-3.5-Flash, `placed.model_config`), which transformers
-    gives no class of its own: built by the streamed reader as the multimodal model, its towers left out."""
-    from recycle.decoding.placed import text_only
-
-    return text_only(AutoConfig.from_pretrained(path))
 
 
 def _quantized(path: Path) -> bool:
@@ -107,7 +103,7 @@ def _load_dequantized(path: Path, dtype: torch.dtype, attn: str) -> nn.Module:
     (`recycle.decoding.placed.load_streamed`: host memory one layer's tensors, not the model's state in float32). A
     stored integer or packed tensor that no codec reads is refused in one line: loading it as a float would be a
     silently wrong teacher. A multimodal release's text model and head alone: the skeleton leaves its towers out
-    (`placed.skeleton`), and a text config standing alone (Step-3.5-Flash, `_text_only`) loads here quantized or
+    (`placed.skeleton`), and a text config standing alone (Step-3.5-Flash, `placed.text_only`) loads here quantized or
     not."""
     from recycle.checkpoint import Checkpoint
     from recycle.decoding.placed import load_streamed, skeleton_of
