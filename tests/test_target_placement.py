@@ -155,8 +155,13 @@ def test_the_loader_keeps_in_float32_what_transformers_keeps() -> None:
 def test_a_multimodal_release_is_planned_without_its_towers() -> None:
     """Step-3.7-Flash at its real widths (transformers' defaults): the skeleton is the text decoder and head alone,
     195.85 B parameters; the vision tower and projector (1.98 B, 3.96 GB at bf16) are neither planned nor read."""
+    from accelerate import init_empty_weights
     from transformers.models.step3p7.configuration_step3p7 import Step3p7Config
 
+    with init_empty_weights():  # the whole multimodal model, towers included, for their size
+        whole = placed.lm_class(Step3p7Config()).from_config(Step3p7Config(), dtype=torch.bfloat16)
+    towers = sum(p.numel() for n, p in whole.named_parameters() if not n.startswith(("model.language_model.", "lm_head.")))
+    assert 1.97e9 < towers < 1.99e9  # 3.96 GB at bf16
     model = placed.skeleton(Step3p7Config(), torch.bfloat16, "eager")
     names = [n for n, _ in model.named_parameters()]
     assert names and all(n.startswith(("model.language_model.", "lm_head.")) for n in names)
