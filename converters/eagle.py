@@ -224,6 +224,7 @@ def rewrite(src, main: dict, model) -> tuple[dict, list[str], list[str]]:
     whose key set cannot be rebuilt exactly (a family whose stored norms or concatenation are not canonical, a
     quantization recycle cannot write) is dropped with a note rather than shipped stale."""
     from recycle.converters.rewrite import canonical_concat, overlay_layouts
+    from recycle.fused import scale_chunks
     from recycle.quant import CODECS, NATIVE_SCALE_SUFFIX, SCALE_SUFFIX, requantize
 
     files: dict[str, dict] = {}
@@ -234,8 +235,9 @@ def rewrite(src, main: dict, model) -> tuple[dict, list[str], list[str]]:
         out, why = {}, None
         for k in lay.head:
             how = lay.rebuilt_as(k, tuple(named[k].shape) if k in named else None, canonical)
-            if how == "fp8":
-                out[k], out[k + SCALE_SUFFIX], _ = requantize(named[k], lay.fp8.block)
+            if how == "fp8":  # a pre-sharded fused weight chunk by chunk, its scales tiled as stored (recycle.fused)
+                chunks = scale_chunks(k, model.family.layout.fused, model.config)
+                out[k], out[k + SCALE_SUFFIX], _ = requantize(named[k], lay.fp8.block, row_chunks=chunks)
             elif how == "fp8_native":  # DeepSeek-V4's linears: e8m0 `.scale`, power-of-two scales
                 scale = k[: -len(".weight")] + NATIVE_SCALE_SUFFIX
                 out[k], s, _ = requantize(named[k], lay.fp8.block, pow2=True)

@@ -40,6 +40,7 @@ from recycle.converters.roles import EXACT, raw
 from recycle.converters.scheme_plan import Requant, as_float, plan_scheme, refuse_scheme, trunk_dtype
 from recycle.errors import RecycleError
 from recycle.families import MTPMatch, match
+from recycle.fused import scale_chunks, tiled_scale_shape
 from recycle.io.writer import Lazy, OutputDir, Progress, nbytes, split_plan
 from recycle.preflight import DEFAULT_SHARD_SIZE
 from recycle.quant import (
@@ -109,23 +110,26 @@ def _tokenizer_dir(overlay: Path) -> Path:
     return overlay if (overlay / "tokenizer.json").is_file() else overlay.parent
 
 
-def _check_blocks(tgt: Checkpoint, block: tuple[int, int], mtp: set[str], where: str) -> None:
-    """The target's own FP8 weights must be scaled in the block its config declares: scales written in another
-    block than the engine reads would dequantize wrongly."""
+def _check_blocks(tgt: Checkpoint, block: tuple[int, int], mtp: set[str], where: str, fused: tuple = ()) -> None:
+    """The target's own FP8 weights must be scaled in the block its config declares (a pre-sharded fused weight's
+    chunks each in blocks of their own, `recycle.fused`): scales written in another block than the engine reads
+    would dequantize wrongly."""
     for n, info in tgt.tensors.items():
         scale = tgt.scale_for(n) if info.is_fp8 and n not in mtp else None
-        if scale is not None and tuple(scale.shape) != expected_scale_shape(info.shape, block):
+        if scale is not None and tuple(scale.shape) != expected_scale_shape(info.shape, block) \
+                and tuple(scale.shape) != tiled_scale_shape(n, info.shape, fused, tgt.config, block):
             raise RecycleError(f"{where}: {scale.name} has shape {list(scale.shape)}, not the {list(block)} blocks "
                                f"weight_block_size declares for {list(info.shape)}: the target's scales do not match "
                                "its config; nothing written")
 
 
 def plan_tensors(ov: Checkpoint, tgt: Checkpoint, names: list[str], copies: dict[str, str], mode: str,
-                 where: str) -> tuple[dict[str, Lazy], dict, list[str]]:
+                 where: str, fused: tuple = ()) -> tuple[dict[str, Lazy], dict, list[str]]:
     """Every MTP tensor of the stitched file, in the target's scheme; the per-tensor record; the modules to add to
     the ignore list (mode bf16 under an FP8 target). Stored bytes are copied where they already fit; a weight the
-    engine runs in FP8 is re-quantized with the target's block (fresh scales); everything else is written in the
-    dtype the target stores for the trunk's same kind of tensor."""
+    engine runs in FP8 is re-quantized with the target's block (fresh scales; a pre-sharded fused weight, `fused`,
+    chunk by chunk, its scales tiled, as the releases and the engines' readers have them); everything else is
+    written in the dtype the target stores for the trunk's same kind of tensor."""
     fp8 = scheme(tgt.config, where)
     emb = next((i for n, i in tgt.tensors.items() if "embed" in n and not i.is_scale), None)
     floats = DTYPES[emb.dtype][1] if emb is not None and DTYPES[emb.dtype][1] is not None else torch.bfloat16
@@ -139,22 +143,24 @@ def plan_tensors(ov: Checkpoint, tgt: Checkpoint, names: list[str], copies: dict
             continue
         info, scale = ov.tensors[n], ov.scale_for(n)
         as_fp8 = fp8 is not None and mode == "auto" and engine_fp8(n, info.shape)
-        if as_fp8 and info.is_fp8 and scale is not None and tuple(scale.shape) == expected_scale_shape(info.shape,
-                                                                                                         fp8.block):
+        chunks = scale_chunks(n, fused, tgt.config)
+        tiled = tiled_scale_shape(n, info.shape, fused, tgt.config, fp8.block) if fp8 is not None else None
+        if as_fp8 and info.is_fp8 and scale is not None and tuple(scale.shape) in (expected_scale_shape(
+                info.shape, fp8.block), tiled):
             out[n], out[scale_name(n)] = raw(ov, n), raw(ov, scale.name)
             record[n] = {"stored": info.dtype, "how": "stored bytes (FP8 in the target's blocks)"}
         elif as_fp8:
-            job = Requant(lambda n=n: ov.get(n), fp8.block)
+            job = Requant(lambda n=n, chunks=chunks: ov.get(n, row_chunks=chunks), fp8.block, row_chunks=chunks)
             out[n] = Lazy(info.shape, lambda job=job: job.get()[0], (n,), EXACT, "re-quantized to the target's FP8 "
                           "blocks", dtype=torch.float8_e4m3fn)
-            out[scale_name(n)] = Lazy(expected_scale_shape(info.shape, fp8.block), lambda job=job: job.get()[1],
+            out[scale_name(n)] = Lazy(tiled or expected_scale_shape(info.shape, fp8.block), lambda job=job: job.get()[1],
                                       (n,), EXACT, "fresh weight_scale_inv", dtype=torch.float32)
             record[n] = {"stored": "F8_E4M3", "how": "re-quantized", "error": job}
         else:
             want = floats if fp8 is not None and engine_fp8(n, info.shape) else trunk_dtype(tgt, n, floats)
             if fp8 is not None and engine_fp8(n, info.shape):
                 ignored.append(n)
-            out[n], record[n] = as_float(ov, n, want)
+            out[n], record[n] = as_float(ov, n, want, chunks)
     return out, record, ignore_entries(ignored)
 
 
@@ -202,10 +208,10 @@ def stitch(overlay: str | os.PathLike, target: str | os.PathLike, out: str | os.
         if info is not None and info.shape != ov.tensors[n].shape:
             raise RecycleError(f"{ov_dir}: {n} has shape {list(ov.tensors[n].shape)}, the target's is {list(info.shape)}")
     if fp8 is not None:
-        _check_blocks(tgt, fp8.block, set(tm.mtp_names), str(tgt_dir))
+        _check_blocks(tgt, fp8.block, set(tm.mtp_names), str(tgt_dir), tm.family.layout.fused)
     cfg = None
     if rec is None or fp8 is not None:
-        tensors, record, ignored = plan_tensors(ov, tgt, names, copies, mtp_dtype, str(tgt_dir))
+        tensors, record, ignored = plan_tensors(ov, tgt, names, copies, mtp_dtype, str(tgt_dir), tm.family.layout.fused)
     else:
         tensors, record, cfg, ignored = plan_scheme(ov, tgt, om, tm, rec, names, copies, mtp_dtype, str(tgt_dir))
     drop = set(tm.mtp_names) | set(tensors)  # the target's old MTP tensors go, stale scales with them

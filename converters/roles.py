@@ -23,6 +23,7 @@ import torch
 from recycle.checkpoint import DTYPES, Checkpoint
 from recycle.errors import RecycleError
 from recycle.families import Family, MTPMatch, MTPModule, eval_shape, first_value, match, merged_config
+from recycle.fused import scale_chunks, spec_of, split
 from recycle.io.writer import Lazy
 from recycle.quant import SCALE_SUFFIX
 
@@ -60,11 +61,12 @@ def _finite(chunk: torch.Tensor) -> bool:
     return bool(torch.isfinite(chunk.sum(dtype=torch.float32)) or torch.isfinite(chunk).all())
 
 
-def stored(ckpt: Checkpoint, name: str, kind: str = EXACT, note: str = "") -> Lazy:
-    """A checkpoint tensor's values (FP8 dequantized), checked for NaN/Inf when read."""
+def stored(ckpt: Checkpoint, name: str, kind: str = EXACT, note: str = "", row_chunks: int = 1) -> Lazy:
+    """A checkpoint tensor's values (FP8 dequantized; `row_chunks`: a pre-sharded fused tensor's, `recycle.fused`),
+    checked for NaN/Inf when read."""
     info = ckpt.tensors[name]
-    return Lazy(info.shape, lambda: check_finite(ckpt.get(name), f"{ckpt.path}: {name}"), (name,), kind, note,
-                reads=ckpt.spans(name))
+    return Lazy(info.shape, lambda: check_finite(ckpt.get(name, row_chunks=row_chunks), f"{ckpt.path}: {name}"),
+                (name,), kind, note, reads=ckpt.spans(name))
 
 
 def raw(ckpt: Checkpoint, name: str) -> Lazy:
@@ -222,7 +224,8 @@ def gather(ckpt: Checkpoint, family: str | None = None) -> RoleWeights:
                 leaves[role] = once(name, "head", partial(_divided, src, float(divisor), fam.run.logit_divisor_key))
             else:
                 leaves[role] = src
-        block = {rel: once(full, "stored", partial(stored, ckpt, full))
+        block = {rel: once(full, "stored", partial(stored, ckpt, full,
+                                                   row_chunks=scale_chunks(rel, fam.layout.fused, m.config)))
                  for rel, full in mod.block_names().items() if not rel.endswith(SCALE_SUFFIX)}
         if not block:
             raise RecycleError(f"{ckpt.path}: MTP module {mod.index} stores no decoder block under {mod.prefix}")
@@ -248,12 +251,38 @@ def _check_blocks(ckpt: Checkpoint, m: MTPMatch, modules: list[ModuleWeights]) -
         raise RecycleError(f"{ckpt.path}: cannot build {fam.run.block_class} from this config "
                            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
     for mw, layer in zip(modules, model.layers):
+        if fam.layout.fused:  # q/k/v stored as one pre-sharded tensor: the parts the layer holds, read from it lazily
+            try:
+                mw.block = _split_lazily(mw.block, fam, m.config, layer.block.state_dict())
+            except RecycleError as e:
+                raise RecycleError(f"{ckpt.path}: {mw.prefix}{e}") from None
         stored_ = {rel: torch.empty(lazy.shape, device="meta") for rel, lazy in mw.block.items()}
         why = misfit(to_runtime_layout(stored_, model.config, fam.run.block_renames, fam.run.block_conversions),
                      layer.block.state_dict())
         if why is not None:
             raise RecycleError(f"{ckpt.path}: MTP module {mw.index}'s block does not fit {fam.run.block_class} (the "
                                f"{fam.name} row): {why}")
+
+
+def _split_lazily(block: dict[str, Lazy], fam: Family, config: dict, own: dict[str, torch.Tensor]) -> dict[str, Lazy]:
+    """A block's fused tensors as the parts its decoder layer holds (`recycle.fused.split`, sized by the layer's own
+    parameters `own`), each a Lazy over the stored tensor; a tensor the cut does not fit is refused in one line now."""
+    from recycle.mtp import renamed
+
+    def rows_of(rel: str) -> int | None:
+        key = next(iter(renamed({rel: 0}, fam.run.block_renames)))
+        return own[key].shape[0] if key in own else None
+
+    out: dict[str, Lazy] = {}
+    for rel, lazy in block.items():
+        if spec_of(rel, fam.layout.fused) is None:
+            out[rel] = lazy
+            continue
+        parts = split({rel: torch.empty(lazy.shape, device="meta")}, fam.layout.fused, config, rows_of)
+        for part, meta in parts.items():
+            out[part] = lazy.derive(tuple(meta.shape), lambda w, rel=rel, part=part: split(
+                {rel: w}, fam.layout.fused, config, rows_of)[part], note=f"its share of the stored {rel}")
+    return out
 
 
 @dataclass

@@ -36,15 +36,15 @@ from recycle.quant.schemes import (
 )
 
 
-def as_float(ov: Checkpoint, n: str, want: torch.dtype) -> tuple[Lazy, dict]:
+def as_float(ov: Checkpoint, n: str, want: torch.dtype, row_chunks: int = 1) -> tuple[Lazy, dict]:
     """Overlay tensor `n` written in float dtype `want`: its stored bytes where they already are that, else
-    dequantized or cast; and its record entry."""
+    dequantized (`row_chunks`: a pre-sharded fused weight's, `recycle.fused`) or cast; and its record entry."""
     info = ov.tensors[n]
     if not info.quantized and DTYPES[info.dtype][1] == want:
         return raw(ov, n), {"stored": info.dtype, "how": "stored bytes"}
     how = "dequantized" if info.quantized else "cast"
-    return Lazy(info.shape, lambda: ov.get(n).to(want), (n,), EXACT, how, dtype=want), {"stored": ST_NAMES[want],
-                                                                                         "how": how}
+    return Lazy(info.shape, lambda: ov.get(n, row_chunks=row_chunks).to(want), (n,), EXACT, how, dtype=want), \
+        {"stored": ST_NAMES[want], "how": how}
 
 
 def trunk_dtype(tgt: Checkpoint, name: str, fallback: torch.dtype) -> torch.dtype:
@@ -72,12 +72,12 @@ class Requant:
     """One weight re-quantized to the target's FP8 block once, read by two Lazies (the weight and its scale).
     `pow2`: scales rounded up to a power of two (`scale_fmt: ue8m0`, DeepSeek-V4's linears)."""
 
-    def __init__(self, make, block: tuple[int, int], pow2: bool = False) -> None:
-        self.make, self.block, self.pow2, self.done = make, block, pow2, None
+    def __init__(self, make, block: tuple[int, int], pow2: bool = False, row_chunks: int = 1) -> None:
+        self.make, self.block, self.pow2, self.row_chunks, self.done = make, block, pow2, row_chunks, None
 
     def get(self) -> tuple[torch.Tensor, torch.Tensor, dict]:
         if self.done is None:
-            self.done = requantize(self.make(), self.block, self.pow2)
+            self.done = requantize(self.make(), self.block, self.pow2, self.row_chunks)
         return self.done
 
 

@@ -441,9 +441,10 @@ class Checkpoint:
         scale = self.scale_for(name) if self.tensors[name].is_fp8 else None
         return (self.span(name),) + ((self.span(scale.name),) if scale is not None else ())
 
-    def get(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+    def get(self, name: str, dtype: torch.dtype | None = None, row_chunks: int = 1) -> torch.Tensor:
         """The tensor's values: FP8 weights dequantized block-wise with their `_scale_inv`, packed weights through
-        their codec (to `dtype`, bfloat16 by default)."""
+        their codec (to `dtype`, bfloat16 by default). `row_chunks`: an FP8 weight stored in that many row chunks
+        may carry a tile of block scales per chunk (`recycle.fused`)."""
         import torch  # made here: headers alone need no torch
 
         info = self.tensors.get(name)
@@ -458,7 +459,7 @@ class Checkpoint:
             scale = self.scale_for(name)
             if scale is None:
                 raise RecycleError(f"{self.path}: FP8 tensor {name} has no {name}{SCALE_SUFFIX}")
-            return dequantize_fp8(t, self.raw(scale.name), self.block_size(), dtype or torch.bfloat16)
+            return dequantize_fp8(t, self.raw(scale.name), self.block_size(), dtype or torch.bfloat16, row_chunks)
         return t if dtype is None else t.to(dtype)
 
     def sample_rows(self, name: str, n: int = 64) -> np.ndarray | None:

@@ -84,6 +84,18 @@ META_LLAMA = HFLayout(
 
 
 @dataclass(frozen=True)
+class Fused:
+    """A tensor the release stores fused where the decoder-layer class holds its parts (`recycle.fused`): names
+    relative to a block prefix, without `.weight`/`.bias`. With `chunks_key`, pre-sharded for tensor parallelism:
+    `config[chunks_key]` row chunks, each [part_1 | part_2 | ...] of that share of every part (MiMo-V2.5's
+    `qkv_proj`, vLLM's `_shard_fp8_qkv_proj`); an FP8 weight's block scales may be tiled per chunk."""
+
+    name: str
+    parts: tuple[str, ...]
+    chunks_key: str | None = None
+
+
+@dataclass(frozen=True)
 class ModuleLayout:
     """Where the tensors live: module k's roles (name templates), its block's prefixes, what the trunk lends, and
     the whole checkpoint's names where they are another codebase's."""
@@ -107,6 +119,8 @@ class ModuleLayout:
     block_shapes: Mapping[str, tuple[str, ...]] = field(default_factory=lambda: COMMON_BLOCK_SHAPES)
     # checkpoints stored under another codebase's names (Meta's reference Llama): how transformers runs them
     hf_layout: HFLayout | None = None
+    # tensors stored fused, in the trunk's layers and the MTP blocks alike (recycle.fused)
+    fused: tuple[Fused, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -130,6 +144,9 @@ class ConfigKeys:
     # block-config key → the config.json key (dotted: a nested block) it is read from, where config.json has no such
     # key of its own (Inkling's `mtp_config`: transformers' text config takes num_mtp_layers, mtp_local_layer_ids)
     block_config_keys: Mapping[str, str] = field(default_factory=dict)
+    # a reader registered in recycle.release_config.READERS under this name: the release's own config keys (those the
+    # engines read) → the transformers config class's, where transformers has no class for the model type
+    release_config: str | None = None
 
 
 @dataclass(frozen=True)
@@ -510,12 +527,12 @@ FAMILIES: tuple[Family, ...] = (
               "before its hc_head; a V4 block (mHC, compressed sparse attention, sinks, MoE), then the module's own "
               "hc_head and norm; embed and head are the trunk's. FP8 (e8m0 `.scale`) attention, FP4 routed experts",
     ),
-    # -- mimo_v2_flash, bailing_hybrid (mimo_ling) --
-    Family(
+    # -- mimo_v2_flash, mimo_v2, bailing_hybrid (mimo_ling) --
+    MIMO_V2_FLASH := Family(
         name="mimo_v2_flash",
-        title="Xiaomi MiMo-V2-Flash / V2.5 / V2.5-Pro",
-        model_types=("mimo_v2_flash", "mimo_v2"),
-        architectures=("MiMoV2FlashForCausalLM", "MiMoV2ForCausalLM", "MiMoV2OmniForCausalLM"),
+        title="Xiaomi MiMo-V2-Flash",
+        model_types=("mimo_v2_flash",),
+        architectures=("MiMoV2FlashForCausalLM",),
         layout=ModuleLayout(
             roles={
                 "embed_norm": ("model.mtp.layers.{k}.enorm.weight",),
@@ -545,7 +562,24 @@ FAMILIES: tuple[Family, ...] = (
                      "final_layernorm's (docs/llama-cpp.md)",
         ),
         notes="3 separately trained modules, each a sliding-window attention layer with sinks and a dense MLP; "
-              "vLLM's MiMoV2MTP runs only module 0. V2.5/Pro (model_type mimo_v2) have no transformers config class",
+              "vLLM's MiMoV2MTP runs only module 0",
+    ),
+    derive(
+        MIMO_V2_FLASH,
+        name="mimo_v2",
+        title="Xiaomi MiMo-V2.5 / V2.5-Pro (mimo_v2)",
+        model_types=("mimo_v2",),
+        architectures=("MiMoV2ForCausalLM", "MiMoV2OmniForCausalLM"),
+        # q, k and v fused into `qkv_proj`, pre-sharded in num_key_value_heads chunks of [Q_c | K_c | V_c]
+        # (vLLM's _shard_fp8_qkv_proj); FP8 scales tiled per chunk where a chunk is not whole blocks
+        layout=dict(fused=(Fused("self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+                                 "num_key_value_heads"),)),
+        keys=dict(release_config="mimo_v2"),  # no transformers config class: the release's keys, as vLLM reads them
+        exports=dict(gguf_why="llama.cpp's converter reads MiMoV2ForCausalLM itself (conversion/mimo.py re-groups "
+                              "the pre-sharded FP8 qkv_proj); recycle writes no mimo2 GGUF of its own yet"),
+        notes="MiMo-V2-Flash's modules with q/k/v stored as one pre-sharded `qkv_proj`; the release's own config keys "
+              "(transformers has no mimo_v2 class) read into transformers' MiMo-V2-Flash layers; vLLM's MiMoV2MTP "
+              "runs only module 0",
     ),
     Family(
         name="bailing_hybrid",

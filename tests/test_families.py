@@ -197,6 +197,15 @@ EXPECT: dict[str, Expect] = {
     }, LLAMA_SHARED, 10, "model.mtp.layers.0.",
         ("lm_head.weight", "model.layers.1.self_attn.attention_sink_bias", "model.layers.1.mlp.experts.3.down_proj.weight"),
         dims={"H": 64, "V": 256, "E": 4}),
+    # mimo_v2 (MiMo-V2.5 / V2.5-Pro): the same modules with q/k/v fused in one pre-sharded qkv_proj: 10 - 2 = 8
+    "mimo_v2": Expect("mimo_v2", 3, 3, {
+        "embed_norm": ["model.mtp.layers.0.enorm.weight"],
+        "hidden_norm": ["model.mtp.layers.0.hnorm.weight"],
+        "proj": ["model.mtp.layers.0.eh_proj.weight"],
+        "final_norm": ["model.mtp.layers.0.final_layernorm.weight"],
+    }, LLAMA_SHARED, 8, "model.mtp.layers.0.",
+        ("lm_head.weight", "model.layers.1.self_attn.qkv_proj.weight", "model.layers.1.mlp.experts.3.down_proj.weight"),
+        dims={"H": 64, "V": 256, "E": 4}),
     # bailing_hybrid (Ling, mimo_ling): 2 norms + gated MLA 6 (q_proj, kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj,
     # dense, g_proj) + router weight and expert_bias + 4 experts x 3 + 3 shared = 25; final_layernorm is the role.
     "bailing_hybrid": Expect("bailing_hybrid", 1, 1, {

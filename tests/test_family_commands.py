@@ -23,6 +23,7 @@ ROWS = {
     "glm5_2": ("glm_moe_dsa", 1, None),
     "glm5_next": ("glm5_next", 1, None),
     "mimo_v2_flash": ("mimo_v2_flash", 3, None),
+    "mimo_v2": ("mimo_v2", 3, None),
     "bailing_hybrid": ("bailing_hybrid", 1, None),
     "step3p7": ("step3p7", 3, None),
     "mellum": ("mellum", 1, None),

@@ -11,6 +11,7 @@ for MiMo's MTP layers, which are sliding-window attention with a dense MLP).
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -191,18 +192,114 @@ def _copy(src: Path, out: Path, config: dict, drop: str = "") -> Path:
 
 
 def test_releases_transformers_cannot_run_are_refused_in_one_line(family_dir, tmp_path):
-    """MiMo-V2.5/Pro (model_type mimo_v2) have no transformers config class; Ling-2.6's MLA has no output gate, which
-    transformers' BailingHybridAttention (Ling-3.0's) applies. Both are detected, neither is run."""
-    v25 = _copy(family_dir("mimo_v2_flash"), tmp_path / "v25", {"model_type": "mimo_v2",
-                                                                "architectures": ["MiMoV2ForCausalLM"]})
+    """Ling-2.6's MLA has no output gate, which transformers' BailingHybridAttention (Ling-3.0's) applies; a MiMo-V2.5
+    config whose sliding-window heads differ from its full-attention ones is one transformers' MiMo-V2 layer cannot
+    express (it gives them the same heads, twice the KV heads). Both are detected, neither is run."""
     ling26 = _copy(family_dir("bailing_hybrid"), tmp_path / "ling26", {"architectures": ["BailingMoeV2_5ForCausalLM"]},
                    drop="model.layers.2.attention.g_proj.weight")
-    assert match(Checkpoint(v25)).family.name == "mimo_v2_flash"
+    v25 = _copy(family_dir("mimo_v2"), tmp_path / "v25", {"swa_num_attention_heads": 8})
     assert match(Checkpoint(ling26)).family.name == "bailing_hybrid"
-    for path, why in ((v25, "cannot build a 'mimo_v2' config"), (ling26, "missing: block.self_attn.g_proj.weight")):
+    assert match(Checkpoint(v25)).family.name == "mimo_v2"
+    for path, why in ((ling26, "missing: block.self_attn.g_proj.weight"),
+                      (v25, "swa_num_attention_heads is 8, and transformers' MiMo-V2 sliding-window layer")):
         with pytest.raises(RecycleError, match=why) as e:
             MTP.from_checkpoint(path)
         assert "\n" not in str(e.value)
+
+
+# -- MiMo-V2.5 / V2.5-Pro (mimo_v2): q/k/v fused and pre-sharded, the release's own config keys -------------------
+
+
+def test_mimo_v2_5_runs_the_flash_layers_exactly(family_dir):
+    """MiMo-V2.5's generator is MiMo-V2-Flash's values with q/k/v stored as one `qkv_proj` in 2 pre-sharded chunks
+    (num_key_value_heads) and only the release's config keys. recycle cuts the chunks into transformers' q/k/v and
+    reads the keys into MiMoV2FlashConfig: every module's logits, and the target's, are the Flash copy's exactly (a
+    wrong cut or a mis-read key, rotary theta, window, epsilon or value scale, would change them); written back, the
+    modules are the stored tensors, fused as stored."""
+    from recycle.decoding.target import load_target
+
+    v25, flash = family_dir("mimo_v2"), family_dir("mimo_v2_flash", kv=2)
+    assert "layer_types" not in Checkpoint(v25).config and "model.layers.0.self_attn.q_proj.weight" not in \
+        Checkpoint(v25).tensors
+    g = torch.Generator().manual_seed(0)
+    h, ids = torch.randn(2, T, 64, generator=g), torch.randint(0, 256, (2, T + 3), generator=g)
+    mine, theirs = MTP.from_checkpoint(v25), MTP.from_checkpoint(flash)
+    with torch.no_grad():
+        for a, b in zip(mine(h, ids).logits, theirs(h, ids).logits, strict=True):
+            assert torch.equal(a, b)
+        assert torch.equal(load_target(v25)(ids).logits, load_target(flash)(ids).logits)
+    ck = Checkpoint(v25)
+    written = mine.checkpoint_tensors()
+    stored = {n for n in ck.tensors if n.startswith("model.mtp.")}
+    assert set(written) == stored
+    assert all(torch.equal(written[n].to(torch.bfloat16), ck.raw(n)) for n in stored)
+
+
+def test_mimo_v2_5_fp8_scales_are_tiled_per_chunk(family_dir, tmp_path):
+    """The releases quantize each pre-sharded chunk in blocks of its own, so a `qkv_proj`'s scales come in tiles
+    (vLLM's `_shard_fp8_qkv_proj` and llama.cpp's converter read them so). Here the chunks are 160 and 224 rows:
+    4 scale rows either way, where one grid over the whole would have 3 and 4, so the second is read right only by
+    its chunks. inspect finds nothing wrong; read by chunk every value is within e4m3's rounding of the bf16 one,
+    read as one grid it is not; stitch re-quantizes a bf16 module into such a target chunk by chunk."""
+    from tests.cli_helpers import run_cli
+
+    v25 = family_dir("mimo_v2", fp8=True)
+    from fixtures.families import make
+
+    reference = make("mimo_v2", fp8=True).reference
+    ck = Checkpoint(v25)
+    res = run_cli("inspect", str(v25), "--json")
+    assert res.exit_code == 0 and json.loads(res.stdout)["worst"] != "error", res.output
+
+    def within(got: torch.Tensor, want: torch.Tensor) -> bool:  # e4m3 keeps 3 mantissa bits: half an ulp is 1/16
+        return bool(((got - want).abs() <= want.abs() / 16 + 1e-6).all())
+
+    for n in ("model.layers.1.self_attn.qkv_proj.weight", "model.mtp.layers.2.self_attn.qkv_proj.weight"):
+        want = reference[n].float()
+        assert ck.tensors[n + "_scale_inv"].shape == (4, 1)
+        assert within(ck.get(n, torch.float32, row_chunks=2), want)
+        assert not within(ck.get(n, torch.float32), want)
+    # a bf16 module (the same values, converted from the bf16 generator) stitched into the FP8 target
+    from fixtures.families import write_tokenizer
+
+    bf16 = tmp_path / "bf16"
+    shutil.copytree(family_dir("mimo_v2"), bf16)
+    write_tokenizer(bf16)
+    target = tmp_path / "fp8"
+    shutil.copytree(v25, target)
+    write_tokenizer(target)
+    assert run_cli("convert", str(bf16), "--to", "eagle", "-o", str(tmp_path / "e")).exit_code == 0
+    res = run_cli("stitch", str(tmp_path / "e" / "mtp_overlay"), "--target", str(target), "-o", str(tmp_path / "st"),
+                  "--json")
+    assert res.exit_code == 0, res.output
+    n = "model.mtp.layers.0.self_attn.qkv_proj.weight"
+    assert json.loads(res.stdout)["quantization"]["tensors"][n]["how"] == "re-quantized"
+    st = Checkpoint(tmp_path / "st")
+    want = Checkpoint(bf16).get(n, torch.float32)
+    assert within(st.get(n, torch.float32, row_chunks=2), want) and not within(st.get(n, torch.float32), want)
+
+
+def test_mimo_v2_5_qkv_that_does_not_cut_is_refused(family_dir, tmp_path):
+    """A `qkv_proj` whose rows are not the chunks of the layer's q/k/v (here 8 rows short): one line naming it from
+    convert (exit 2, nothing written) and from the target's loader."""
+    from recycle.decoding.target import load_target
+
+    from tests.cli_helpers import assert_bad_input, run_cli
+
+    src = Checkpoint(family_dir("mimo_v2"))
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    tensors = {n: src.raw(n) for n in src.tensors}
+    for n in ("model.mtp.layers.1.self_attn.qkv_proj.weight", "model.layers.1.self_attn.qkv_proj.weight"):
+        tensors[n] = tensors[n][:-8].clone()
+    save_file(tensors, str(bad / "model.safetensors"), metadata={"format": "pt"})
+    (bad / "config.json").write_text(json.dumps(src.config))
+    assert_bad_input(run_cli("convert", str(bad), "--to", "eagle", "-o", str(tmp_path / "o")),
+                     "model.mtp.layers.1.self_attn.qkv_proj.weight: 440 rows are not 2 chunks of 96 + 96 + 32 rows")
+    assert not (tmp_path / "o").exists()
+    with pytest.raises(RecycleError, match=r"layers.1.self_attn.qkv_proj.weight: 440 rows are not 2 chunks") as e:
+        load_target(bad)
+    assert "\n" not in str(e.value)
 
 
 # -- EAGLE-3 ----------------------------------------------------------------------------------------------------

@@ -108,6 +108,26 @@ def test_every_family_row_resolves(family: str) -> None:
         assert inspect.isclass(block) and issubclass(block, nn.Module), fam.run.block_class
 
 
+def test_every_release_config_reader_resolves_and_is_named_by_a_row() -> None:
+    """A row's `keys.release_config` names a reader of recycle.release_config's registry, and every reader there is
+    some row's; the reader turns the row's generator's config.json into keys transformers' config class builds."""
+    from transformers import AutoConfig
+
+    from recycle.release_config import READERS
+
+    from fixtures.families import make
+
+    named = {f.keys.release_config: f for f in FAMILIES if f.keys.release_config is not None}
+    assert set(READERS.names()) == set(named)
+    for name, fam in named.items():
+        reader = READERS.get(name, fam.title)
+        assert callable(reader)
+        keys = reader(make(fam.name).config)
+        assert AutoConfig.for_model(**{k: v for k, v in keys.items() if k != "quantization_config"})
+    with pytest.raises(RecycleError, match="recycle has no release config reader for it"):
+        READERS.get("nope")
+
+
 def test_every_runtime_belongs_to_a_row_naming_it() -> None:
     from recycle.decoding.drafting import CHAINS
     from recycle.mtp import RUNTIMES

@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from recycle.errors import RecycleError
+from recycle.release_config import transformers_keys
 
 PLACED_SHARE = 0.8  # of each GPU's memory for the target's weights (the rest: the forward's activations, the runtime)
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -94,9 +95,20 @@ def model_config(raw: dict):
     skeleton leaves out: `_drop_towers`)."""
     from transformers import AutoConfig
 
+    row = release_row(raw)
+    if row is not None:  # a model type transformers has no config class for (MiMo-V2.5's mimo_v2): the row reads it
+        raw = transformers_keys(raw, row.keys.release_config, row.title)
     config = AutoConfig.for_model(**{k: v for k, v in raw.items() if k != "quantization_config"})
     outer = _outer_config(config)
     return config if outer is None else outer(text_config=config.to_dict())
+
+
+def release_row(raw: dict):
+    """The family row that reads this config.json in its own way (a release config reader, fused tensors), if any."""
+    from recycle.families import config_rows
+
+    rows = config_rows(str(raw.get("model_type", "")), set(raw.get("architectures") or []))
+    return next((f for f in rows if f.keys.release_config or f.layout.fused), None)
 
 
 def text_only(config) -> bool:
@@ -231,13 +243,14 @@ def load_kept(path: Path, dtype: torch.dtype, attn: str, gpus: int, share: float
 SMALL = 1 << 22  # elements: a tensor under this stays float32 until its parameter's dtype is known (norms, hc mixers)
 
 
-def _read(ckpt, name: str, dtype: torch.dtype) -> torch.Tensor:
+def _read(ckpt, name: str, dtype: torch.dtype, row_chunks: int = 1) -> torch.Tensor:
     """One stored tensor, read straight into the compute dtype unless small (the codecs and the FP8 reader compute in
     float32 and round once into it: no float32 copy of a large tensor exists); a small one stays float32 until its
-    parameter's dtype is known. Integer tables (I64) as stored."""
+    parameter's dtype is known. Integer tables (I64) as stored. `row_chunks`: a pre-sharded fused tensor's chunks,
+    whose FP8 scales may be tiled per chunk (`recycle.fused`)."""
     if ckpt.tensors[name].dtype == "I64":
         return ckpt.raw(name)
-    return ckpt.get(name, torch.float32 if math.prod(ckpt.tensors[name].shape) < SMALL else dtype)
+    return ckpt.get(name, torch.float32 if math.prod(ckpt.tensors[name].shape) < SMALL else dtype, row_chunks)
 
 
 def load_streamed(ckpt, model: nn.Module, dmap: dict[str, int | str], dtype: torch.dtype) -> None:
@@ -247,9 +260,12 @@ def load_streamed(ckpt, model: nn.Module, dmap: dict[str, int | str], dtype: tor
     from accelerate.utils import set_module_tensor_to_device
     from transformers.core_model_loading import build_glob_alternation
 
+    from recycle.fused import scale_chunks, split
     from recycle.mtp import to_runtime_layout
 
     config = model.config
+    row = release_row(ckpt.config)
+    fused = row.layout.fused if row is not None else ()
     scales = {s.name for n, i in ckpt.tensors.items() if i.is_fp8 and (s := ckpt.scale_for(n)) is not None}
     # I64: index tables the model holds as integers (DeepSeek-V4's hash routing `tid2eid`), read as stored; no
     # quantization stores codes in 64-bit integers
@@ -264,8 +280,19 @@ def load_streamed(ckpt, model: nn.Module, dmap: dict[str, int | str], dtype: tor
     prefix = f"{model.base_model_prefix}."  # names stored without it (DeepSeek-V4's `embed`, `layers.{i}`), as
     filled: set[str] = set()  # from_pretrained adds it
     names = [n for n, i in ckpt.tensors.items() if not i.is_scale and n not in scales]
+
+    def rows_of(name: str) -> int | None:  # a fused tensor's part, as the model holds it
+        key = name if name in want else prefix + name
+        return want[key].shape[0] if key in want else None
+
     for group in _groups(names, int(config.get_text_config().num_hidden_layers)):
-        state = to_runtime_layout({n: _read(ckpt, n, dtype) for n in group}, config)
+        state = {n: _read(ckpt, n, dtype, scale_chunks(n, fused, ckpt.config)) for n in group}
+        if fused:  # q/k/v stored as one pre-sharded tensor (MiMo-V2.5): cut to the model's own q/k/v
+            try:
+                state = split(state, fused, ckpt.config, rows_of)
+            except RecycleError as e:
+                raise RecycleError(f"{ckpt.path}: {e}") from None
+        state = to_runtime_layout(state, config)
         for key, value in state.items():
             key = key if key in want or prefix + key not in want else prefix + key
             if key not in want:

@@ -66,7 +66,9 @@ def load_target(
                 from recycle.decoding.placed import load_placed
 
                 return load_placed(path, dtype, attn, gpus).eval()
-            elif _quantized(path):
+            elif _quantized(path) or any(f.keys.release_config or f.layout.fused for f in rows):
+                # quantized, or a release transformers cannot read as stored (MiMo-V2.5: its own config keys, q/k/v
+                # in one pre-sharded tensor): recycle's reader, which maps it onto transformers' model
                 model = _load_dequantized(path, dtype, attn)
             else:
                 config = AutoConfig.from_pretrained(path)

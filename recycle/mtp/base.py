@@ -37,9 +37,11 @@ from transformers.masking_utils import create_causal_mask, create_sliding_window
 from recycle.checkpoint import STORAGE_KEYS, Checkpoint
 from recycle.errors import RecycleError
 from recycle.families import BY_NAME, Family, MTPMatch, config_rows, declared_depth, first_value, match
+from recycle.fused import fuse, scale_chunks, split
 from recycle.imports import import_object
 from recycle.quant import SCALE_SUFFIX
 from recycle.registry import Registry
+from recycle.release_config import transformers_keys
 
 T = TypeVar("T")
 LEAF_ROLES = ("embed_norm", "hidden_norm", "proj", "final_norm", "head", "embed")
@@ -131,6 +133,7 @@ def family_config(config: Mapping, family: Family, attn_implementation: str = "s
     if family.model_types and config.get("model_type") not in family.model_types and not family.run.block_model_type:
         # read as this row (`--family`) under another name: the row's own config class builds its block
         config = {**config, "model_type": family.model_types[0]}
+    config = transformers_keys(config, family.keys.release_config, family.title)  # a type transformers has no class for
     attn, trunk = family.run.attn_implementation or attn_implementation, int(config.get("num_hidden_layers") or 0)
     n = declared_depth(family, config)
     lists = [v for k, v in config.items() if k.endswith("layer_types") and isinstance(v, list)]
@@ -439,9 +442,18 @@ class MTP(nn.Module):
             raise RecycleError(
                 f"{ckpt.path}: cannot build {m.family.run.block_class} from this config ({type(e).__name__}: {e})"
             ) from None
+        fused = m.family.layout.fused
         for mod, layer in zip(modules, model.layers):
             state = {f"{r}.weight": ckpt.get(mod.tensor(r)) for r in LEAF_ROLES if r in roles}
-            block = {rel: ckpt.get(full) for rel, full in mod.block_names().items() if not rel.endswith(SCALE_SUFFIX)}
+            block = {rel: ckpt.get(full, row_chunks=scale_chunks(rel, fused, m.config))
+                     for rel, full in mod.block_names().items() if not rel.endswith(SCALE_SUFFIX)}
+            if fused:  # q/k/v stored as one pre-sharded tensor: cut to the rows the layer's own parameters have
+                own = {n.removeprefix("block."): v.shape[0] for n, v in layer.state_dict().items()}
+                try:
+                    block = split(block, fused, m.config, lambda rel, own=own: own.get(
+                        next(iter(renamed({rel: 0}, m.family.run.block_renames)))))
+                except RecycleError as e:
+                    raise RecycleError(f"{ckpt.path}: {mod.prefix}{e}") from None
             state.update({f"block.{k}": v for k, v in to_runtime_layout(
                 block, config, m.family.run.block_renames, m.family.run.block_conversions).items()})
             _fold_trunk_semantics(state, m, ckpt, config)
@@ -474,6 +486,7 @@ class MTP(nn.Module):
                 out[fam.layout.roles[role][0].format(**ctx)] = w
             prefix = fam.layout.block[0].format(s=k, **ctx)
             state = {n: t.detach().clone() for n, t in layer.block.state_dict().items()}
-            for rel, t in to_checkpoint_layout(state, self.config, fam.run.block_renames, fam.run.block_conversions).items():
+            state = to_checkpoint_layout(state, self.config, fam.run.block_renames, fam.run.block_conversions)
+            for rel, t in fuse(state, fam.layout.fused, self.config).items():
                 out[prefix + rel] = t.contiguous()
         return out

@@ -132,10 +132,19 @@ def with_ignored(config: Mapping, modules: Iterable[str]) -> dict:
     return config
 
 
-def requantize(weight: torch.Tensor, block: tuple[int, int], pow2: bool = False) -> tuple[torch.Tensor, torch.Tensor,
-                                                                                          dict]:
+def requantize(weight: torch.Tensor, block: tuple[int, int], pow2: bool = False, row_chunks: int = 1
+               ) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """A weight re-quantized to block FP8 with fresh scales (`pow2`: see `quantize_fp8`), and what that cost: the max
-    and mean relative error of the dequantized result per element (|ŵ − w| / max|w| of its block), for the record."""
+    and mean relative error of the dequantized result per element (|ŵ − w| / max|w| of its block), for the record.
+    `row_chunks`: a pre-sharded fused weight (`recycle.fused`), each row chunk in blocks of its own, scales tiled."""
+    if row_chunks > 1:
+        import torch  # made here: headers alone need no torch
+
+        done = [requantize(w, block, pow2) for w in weight.chunk(row_chunks)]
+        stats = {"max_rel_error": max(d[2]["max_rel_error"] for d in done),
+                 "mean_rel_error": round(sum(d[2]["mean_rel_error"] for d in done) / row_chunks, 7),
+                 "blocks": sum(d[2]["blocks"] for d in done)}
+        return torch.cat([d[0] for d in done]), torch.cat([d[1] for d in done]), stats
     m, n = weight.shape
     if m < 1 or n < 1:
         raise RecycleError("cannot quantize an empty weight")
@@ -207,7 +216,7 @@ def scale_values(scale: torch.Tensor) -> torch.Tensor:
 
 
 def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = (128, 128),
-                   dtype: torch.dtype | None = None) -> torch.Tensor:
+                   dtype: torch.dtype | None = None, row_chunks: int = 1) -> torch.Tensor:
     """`W[i, j] * S[i // b0, j // b1]` in float32, rounded once to `dtype` (the scale multiplies, despite its name).
     The scale is float32 (`weight_scale_inv`) or e8m0 (DeepSeek-V4's `.scale`, `F8_E8M0`: float8_e8m0fnu or its
     bytes as uint8), whose multiplier is 2^(s - 127), exact in float32.
@@ -223,6 +232,11 @@ def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[i
         raise RecycleError(f"FP8 block dequantization needs a 2-D FP8 weight, got {weight.dtype} {list(weight.shape)}")
     m, n = weight.shape
     bm, bn = expected_scale_shape(weight.shape, block)
+    if row_chunks > 1 and m % row_chunks == 0 and row_chunks * -(-m // row_chunks // block[0]) == scale_inv.shape[0]:
+        # a weight pre-sharded in `row_chunks` row chunks, each scaled in blocks of its own (recycle.fused); read so
+        # wherever the scale's rows allow it, as vLLM (`_shard_fp8_qkv_proj`) and llama.cpp's converter do
+        return torch.cat([dequantize_fp8(w, s, block, dtype) for w, s in
+                          zip(weight.chunk(row_chunks), scale_inv.chunk(row_chunks))])
     if tuple(scale_inv.shape) != (bm, bn):
         raise RecycleError(f"FP8 scale has shape {list(scale_inv.shape)}, expected {[bm, bn]} for weight {[m, n]}")
     table = fp8_table(weight.dtype)

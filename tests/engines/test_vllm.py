@@ -344,3 +344,67 @@ def test_vllm_feeds_a_step_medusa_the_pre_norm_state(tmp_path, monkeypatch):
     monkeypatch.setattr(engine.MedusaEngine, "commit", lambda self, t, f: setattr(self, "h", f["prenorm"][-1:]))
     pre = native_k1("Step-3.5 Medusa, pre-norm", step, drafter=medusa, method="medusa")
     assert (pre.recycle_accepted, pre.recycle_tried) == (as_is.vllm_accepted, as_is.vllm_drafts)
+
+
+# vLLM's own reading of a pre-sharded FP8 `qkv_proj` (MiMo-V2.5, `mimo_v2.py::_shard_fp8_qkv_proj`) at tensor-parallel
+# size 1, its re-quantization left out: the float32 [Q | K | V] its loader gathers from the chunks with their tiled
+# scales. Its scale expansion assumes whole 128-column blocks (the release's 4096): the fixture's 64 columns are
+# padded with zero codes and cut off again.
+QKV_PROBE = '''
+import glob, json, sys
+import torch
+from safetensors import safe_open
+import vllm.model_executor.models.mimo_v2 as mimo_v2
+
+mimo_v2._requantize_fp8 = lambda grouped, rows, block, dtype: (grouped, None)
+d, out = sys.argv[1], {}
+c = json.load(open(d + "/config.json"))
+for f in glob.glob(d + "/*.safetensors"):
+    with safe_open(f, "pt") as s:
+        for n in [n for n in s.keys() if n.endswith("qkv_proj.weight")]:
+            w, scale = s.get_tensor(n), s.get_tensor(n + "_scale_inv")
+            cols = w.shape[1]
+            w = torch.cat([w, torch.zeros(w.shape[0], -cols % 128, dtype=w.dtype)], 1)
+            swa = ".mtp." in n or c["hybrid_layer_pattern"][int(n.split(".")[2])] == 1
+            key = lambda k: ("swa_" + k) if swa else k
+            grouped, _ = mimo_v2._shard_fp8_qkv_proj(
+                w, scale, num_heads=c[key("num_attention_heads")], num_kv_heads=c[key("num_key_value_heads")],
+                head_dim=c[key("head_dim")], v_head_dim=c[key("v_head_dim")], tp_rank=0, tp_size=1,
+                ckpt_tp=c["num_key_value_heads"])
+            out[n] = grouped[:, :cols].tolist()
+print("QKV " + json.dumps(out))
+'''
+
+
+def test_vllm_reads_mimo_v2_5s_fused_qkv_as_recycle_splits_it(family_dir):
+    """MiMo-V2.5's FP8 `qkv_proj`, pre-sharded in num_key_value_heads chunks with scales tiled per chunk: vLLM's own
+    loader function gathers the same q, k and v rows, with the same scales, as recycle's reader splits and
+    dequantizes, for every trunk layer and MTP module (exactly: both are the stored code times its scale in float32;
+    recycle's MTP modules hold bf16, so those are compared rounded to it)."""
+    import json
+
+    import torch
+
+    from recycle.decoding.target import load_target
+    from recycle.engines.vllm_env import vllm_python
+    from recycle.mtp import MTP
+
+    from tests.helpers import run
+
+    src = family_dir("mimo_v2", fp8=True)
+    res = run([str(vllm_python()), "-c", QKV_PROBE, str(src)], timeout=300, capture_output=True, text=True)
+    lines = [ln for ln in res.stdout.splitlines() if ln.startswith("QKV ")]
+    assert lines, (res.stdout + res.stderr)[-3000:]
+    theirs = {n: torch.tensor(v) for n, v in json.loads(lines[-1][4:]).items()}
+    assert len(theirs) == 2 + 3  # two trunk layers (full, sliding), three MTP modules
+    target = dict(load_target(src).named_parameters())
+    modules = MTP.from_checkpoint(src)
+    for name, want in theirs.items():
+        if ".mtp." in name:
+            attn = modules.layers[int(name.split(".")[3])].block.self_attn
+            mine = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).float()
+            want = want.to(torch.bfloat16).float()
+        else:
+            p = name.removesuffix("qkv_proj.weight")
+            mine = torch.cat([target[p + f"{x}_proj.weight"] for x in "qkv"]).float()
+        assert torch.equal(mine, want), name
