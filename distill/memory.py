@@ -197,7 +197,7 @@ def target_counts(path: str) -> TargetCounts:
     from recycle.encode import quiet_transformers
 
     with quiet_transformers():
-        cfg = AutoConfig.from_pretrained(path)
+        cfg = AutoConfig.from_pretrained(path, trust_remote_code=False)
         text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
         io = text.vocab_size * text.hidden_size * (1 if getattr(text, "tie_word_embeddings", False) else 2)
         with torch.device("meta"):

@@ -118,7 +118,7 @@ class Teacher:
             from transformers import AutoConfig
 
             self.model = self.decoder = None
-            self.config = AutoConfig.from_pretrained(target_dir)
+            self.config = AutoConfig.from_pretrained(target_dir, trust_remote_code=False)
             self.embed, self.head = target_io(target_dir, device, dtype)  # the drafter shares them: adopt_target_io
             self.num_layers = int(self.config.num_hidden_layers)
         self.kv_layers: dict[str, int] = {}

@@ -53,7 +53,7 @@ def load_tokenizer(path: str | os.PathLike, fallback: str | os.PathLike | None =
         where = fallback
     try:
         with quiet_transformers():
-            tok = AutoTokenizer.from_pretrained(where)
+            tok = AutoTokenizer.from_pretrained(where, trust_remote_code=False)  # never a release's code
     except Exception as e:  # a corrupt tokenizer file is bad input
         raise RecycleError(f"{where}: no usable tokenizer ({' '.join(str(e).split())[:160]})") from None
     tok.model_max_length = UNLIMITED

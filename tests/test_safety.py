@@ -347,3 +347,31 @@ def test_distill_removes_a_killed_runs_partial_state_files(drafter: Path, quick:
     assert res.exit_code == 0, res.output
     assert any("removed 2 partial file(s)" in ln for ln in res.stderr.splitlines()), res.stderr
     assert not any(p.exists() for p in partial) and live.exists()
+
+
+def test_a_release_that_ships_its_own_code_is_never_run_nor_asked_about(family_dir, tmp_path):
+    """MiMo-V2.5 ships its own config class (config.json's `auto_map`: transformers has none for `mimo_v2`). Before,
+    transformers asked on the terminal whether to run it ("Do you wish to run the custom code? [y/N]", twice per
+    bench: the tokenizer's loader), and a "y" ran it. recycle now reads such a release with trust_remote_code=False
+    everywhere: here a "y" is typed, and the release's module, which would leave a file behind if imported, is not."""
+    from fixtures.families import write_tokenizer
+
+    src = tmp_path / "v25"
+    shutil.copytree(family_dir("mimo_v2"), src)
+    write_tokenizer(src)
+    ran = tmp_path / "ran"
+    (src / "configuration_mimo_v2.py").write_text(f"open({str(ran)!r}, 'w').close()\n"
+                                                   "from transformers import PretrainedConfig\n\n\n"
+                                                   "class MiMoV2Config(PretrainedConfig):\n    model_type = 'mimo_v2'\n")
+    config = json.loads((src / "config.json").read_text())
+    config["auto_map"] = {"AutoConfig": "configuration_mimo_v2.MiMoV2Config"}
+    (src / "config.json").write_text(json.dumps(config))
+    from typer.testing import CliRunner
+
+    from recycle.cli import app
+
+    res = CliRunner().invoke(app, ["bench", "--target", str(src), "--native-mtp", "--max-new-tokens", "4", "--json"],
+                             input="y\ny\ny\ny\n")
+    assert res.exit_code == 0, res.output
+    assert "custom code" not in res.output + res.stderr
+    assert not ran.exists()

@@ -226,12 +226,13 @@ def load_kept(path: Path, dtype: torch.dtype, attn: str, gpus: int, share: float
     if method not in KEPT_METHODS:
         raise RecycleError(f"--keep-quantized: transformers keeps {', '.join(KEPT_METHODS)} releases as stored; "
                            f"{path} is {method or 'not quantized'}: load it dequantized (drop --keep-quantized)")
-    config = AutoConfig.from_pretrained(path)
+    config = AutoConfig.from_pretrained(path, trust_remote_code=False)
     if text_only(config):
         raise RecycleError(f"--keep-quantized: {path} is a multimodal model's text config alone, which transformers "
                            "loads with no class of its own: load it dequantized (drop --keep-quantized)")
     budgets = {i: int(share * torch.cuda.get_device_properties(i).total_memory) for i in range(gpus)}
     model = lm_class(config).from_pretrained(path, dtype=dtype, attn_implementation=attn, device_map="auto",
+                                             trust_remote_code=False,
                                              max_memory=budgets)
     off = sorted({str(v) for v in (getattr(model, "hf_device_map", None) or {}).values() if not isinstance(v, int)})
     if off:

@@ -71,11 +71,11 @@ def load_target(
                 # in one pre-sharded tensor): recycle's reader, which maps it onto transformers' model
                 model = _load_dequantized(path, dtype, attn)
             else:
-                config = AutoConfig.from_pretrained(path)
+                config = AutoConfig.from_pretrained(path, trust_remote_code=False)
                 if text_only(config):  # Step-3.5-Flash: Step-3.7's text config alone, which has no class of its own
                     model = _load_dequantized(path, dtype, attn)  # built as Step-3.7, its towers left out
                 else:
-                    model = lm_class(config).from_pretrained(path, config=config, dtype=dtype,
+                    model = lm_class(config).from_pretrained(path, config=config, dtype=dtype, trust_remote_code=False,
                                                              attn_implementation=attn)
     except RecycleError:
         raise
