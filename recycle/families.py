@@ -575,8 +575,14 @@ FAMILIES: tuple[Family, ...] = (
         layout=dict(fused=(Fused("self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
                                  "num_key_value_heads"),)),
         keys=dict(release_config="mimo_v2"),  # no transformers config class: the release's keys, as vLLM reads them
+        # plus what vLLM does with the fused tensor in BF16 (measured at tensor-parallel size 1, docs/engines.md)
         exports=dict(gguf_why="llama.cpp's converter reads MiMoV2ForCausalLM itself (conversion/mimo.py re-groups "
-                              "the pre-sharded FP8 qkv_proj); recycle writes no mimo2 GGUF of its own yet"),
+                              "the pre-sharded FP8 qkv_proj); recycle writes no mimo2 GGUF of its own yet",
+                     vllm_note=MIMO_V2_FLASH.exports.vllm_note + ". A fused qkv_proj stored in BF16 (stitch "
+                               "--mtp-dtype bf16) vLLM 0.32 reads right only at --tensor-parallel-size = "
+                               "num_key_value_heads (its MTP loader takes tensor-parallel-size chunks: at size 1, one "
+                               "unsharded [Q|K|V], measured); the FP8 the releases ship, and stitch writes by default, "
+                               "at any size"),
         notes="MiMo-V2-Flash's modules with q/k/v stored as one pre-sharded `qkv_proj`; the release's own config keys "
               "(transformers has no mimo_v2 class) read into transformers' MiMo-V2-Flash layers; vLLM's MiMoV2MTP "
               "runs only module 0",

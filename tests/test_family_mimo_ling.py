@@ -269,6 +269,8 @@ def test_mimo_v2_5_fp8_scales_are_tiled_per_chunk(family_dir, tmp_path):
     shutil.copytree(v25, target)
     write_tokenizer(target)
     assert run_cli("convert", str(bf16), "--to", "eagle", "-o", str(tmp_path / "e")).exit_code == 0
+    notes = json.loads((tmp_path / "e" / "recycle.json").read_text())["notes"]  # and so the card
+    assert any("reads right only at --tensor-parallel-size = num_key_value_heads" in n for n in notes), notes
     res = run_cli("stitch", str(tmp_path / "e" / "mtp_overlay"), "--target", str(target), "-o", str(tmp_path / "st"),
                   "--json")
     assert res.exit_code == 0, res.output

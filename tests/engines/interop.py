@@ -179,14 +179,24 @@ def mimo_for_vllm(work: Path, *, window: int | None = None) -> Path:
     * each module's eh_proj = [I, 0.3·R]: the drafted token's embedding plus a little of the trunk's state; its block
       (sliding-window attention with sinks, dense MLP, every norm) as generated, so the window decides drafts.
     `window` (the generator's is 4): `sliding_window_size` = window - 1, transformers attends to window keys."""
-    import torch
-
-    from fixtures.families import make, write_tokenizer
+    from fixtures.families import write_tokenizer
 
     out = work / f"mimo_v2_flash-drafting{'' if window is None else f'-window{window}'}"
     if (out / "config.json").is_file():
         return out
-    fx = make("mimo_v2_flash", head_dim=96, v_head_dim=96)
+    fx = mimo_drafting()
+    if window is not None:
+        fx.config.update(sliding_window_size=window - 1, sliding_window=window)
+    return write_tokenizer(fx.write(out))
+
+
+def mimo_drafting(kv: int = 1):
+    """The MiMo-V2-Flash generator (`kv` full-attention KV heads) as `mimo_for_vllm` describes it, in memory."""
+    import torch
+
+    from fixtures.families import make
+
+    fx = make("mimo_v2_flash", head_dim=96, v_head_dim=96, kv=kv)
     t = fx.tensors
     for name in list(t):
         if name.startswith("model.layers.") and name.endswith(("o_proj.weight", "down_proj.weight")):
@@ -195,9 +205,37 @@ def mimo_for_vllm(work: Path, *, window: int | None = None) -> Path:
             h = t[name].shape[0]
             rand = torch.randn(h, h, generator=torch.Generator().manual_seed(0)) / h ** 0.5
             t[name] = torch.cat([torch.eye(h), 0.3 * rand], 1).to(t[name].dtype)
+    return fx
+
+
+# The release ships its own config class (config.json's `auto_map`; transformers has no `mimo_v2`), which vLLM loads
+# with trust_remote_code. A stand-in that holds config.json's keys as they are, as the release's does for what vLLM
+# reads, for the drafting copies below only: recycle itself never runs a checkpoint's code.
+MIMO_V2_CONFIG = """from transformers import PretrainedConfig
+
+
+class MiMoV2Config(PretrainedConfig):
+    model_type = "mimo_v2"
+"""
+
+
+def mimo_v25_for_vllm(work: Path, *, kv: int = 1, chunks: int | None = None, window: int | None = None) -> Path:
+    """`mimo_for_vllm`'s drafting copy (with `kv` full-attention KV heads) in MiMo-V2.5's layout (`fixtures.families.
+    as_mimo_v2`): q/k/v fused into one `qkv_proj` pre-sharded in `kv` chunks (`chunks`: another count, e.g. 1, one
+    unsharded [Q|K|V] under kv 2), only the release's config keys, model_type `mimo_v2` and MiMoV2ForCausalLM, with
+    the stand-in config class vLLM loads by `auto_map`; `window` as `mimo_for_vllm`'s."""
+    from fixtures.families import as_mimo_v2, write_tokenizer
+
+    out = work / f"mimo_v2-drafting-kv{kv}-chunks{chunks or kv}-window{window or 4}"
+    if (out / "config.json").is_file():
+        return out
+    fx = as_mimo_v2(mimo_drafting(kv=kv), chunks)
+    fx.config["auto_map"] = {"AutoConfig": "configuration_mimo_v2.MiMoV2Config"}
     if window is not None:
-        fx.config.update(sliding_window_size=window - 1, sliding_window=window)
-    return write_tokenizer(fx.write(out))
+        fx.config["sliding_window_size"] = window - 1
+    write_tokenizer(fx.write(out))
+    (out / "configuration_mimo_v2.py").write_text(MIMO_V2_CONFIG, encoding="utf-8")
+    return out
 
 
 @dataclass
@@ -216,19 +254,20 @@ class NativeRow:
 
 
 def native_k1(name: str, target: Path, *, drafter: Path | None = None, method: str = "mtp", prompts: int | list = 6,
-              new_tokens: int = 48, tokenizer: bool = False) -> NativeRow:
+              new_tokens: int = 48, tokenizer: bool = False, remote_code: bool = False) -> NativeRow:
     """vLLM's plain and speculative (k=1, `method`) runs of `target` (its own modules, or `drafter`: a Gemma 4
     assistant, a Medusa) on the interop's prompt ids (`prompts`: how many stdlib prompts, or (name, text) pairs;
-    `tokenizer`: vLLM loads the target's), and recycle's chain:1 on the same texts."""
+    `tokenizer`: vLLM loads the target's; `remote_code`: vLLM loads the config class the target ships, as a
+    release's own), and recycle's chain:1 on the same texts."""
     from transformers import AutoTokenizer
 
     ps = prompt_set("stdlib", prompts) if isinstance(prompts, int) else prompts
-    tok = AutoTokenizer.from_pretrained(str(target))
+    tok = AutoTokenizer.from_pretrained(str(target), trust_remote_code=False)
     ids = [tok(p, add_special_tokens=False)["input_ids"] for _, p in ps]
     spec = {"method": method, "num_speculative_tokens": 1} | ({"model": str(drafter)} if drafter else {})
     runs = [{"name": "plain"}, {"name": "mtp", "speculative_config": spec}]
     res = run_job({"target": str(target), "prompt_ids": ids, "max_new_tokens": new_tokens, "runs": runs,
-                   "tokenizer": tokenizer})
+                   "tokenizer": tokenizer, "parallel": {"trust_remote_code": True} if remote_code else {}})
     try:
         (acc, tried), mine = _recycle_chain1(target, drafter, ps, new_tokens), None
     except RecycleError as e:

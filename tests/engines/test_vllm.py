@@ -408,3 +408,26 @@ def test_vllm_reads_mimo_v2_5s_fused_qkv_as_recycle_splits_it(family_dir):
             p = name.removesuffix("qkv_proj.weight")
             mine = torch.cat([target[p + f"{x}_proj.weight"] for x in "qkv"]).float()
         assert torch.equal(mine, want), name
+
+
+def test_mimo_v2_5_in_vllm_agrees_and_its_bf16_fused_qkv_is_read_unsharded(tmp_path):
+    """MiMo-V2.5's layout (the MiMo drafting copy with q/k/v fused in num_key_value_heads pre-sharded chunks and the
+    release's config keys alone; `mimo_v25_for_vllm`, vLLM loading a stand-in of the release's config class). In one
+    chunk, vLLM's plain output is recycle's AR output, its k=1 speculation lossless, and its counts recycle's at vLLM's
+    window, as for V2-Flash. In two, vLLM's BF16 MTP loader at tensor-parallel size 1 takes the fused tensor as one
+    unsharded [Q|K|V] (`mimo_v2_mtp.py`: a BF16 `qkv_proj` is `chunk(tp_size)[tp_rank]`; FP8 goes through
+    `_shard_fp8_qkv_proj`): its counts are not recycle's on the release's layout, and are on a copy that stores
+    those weights unsharded."""
+    from tests.engines.interop import mimo_v25_for_vllm, native_k1
+
+    def row(**opts):
+        r = native_k1(f"MiMo-V2.5 {opts}", mimo_v25_for_vllm(tmp_path, **opts), remote_code=True)
+        assert r.error is None and r.recycle_error is None, r
+        assert r.plain_equals_ar and r.lossless, r
+        return r
+
+    one, one_at_3 = row(), row(window=3)
+    assert (one.vllm_accepted, one.vllm_drafts) == (one_at_3.recycle_accepted, one_at_3.recycle_tried)
+    two, two_at_3, unsharded = row(kv=2), row(kv=2, window=3), row(kv=2, chunks=1)
+    assert (two.vllm_accepted, two.vllm_drafts) != (two_at_3.recycle_accepted, two_at_3.recycle_tried)
+    assert (unsharded.vllm_accepted, unsharded.vllm_drafts) == (two_at_3.recycle_accepted, two_at_3.recycle_tried)
