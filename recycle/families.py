@@ -576,8 +576,10 @@ FAMILIES: tuple[Family, ...] = (
                                  "num_key_value_heads"),)),
         keys=dict(release_config="mimo_v2"),  # no transformers config class: the release's keys, as vLLM reads them
         # plus what vLLM does with the fused tensor in BF16 (measured at tensor-parallel size 1, docs/engines.md)
-        exports=dict(gguf_why="llama.cpp's converter reads MiMoV2ForCausalLM itself (conversion/mimo.py re-groups "
-                              "the pre-sharded FP8 qkv_proj); recycle writes no mimo2 GGUF of its own yet",
+        exports=dict(gguf_why="recycle writes no mimo2 side file of its own; llama.cpp's converter reads "
+                              "MiMoV2ForCausalLM itself, the pre-sharded FP8 qkv_proj included, so convert the "
+                              "stitched target with it (measured: its drafts are recycle's at n_max 1, "
+                              "docs/llama-cpp.md)",
                      vllm_note=MIMO_V2_FLASH.exports.vllm_note + ". A fused qkv_proj stored in BF16 (stitch "
                                "--mtp-dtype bf16) vLLM 0.32 reads right only at --tensor-parallel-size = "
                                "num_key_value_heads (its MTP loader takes tensor-parallel-size chunks: at size 1, one "

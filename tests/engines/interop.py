@@ -190,13 +190,14 @@ def mimo_for_vllm(work: Path, *, window: int | None = None) -> Path:
     return write_tokenizer(fx.write(out))
 
 
-def mimo_drafting(kv: int = 1):
-    """The MiMo-V2-Flash generator (`kv` full-attention KV heads) as `mimo_for_vllm` describes it, in memory."""
+def mimo_drafting(kv: int = 1, heads: int = 4):
+    """The MiMo-V2-Flash generator (`kv` full-attention KV heads, `heads` query heads) as `mimo_for_vllm` describes
+    it, in memory."""
     import torch
 
     from fixtures.families import make
 
-    fx = make("mimo_v2_flash", head_dim=96, v_head_dim=96, kv=kv)
+    fx = make("mimo_v2_flash", head_dim=96, v_head_dim=96, kv=kv, heads=heads)
     t = fx.tensors
     for name in list(t):
         if name.startswith("model.layers.") and name.endswith(("o_proj.weight", "down_proj.weight")):
@@ -232,7 +233,7 @@ def mimo_v25_for_vllm(work: Path, *, kv: int = 1, chunks: int | None = None, win
     fx = as_mimo_v2(mimo_drafting(kv=kv), chunks)
     fx.config["auto_map"] = {"AutoConfig": "configuration_mimo_v2.MiMoV2Config"}
     if window is not None:
-        fx.config["sliding_window_size"] = window - 1
+        fx.config.update(sliding_window_size=window - 1, sliding_window=window)
     write_tokenizer(fx.write(out))
     (out / "configuration_mimo_v2.py").write_text(MIMO_V2_CONFIG, encoding="utf-8")
     return out

@@ -203,3 +203,51 @@ def test_a_distilled_drafter_converts_against_the_trunk_gguf_and_drafts(tmp_path
         "tokenizer.ggml.tokens"]
     plain = llama_runs(trunk, None, ids, 32, 1)
     assert llama_runs(trunk, side, ids, 32, 2)["tokens"] == plain["tokens"]
+
+
+def test_mimo_v2_5_stitched_in_fp8_converts_in_llama_cpp_and_drafts_as_recycle(tmp_path):
+    """MiMo-V2.5 (mimo2 graph, which needs the fused `qkv_proj` V2.5 stores) through llama.cpp's own converter, which
+    reads MiMoV2ForCausalLM's FP8 chunks itself (`conversion/mimo.py`, `_tp_aware_qkv_dequant`). The target is the
+    MiMo drafting copy in V2.5's FP8 layout (`mimo_v25_for_llama_cpp`); into it recycle stitches modules from a BF16
+    copy that drafts differently, re-quantized chunk by chunk (scales tiled: 20 rows for four 576-row chunks, where one
+    grid would have 18). llama.cpp's plain output is recycle's AR output, its n_max-1 drafting lossless, and on every
+    prompt its counts are recycle's on the stitched target but for the draft recycle makes at a prompt's last step
+    (llama.cpp stops drafting there): one more tried, at most one more accepted."""
+    from recycle.bench import BenchOptions, run_bench
+    from recycle.checkpoint import Checkpoint
+    from recycle.converters.api import convert_checkpoint
+    from recycle.converters.overlay import stitch
+
+    from tests.engines.llama_interop import LlamaServer, mimo_v25_for_llama_cpp
+
+    target = mimo_v25_for_llama_cpp(tmp_path)
+    donor = mimo_v25_for_llama_cpp(tmp_path, fp8=False, eh_seed=7)
+    overlay = Path(convert_checkpoint(donor, "eagle", tmp_path / "donor")["out"]) / "mtp_overlay"
+    stitched = tmp_path / "stitched"
+    done = stitch(overlay, target, stitched)
+    n = "model.mtp.layers.0.self_attn.qkv_proj.weight"
+    assert done["quantization"]["tensors"][n]["how"] == "re-quantized"
+    assert Checkpoint(stitched).tensors[n + "_scale_inv"].shape == (20, 1)
+    trunk = convert_trunk(stitched, tmp_path / "trunk.gguf", mtp="no")
+    side = convert_trunk(stitched, tmp_path / "side.gguf", mtp="only")
+    prompts, ids = prompt_ids(stitched, 6)
+    with LlamaServer(trunk) as server:
+        plain = [server.complete(p, 48)["tokens"] for p in ids]
+    assert plain == ar_tokens(stitched, ids, 48)
+    with LlamaServer(trunk, side, n_max=1) as server:
+        drafted = [server.complete(p, 48) for p in ids]
+    assert [d["tokens"] for d in drafted] == plain
+
+    def counts(model: Path) -> list[tuple[int, int]]:
+        out = []
+        for p in prompts:
+            spec = run_bench(BenchOptions(drafter=None, native=True, target=str(model), prompts=[p], max_new_tokens=48,
+                                          tree="chain:1", stop_at_eos=False, warmup=False)).overall.spec
+            out.append((int(sum(spec.accepted)), int(sum(spec.tried))))
+        return out
+
+    ours = counts(stitched)
+    for (acc, tried), d in zip(ours, drafted, strict=True):
+        assert tried - d["drafted"] == 1 and acc - d["accepted"] in (0, 1), (ours, drafted)
+    assert sum(a for a, _ in ours) > 0.2 * sum(t for _, t in ours)  # the copy drafts
+    assert ours != counts(target)  # the stitched modules are the ones drafting
