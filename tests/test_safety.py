@@ -370,7 +370,7 @@ def test_a_release_that_ships_its_own_code_is_never_run_nor_asked_about(family_d
 
     from recycle.cli import app
 
-    res = CliRunner().invoke(app, ["bench", "--target", str(src), "--native-mtp", "--max-new-tokens", "4", "--json"],
+    res = CliRunner().invoke(app, ["bench", "--target", str(src), "--native-mtp", "--quick", "--max-new-tokens", "2", "--json"],
                              input="y\ny\ny\ny\n")
     assert res.exit_code == 0, res.output
     assert "custom code" not in res.output + res.stderr
