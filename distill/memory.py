@@ -192,16 +192,16 @@ class TargetCounts:
 @functools.lru_cache(maxsize=8)
 def target_counts(path: str) -> TargetCounts:
     """`TargetCounts` of the target at `path`, built on meta from its config (no weights read)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
+    from recycle.decoding.placed import config_of, lm_class
     from recycle.encode import quiet_transformers
+    from recycle.preflight import load_json
 
     with quiet_transformers():
-        cfg = AutoConfig.from_pretrained(path, trust_remote_code=False)
+        cfg = config_of(path)  # as the target loads: a release's own keys read by its row, never its code
         text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
         io = text.vocab_size * text.hidden_size * (1 if getattr(text, "tie_word_embeddings", False) else 2)
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(cfg)
+            model = lm_class(cfg).from_config(cfg)
     trunk = routed = matrices = 0
     for name, p in model.named_parameters():
         trunk += p.numel()
@@ -209,7 +209,9 @@ def target_counts(path: str) -> TargetCounts:
             routed += p.numel()
         if p.dim() >= 2 and p.shape[0] != text.vocab_size:
             matrices += p.numel()
-    return TargetCounts(trunk, io, routed, matrices, text.to_dict())
+    # the quantization the loader's config leaves out (it dequantizes), for the teacher's stored bytes
+    quant = load_json(Path(path) / "config.json", "config.json").get("quantization_config")
+    return TargetCounts(trunk, io, routed, matrices, text.to_dict() | ({"quantization_config": quant} if quant else {}))
 
 
 def _target_params(path: Path) -> tuple[int, int]:

@@ -115,10 +115,10 @@ class Teacher:
             self.config = self.model.config
             self.num_layers = len(self.decoder.layers)
         else:
-            from transformers import AutoConfig
+            from recycle.decoding.placed import config_of
 
             self.model = self.decoder = None
-            self.config = AutoConfig.from_pretrained(target_dir, trust_remote_code=False)
+            self.config = config_of(target_dir)
             self.embed, self.head = target_io(target_dir, device, dtype)  # the drafter shares them: adopt_target_io
             self.num_layers = int(self.config.num_hidden_layers)
         self.kv_layers: dict[str, int] = {}

@@ -371,3 +371,23 @@ def test_native_chain_is_lossless_past_the_targets_sliding_window(family_dir):
     """Issue 47: MiMo-V2's trunk alternates full and sliding-window layers. Its cache keeps every token (a layer that
     evicted cannot be cut back to the accepted ones) and each layer type gets its own mask."""
     native_chain_past_the_window(family_dir("mimo_v2_flash"), 3)
+
+
+def test_plans_read_a_release_transformers_has_no_class_for(family_dir, tmp_path):
+    """`distill --plan` and `harvest --plan` size the target from its config the way the target loads: MiMo-V2.5's
+    keys read by its row (before: transformers' "does not recognize this architecture" as a traceback); a model type
+    no row reads is one line, exit 2."""
+    from tests.cli_helpers import assert_bad_input, run_cli
+
+    v25 = family_dir("mimo_v2")
+    eagle = tmp_path / "eagle"
+    assert run_cli("convert", str(v25), "--to", "eagle", "-o", str(eagle)).exit_code == 0
+    res = run_cli("distill", str(eagle), "--target", str(v25), "--tokens", "4k", "--plan")
+    assert res.exit_code == 0 and "total per rank" in res.stdout, res.output
+    res = run_cli("harvest", "--target", str(v25), "--plan", "--tokens", "1M")
+    assert res.exit_code == 0 and "harvest plan" in res.stdout, res.output
+    odd = tmp_path / "odd"
+    odd.mkdir()
+    (odd / "config.json").write_text(json.dumps({"model_type": "not_a_model", "architectures": ["NotAModel"]}))
+    assert_bad_input(run_cli("harvest", "--target", str(odd), "--plan", "--tokens", "1M"),
+                     "transformers cannot read its config.json (ValueError: Unrecognized model identifier: not_a_model")

@@ -103,6 +103,21 @@ def model_config(raw: dict):
     return config if outer is None else outer(text_config=config.to_dict())
 
 
+def config_of(path: str | Path):
+    """`model_config` of a target directory's config.json (a model type transformers has no class for read by its
+    row; never the release's own code), anything transformers raises on it one line."""
+    from huggingface_hub.errors import StrictDataclassClassValidationError
+
+    from recycle.preflight import load_json
+
+    try:
+        return model_config(load_json(Path(path) / "config.json", "config.json"))
+    except (ValueError, KeyError, TypeError, AttributeError, StrictDataclassClassValidationError) as e:
+        # transformers' refusals: an unknown model type, a config its class (or its validator) rejects
+        why = " ".join(str(e).split(". Should contain")[0].split())[:200]  # not the list of every model type
+        raise RecycleError(f"{path}: transformers cannot read its config.json ({type(e).__name__}: {why})") from None
+
+
 def release_row(raw: dict):
     """The family row that reads this config.json in its own way (a release config reader, fused tensors), if any."""
     from recycle.families import config_rows
