@@ -235,6 +235,17 @@ def test_mimo_v2_5_runs_the_flash_layers_exactly(family_dir):
     assert all(torch.equal(written[n].to(torch.bfloat16), ck.raw(n)) for n in stored)
 
 
+@pytest.mark.parametrize("fmt", ["eagle", "eagle3", "medusa"])
+def test_mimo_v2_5_converts_to_what_the_flash_copy_converts_to(family_dir, converted, fmt):
+    """Every drafter format from MiMo-V2.5's layout is, tensor for tensor, the one from the V2-Flash copy of the same
+    values (the EAGLE-3 fold and the Medusa heads read the block through the cut, lazily)."""
+    from safetensors.torch import load_file
+
+    a, b = (load_file(str(converted(fmt, source=family_dir(v, **o)) / "model.safetensors"))
+            for v, o in (("mimo_v2", {}), ("mimo_v2_flash", {"kv": 2})))
+    assert set(a) == set(b) and all(torch.equal(a[n], b[n]) for n in a)
+
+
 def test_mimo_v2_5_fp8_scales_are_tiled_per_chunk(family_dir, tmp_path):
     """The releases quantize each pre-sharded chunk in blocks of its own, so a `qkv_proj`'s scales come in tiles
     (vLLM's `_shard_fp8_qkv_proj` and llama.cpp's converter read them so). Here the chunks are 160 and 224 rows:
