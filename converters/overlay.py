@@ -40,7 +40,7 @@ from recycle.converters.roles import EXACT, raw
 from recycle.converters.scheme_plan import Requant, as_float, plan_scheme, refuse_scheme, trunk_dtype
 from recycle.errors import RecycleError
 from recycle.families import MTPMatch, match
-from recycle.fused import scale_chunks, tiled_scale_shape
+from recycle.fused import scale_chunks, spec_of, tiled_scale_shape
 from recycle.io.writer import Lazy, OutputDir, Progress, nbytes, split_plan
 from recycle.preflight import DEFAULT_SHARD_SIZE
 from recycle.quant import (
@@ -108,6 +108,21 @@ def _target_copies(ov: Checkpoint, om: MTPMatch, tgt: Checkpoint) -> dict[str, s
 def _tokenizer_dir(overlay: Path) -> Path:
     """Where the overlay's tokenizer is: in it, or in the drafter directory that holds it."""
     return overlay if (overlay / "tokenizer.json").is_file() else overlay.parent
+
+
+def _fused_notes(record: dict, tm: MTPMatch, tgt: Checkpoint) -> list[str]:
+    """What an engine does with the pre-sharded fused weights (`recycle.fused`) written in a float dtype: vLLM 0.32's
+    MTP loader takes one that is not FP8 as `--tensor-parallel-size` chunks (`mimo_v2_mtp.py:340-345`, measured at
+    size 1: docs/engines.md), so it reads it right only at the size the chunks were made for."""
+    notes = []
+    for n, r in sorted(record.items()):
+        spec = spec_of(n, tm.family.layout.fused)
+        chunks = scale_chunks(n, tm.family.layout.fused, tgt.config) if spec is not None else 1
+        if chunks > 1 and not str(r.get("stored", "")).startswith("F8"):
+            notes.append(f"{n}: written {r.get('stored')} in its {chunks} pre-sharded chunks, which vLLM 0.32 reads "
+                         f"right only at --tensor-parallel-size {chunks} (a fused weight not in FP8 is taken as that "
+                         "many chunks; FP8, --mtp-dtype auto into an FP8 target, at any size: docs/engines.md)")
+    return notes
 
 
 def _check_blocks(tgt: Checkpoint, block: tuple[int, int], mtp: set[str], where: str, fused: tuple = ()) -> None:
@@ -261,6 +276,7 @@ def stitch(overlay: str | os.PathLike, target: str | os.PathLike, out: str | os.
                                     "mtp_dtype": mtp_dtype, "ignored_added": sorted(ignored),
                                     "ignore_keys": {k: sorted(v) for k, v in sorted(cfg.added.items())} if cfg is not None else {},
                                     "tensors": _errors(record)}}
+        summary["notes"] = _fused_notes(record, tm, tgt)
         q = summary["quantization"]
         errs = [r["max_rel_error"] for r in q["tensors"].values() if "max_rel_error" in r]
         q["requantized"] = len(errs)

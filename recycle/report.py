@@ -731,6 +731,8 @@ def render_stitch(data: dict) -> None:
         ignored = (f"; {len(q['ignored_added'])} ignore entries added" + (f" ({keys})" if keys else "")
                    if q.get("ignored_added") else "")
         out.print(f"target quantization {q['target']}, --mtp-dtype {q['mtp_dtype']}: {how}{ignored}")
+    for note in data.get("notes") or ():
+        out.print(f"[dim]note: {note}[/dim]")
 
 
 def render_harvest(data: dict) -> None:

@@ -287,6 +287,13 @@ def test_mimo_v2_5_fp8_scales_are_tiled_per_chunk(family_dir, tmp_path):
     assert res.exit_code == 0, res.output
     n = "model.mtp.layers.0.self_attn.qkv_proj.weight"
     assert json.loads(res.stdout)["quantization"]["tensors"][n]["how"] == "re-quantized"
+    assert json.loads(res.stdout)["notes"] == []
+    # in BF16 the release's layout is one vLLM reads right only at its chunk count: stitch says so
+    res = run_cli("stitch", str(tmp_path / "e" / "mtp_overlay"), "--target", str(target), "-o", str(tmp_path / "b"),
+                  "--mtp-dtype", "bf16")
+    assert res.exit_code == 0, res.output
+    assert f"note: {n}: written BF16 in its 2 pre-sharded chunks, which vLLM 0.32 reads right only at" in \
+        " ".join(res.stdout.split())
     st = Checkpoint(tmp_path / "st")
     want = Checkpoint(bf16).get(n, torch.float32)
     assert within(st.get(n, torch.float32, row_chunks=2), want) and not within(st.get(n, torch.float32), want)
