@@ -409,3 +409,24 @@ def test_plans_read_a_release_transformers_has_no_class_for(family_dir, tmp_path
     (odd / "config.json").write_text(json.dumps({"model_type": "not_a_model", "architectures": ["NotAModel"]}))
     assert_bad_input(run_cli("harvest", "--target", str(odd), "--plan", "--tokens", "1M"),
                      "transformers cannot read its config.json (ValueError: Unrecognized model identifier: not_a_model")
+
+
+def test_mimo_v2_5_as_released_with_its_towers_runs_its_text_model(family_dir):
+    """MiMo-V2.5 as released is omni (MiMoV2OmniForCausalLM, `vision_config`, `audio_config`; vLLM's MiMoV2Omni maps
+    `model.visual.` and `speech_embeddings.` beside the text model's `model.`): inspect names the row with no error,
+    and its modules and target (towers left unread) compute what the text-only layout computes."""
+    from recycle.decoding.target import load_target
+
+    from tests.cli_helpers import run_cli
+
+    omni, text = family_dir("mimo_v2", omni=True), family_dir("mimo_v2")
+    res = run_cli("inspect", str(omni), "--json")
+    data = json.loads(res.stdout)
+    assert res.exit_code == 0 and data["family"] == "mimo_v2" and data["worst"] != "error", res.output
+    g = torch.Generator().manual_seed(0)
+    h, ids = torch.randn(1, T, 64, generator=g), torch.randint(0, 256, (1, T + 3), generator=g)
+    with torch.no_grad():
+        assert torch.equal(load_target(omni)(ids).logits, load_target(text)(ids).logits)
+        for a, b in zip(MTP.from_checkpoint(omni)(h, ids).logits, MTP.from_checkpoint(text)(h, ids).logits,
+                        strict=True):
+            assert torch.equal(a, b)
