@@ -6,7 +6,9 @@ prompt ids (6 stdlib prompts × 48 new tokens), prompt by prompt.
 
 The copies: `tests/engines/llama_interop.py` `mimo_v25_for_llama_cpp` (the MiMo drafting copy with 8 heads, 4 KV
 heads, head dims 96; no trained MiMo fixture exists); the stitched modules come from its BF16 twin with another
-random part in each `eh_proj` (`eh_seed=7`), converted `--to eagle`, stitched and re-quantized chunk by chunk.
+random part in each `eh_proj` (`eh_seed=7`), converted `--to eagle`, stitched and re-quantized chunk by chunk. A
+third row runs the same values in MiMo-V2-Flash's layout (separate q/k/v) with recycle's own side file (`--to gguf`:
+q/k/v stacked into the `attn_qkv` the mimo2 graph asserts), where llama.cpp's own export does not draft.
 
     python benchmarks/llama_cpp_mimo_v25.py --work /tmp/llama-mimo-v25
 """
@@ -23,13 +25,15 @@ from recycle.engines.llama_cpp import convert_trunk
 
 from _common import parser
 from tests.engines.interop import ar_tokens
-from tests.engines.llama_interop import LlamaServer, mimo_v25_for_llama_cpp, prompt_ids
+from tests.engines.llama_interop import LlamaServer, mimo_v25_for_llama_cpp, prompt_ids, side_file
 
 
-def row(name: str, model: Path, work: Path) -> None:
+def row(name: str, model: Path, work: Path, ours: bool = False) -> None:
+    """`ours`: the modules from recycle's side file (`convert --to gguf`), not llama.cpp's own `--mtp` export."""
     t0 = time.perf_counter()
     trunk = convert_trunk(model, work / f"{name}-trunk.gguf", mtp="no")
-    side = convert_trunk(model, work / f"{name}-side.gguf", mtp="only")
+    side = side_file(model, work, f"{name}-ours", module=None) if ours else \
+        convert_trunk(model, work / f"{name}-side.gguf", mtp="only")
     converted = time.perf_counter() - t0
     prompts, ids = prompt_ids(model, 6)
     with LlamaServer(trunk) as server:
@@ -60,9 +64,12 @@ def main() -> None:
     q = done["quantization"]
     print(f"stitch: {q['requantized']} weights re-quantized, max relative error {q['max_rel_error']}")
     print("| target | llama.cpp plain = recycle AR | lossless at n_max 1 | llama.cpp accepted/drafted, per prompt | "
-          "recycle accepted/tried, per prompt | llama.cpp's conversion |\n|---|---|---|---|---|---|")
+          "recycle accepted/tried, per prompt | the GGUF files' conversion |\n|---|---|---|---|---|---|")
     row("V2.5 layout, FP8 as stored", target, work)
     row("the same, other modules stitched (FP8, re-quantized by chunk)", work / "stitched", work)
+    # MiMo-V2-Flash's layout (separate q/k/v): llama.cpp's own export does not draft (the mimo2 graph asserts a fused
+    # attn_qkv); recycle's side file stacks them
+    row("V2-Flash layout, recycle's side file", mimo_v25_for_llama_cpp(work, flash=True), work, ours=True)
     print(f"{time.perf_counter() - t0:.0f} s")
 
 

@@ -100,6 +100,14 @@ def _block(arch: GGUFArch, block: Mapping[str, Lazy], n: int, cfg: Mapping, ckpt
     repacked where the record says so)."""
     out: dict[str, Lazy] = {}
     experts: dict[str, dict[int, Lazy]] = {}
+    for template, rels in arch.block_fused.items():  # several block tensors as one (MiMo's [Q; K; V])
+        if all(r in block for r in rels):
+            parts = [block[r] for r in rels]
+            out[template.format(n=n)] = Lazy(
+                (sum(p.shape[0] for p in parts), *parts[0].shape[1:]),
+                lambda ps=parts: torch.cat([p.make() for p in ps]), tuple(s for p in parts for s in p.sources),
+                EXACT, f"{', '.join(rels)} stacked along the rows, as llama.cpp's fused tensor reads them")
+            block = {r: v for r, v in block.items() if r not in rels}
     for rel, lazy in block.items():
         if ckpt is not None and ckpt.tensors[lazy.sources[0]].dtype == "F8_E8M0" \
                 and rel.removesuffix(".scale") + ".weight" in block:
@@ -259,7 +267,8 @@ def _module(w: RoleWeights, arch: GGUFArch, mod, b: int, cfg: Mapping, tensors: 
             if trunk is not None and len(lazy.sources) == 1 and same_values(w.ckpt, lazy.sources[0], trunk):
                 notes.append("nextn.embed_tokens left out: the module's embedding equals the trunk's token_embd")
                 continue
-        name = arch.head.format(n=b) if role == "head" else f"blk.{b}.nextn.{suffix}.weight"
+        name = arch.head.format(n=b) if role == "head" else arch.final_norm.format(n=b) if role == "final_norm" \
+            else f"blk.{b}.nextn.{suffix}.weight"
         tensors[name] = lazy
     for role, name in arch.leaves.items():
         tensors[name.format(n=b)] = mod.leaves[role]

@@ -62,10 +62,12 @@ def _finite(chunk: torch.Tensor) -> bool:
 
 
 def stored(ckpt: Checkpoint, name: str, kind: str = EXACT, note: str = "", row_chunks: int = 1) -> Lazy:
-    """A checkpoint tensor's values (FP8 dequantized; `row_chunks`: a pre-sharded fused tensor's, `recycle.fused`),
-    checked for NaN/Inf when read."""
+    """A checkpoint tensor's values, checked for NaN/Inf when read: as stored, or a quantized one dequantized into
+    float32 (`row_chunks`: a pre-sharded fused tensor's, `recycle.fused`), so that the writer rounds it once into
+    the output's dtype (an fp32 output holds the dequantized values exactly, as llama.cpp's converter writes them)."""
     info = ckpt.tensors[name]
-    return Lazy(info.shape, lambda: check_finite(ckpt.get(name, row_chunks=row_chunks), f"{ckpt.path}: {name}"),
+    dtype = torch.float32 if info.quantized or info.is_fp8 else None
+    return Lazy(info.shape, lambda: check_finite(ckpt.get(name, dtype, row_chunks), f"{ckpt.path}: {name}"),
                 (name,), kind, note, reads=ckpt.spans(name))
 
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 from recycle.checkpoint import Checkpoint
 from recycle.errors import RecycleError
-from recycle.ggufarch import DEEPSEEK2, DEEPSEEK4, GLM4MOE, QWEN3NEXT, QWEN35, QWEN35MOE, STEP35, GGUFArch
+from recycle.ggufarch import DEEPSEEK2, DEEPSEEK4, GLM4MOE, MIMO2, QWEN3NEXT, QWEN35, QWEN35MOE, STEP35, GGUFArch
 from recycle.quant import NATIVE_SCALE_SUFFIX, SCALE_SUFFIX, scale_names
 
 ROLES = ("embed_norm", "hidden_norm", "proj", "block", "final_norm", "head", "embed",
@@ -544,7 +544,9 @@ FAMILIES: tuple[Family, ...] = (
             anchor="embed_norm",  # plain enorm: LongCat stores eh_proj under the same prefix, with '.m.' norms
             trunk=LLAMA_TRUNK,
         ),
-        keys=ConfigKeys(default_depth=3),  # the config has no depth key; the releases store 3 modules
+        # the config has no depth key; the releases store 3 modules. The release's own keys (the ones vLLM and
+        # llama.cpp read) fill in what transformers' keys leave to the config class's defaults
+        keys=ConfigKeys(default_depth=3, release_config="mimo_v2"),
         run=Runtime(
             block_class="transformers.models.mimo_v2_flash.modeling_mimo_v2_flash.MiMoV2FlashDecoderLayer",
             chained_state="post_norm",
@@ -557,9 +559,8 @@ FAMILIES: tuple[Family, ...] = (
             vllm_note="vLLM 0.32 attends to `sliding_window_size` keys at a sliding layer, the query among them; "
                       "transformers and recycle, as the reference, to that many before the query (128 keys against "
                       "129 in the release; measured with the module on vLLM's CPU build, docs/engines.md)",
-            gguf_why="llama.cpp's mimo2 MTP graph asserts a fused attn_qkv (mimo2.cpp:285; llama-server aborts even "
-                     "on its own export of separate q/k/v) and chains pre-norm states where vLLM chains "
-                     "final_layernorm's (docs/llama-cpp.md)",
+            gguf=MIMO2,  # q/k/v stacked into the fused attn_qkv the mimo2 MTP graph asserts (mimo2.cpp:285), which
+            # llama.cpp's own export of V2-Flash leaves separate (llama-server then aborts drafting)
         ),
         notes="3 separately trained modules, each a sliding-window attention layer with sinks and a dense MLP; "
               "vLLM's MiMoV2MTP runs only module 0",
@@ -574,12 +575,9 @@ FAMILIES: tuple[Family, ...] = (
         # (vLLM's _shard_fp8_qkv_proj); FP8 scales tiled per chunk where a chunk is not whole blocks
         layout=dict(fused=(Fused("self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
                                  "num_key_value_heads"),)),
-        keys=dict(release_config="mimo_v2"),  # no transformers config class: the release's keys, as vLLM reads them
-        # plus what vLLM does with the fused tensor in BF16 (measured at tensor-parallel size 1, docs/engines.md)
-        exports=dict(gguf_why="recycle writes no mimo2 side file of its own; llama.cpp's converter reads "
-                              "MiMoV2ForCausalLM itself, the pre-sharded FP8 qkv_proj included, so convert the "
-                              "stitched target with it (measured: its drafts are recycle's at n_max 1, "
-                              "docs/llama-cpp.md)",
+        # no transformers config class: the release's keys, as vLLM reads them (the row it derives from reads them
+        # too); the vLLM note adds what vLLM does with the fused tensor in BF16 (measured, docs/engines.md)
+        exports=dict(gguf=MIMO2, gguf_why="",
                      vllm_note=MIMO_V2_FLASH.exports.vllm_note + ". A fused qkv_proj stored in BF16 (stitch "
                                "--mtp-dtype bf16) vLLM 0.32 reads right only at --tensor-parallel-size = "
                                "num_key_value_heads (its MTP loader takes tensor-parallel-size chunks: at size 1, one "

@@ -88,6 +88,11 @@ class GGUFArch:
     # whole-model tensors computed from config.json (GGUF name → getter returning float32 values, or None to leave
     # the tensor out): Step's llama3 `rope_freqs`, which llama.cpp's converter adds and the MTP graph reads
     computed: Mapping[str, Getter] = field(default_factory=dict)
+    # where the module's final norm goes (MiMo's mimo2 reads it as the block's `layer_output_norm`)
+    final_norm: str = "blk.{n}.nextn.shared_head_norm.weight"
+    # one GGUF block tensor made of several block tensors, stacked along the output (first) dim in this order: the
+    # unsharded [Q; K; V] llama.cpp's fused attention reads
+    block_fused: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
 
 
 # llama.cpp architectures whose MTP graph drafts with every stored module, module k as blk.{n+k} at draft step k
@@ -518,4 +523,53 @@ STEP35 = GGUFArch(
     f32=(".bias", "norm.weight"),
     norm_offset=1.0,
     computed={"rope_freqs.weight": _llama3_rope_freqs},
+)
+
+
+def _mimo_layers(c: Mapping) -> list[int]:
+    """MiMo's attention pattern over the trunk's layers (`hybrid_layer_pattern`, 1 = sliding window) and then the
+    three MTP layers, which are sliding-window layers (llama.cpp's converter extends it so: conversion/mimo.py)."""
+    return [int(p) for p in c["hybrid_layer_pattern"]][: c["num_hidden_layers"]] + [1] * 3
+
+
+# MiMo-V2-Flash, V2.5, V2.5-Pro (`conversion/mimo.py` MimoV2Model with `--mtp`; graph `src/models/mimo2.cpp`): the
+# module's sliding-window block under the trunk's names, its q/k/v as one `attn_qkv` (the MTP graph asserts it:
+# mimo2.cpp:285; V2.5's pre-sharded qkv_proj re-grouped to one [Q; K; V], as the converter's `_tp_aware_qkv_dequant`
+# does; V2-Flash's separate q/k/v stacked so), `pre_mlp_layernorm` as `ffn_norm`, `final_layernorm` as
+# `layer_output_norm`, the trunk's head as `output`. The release's own config keys (the converter reads them).
+MIMO2 = GGUFArch(
+    arch="mimo2",
+    block=(
+        (r"^input_layernorm\.weight$", "blk.{n}.attn_norm.weight"),
+        (r"^pre_mlp_layernorm\.weight$", "blk.{n}.ffn_norm.weight"),
+        (r"^self_attn\.o_proj\.weight$", "blk.{n}.attn_output.weight"),
+        (r"^self_attn\.attention_sink_bias$", "blk.{n}.attn_sinks.weight"),
+        *DENSE_FFN,
+    ),
+    hparams=(
+        *COMMON_HPARAMS,
+        ("attention.head_count_kv", I32_LAYERS, lambda c: [c["swa_num_key_value_heads"] if p else c["num_key_value_heads"]
+                                                           for p in _mimo_layers(c)]),
+        ("rope.freq_base", F32, lambda c: c.get("rope_theta")),
+        ("rope.freq_base_swa", F32, lambda c: c.get("swa_rope_theta")),
+        ("expert_count", U32, lambda c: c.get("n_routed_experts")),
+        ("expert_used_count", U32, lambda c: c.get("num_experts_per_tok")),
+        ("expert_group_count", U32, lambda c: c.get("n_group")),
+        ("expert_group_used_count", U32, lambda c: c.get("topk_group")),
+        ("attention.key_length", U32, lambda c: c.get("head_dim")),
+        ("attention.value_length", U32, lambda c: c.get("v_head_dim")),
+        ("attention.sliding_window", U32, lambda c: c["sliding_window"]),
+        ("attention.sliding_window_pattern", I32_LAYERS, _mimo_layers),
+        ("expert_feed_forward_length", U32, lambda c: c.get("moe_intermediate_size")),
+        ("rope.dimension_count", U32, lambda c: int(c["head_dim"] * float(c.get("partial_rotary_factor", 1.0)))),
+        ("attention.layer_norm_rms_epsilon", F32, lambda c: c.get("layernorm_epsilon", 1e-5)),
+        ("attention.value_scale", F32, lambda c: c.get("attention_value_scale")),
+    ),
+    tokenizer_pre="qwen2",
+    source="src/models/mimo2.cpp",
+    f32=(".bias", "norm.weight", "attn_sinks.weight"),
+    head="output.weight",
+    final_norm="blk.{n}.layer_output_norm.weight",
+    block_fused={"blk.{n}.attn_qkv.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                                             "self_attn.v_proj.weight")},
 )

@@ -508,8 +508,8 @@ def test_fp8_dequantization_is_bit_exact(family_dir, converted, dtype):
         want = _dequant_by_definition(src, full)
         assert torch.equal(_bits(src.get(full, torch.float32)), _bits(want)), full
         assert torch.equal(_bits(torch.cat(list(src.iter_chunks(full, max_elements=1)))), _bits(want)), full
-        got = state[f"layers.0.block.{rel}"]  # FP8 values reach any output dtype through bfloat16
-        assert torch.equal(_bits(got), _bits(want.to(torch.bfloat16).to(got.dtype))), full
+        got = state[f"layers.0.block.{rel}"]  # the float32 product rounded once into the output's dtype
+        assert torch.equal(_bits(got), _bits(want.to(got.dtype))), full
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

@@ -14,6 +14,7 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -131,14 +132,33 @@ def test_mimo_v2_flash_matches_transformers_layers(family_dir, tmp_path):
         torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-4)
 
 
-def test_mimo_to_gguf_is_refused_with_llama_cpps_reason(family_dir, tmp_path):
-    """llama.cpp has a mimo2 MTP graph, but recycle writes no side file for it: the refusal says why in one line
-    (the fused attn_qkv its graph asserts, and its pre-norm chaining), and writes nothing."""
+def test_mimo_side_file_fuses_q_k_v_as_llama_cpps_graph_asserts(family_dir, tmp_path):
+    """`--to gguf` writes llama.cpp's mimo2 side file: every module as blk.{L+k}, its q/k/v as the one `attn_qkv`
+    the MTP graph asserts (mimo2.cpp:285), unsharded [Q; K; V], `final_layernorm` as `layer_output_norm`. V2-Flash's
+    separate q/k/v and V2.5's pre-sharded chunks of the same values give the same tensors (that V2.5's file is
+    llama.cpp's own export byte for byte, and that llama-server drafts with V2-Flash's, is the slow suite's)."""
+    from gguf import GGUFReader
+
     from recycle.converters.api import convert_checkpoint
 
-    with pytest.raises(RecycleError, match=r"no MTP graph recycle writes for Xiaomi MiMo.*fused attn_qkv.*pre-norm"):
-        convert_checkpoint(family_dir("mimo_v2_flash"), "gguf", tmp_path / "o", module=0)
-    assert not (tmp_path / "o").exists()
+    from fixtures.families import write_tokenizer
+
+    files = {}
+    for name, opts in (("mimo_v2", {}), ("mimo_v2_flash", {"kv": 2})):
+        src = tmp_path / name
+        shutil.copytree(family_dir(name, **opts), src)
+        write_tokenizer(src)
+        out = Path(convert_checkpoint(src, "gguf", tmp_path / f"{name}-gguf", dtype="fp32")["out"]) / "mtp.gguf"
+        files[name] = {t.name: t for t in GGUFReader(str(out)).tensors}
+    v25, flash = files["mimo_v2"], files["mimo_v2_flash"]
+    assert set(v25) == set(flash) and all(np.array_equal(np.asarray(v25[n].data), np.asarray(flash[n].data))
+                                         for n in v25)
+    ck = Checkpoint(family_dir("mimo_v2_flash", kv=2))
+    p = "model.mtp.layers.1.self_attn."
+    qkv = torch.cat([ck.get(p + f"{x}_proj.weight", torch.float32) for x in "qkv"])
+    assert np.array_equal(np.asarray(flash["blk.3.attn_qkv.weight"].data), qkv.numpy())
+    assert {"blk.2.layer_output_norm.weight", "blk.4.nextn.eh_proj.weight", "output.weight"} <= set(flash)
+    assert not any(n.endswith(("attn_q.weight", "attn_k.weight", "attn_v.weight")) for n in flash)
 
 
 # -- Ling (bailing_hybrid) ------------------------------------------------------------------------------------

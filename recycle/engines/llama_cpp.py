@@ -116,7 +116,7 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 # converter reads config.json as released (conversion/base.py `load_hparams`). Here it would get transformers 5.23's
 # Step3p5Config.to_dict(), which holds no `partial_rotary_factors` and cuts `layer_types` to the trunk's layers, and
 # fail; so the converter is made to read config.json, as under its own pin.
-RAW_CONFIG = ("step3p5", "step3p7")
+RAW_CONFIG = ("step3p5", "step3p7", "mimo_v2_flash")
 
 
 def convert_trunk(source: str | os.PathLike, out: str | os.PathLike, *, mtp: str = "no", outtype: str = "f32",

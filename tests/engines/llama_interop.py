@@ -90,22 +90,24 @@ def step_for_llama_cpp(work: Path, *, shaped: bool = True, routed_experts: bool 
     return write_tokenizer(fx.write(out))
 
 
-def mimo_v25_for_llama_cpp(work: Path, *, fp8: bool = True, eh_seed: int = 0) -> Path:
+def mimo_v25_for_llama_cpp(work: Path, *, fp8: bool = True, eh_seed: int = 0, flash: bool = False) -> Path:
     """MiMo-V2.5's layout in FP8 as released (`fixtures.families.as_mimo_v2`, `mimo_v2_fp8`: each pre-sharded chunk of
     a `qkv_proj` in blocks of its own) on the MiMo drafting copy (`interop.mimo_drafting`), in the shape llama.cpp's
     converter reads: 8 heads and 4 KV heads, so 4 chunks (the converter tells 4 from 8 by the scale rows: chunks of
     384 and 576 rows have 12 and 20 where 8 chunks would have 16 and 24), head dims 96; the end-of-generation rows of
     the head zeroed (llama-server ignores EOS, recycle does not); the byte tokenizer. `fp8=False`: in BF16;
-    `eh_seed`: another random part of each module's eh_proj (modules that draft differently)."""
+    `eh_seed`: another random part of each module's eh_proj (modules that draft differently); `flash`: the same
+    values in MiMo-V2-Flash's layout (separate q/k/v, BF16, transformers' keys beside the release's)."""
     import torch
 
-    from fixtures.families import V, as_mimo_v2, mimo_v2_fp8, write_tokenizer
+    from fixtures.families import MIMO_TRANSFORMERS_KEYS, V, as_mimo_v2, mimo_v2_fp8, write_tokenizer
     from tests.engines.interop import mimo_drafting
 
-    out = work / f"mimo_v2-{'fp8' if fp8 else 'bf16'}-drafting-eh{eh_seed}"
+    out = work / (f"mimo_v2_flash-drafting-eh{eh_seed}" if flash else f"mimo_v2-{'fp8' if fp8 else 'bf16'}-drafting-eh{eh_seed}")
     if (out / "config.json").is_file():
         return out
     fx = mimo_drafting(kv=4, heads=8)
+    fx.config.update(bos_token_id=0, eos_token_id=1)  # the byte tokenizer's, which llama.cpp's converter takes
     fx.tensors["lm_head.weight"] = fx.tensors["lm_head.weight"].clone()
     fx.tensors["lm_head.weight"][[1, 2, V - 1]] = 0
     if eh_seed:
@@ -113,6 +115,10 @@ def mimo_v25_for_llama_cpp(work: Path, *, fp8: bool = True, eh_seed: int = 0) ->
             h = fx.tensors[name].shape[0]
             rand = torch.randn(h, h, generator=torch.Generator().manual_seed(eh_seed)) / h ** 0.5
             fx.tensors[name] = torch.cat([torch.eye(h), 0.3 * rand], 1).to(fx.tensors[name].dtype)
+    if flash:  # as the release's config.json, which llama.cpp's converter reads raw (`RAW_CONFIG`)
+        for key in MIMO_TRANSFORMERS_KEYS:
+            fx.config.pop(key)
+        return write_tokenizer(fx.write(out))
     fx = as_mimo_v2(fx)
     return write_tokenizer((mimo_v2_fp8(fx) if fp8 else fx).write(out))
 

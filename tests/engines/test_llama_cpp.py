@@ -251,3 +251,32 @@ def test_mimo_v2_5_stitched_in_fp8_converts_in_llama_cpp_and_drafts_as_recycle(t
         assert tried - d["drafted"] == 1 and acc - d["accepted"] in (0, 1), (ours, drafted)
     assert sum(a for a, _ in ours) > 0.2 * sum(t for _, t in ours)  # the copy drafts
     assert ours != counts(target)  # the stitched modules are the ones drafting
+
+
+def test_mimo_side_files_are_llama_cpps_export_and_draft_v2_flash_as_recycle(tmp_path):
+    """MiMo's side file (`--to gguf`, all three modules, q/k/v as the one `attn_qkv` the mimo2 graph asserts):
+    * for V2.5's FP8 layout it is llama.cpp's own `--mtp` export: the same header, names and bytes (recycle's reader
+      dequantizes into float32, as the converter does, so an fp32 file holds the same values);
+    * for V2-Flash, whose own export keeps q/k/v separate and does not draft (llama-server aborts: "MIMO2 MTP requires
+      fused attn_qkv"), llama-server drafts with recycle's file beside llama.cpp's trunk, losslessly at n_max 1 and 3,
+      and at n_max 1 its counts are recycle's on every prompt but for recycle's draft at a prompt's last step."""
+    from recycle.bench import BenchOptions, run_bench
+
+    from tests.engines.llama_interop import LlamaServer, mimo_v25_for_llama_cpp
+
+    v25 = mimo_v25_for_llama_cpp(tmp_path)
+    _assert_same_export(side_file(v25, tmp_path, "v25", module=None), convert_trunk(v25, tmp_path / "v25.gguf",
+                                                                                      mtp="only"))
+    flash = mimo_v25_for_llama_cpp(tmp_path, flash=True)
+    trunk, side = trunk_gguf(flash, tmp_path), side_file(flash, tmp_path, "flash", module=None)
+    prompts, ids = prompt_ids(flash, 6)
+    plain = llama_runs(trunk, None, ids, 48, 1)
+    assert plain["tokens"] == ar_tokens(flash, ids, 48)
+    assert llama_runs(trunk, side, ids, 48, 3)["tokens"] == plain["tokens"]
+    with LlamaServer(trunk, side, n_max=1) as server:
+        drafted = [server.complete(p, 48) for p in ids]
+    assert [d["tokens"] for d in drafted] == plain["tokens"]
+    for p, d in zip(prompts, drafted, strict=True):
+        spec = run_bench(BenchOptions(drafter=None, native=True, target=str(flash), prompts=[p], max_new_tokens=48,
+                                      tree="chain:1", stop_at_eos=False, warmup=False)).overall.spec
+        assert int(sum(spec.tried)) - d["drafted"] == 1 and int(sum(spec.accepted)) - d["accepted"] in (0, 1)
