@@ -548,8 +548,8 @@ MIMO2 = GGUFArch(
     ),
     hparams=(
         *COMMON_HPARAMS,
-        ("attention.head_count_kv", I32_LAYERS, lambda c: [c["swa_num_key_value_heads"] if p else c["num_key_value_heads"]
-                                                           for p in _mimo_layers(c)]),
+        ("attention.head_count_kv", I32_LAYERS,
+         lambda c: [c["swa_num_key_value_heads"] if p else c["num_key_value_heads"] for p in _mimo_layers(c)]),
         ("rope.freq_base", F32, lambda c: c.get("rope_theta")),
         ("rope.freq_base_swa", F32, lambda c: c.get("swa_rope_theta")),
         ("expert_count", U32, lambda c: c.get("n_routed_experts")),

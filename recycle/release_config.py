@@ -25,10 +25,10 @@ def transformers_keys(raw: Mapping, reader: str | None, title: str | None = None
 @READERS.register("mimo_v2")
 def mimo_v2(raw: Mapping) -> dict:
     """XiaomiMiMo's `mimo_v2` (MiMo-V2.5, V2.5-Pro; MiMo-V2-Flash's release config too, where transformers' own keys
-    are absent and its config class would fall back on defaults) as transformers' MiMoV2FlashConfig: the keys vLLM's `mimo_v2.py`
-    reads (`hybrid_layer_pattern`: 1 = sliding window; `moe_layer_freq`: 1 = MoE; `layernorm_epsilon`; `rope_theta`,
-    `swa_rope_theta`, `partial_rotary_factor`; `sliding_window_size`, which the config class widens by the query
-    itself). transformers' layer gives a sliding-window layer the full-attention layers' heads and twice their KV
+    are absent and its config class would fall back on defaults) as transformers' MiMoV2FlashConfig: the keys vLLM's
+    `mimo_v2.py` reads (`hybrid_layer_pattern`: 1 = sliding window; `moe_layer_freq`: 1 = MoE; `layernorm_epsilon`;
+    `rope_theta`, `swa_rope_theta`, `partial_rotary_factor`; `sliding_window_size`, which the config class widens by
+    the query itself). transformers' layer gives a sliding-window layer the full-attention layers' heads and twice their KV
     heads, always with sink biases, and no full-attention layer sinks: a config that says otherwise is refused in one
     line rather than run as something else. `attention_value_scale` is taken as stored, None when absent (vLLM then
     scales nothing; the config class's default would scale by 0.707)."""

@@ -103,7 +103,8 @@ def mimo_v25_for_llama_cpp(work: Path, *, fp8: bool = True, eh_seed: int = 0, fl
     from fixtures.families import MIMO_TRANSFORMERS_KEYS, V, as_mimo_v2, mimo_v2_fp8, write_tokenizer
     from tests.engines.interop import mimo_drafting
 
-    out = work / (f"mimo_v2_flash-drafting-eh{eh_seed}" if flash else f"mimo_v2-{'fp8' if fp8 else 'bf16'}-drafting-eh{eh_seed}")
+    layout = "mimo_v2_flash" if flash else f"mimo_v2-{'fp8' if fp8 else 'bf16'}"
+    out = work / f"{layout}-drafting-eh{eh_seed}"
     if (out / "config.json").is_file():
         return out
     fx = mimo_drafting(kv=4, heads=8)
