@@ -552,10 +552,7 @@ MIMO2 = GGUFArch(
          lambda c: [c["swa_num_key_value_heads"] if p else c["num_key_value_heads"] for p in _mimo_layers(c)]),
         ("rope.freq_base", F32, lambda c: c.get("rope_theta")),
         ("rope.freq_base_swa", F32, lambda c: c.get("swa_rope_theta")),
-        ("expert_count", U32, lambda c: c.get("n_routed_experts")),
-        ("expert_used_count", U32, lambda c: c.get("num_experts_per_tok")),
-        ("expert_group_count", U32, lambda c: c.get("n_group")),
-        ("expert_group_used_count", U32, lambda c: c.get("topk_group")),
+        *ROPE_AND_EXPERTS[7:],  # the expert counts
         ("attention.key_length", U32, lambda c: c.get("head_dim")),
         ("attention.value_length", U32, lambda c: c.get("v_head_dim")),
         ("attention.sliding_window", U32, lambda c: c["sliding_window"]),
