@@ -40,7 +40,7 @@ from recycle.converters.roles import EXACT, raw
 from recycle.converters.scheme_plan import Requant, as_float, plan_scheme, refuse_scheme, trunk_dtype
 from recycle.errors import RecycleError
 from recycle.families import MTPMatch, match
-from recycle.fused import scale_chunks, spec_of, tiled_scale_shape
+from recycle.fused import scale_chunks, scale_fits, tiled_scale_shape
 from recycle.io.writer import Lazy, OutputDir, Progress, nbytes, split_plan
 from recycle.preflight import DEFAULT_SHARD_SIZE
 from recycle.quant import (
@@ -116,8 +116,7 @@ def _fused_notes(record: dict, tm: MTPMatch, tgt: Checkpoint) -> list[str]:
     size 1: docs/engines.md), so it reads it right only at the size the chunks were made for."""
     notes = []
     for n, r in sorted(record.items()):
-        spec = spec_of(n, tm.family.layout.fused)
-        chunks = scale_chunks(n, tm.family.layout.fused, tgt.config) if spec is not None else 1
+        chunks = scale_chunks(n, tm.family.layout.fused, tgt.config)
         if chunks > 1 and not str(r.get("stored", "")).startswith("F8"):
             notes.append(f"{n}: written {r.get('stored')} in its {chunks} pre-sharded chunks, which vLLM 0.32 reads "
                          f"right only at --tensor-parallel-size {chunks} (a fused weight not in FP8 is taken as that "
@@ -131,8 +130,7 @@ def _check_blocks(tgt: Checkpoint, block: tuple[int, int], mtp: set[str], where:
     would dequantize wrongly."""
     for n, info in tgt.tensors.items():
         scale = tgt.scale_for(n) if info.is_fp8 and n not in mtp else None
-        if scale is not None and tuple(scale.shape) != expected_scale_shape(info.shape, block) \
-                and tuple(scale.shape) != tiled_scale_shape(n, info.shape, fused, tgt.config, block):
+        if scale is not None and not scale_fits(n, info.shape, scale.shape, fused, tgt.config, block):
             raise RecycleError(f"{where}: {scale.name} has shape {list(scale.shape)}, not the {list(block)} blocks "
                                f"weight_block_size declares for {list(info.shape)}: the target's scales do not match "
                                "its config; nothing written")
@@ -160,8 +158,8 @@ def plan_tensors(ov: Checkpoint, tgt: Checkpoint, names: list[str], copies: dict
         as_fp8 = fp8 is not None and mode == "auto" and engine_fp8(n, info.shape)
         chunks = scale_chunks(n, fused, tgt.config)
         tiled = tiled_scale_shape(n, info.shape, fused, tgt.config, fp8.block) if fp8 is not None else None
-        if as_fp8 and info.is_fp8 and scale is not None and tuple(scale.shape) in (expected_scale_shape(
-                info.shape, fp8.block), tiled):
+        if as_fp8 and info.is_fp8 and scale is not None and scale_fits(n, info.shape, scale.shape, fused,
+                                                                      tgt.config, fp8.block):
             out[n], out[scale_name(n)] = raw(ov, n), raw(ov, scale.name)
             record[n] = {"stored": info.dtype, "how": "stored bytes (FP8 in the target's blocks)"}
         elif as_fp8:

@@ -269,12 +269,9 @@ def _check_blocks(ckpt: Checkpoint, m: MTPMatch, modules: list[ModuleWeights]) -
 def _split_lazily(block: dict[str, Lazy], fam: Family, config: dict, own: dict[str, torch.Tensor]) -> dict[str, Lazy]:
     """A block's fused tensors as the parts its decoder layer holds (`recycle.fused.split`, sized by the layer's own
     parameters `own`), each a Lazy over the stored tensor; a tensor the cut does not fit is refused in one line now."""
-    from recycle.mtp import renamed
+    from recycle.mtp import part_rows
 
-    def rows_of(rel: str) -> int | None:
-        key = next(iter(renamed({rel: 0}, fam.run.block_renames)))
-        return own[key].shape[0] if key in own else None
-
+    rows_of = part_rows(own, fam.run.block_renames)
     out: dict[str, Lazy] = {}
     for rel, lazy in block.items():
         if spec_of(rel, fam.layout.fused) is None:

@@ -197,7 +197,8 @@ def target_counts(path: str) -> TargetCounts:
     from recycle.preflight import load_json
 
     with quiet_transformers():
-        cfg = config_of(path)  # as the target loads: a release's own keys read by its row, never its code
+        raw = load_json(Path(path) / "config.json", "config.json")
+        cfg = config_of(path, raw)  # as the target loads: a release's own keys read by its row, never its code
         text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
         io = text.vocab_size * text.hidden_size * (1 if getattr(text, "tie_word_embeddings", False) else 2)
         with torch.device("meta"):
@@ -209,8 +210,7 @@ def target_counts(path: str) -> TargetCounts:
             routed += p.numel()
         if p.dim() >= 2 and p.shape[0] != text.vocab_size:
             matrices += p.numel()
-    # the quantization the loader's config leaves out (it dequantizes), for the teacher's stored bytes
-    quant = load_json(Path(path) / "config.json", "config.json").get("quantization_config")
+    quant = raw.get("quantization_config")  # what the loader's config leaves out (it dequantizes): the stored bytes
     return TargetCounts(trunk, io, routed, matrices, text.to_dict() | ({"quantization_config": quant} if quant else {}))
 
 

@@ -58,7 +58,7 @@ import numpy as np
 from recycle.checkpoint import Checkpoint
 from recycle.errors import RecycleError
 from recycle.families import SHARED_ROLES, MTPMatch, MTPModule, eval_shape, match
-from recycle.fused import tiled_scale_shape
+from recycle.fused import scale_fits
 from recycle.quant import SCALE_SUFFIX, expected_scale_shape
 
 SEVERITIES = ("error", "warning", "info")
@@ -250,8 +250,8 @@ def _check_modules(ckpt: Checkpoint, m: MTPMatch, rep: Report) -> None:
             scale = ckpt.scale_for(name)
             if scale is None:
                 rep.add("error", "fp8_scale_shape", f"{name}: FP8 weight without {name}_scale_inv", name)
-            elif len(info.shape) >= 2 and tuple(scale.shape) != expected_scale_shape(info.shape, block_size) \
-                    and tuple(scale.shape) != tiled_scale_shape(name, info.shape, fam.layout.fused, m.config, block_size):
+            elif len(info.shape) >= 2 and not scale_fits(name, info.shape, scale.shape, fam.layout.fused, m.config,
+                                                         block_size):
                 rep.add("error", "fp8_scale_shape",
                         f"{scale.name}: shape {list(scale.shape)}, expected "
                         f"{list(expected_scale_shape(info.shape, block_size))} for {list(info.shape)} "

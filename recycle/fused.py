@@ -67,6 +67,15 @@ def tiled_scale_shape(name: str, shape: tuple[int, ...], specs: tuple[Fused, ...
     return n * math.ceil(shape[0] // n / block[0]), math.ceil(shape[1] / block[1])
 
 
+def scale_fits(name: str, shape: tuple[int, ...], scale_shape: tuple[int, ...], specs: tuple[Fused, ...],
+               config: Mapping, block: tuple[int, int]) -> bool:
+    """Whether an FP8 weight's block scales have a shape its readers take: one grid over the whole weight, or, for a
+    pre-sharded fused weight, a tile per chunk."""
+    from recycle.quant import expected_scale_shape
+
+    return tuple(scale_shape) in (expected_scale_shape(shape, block), tiled_scale_shape(name, shape, specs, config, block))
+
+
 def split(state: Mapping[str, torch.Tensor], specs: tuple[Fused, ...], config: Mapping,
           rows_of: Callable[[str], int | None]) -> dict[str, torch.Tensor]:
     """`state` with each fused tensor cut into its parts, each part's rows as the model holds them (`rows_of`, by the

@@ -103,15 +103,15 @@ def model_config(raw: dict):
     return config if outer is None else outer(text_config=config.to_dict())
 
 
-def config_of(path: str | Path):
-    """`model_config` of a target directory's config.json (a model type transformers has no class for read by its
-    row; never the release's own code), anything transformers raises on it one line."""
+def config_of(path: str | Path, raw: dict | None = None):
+    """`model_config` of a target directory's config.json (`raw`: as already read; a model type transformers has no
+    class for read by its row; never the release's own code), anything transformers raises on it one line."""
     from huggingface_hub.errors import StrictDataclassClassValidationError
 
     from recycle.preflight import load_json
 
     try:
-        return model_config(load_json(Path(path) / "config.json", "config.json"))
+        return model_config(raw if raw is not None else load_json(Path(path) / "config.json", "config.json"))
     except (ValueError, KeyError, TypeError, AttributeError, StrictDataclassClassValidationError) as e:
         # transformers' refusals: an unknown model type, a config its class (or its validator) rejects
         why = " ".join(str(e).split(". Should contain")[0].split())[:200]  # not the list of every model type

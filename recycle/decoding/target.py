@@ -22,7 +22,7 @@ from torch import nn
 from transformers import AutoConfig, DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
-from recycle.decoding.placed import lm_class, text_only
+from recycle.decoding.placed import lm_class, release_row, text_only
 from recycle.decoding.tree import windowed
 from recycle.encode import quiet_transformers
 from recycle.errors import RecycleError
@@ -44,7 +44,8 @@ def load_target(
         raise RecycleError(f"{path}: not a model directory (no config.json)")
     # the rows the config names say how to run the trunk: another codebase's names (`layout.hf_layout`), an attention
     # the row forces (MiMo-V2, DeepSeek-V4: their attention sinks have no sdpa path in transformers, trunk as block)
-    rows = config_rows(load_json(path / "config.json", "config.json").get("model_type"), set())
+    raw = load_json(path / "config.json", "config.json")
+    rows = config_rows(raw.get("model_type"), set())
     layout = next((f.name for f in rows if f.layout.hf_layout is not None), None)
     attn = next((f.run.attn_implementation for f in rows if f.run.attn_implementation), attn)
     try:
@@ -66,7 +67,7 @@ def load_target(
                 from recycle.decoding.placed import load_placed
 
                 return load_placed(path, dtype, attn, gpus).eval()
-            elif _quantized(path) or any(f.keys.release_config or f.layout.fused for f in rows):
+            elif _quantized(path, raw) or release_row(raw) is not None:
                 # quantized, or a release transformers cannot read as stored (MiMo-V2.5: its own config keys, q/k/v
                 # in one pre-sharded tensor): recycle's reader, which maps it onto transformers' model
                 model = _load_dequantized(path, dtype, attn)
@@ -85,12 +86,10 @@ def load_target(
     return model.to(device).eval()
 
 
-def _quantized(path: Path) -> bool:
-    """Whether the release declares a quantization (config.json, or ModelOpt's hf_quant_config.json)."""
+def _quantized(path: Path, config: dict) -> bool:
+    """Whether the release declares a quantization (its config.json, `config`, or ModelOpt's hf_quant_config.json)."""
     from recycle.checkpoint import QUANT_CONFIG_FILE
-    from recycle.preflight import load_json
 
-    config = load_json(path / "config.json", "config.json")
     return bool(config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config")
                 or (path / QUANT_CONFIG_FILE).is_file())
 

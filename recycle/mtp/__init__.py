@@ -22,11 +22,12 @@ from recycle.mtp.base import (
     family_config,
     misfit,
     mtp_layer_types,
+    part_rows,
     renamed,
     to_checkpoint_layout,
     to_runtime_layout,
 )
 
 __all__ = ["LEAF_ROLES", "MASKS", "MTP", "REQUIRED_ROLES", "RUNTIMES", "MTPDepth", "MTPOutput", "Norm", "block_config",
-           "block_rotary", "chained_streams", "deepseek_v4", "family_config", "misfit", "mtp_layer_types", "renamed", "to_checkpoint_layout",
+           "block_rotary", "chained_streams", "deepseek_v4", "family_config", "misfit", "mtp_layer_types", "part_rows", "renamed", "to_checkpoint_layout",
            "to_runtime_layout"]

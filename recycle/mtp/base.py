@@ -21,7 +21,7 @@ import importlib
 import inspect
 import os
 import types
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -161,6 +161,15 @@ def renamed(state: Mapping[str, T], pairs: tuple[tuple[str, str], ...]) -> dict[
             name = name.replace(old, new)
         out[name] = t
     return out
+
+
+def part_rows(own: Mapping[str, torch.Tensor], renames: tuple[tuple[str, str], ...] = ()) -> Callable[[str], int | None]:
+    """`recycle.fused.split`'s `rows_of` for a decoder layer whose state dict is `own`: a part's rows by its
+    checkpoint name, read through the row's `block_renames` (None: the layer has no such parameter)."""
+    def rows_of(rel: str) -> int | None:
+        key = next(iter(renamed({rel: 0}, renames)))
+        return own[key].shape[0] if key in own else None
+    return rows_of
 
 
 def misfit(state: Mapping[str, torch.Tensor], own: Mapping[str, torch.Tensor]) -> str | None:
@@ -448,10 +457,8 @@ class MTP(nn.Module):
             block = {rel: ckpt.get(full, row_chunks=scale_chunks(rel, fused, m.config))
                      for rel, full in mod.block_names().items() if not rel.endswith(SCALE_SUFFIX)}
             if fused:  # q/k/v stored as one pre-sharded tensor: cut to the rows the layer's own parameters have
-                own = {n.removeprefix("block."): v.shape[0] for n, v in layer.state_dict().items()}
                 try:
-                    block = split(block, fused, m.config, lambda rel, own=own: own.get(
-                        next(iter(renamed({rel: 0}, m.family.run.block_renames)))))
+                    block = split(block, fused, m.config, part_rows(layer.block.state_dict(), m.family.run.block_renames))
                 except RecycleError as e:
                     raise RecycleError(f"{ckpt.path}: {mod.prefix}{e}") from None
             state.update({f"block.{k}": v for k, v in to_runtime_layout(
