@@ -1,5 +1,6 @@
 """What every script under benchmarks/ shares: the repository's paths, the date and machine stamp a BENCHMARKS.md
-entry carries, the JSON result writer, and the argument parser with the options the scripts have in common.
+entry carries, the JSON result writer, the argument parser with the options the scripts have in common, and an
+in-process RSS sampler (`Sampler`).
 
 A script runs as `python benchmarks/NAME.py`, so this folder is `sys.path[0]` and `import _common` finds this file.
 `recycle` is installed (editable) and imports as it is; the repository's own `fixtures` and `tests` folders are not
@@ -15,6 +16,7 @@ import os
 import platform
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -124,3 +126,25 @@ def parser(doc: str | None, *, first_line: bool = False, json: bool = False, out
     if json:
         ap.add_argument("--json", default=None, metavar="FILE", help="also write the result here (JSON)")
     return ap
+
+
+class Sampler:
+    """This process's RSS every `every` seconds; `mark(phase)` closes a phase with its peak."""
+
+    def __init__(self, every: float = 0.02) -> None:
+        import psutil  # made here: the scripts that sample nothing need not have it
+
+        self.proc, self.every, self.peak, self.phases = psutil.Process(), every, 0, {}
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            self.peak = max(self.peak, self.proc.memory_info().rss)
+            time.sleep(self.every)
+
+    def mark(self, phase: str) -> None:
+        now = self.proc.memory_info().rss
+        self.phases[phase] = {"peak_gib": round(max(self.peak, now) / 2**30, 3), "after_gib": round(now / 2**30, 3)}
+        self.peak = now

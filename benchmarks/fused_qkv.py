@@ -5,7 +5,7 @@ MiMo-V2.5 (hidden 4096, 64 heads of 192/128, 4 chunks = num_key_value_heads): a 
 module's) `qkv_proj` is 64·192 + 8·192 + 8·128 = 14848 rows (four chunks of 3712 = 29 blocks: tiles and one grid
 agree), a full-attention layer's 64·192 + 4·192 + 4·128 = 13568 rows (four chunks of 3392 = 26.5 blocks: 108 scale
 rows, where one grid would have 106). Random FP8 codes, random positive scales; each step timed `--repeat` times
-(the median), and the process's peak RSS above what it held before the step (sampled from /proc).
+(the median), and the process's peak RSS above what it held before the step (`_common.Sampler`).
 
     python benchmarks/fused_qkv.py
 """
@@ -13,43 +13,23 @@ rows, where one grid would have 106). Random FP8 codes, random positive scales; 
 from __future__ import annotations
 
 import statistics
-import threading
 import time
 from functools import partial
-from pathlib import Path
 
 import torch
 
-from _common import parser
+from _common import Sampler, parser
 
 BLOCK = (128, 128)
 LAYERS = {"sliding-window / MTP": (64, 8, 192, 128), "full attention": (64, 4, 192, 128)}
 
 
-def rss() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    return 0
-
-
-def sampled(fn):
-    """fn()'s result and this process's peak RSS above its RSS before the call (sampled every 5 ms)."""
-    base, peak, done = rss(), [0], threading.Event()
-
-    def watch():
-        while not done.is_set():
-            peak[0] = max(peak[0], rss())
-            time.sleep(0.005)
-
-    t = threading.Thread(target=watch)
-    t.start()
-    try:
-        out = fn()
-    finally:
-        done.set()
-        t.join()
-    return out, max(peak[0], rss()) - base
+def sampled(sampler: Sampler, fn):
+    """fn()'s result and this process's peak RSS above its RSS before the call, in bytes (`Sampler`, every 5 ms)."""
+    sampler.mark("before")
+    out = fn()
+    sampler.mark("after")
+    return out, (sampler.phases["after"]["peak_gib"] - sampler.phases["before"]["after_gib"]) * 2**30
 
 
 PARTS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")
@@ -81,6 +61,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     args = ap.parse_args()
     hidden, chunks = 4096, 4
+    sampler = Sampler(every=0.005)
     g = torch.Generator().manual_seed(0)
     for what, (heads, kv, hd, vd) in LAYERS.items():
         rows = dict(zip(PARTS, (heads * hd, kv * hd, kv * vd)))
@@ -91,11 +72,11 @@ def main() -> None:
         times, peaks = {"read + cut": [], "re-quantize by chunk": []}, {"read + cut": 0, "re-quantize by chunk": 0}
         for _ in range(args.repeat):
             t0 = time.perf_counter()
-            state, peak = sampled(partial(read, codes, scales, chunks, rows))
+            state, peak = sampled(sampler, partial(read, codes, scales, chunks, rows))
             times["read + cut"].append(time.perf_counter() - t0)
             peaks["read + cut"] = max(peaks["read + cut"], peak)
             t0 = time.perf_counter()
-            (_, s, _), peak = sampled(partial(write, state, chunks))
+            (_, s, _), peak = sampled(sampler, partial(write, state, chunks))
             times["re-quantize by chunk"].append(time.perf_counter() - t0)
             peaks["re-quantize by chunk"] = max(peaks["re-quantize by chunk"], peak)
         print(f"{what}: {total} x {hidden} = {total * hidden / 1e6:.1f} M values, FP8 {total * hidden / 1e6:.1f} MB, "

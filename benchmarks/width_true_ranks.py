@@ -26,11 +26,9 @@ import json
 import os
 import resource
 import shutil
-import threading
 import time
 from pathlib import Path
 
-import psutil
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -89,26 +87,6 @@ def write_drafter_dir(out: Path, cfg: dict) -> int:
     return sum(t.numel() * 2 for t in names.values())
 
 
-class Sampler:
-    """This process's RSS every `every` seconds; `mark(phase)` closes a phase with its peak."""
-
-    def __init__(self, every: float = 0.02) -> None:
-        self.proc, self.every, self.peak, self.phases = psutil.Process(), every, 0, {}
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        while not self.stop.is_set():
-            self.peak = max(self.peak, self.proc.memory_info().rss)
-            time.sleep(self.every)
-
-    def mark(self, phase: str) -> None:
-        now = self.proc.memory_info().rss
-        self.phases[phase] = {"peak_gib": round(max(self.peak, now) / 2**30, 3), "after_gib": round(now / 2**30, 3)}
-        self.peak = now
-
-
 def _rank(rank: int, world: int, init: str, args: dict, queue) -> None:
     from recycle.converters.rewrite import write_drafter_sharded
     from recycle.distill.losses import distill_loss
@@ -121,7 +99,7 @@ def _rank(rank: int, world: int, init: str, args: dict, queue) -> None:
     from recycle.options import LossConfig
 
     torch.set_num_threads(1)
-    sampler = Sampler()
+    sampler = _common.Sampler()
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     sampler.mark("imports")
     try:
