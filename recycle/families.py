@@ -575,10 +575,9 @@ FAMILIES: tuple[Family, ...] = (
         # (vLLM's _shard_fp8_qkv_proj); FP8 scales tiled per chunk where a chunk is not whole blocks
         layout=dict(fused=(Fused("self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
                                  "num_key_value_heads"),)),
-        # no transformers config class: the release's keys, as vLLM reads them (the row it derives from reads them
-        # too); the vLLM note adds what vLLM does with the fused tensor in BF16 (measured, docs/engines.md)
-        exports=dict(gguf=MIMO2, gguf_why="",
-                     vllm_note=MIMO_V2_FLASH.exports.vllm_note + ". A fused qkv_proj stored in BF16 (stitch "
+        # its config keys read as the row it derives from reads them (there is no transformers class for mimo_v2), its
+        # GGUF side file as that row's; the vLLM note adds what vLLM does with the fused tensor in BF16 (measured)
+        exports=dict(vllm_note=MIMO_V2_FLASH.exports.vllm_note + ". A fused qkv_proj stored in BF16 (stitch "
                                "--mtp-dtype bf16) vLLM 0.32 reads right only at --tensor-parallel-size = "
                                "num_key_value_heads (its MTP loader takes tensor-parallel-size chunks: at size 1, one "
                                "unsharded [Q|K|V], measured); the FP8 the releases ship, and stitch writes by default, "
