@@ -265,10 +265,10 @@ def _estimate_time(p: Prepared, tokens: int, seconds: float, where: str) -> None
     """The rest of the budget at the rate the first steps measured (the record's `time_estimate`); a note when
     it is long (ETA_NOTE_S), so a budget no machine here can finish says so early."""
     c, budget = p.counters, p.opts.tokens
-    rate = tokens / max(seconds, 1e-9)
+    rate = round(tokens / max(seconds, 1e-9), 1)  # one figure for the record and the note (they disagreed by 1 tok/s)
     left = time_left(budget, c.tokens, rate)
     note = time_note(budget, c.tokens, rate, where, p.device.type, ETA_NOTE_S)
-    c.time_estimate = {"measured": where, "tokens_per_s": round(rate, 1), "tokens_done": c.tokens,
+    c.time_estimate = {"measured": where, "tokens_per_s": rate, "tokens_done": c.tokens,
                        "seconds_left": round(left, 1), "about": duration(left), "note": note}
     if note:
         p.run.note(note)
