@@ -146,15 +146,16 @@ def prompt_ids(fixture: Path, n: int) -> tuple[list, list[list[int]]]:
 def llama_runs(trunk: Path, side: Path | None, ids: list[list[int]], new_tokens: int, n_max: int,
                embedded: bool = False) -> dict:
     """Greedy completions of every prompt; with a side file (or `embedded`: the MTP block inside the trunk file),
-    the draft counts and τ = 1 + accepted / verification steps (llama.cpp's own "mean len": the steps it drafted
-    at, bonus token included)."""
+    the draft counts (in all, and `per_prompt`: {"accepted", "drafted"} each) and τ = 1 + accepted / verification
+    steps (llama.cpp's own "mean len": the steps it drafted at, bonus token included)."""
     with LlamaServer(trunk, side, n_max=n_max, embedded=embedded) as server:
         outs = [server.complete(p, new_tokens) for p in ids]
         drafting = side is not None or embedded
         steps = int(server.metrics().get("spec_decode_num_drafts_total", 0)) if drafting else 0
     drafted, accepted = sum(o["drafted"] for o in outs), sum(o["accepted"] for o in outs)
     return {"tokens": [o["tokens"] for o in outs], "drafted": drafted, "accepted": accepted, "steps": steps,
-            "tau": 1 + accepted / steps if steps else None}
+            "tau": 1 + accepted / steps if steps else None,
+            "per_prompt": [{"accepted": o["accepted"], "drafted": o["drafted"]} for o in outs]}
 
 
 def recycle_run(target: Path, drafter: Path | None, prompts, new_tokens: int, n_max: int) -> dict:
@@ -164,6 +165,60 @@ def recycle_run(target: Path, drafter: Path | None, prompts, new_tokens: int, n_
     spec = r.overall.spec
     return {"accepted": int(sum(spec.accepted)), "tried": int(sum(spec.tried)), "tau": spec.tau,
             "acceptance": list(spec.acceptance)}
+
+
+def chain_heads(target: Path, ids: list[list[int]], new_tokens: int, n_max: int) -> list[dict]:
+    """llama.cpp's drafting with several MTP heads (`common/speculative.cpp` draft-mtp, `chain_heads`: Step's and
+    MiMo's graphs), re-run with recycle's modules (`MTP.from_checkpoint`) on recycle's greedy output, per prompt:
+    {"accepted", "drafted", "steps"} as llama-server counts them. What the scheme does, read from that file:
+
+    * every head's cache over the committed positions holds the rows its catch-up decode writes: the token at p with
+      the trunk's state at p - 1 (its `t_h_nextn`: the last layer's output, before the final norm; zeros at p = 0),
+      so heads 1 and 2 are fed there as head 0 is;
+    * draft step i runs head i over the draft region again, row t holding the t-th token (the last sampled one, then
+      the drafts) with `chain_h[t]`: the trunk's state for t = 0, else the output (before `final_layernorm`) that
+      step t - 1 produced at its last row;
+    * llama-server drafts min(n_max, tokens left - 1) (`get_n_draft_max`; the prefill samples the first token), and
+      every draft is greedy (the top of its top-10 sampler).
+
+    The cost is a whole forward per draft step: for short prompts only."""
+    import torch
+
+    from recycle.decoding.target import Target, load_target
+    from recycle.mtp import MTP
+
+    from tests.engines.interop import ar_tokens
+
+    target_model = Target(load_target(str(target)), taps=("prenorm",))
+    mtp = MTP.from_checkpoint(str(target)).eval()
+    out = []
+    for p, gen in zip(ids, ar_tokens(target, ids, new_tokens), strict=True):
+        seq = p + gen
+        with torch.no_grad():
+            _, feats = target_model.forward(torch.tensor([seq]), torch.arange(len(seq))[None], None,
+                                            target_model.new_cache())
+            trunk = feats["prenorm"].float()
+            rows = torch.cat([torch.zeros_like(trunk[:1]), trunk[:-1]])  # row p: the trunk's state at p - 1
+            n, counts = len(p) + 1, {"accepted": 0, "drafted": 0, "steps": 0}
+            while n < len(seq):
+                room = min(n_max, len(seq) - n - 1)
+                if room <= 0:
+                    n += 1
+                    continue
+                states, tokens, drafts = list(rows[:n]), list(seq[:n]), []
+                for i in range(room):
+                    mtp.layer_for = lambda step, i=i: mtp.layers[i]  # head i over every row: one step of depth 1
+                    run = mtp(torch.stack(states)[None], torch.tensor([[0] + tokens + drafts]), depth=1)
+                    drafts.append(int(run.logits[0][0, -1].argmax()))
+                    states.append(run.states[0][0, -1])
+                hit = 0
+                while hit < len(drafts) and drafts[hit] == seq[n + hit]:
+                    hit += 1
+                counts = {"accepted": counts["accepted"] + hit, "drafted": counts["drafted"] + len(drafts),
+                          "steps": counts["steps"] + 1}
+                n += hit + 1
+        out.append(counts)
+    return out
 
 
 def trunk_gguf(target: Path, work: Path) -> Path:
