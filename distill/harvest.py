@@ -21,7 +21,8 @@ reader) is applied here. Measured against transformers on the fixture: ≤ 2.5e-
 `distill --cache-hidden` run stores); the held-out rows and `--self-distill` text are continued by transformers'
 `generate`, as distill continues them. It is the engine for a DeepSeek-V4 target: its drafters chain the last layer's
 hyper-connection streams, which vLLM 0.32 does not capture (its V4 model averages them), and the cache stores them
-beside the last state (`streams`, [n, T, C, H] bf16: (1 + C) × H × 2 + 8 bytes a token). Shards and resume are as
+in place of the last state (`streams`, [n, T, C, H] bf16: C × H × 2 + 8 bytes a token; distill mixes the last state
+from them with the trunk's own hc_head and norm). Shards and resume are as
 with vLLM; data parallel is N shards, each process one target copy on its `--device`.
 """
 
@@ -91,7 +92,7 @@ def manifest_for(opts: HarvestOptions, keys: list[str], fp: dict | None = None, 
             "seq_len": opts.seq_len, "packing": opts.packing, "batch": opts.batch,
             "seed": opts.seed, "tokens": opts.tokens, "keys": keys, "dtype": "bfloat16",
             "eval_rows": opts.eval_rows, "eval_prompt_len": opts.eval_prompt_len, "engine": opts.engine,
-            "streams": streams,  # DeepSeek-V4: the hyper-connection streams every file holds beside the last state
+            "streams": streams,  # DeepSeek-V4: the hyper-connection streams every file holds in place of the last state
             "self_distill": {"prompt_len": opts.prompt_len, "temperature": opts.sd_temperature,
                              "continuation": ENGINE_NAMES[opts.engine]} if opts.self_distill else None}
 
@@ -400,8 +401,8 @@ class _Job:
     def store_local(self, dest: Path, ids: torch.Tensor, mask: torch.Tensor | None = None) -> None:
         """One key's cache file from the target in this process: its features as distill's teacher stores them."""
         last, aux = self.local.features(ids)
-        if self.streams:
-            store_features(dest, ids, last, None, mask, streams=aux)
+        if self.streams:  # the streams alone: distill's teacher mixes the last state from them
+            store_features(dest, ids, None, None, mask, streams=aux)
         else:
             store_features(dest, ids, last, aux, mask)
 

@@ -116,9 +116,10 @@ def teacher_gpus(weight_bytes: int, memory_bytes: float) -> int:
     return n
 
 
-def cache_bytes_per_token(hidden: int, aux_layers: int = 0) -> int:
-    """A cache file's bytes per token: int64 ids, the last state in bf16, and each aux layer's in bf16."""
-    return IDS_BYTES + hidden * 2 * (1 + aux_layers)
+def cache_bytes_per_token(hidden: int, aux_layers: int = 0, streams: int = 0) -> int:
+    """A cache file's bytes per token: int64 ids, the last state in bf16, and each aux layer's in bf16; a
+    DeepSeek-V4 target's C streams in bf16 in place of both (its reader mixes the last state from them)."""
+    return IDS_BYTES + hidden * 2 * (streams or 1 + aux_layers)
 
 
 def hours(flops: float, gpus: int, tflops: float, mfu: tuple[float, float]) -> tuple[float, float]:
@@ -186,7 +187,8 @@ JOB_DERIVATION = {
                        "whole file in memory (torch/distributed/checkpoint/filesystem.py:436-467); × ranks per node",
     "host.end": "per rank: the process + 2 × its share of the output (the drafter's parameters at the output's dtype "
                 "over the ranks, each writing its part of the shards); × ranks per node",
-    "storage.cache": "tokens × (8 B ids + H × 2 B last state + (aux layers or DeepSeek-V4's C streams) × H × 2 B), one "
+    "storage.cache": "tokens × (8 B ids + H × 2 B last state + aux layers × H × 2 B; DeepSeek-V4: its C streams × H × "
+                     "2 B in place of the state and aux layers), one "
                      "file per global batch "
                      "(batch per rank × ranks × seq-len tokens; harvest --plan: its --batch × seq-len)",
     "storage.window": "--online N (or --teacher-ahead) steps' files of one global batch each",
@@ -249,8 +251,8 @@ def plan_job(opts, world: int, gpu: str | None, tokens: int | None, node_gpus: i
                "file_bytes": tokens_per_file * bpt, "tokens_per_file": tokens_per_file,
                "checkpoint_bytes": mem.trainable * 12 + frozen * c["frozen_bytes"],
                "best_bytes": mem.trainable * 4, "output_bytes": mem.params * body_dtype}
-    if mem.options.get("streams"):  # DeepSeek-V4: the cache holds the C streams its modules read beside the last state
-        bpt = cache_bytes_per_token(c["hidden"], mem.options["streams"])
+    if mem.options.get("streams"):  # DeepSeek-V4: the cache holds the C streams its modules read, alone
+        bpt = cache_bytes_per_token(c["hidden"], streams=mem.options["streams"])
         storage = {k: v for k, v in storage.items() if not k.startswith("eagle3_")}
         storage |= {"cache_bytes_per_token": bpt, "file_bytes": tokens_per_file * bpt, "streams": mem.options["streams"]}
     if tokens is not None:
@@ -331,7 +333,7 @@ def harvest_plan(target: str | Path, tokens: int, seq_len: int, batch: int, gpu:
     streams = chained_streams(t.config)
     if streams and engine == "vllm":
         raise RecycleError(STREAMS_FROM_VLLM.format(what="--engine vllm", instead="plan it with --engine transformers"))
-    bpt = cache_bytes_per_token(int(t.config["hidden_size"]), aux_layers + streams)
+    bpt = cache_bytes_per_token(int(t.config["hidden_size"]), aux_layers, streams)
     weights, scheme = teacher_weight_bytes(target) if engine == "vllm" else \
         (stored_trunk_bytes(Checkpoint(target)), "as stored") if keep_quantized else (t.trunk * 2, "bf16, dequantized")
     out = {"tokens": tokens, "cache_bytes_per_token": bpt, "cache_bytes": tokens * bpt, "engine": engine,
@@ -411,7 +413,7 @@ def harvest_lines(d: dict) -> list[str]:
            f"teacher prefill {_g(d['teacher_flops_per_token'])}FLOP/token; weights {_gb(d['weight_bytes'])} "
            f"({d['scheme']})"]
     if d.get("streams"):
-        out.append(f"every file holds DeepSeek-V4's {d['streams']} hyper-connection streams beside the last state")
+        out.append(f"every file holds DeepSeek-V4's {d['streams']} hyper-connection streams, in place of the last state (mixed back from them on reading)")
     if "gpu" in d and d.get("engine") == "transformers":
         out.append(f"{d['gpu']}: each shard holds the target ({_gb(d['weight_bytes'])} {d['scheme']}"
                    + ("; transformers' FP8/FP4 kernels, not run here" if d["scheme"] == "as stored" else "") + ") over "

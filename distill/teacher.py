@@ -13,8 +13,9 @@ and Medusa heads read); aux layer i = transformers' `hidden_states[i]`, the inpu
 (EAGLE-3's `eagle_aux_hidden_state_layer_ids`), the same taps the decoder uses
 (`recycle.decoding.target`); for a drafter of DeepSeek-V4's modules, in place of aux layers, the last decoder
 layer's output: the trunk's hyper-connection streams (the decoder's "streams" tap), [B, L, C, H], cached under
-"streams" (C × H × 2 bytes a token beside the last state's H × 2: 32 KiB at V4-Flash's 4 × 4096, 56 KiB at V4-Pro's
-4 × 7168). vLLM captures no streams (0.32 hands over their mean, on every platform: `models/deepseek_v4/*/model.py`,
+"streams" in place of the last state (C × H × 2 bytes a token: 32 KiB at V4-Flash's 4 × 4096, 56 KiB at V4-Pro's
+4 × 7168; the last state, H × 2 more, is mixed back from them on reading by the trunk's own hc_head and norm,
+`recycle.mtp.deepseek_v4.TrunkTail`). vLLM captures no streams (0.32 hands over their mean, on every platform: `models/deepseek_v4/*/model.py`,
 `aux_recon.mean(dim=1)`), so a stream cache comes from `recycle harvest --engine transformers` or from this
 process's own `--cache-hidden`.
 """
@@ -35,6 +36,7 @@ from torch import nn
 from recycle.decoding.target import load_target, softcap
 from recycle.distill.schedule import EVAL_KEY, split_key
 from recycle.errors import RecycleError
+from recycle.mtp.deepseek_v4 import TrunkTail
 
 
 @dataclass
@@ -131,7 +133,10 @@ class Teacher:
             self.kv_layers = kv_source_layers(self.config)
         self.streams = streams  # DeepSeek-V4's modules chain the last layer's output, its hyper-connection streams
         self._tapped: dict[str, torch.Tensor] = {}
+        self.tail = None  # DeepSeek-V4: the trunk's hc_head and norm, which mix the last state from cached streams
         if streams:
+            self.tail = TrunkTail.of(self.decoder) if self.decoder is not None else \
+                TrunkTail.from_checkpoint(target_dir, self.config, device, dtype)
             if remote is not None or getattr(producer, "engine", None) == "vllm":
                 raise RecycleError(STREAMS_FROM_VLLM.format(what="--teacher and --online (a vLLM teacher)",
                                                             instead=HARVEST_STREAMS))
@@ -254,14 +259,19 @@ class Teacher:
             return None  # other data at this key: the cache belongs to another run's stream
         if (STREAMS_KEY in t) != self.streams or (not self.streams and bool(self.aux_layers) != ("aux" in t)):
             return None
+        if "last" not in t and not self.streams:
+            return None
         dtype = torch.bfloat16 if self.precision == "bf16" else torch.float32
-        last = t["last"].to(self.device, dtype)
         aux = t.get(STREAMS_KEY if self.streams else "aux")
-        return last, aux.to(self.device, dtype) if aux is not None else None
+        aux = aux.to(self.device, dtype) if aux is not None else None
+        if "last" in t:  # as stored (a stream cache written before the streams were stored alone holds it too)
+            return t["last"].to(self.device, dtype), aux
+        with autocast(self.device, self.precision):  # the trunk's own last step, from the streams as stored
+            return self.tail(aux).to(dtype), aux
 
     def _store(self, key: str, ids: torch.Tensor, last: torch.Tensor, aux: torch.Tensor | None) -> None:
-        if self.streams:  # what the teacher hands over as aux is the streams: stored under their own name
-            store_features(self._path(key), ids, last, None, streams=aux)
+        if self.streams:  # the streams alone, under their own name: the reader mixes the last state from them
+            store_features(self._path(key), ids, None, None, streams=aux)
         else:
             store_features(self._path(key), ids, last, aux)
 
@@ -276,12 +286,15 @@ HARVEST_STREAMS = "harvest them with `recycle harvest --engine transformers` and
                   "target in this process"
 
 
-def store_features(path: Path, ids: torch.Tensor, last: torch.Tensor, aux: torch.Tensor | None,
+def store_features(path: Path, ids: torch.Tensor, last: torch.Tensor | None, aux: torch.Tensor | None,
                    mask: torch.Tensor | None = None, streams: torch.Tensor | None = None) -> None:
     """One `--cache-hidden` file (the one format the distiller and `recycle harvest` write): input ids,
-    the final-normed last state and the concatenated aux layers (or a DeepSeek-V4 target's streams), bf16, and for
-    conversations the assistant mask, written atomically."""
-    tensors = {"input_ids": ids.cpu().contiguous(), "last": last.to(torch.bfloat16).cpu().contiguous()}
+    the final-normed last state and the concatenated aux layers, bf16; a DeepSeek-V4 target's streams in their place
+    and alone (`last` None: its reader mixes the last state from them, `TrunkTail`); and for conversations the
+    assistant mask; written atomically."""
+    tensors = {"input_ids": ids.cpu().contiguous()}
+    if last is not None:
+        tensors["last"] = last.to(torch.bfloat16).cpu().contiguous()
     if aux is not None:
         tensors["aux"] = aux.to(torch.bfloat16).cpu().contiguous()
     if streams is not None:

@@ -84,7 +84,7 @@ def test_memory_plan_counts_what_a_deepseek_v4_run_holds(tmp_path: Path) -> None
                                   batch=2, seq_len=64, precision="bf16"), 2, "H100", 10**6, host_ram=1024)
     said = "\n".join(lines(job.as_dict()))
     assert "hyper-connection streams included" in said and "teacher: fits beside the trainer: in process" in said
-    assert job.as_dict()["storage"]["cache_bytes_per_token"] == 8 + 128 * 2 * 5  # last state + 4 streams, bf16
+    assert job.as_dict()["storage"]["cache_bytes_per_token"] == 8 + 128 * 2 * 4  # 4 streams, bf16, no last state
 
 
 def _plan_counts(drafter: Path, target: Path, tmp_path: Path) -> None:

@@ -55,10 +55,11 @@ def test_the_cache_is_what_distill_stores_and_trains_without_the_trunk(harvested
     first = distill(DistillOptions(out=str(tmp_path / "first"), cache_hidden=str(own), **run))  # stores as it trains
     stored = sorted(p.name for p in own.glob("*.safetensors"))
     assert stored and first["trunk_loaded"]
-    for name in stored:  # the bytes that matter, key for key: ids, last state, streams [n, T, C, H]
+    for name in stored:  # the bytes, key for key: ids and streams [n, T, C, H]; the last state is not stored
         a, b = load_file(str(own / name)), load_file(str(cache / name))
         assert a[STREAMS_KEY].shape == (8, 64, 4, 128) and a[STREAMS_KEY].dtype == torch.bfloat16
-        for k in ("input_ids", "last", STREAMS_KEY):
+        assert "last" not in a and "last" not in b, name
+        for k in ("input_ids", STREAMS_KEY):
             assert torch.equal(a[k], b[k]), (name, k)
     again = distill(DistillOptions(out=str(tmp_path / "again"), cache_hidden=str(own), **run))
     cached = distill(DistillOptions(out=str(tmp_path / "cached"), cache_hidden=str(cache), **run))
@@ -66,6 +67,30 @@ def test_the_cache_is_what_distill_stores_and_trains_without_the_trunk(harvested
     assert _losses(cached) == _losses(again)  # the same features, read back: the same steps
     one, two = _losses(first), _losses(cached)  # against features never rounded to bf16
     assert len(one) == len(two) >= 4 and max(abs(x - y) / abs(y) for x, y in zip(one, two)) < 1e-3
+
+
+def test_the_last_state_is_mixed_back_from_the_stored_streams_by_the_trunks_own_tail(harvested) -> None:
+    """A stream cache holds no last state: a teacher that never loads the trunk mixes it from the stored streams with
+    the trunk's hc_head and norm read alone from the checkpoint (`TrunkTail.from_checkpoint`). That is what the loaded
+    trunk's own modules compute from the same streams, exactly, and the trunk's unrounded last state but for the
+    streams' bf16 rounding."""
+    from recycle.distill.teacher import Teacher
+    from recycle.mtp.deepseek_v4 import TrunkTail
+
+    cache, _ = harvested
+    key = sorted(p.stem for p in cache.glob("*.safetensors"))[0]
+    stored = load_file(str(cache / f"{key}.safetensors"))
+    ids = stored["input_ids"]
+    cpu = torch.device("cpu")
+    reader = Teacher(str(V4), cpu, precision="fp32", cache_dir=cache, trunk=False, streams=True)
+    last, streams = reader._load(key, ids)
+    assert torch.equal(streams, stored[STREAMS_KEY].float())
+    whole = Teacher(str(V4), cpu, precision="fp32", streams=True)
+    with torch.no_grad():
+        assert torch.equal(last, TrunkTail.of(whole.decoder)(streams))
+        unrounded, _ = whole.features(ids)
+    err = ((last - unrounded).norm() / unrounded.norm()).item()
+    assert 0 < err < 3e-3, err  # 0.11% here; the last state stored in bf16 was 0.16% off
 
 
 def test_a_killed_transformers_harvest_resumes_to_the_same_bytes(harvested, monkeypatch, tmp_path) -> None:
@@ -119,7 +144,7 @@ def test_the_plan_counts_the_streams(tmp_path) -> None:
     assert res.exit_code == 0, res.output
     d = json.loads(res.stdout)
     hidden, streams = 128, 4
-    assert d["streams"] == streams and d["cache_bytes_per_token"] == 8 + hidden * 2 * (1 + streams)
+    assert d["streams"] == streams and d["cache_bytes_per_token"] == 8 + hidden * 2 * streams  # no last state
     assert d["scheme"] == "bf16, dequantized" and not (tmp_path / "c").exists()
 
 

@@ -273,3 +273,55 @@ class DeepseekV4MTP(MTP):
                     name = name.replace(wrong, right)
                 out[prefix + name.removeprefix(at)] = t.contiguous()
         return out
+
+
+# The trunk after its last layer (transformers' DeepseekV4Model: `norm(hc_head(streams))` is its last state): each
+# parameter of `TrunkTail` and the names it is stored under, DeepSeek's own and transformers'.
+TRUNK_TAIL = {"hc_head.hc_fn": ("hc_head_fn", "model.hc_head.hc_fn"),
+              "hc_head.hc_base": ("hc_head_base", "model.hc_head.hc_base"),
+              "hc_head.hc_scale": ("hc_head_scale", "model.hc_head.hc_scale"),
+              "norm.weight": ("norm.weight", "model.norm.weight")}
+
+
+class TrunkTail(nn.Module):
+    """DeepSeek-V4's last state from its C streams: the trunk's own hc_head and final norm (C·C·H + C + 1 + H
+    parameters: 0.46 MB in fp32 at V4-Pro's 4 × 7168). A stream cache stores the streams alone and its reader mixes
+    the last state back with this (distill's teacher), a fifth less disk than storing both."""
+
+    def __init__(self, hc_head: nn.Module, norm: nn.Module) -> None:
+        super().__init__()
+        self.hc_head, self.norm = hc_head, norm
+
+    def forward(self, streams: torch.Tensor) -> torch.Tensor:
+        """streams [..., C, H] → the final-normed state [..., H], on the streams' device."""
+        at = self.norm.weight.device
+        return self.norm(self.hc_head(streams.to(at))).to(streams.device)
+
+    @classmethod
+    def of(cls, decoder: nn.Module) -> TrunkTail:
+        """The tail of a loaded trunk (its own modules, shared, not copied)."""
+        return cls(decoder.hc_head, decoder.norm)
+
+    @classmethod
+    def from_checkpoint(cls, source: str | os.PathLike | Checkpoint, config: PretrainedConfig,
+                        device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> TrunkTail:
+        """The tail alone from a target's checkpoint, through the lazy reader (what a trainer that never loads the
+        trunk needs to read a stream cache)."""
+        ckpt = source if isinstance(source, Checkpoint) else Checkpoint(source)
+        tail = cls(v4.DeepseekV4HyperHead(config), v4.DeepseekV4RMSNorm(config.hidden_size, eps=config.rms_norm_eps))
+        state = {}
+        for param, names in TRUNK_TAIL.items():
+            name = next((n for n in names if n in ckpt.tensors), None)
+            if name is None:
+                raise RecycleError(f"{ckpt.path}: no {' or '.join(names)}: the trunk's hc_head and norm, which mix "
+                                   "its last state from the cached streams")
+            state[param] = ckpt.get(name)
+        own = tail.state_dict()
+        for param, value in state.items():
+            if tuple(value.shape) != tuple(own[param].shape):
+                raise RecycleError(f"{ckpt.path}: the trunk's {param} has shape {list(value.shape)}, its config "
+                                   f"gives {list(own[param].shape)}")
+        tail.load_state_dict(state, strict=True)
+        # hc_head's parameters stay fp32 (DeepSeek stores them so; its forward computes in fp32)
+        tail.norm.to(device=device, dtype=dtype)
+        return tail.to(device=device).eval().requires_grad_(False)
