@@ -51,7 +51,8 @@ def measure(name: str, target: Path, work: Path, depths: list[int], new_tokens: 
         sim = chain_heads(target, ids, new_tokens, n)
         ours = recycle_run(target, None, prompts, new_tokens, n)
         row = {"copy": name, "n_max": n, "llama_cpp": [[d["accepted"], d["drafted"]] for d in theirs["per_prompt"]],
-               "llama_cpp_steps": theirs["steps"], "llama_cpp_tau": theirs["tau"], "scheme": [[c["accepted"], c["drafted"]] for c in sim],
+               "llama_cpp_steps": theirs["steps"], "llama_cpp_tau": theirs["tau"],
+               "scheme": [[c["accepted"], c["drafted"]] for c in sim],
                "scheme_steps": sum(c["steps"] for c in sim), "recycle": [ours["accepted"], ours["tried"]],
                "recycle_acceptance": ours["acceptance"], "recycle_tau": ours["tau"],
                "lossless": theirs["tokens"] == plain, "seconds": round(time.perf_counter() - t0, 1)}
@@ -72,7 +73,8 @@ def main() -> None:
     if a.json:
         write_json(a.json, {**stamp(), "rows": rows})
     print("| copy | n_max | llama.cpp accepted/drafted per prompt (steps) | llama.cpp's scheme, recycle's modules "
-          "| = | llama.cpp τ | recycle's chain accepted/tried (per-depth acceptance) | recycle τ | llama.cpp lossless |\n"
+          "| = | llama.cpp τ | recycle's chain accepted/tried (per-depth acceptance) | recycle τ "
+          "| llama.cpp lossless |\n"
           "|---|---:|---|---|---|---:|---|---:|---|")
     for r in rows:
         per = ", ".join(f"{x}/{y}" for x, y in r["llama_cpp"])

@@ -187,9 +187,8 @@ JOB_DERIVATION = {
                        "whole file in memory (torch/distributed/checkpoint/filesystem.py:436-467); × ranks per node",
     "host.end": "per rank: the process + 2 × its share of the output (the drafter's parameters at the output's dtype "
                 "over the ranks, each writing its part of the shards); × ranks per node",
-    "storage.cache": "tokens × (8 B ids + H × 2 B last state + aux layers × H × 2 B; DeepSeek-V4: its C streams × H × "
-                     "2 B in place of the state and aux layers), one "
-                     "file per global batch "
+    "storage.cache": "tokens × (8 B ids + H × 2 B last state + aux layers × H × 2 B; DeepSeek-V4: its C streams "
+                     "× H × 2 B in place of the state and aux layers), one file per global batch "
                      "(batch per rank × ranks × seq-len tokens; harvest --plan: its --batch × seq-len)",
     "storage.window": "--online N (or --teacher-ahead) steps' files of one global batch each",
     "storage.checkpoint": "trainable × (4 + 8) B (fp32 weights, AdamW) + frozen × their bytes",
@@ -413,7 +412,8 @@ def harvest_lines(d: dict) -> list[str]:
            f"teacher prefill {_g(d['teacher_flops_per_token'])}FLOP/token; weights {_gb(d['weight_bytes'])} "
            f"({d['scheme']})"]
     if d.get("streams"):
-        out.append(f"every file holds DeepSeek-V4's {d['streams']} hyper-connection streams, in place of the last state (mixed back from them on reading)")
+        out.append(f"every file holds DeepSeek-V4's {d['streams']} hyper-connection streams, in place of the last "
+                   "state (mixed back from them on reading)")
     if "gpu" in d and d.get("engine") == "transformers":
         out.append(f"{d['gpu']}: each shard holds the target ({_gb(d['weight_bytes'])} {d['scheme']}"
                    + ("; transformers' FP8/FP4 kernels, not run here" if d["scheme"] == "as stored" else "") + ") over "

@@ -15,9 +15,9 @@ and Medusa heads read); aux layer i = transformers' `hidden_states[i]`, the inpu
 layer's output: the trunk's hyper-connection streams (the decoder's "streams" tap), [B, L, C, H], cached under
 "streams" in place of the last state (C × H × 2 bytes a token: 32 KiB at V4-Flash's 4 × 4096, 56 KiB at V4-Pro's
 4 × 7168; the last state, H × 2 more, is mixed back from them on reading by the trunk's own hc_head and norm,
-`recycle.mtp.deepseek_v4.TrunkTail`). vLLM captures no streams (0.32 hands over their mean, on every platform: `models/deepseek_v4/*/model.py`,
-`aux_recon.mean(dim=1)`), so a stream cache comes from `recycle harvest --engine transformers` or from this
-process's own `--cache-hidden`.
+`recycle.mtp.deepseek_v4.TrunkTail`). vLLM captures no streams (0.32 hands over their mean, on every platform:
+`models/deepseek_v4/*/model.py`, `aux_recon.mean(dim=1)`), so a stream cache comes from `recycle harvest --engine
+transformers` or from this process's own `--cache-hidden`.
 """
 
 from __future__ import annotations
@@ -135,11 +135,11 @@ class Teacher:
         self._tapped: dict[str, torch.Tensor] = {}
         self.tail = None  # DeepSeek-V4: the trunk's hc_head and norm, which mix the last state from cached streams
         if streams:
-            self.tail = TrunkTail.of(self.decoder) if self.decoder is not None else \
-                TrunkTail.from_checkpoint(target_dir, self.config, device, dtype)
             if remote is not None or getattr(producer, "engine", None) == "vllm":
                 raise RecycleError(STREAMS_FROM_VLLM.format(what="--teacher and --online (a vLLM teacher)",
                                                             instead=HARVEST_STREAMS))
+            self.tail = TrunkTail.of(self.decoder) if self.decoder is not None else \
+                TrunkTail.from_checkpoint(target_dir, self.config, device, dtype)
             if self.decoder is not None:  # kept by a hook as the last layer leaves them (a cache's file: "streams")
                 self.decoder.layers[-1].register_forward_hook(
                     lambda module, args, out: self._tapped.__setitem__("last", out[0] if isinstance(out, tuple) else out))
