@@ -10,8 +10,9 @@ same distillation with the target in the process (fp32, the same windows).
     RECYCLE_VLLM_PYTHON=/tmp/vllm-venv/bin/python python benchmarks/harvest_speed.py --tokens 64k [--distill [--online 4]]
 
 `--engine transformers` harvests with the target in this process instead (fp32, as the in-process teacher runs): the
-engine for DeepSeek-V4, whose cache holds its hyper-connection streams; with `--to eagle --aux ''` the distillations
-train its `--to eagle` drafter:
+engine for DeepSeek-V4, whose cache holds its hyper-connection streams alone (`mixed_last_state`: how far the last state
+a reader mixes back from them is from the trunk's own, against that state stored in bf16); with `--to eagle --aux ''`
+the distillations train its `--to eagle` drafter:
 
     python benchmarks/harvest_speed.py --engine transformers --target fixtures/deepseek_v4_mtp --aux '' --to eagle --distill
 """
@@ -63,12 +64,30 @@ def main() -> None:
               "streams": rec["streams"],
               "harvest_wall_s": rec["seconds"], "in_process_tokens_per_s": round(rec["tokens"] / in_process),
               "cache_bytes_per_token": rec["bytes_per_token"], "threads": torch.get_num_threads()}
+    if rec["streams"]:
+        report["mixed_last_state"] = mixed_last_error(args, opts, teacher, batches)
     if args.distill:
         report["distill"] = distill_speed(args, opts)
     print(json.dumps(report, indent=1))
     if args.json:
         write_json(args.json, report)
     shutil.rmtree(args.work, ignore_errors=True)
+
+
+def mixed_last_error(args, opts: HarvestOptions, trunk: Teacher, batches) -> dict:
+    """DeepSeek-V4: the last state a reader without the trunk mixes from the cached (bf16) streams, against the
+    trunk's own from unrounded streams, per key (relative norm); beside it, that unrounded state rounded to bf16 (what
+    the cache stored before it held the streams alone)."""
+    reader = Teacher(args.target, torch.device("cpu"), [], "fp32", cache_dir=opts.out, trunk=False, streams=True)
+    mixed, rounded = [], []
+    with torch.no_grad():
+        for key, ids, _ in batches:
+            exact, _ = trunk.features(ids)
+            last, _ = reader._load(key, ids)
+            mixed.append(((last - exact).norm() / exact.norm()).item())
+            rounded.append(((exact.bfloat16().float() - exact).norm() / exact.norm()).item())
+    return {"keys": len(mixed), "mixed_min": min(mixed), "mixed_max": max(mixed), "bf16_stored_min": min(rounded),
+            "bf16_stored_max": max(rounded)}
 
 
 def distill_speed(args, opts: HarvestOptions) -> dict:

@@ -90,7 +90,7 @@ def test_the_last_state_is_mixed_back_from_the_stored_streams_by_the_trunks_own_
         assert torch.equal(last, TrunkTail.of(whole.decoder)(streams))
         unrounded, _ = whole.features(ids)
     err = ((last - unrounded).norm() / unrounded.norm()).item()
-    assert 0 < err < 3e-3, err  # 0.11% here; the last state stored in bf16 was 0.16% off
+    assert 0 < err < 3e-3, err  # stored in bf16, the last state was about 0.16% off (BENCHMARKS.md)
 
 
 def test_a_killed_transformers_harvest_resumes_to_the_same_bytes(harvested, monkeypatch, tmp_path) -> None:
